@@ -1,0 +1,184 @@
+"""The `swarmrl` command. Each subcommand is one role or tool; `swarmrl --help` lists them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+COMMANDS = {
+    "rl": "Run the whole asynchronous GRPO loop on this machine (trainer + inference workers).",
+    "sft": "Supervised warm start of the built-in tiny model on worked arithmetic traces.",
+    "score": "Score completions in a JSONL file (math rewards + length control).",
+    "tasks": "Write built-in procedural tasks as JSONL in the INTELLECT-2 RL dataset schema.",
+    "trainer": "The trainer role over a run directory (started by `swarmrl rl`; torchrun-able).",
+    "worker": "An inference worker over a run directory (started by `swarmrl rl`).",
+}
+
+CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
+                 "--async.bound 0 --tasks.digits 3. See configs/default.toml for every field.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swarmrl", description="Asynchronous GRPO over verifiable rewards.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    rl = sub.add_parser("rl", help=COMMANDS["rl"], description=COMMANDS["rl"], epilog=CONFIG_EPILOG)
+    rl.add_argument("--config", help="TOML config file (default: the embedded default)")
+    rl.add_argument("--run-dir", help="run directory (default: a new folder under runs/)")
+    rl.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    rl.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+    sft = sub.add_parser("sft", help=COMMANDS["sft"], description=COMMANDS["sft"], epilog=CONFIG_EPILOG)
+    sft.add_argument("--config", help="TOML config file (its [sft] and [tasks] sections are used)")
+    sft.add_argument("--output", help="folder for the HF model (default: the base-model cache that `rl` uses)")
+    sft.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+    sc = sub.add_parser("score", help=COMMANDS["score"], description=COMMANDS["score"])
+    sc.add_argument("--input", required=True, help="JSONL rows: task fields + completion (+ target_length)")
+    sc.add_argument("--output", required=True, help="JSONL output: input fields + task_reward, length_penalty, reward, error")
+    sc.add_argument("--tokenizer", help="HF folder whose tokenizer counts completion tokens (default: the built-in one)")
+    sc.add_argument("--length-mode", default="max", choices=["exact", "max", "clip"])
+    sc.add_argument("--length-coef", type=float, default=0.001)
+    sc.add_argument("--workers", type=int, default=2, help="grading processes")
+    sc.add_argument("--timeout", type=float, default=5.0, help="hard per-row grading timeout in seconds")
+
+    tk = sub.add_parser("tasks", help=COMMANDS["tasks"], description=COMMANDS["tasks"])
+    tk.add_argument("--output", required=True)
+    tk.add_argument("--n", type=int, default=1000)
+    tk.add_argument("--digits", type=int, default=2)
+    tk.add_argument("--ops", default="+-")
+    tk.add_argument("--split", default="train", choices=["train", "test"])
+    tk.add_argument("--seed", type=int, default=0)
+
+    tr = sub.add_parser("trainer", help=COMMANDS["trainer"], description=COMMANDS["trainer"])
+    tr.add_argument("--run-dir", required=True)
+    tr.add_argument("--resume", action="store_true")
+
+    wk = sub.add_parser("worker", help=COMMANDS["worker"], description=COMMANDS["worker"])
+    wk.add_argument("--run-dir", required=True)
+    wk.add_argument("--index", type=int, default=0)
+    return p
+
+
+def _fail(msg: str) -> None:
+    print(f"swarmrl: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _config(args, overrides):
+    from swarmrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+        if getattr(args, "run_dir", None):
+            cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        return cfg
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _quiet_libraries() -> None:
+    import logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("rl", "sft"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _quiet_libraries()
+    # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    if args.command in ("rl", "sft"):
+        cfg = _config(args, extra)
+        if args.dry_run:
+            print(cfg.to_toml())
+            return
+        if args.command == "sft":
+            from pathlib import Path
+
+            from swarmrl.sft.warmstart import base_cache_key, train_sft
+
+            out = Path(args.output) if args.output else Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
+            print(f"wrote {train_sft(cfg, out)}")
+            return
+        if args.resume and not args.run_dir:
+            _fail("--resume needs --run-dir: the run to continue")
+        from swarmrl.rl.launcher import ChildDied, run_rl
+
+        if args.resume:
+            from pathlib import Path
+
+            from swarmrl.config import load_config
+
+            if not (Path(args.run_dir) / "config.toml").exists():
+                _fail(f"{args.run_dir} has no config.toml: it is not a swarmrl run directory")
+            cfg = load_config(Path(args.run_dir) / "config.toml")
+        try:
+            summary = run_rl(cfg, resume=args.resume)
+        except (ChildDied, FileExistsError) as e:
+            _fail(str(e))
+        print(json.dumps(summary, indent=1))
+        return
+
+    if args.command == "score":
+        from swarmrl.rewards.pool import VerifierPool
+        from swarmrl.rewards.scoring import score_file
+
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        else:
+            from swarmrl.model.tokenizer import build_char_tokenizer
+
+            tok = build_char_tokenizer()
+        if not os.path.exists(args.input):
+            _fail(f"--input {args.input} does not exist")
+        with VerifierPool(args.workers, args.timeout) as pool:
+            counts = score_file(args.input, args.output, pool=pool,
+                                count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]),
+                                length_mode=args.length_mode, length_coef=args.length_coef)
+        print(json.dumps(counts))
+        return
+
+    if args.command == "tasks":
+        from swarmrl.data.loading import write_jsonl
+        from swarmrl.tasks import arithmetic
+
+        try:
+            rows = arithmetic.generate(args.n, digits=args.digits, ops=args.ops, split=args.split, seed=args.seed)
+        except ValueError as e:
+            _fail(str(e))
+        print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")
+        return
+
+    if args.command == "trainer":
+        from swarmrl.trainer.loop import run_trainer
+
+        run_trainer(args.run_dir, resume=args.resume)
+        return
+
+    if args.command == "worker":
+        from swarmrl.inference.worker import run_worker
+
+        run_worker(args.run_dir, args.index)
+        return
+
+
+if __name__ == "__main__":
+    main()

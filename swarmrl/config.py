@@ -1,0 +1,323 @@
+"""Every knob of a run, documented where it is defined.
+
+Defaults are the embedded default (a ~1M-parameter model learning arithmetic on a 2-core CPU).
+Where a value comes from the INTELLECT-2 seed run (PrimeIntellect, "INTELLECT-2: A Reasoning
+Model Trained Through Globally Decentralized Reinforcement Learning", 2025) or another paper,
+the field says so; `configs/intellect2-qwq32b.toml` holds the seed run's values.
+
+Config files are TOML; any field can be overridden on the command line with its dotted name
+(`--trainer.lr 3e-7`). Unknown keys and bad values fail at start with the field's name and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """HF model folder to start from (any local causal LM). None: the project's tiny Qwen2 warm
+    started by `swarmrl sft`, built on first use and cached under `base_cache_dir`."""
+    base_cache_dir: str = ".cache/swarmrl/base"
+    """Where the built-in base model is cached (relative to the working directory)."""
+    device: str = "cpu"
+    """Torch device for trainer and workers: "cpu", "cuda", "cuda:1"..."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. float32 on CPU (bf16 matmuls are ~100x slower on these CPUs); bfloat16
+    on GPUs, as in the seed run."""
+
+
+class TasksConfig(_Section):
+    source: str = "arithmetic"
+    """"arithmetic" for the built-in procedural task, or a path to tasks in the INTELLECT-2 RL
+    dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    eval_source: str | None = None
+    """Held-out tasks for a file `source` (same formats). None with "arithmetic": its held-out split."""
+    digits: int = Field(2, ge=1, le=9)
+    """Arithmetic difficulty: digits per operand."""
+    ops: str = Field("+-", pattern=r"^[+-]+$")
+    """Arithmetic operators to draw from."""
+    train_size: int = Field(5000, ge=1)
+    """Number of distinct arithmetic training problems."""
+    eval_size: int = Field(200, ge=1)
+    """Number of held-out problems used for `eval/accuracy`."""
+    solve_rate_column: str | None = None
+    """Column used for offline difficulty filtering (the seed used a 7B model's solve rate)."""
+    solve_rate_range: tuple[float, float] | None = None
+    """Keep rows whose solve rate lies in [lo, hi]. Seed run: [0.1, 0.8] (INTELLECT-2 report)."""
+    seed: int = 0
+    """Seed for task generation and shuffling."""
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (G in GRPO). Seed run: 16."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Informative groups in one training batch; samples per step = this x group_size.
+    Seed run: 32 prompts x 16 = 512 samples."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; logprobs are taken under the same temperature. Seed run: 0.6
+    (later raised to 1.0 in their ablations)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Token limit per completion; hitting it gives finish reason "length"."""
+    worker_batch_prompts: int = Field(16, ge=1)
+    """Prompts a worker samples in one batched generate call."""
+    uninformative_limit: int = Field(2000, ge=1)
+    """Stop the run with an error after this many consecutive groups with all-equal rewards
+    (no GRPO signal at all), rather than wait forever for an informative one."""
+
+
+class LengthConfig(_Section):
+    enabled: bool = False
+    """Length-controlled reasoning: append " Think for {N} tokens before giving a response."
+    to each prompt and shape the reward by how well the completion meets N."""
+    targets: list[int] = Field(default_factory=lambda: [48, 64, 96])
+    """Target lengths sampled uniformly per prompt. Seed run: 2000-10000 in steps of 2000."""
+    mode: Literal["exact", "max", "clip"] = "max"
+    """exact: task - coef*|len - N|; max: task * clip(coef*(N - len) + 0.5, 0, 1);
+    clip: task if len <= N else 0 (the three modes of the INTELLECT-2 report)."""
+    coef: float = Field(0.01, ge=0.0)
+    """Penalty slope per token. Seed run: 0.001 for 2000-10000 token targets."""
+
+
+class RewardsConfig(_Section):
+    verify_workers: int = Field(1, ge=1)
+    """Processes grading answers with math-verify."""
+    verify_timeout_s: float = Field(5.0, gt=0)
+    """Hard per-completion grading timeout; a completion that exceeds it scores 0."""
+
+
+class AlgorithmConfig(_Section):
+    delta: float = Field(4.0, gt=1.0)
+    """Upper bound on the ratio for negative advantages (two-sided clipping). Seed run: 4."""
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower PPO clip: ratios below 1 - eps_low stop getting gradient. Seed run: 0.2."""
+    eps_high: float = Field(0.2, ge=0.0)
+    """Upper PPO clip (DAPO's clip-higher raises it, e.g. 0.28). Seed run: 0.2."""
+    normalize_std: bool = True
+    """Divide group advantages by the group's std. False is the Dr.GRPO variant (Liu et al. 2025)."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
+    normalization: Literal["token", "constant"] = "token"
+    """Loss normaliser: "token" divides by the step's total completion tokens; "constant" by
+    samples x max_new_tokens, a constant budget (Dr.GRPO)."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus weight (0: off)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL estimate to the reference (starting) policy (0: off, as in the seed run)."""
+    old_logprobs: Literal["recompute", "inference"] = "recompute"
+    """Where logp_old comes from. "recompute": a no-grad forward of the trainer's current policy
+    at the start of each rollout step (the seed run). "inference": the worker's logprobs, saving a
+    forward pass; the two-sided clip then also bounds the off-policy ratio."""
+    tis_cap: float | None = None
+    """With "recompute": weight each token by min(p_old / p_inference, tis_cap), the truncated
+    importance-sampling correction for inference/trainer mismatch (Yao et al. 2025). None: off."""
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(60, ge=1)
+    """Rollout steps (policy versions) to train."""
+    optimizer_steps: int = Field(2, ge=1)
+    """Optimizer steps per rollout step: the batch is split into this many mini-batches.
+    Seed run: 8 (512 samples, 64 per optimizer step)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    lr: float = Field(5e-4, gt=0)
+    """Peak learning rate. Seed run: 3e-7 (32B model)."""
+    warmup_steps: int = Field(5, ge=0)
+    """Linear warmup in optimizer steps. Seed run: 25."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """LR after warmup."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas. Seed run: (0.9, 0.99)."""
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW weight decay. Seed run: 0.01."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm. Seed run: 0.1 (one of its stability fixes)."""
+    checkpoint_every: int = Field(20, ge=1)
+    """Write a resumable checkpoint every N rollout steps (and at the end)."""
+    keep_versions: int = Field(4, ge=1)
+    """Policy version folders to keep on disk; older ones are deleted once no bound allows them."""
+
+
+class AsyncConfig(_Section):
+    bound: int = Field(2, ge=0)
+    """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
+    Seed run: 2."""
+    workers: int = Field(1, ge=1)
+    """Inference worker processes started by `swarmrl rl`."""
+    worker_threads: int = Field(1, ge=1)
+    """torch threads per worker process."""
+    trainer_threads: int = Field(1, ge=1)
+    """torch threads in the trainer process."""
+    max_pending_groups: int | None = None
+    """Back-pressure: workers pause when this many groups wait unconsumed. None: prompts_per_step
+    x (bound + 1), so workers never run further ahead than the bound can use."""
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Evaluate held-out accuracy every N steps during training (0: only before and after)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature for held-out evaluation (0: greedy). Default: the rollout
+    temperature, so the figure is the accuracy of the policy that is being trained."""
+    samples: int = Field(2, ge=1)
+    """Samples per held-out problem (accuracy is their mean: avg@k)."""
+
+
+class SFTConfig(_Section):
+    steps: int = Field(400, ge=1)
+    """Optimizer steps of supervised warm start on worked traces."""
+    batch_size: int = Field(64, ge=1)
+    """Traces per step."""
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (cosine decay to 10%)."""
+    examples: int = Field(5000, ge=1)
+    """Distinct training traces generated."""
+    slip_rate: float = Field(0.7, ge=0.0, le=1.0)
+    """Share of traces (among problems with a carry) that show a dropped carry and the wrong
+    answer it leads to. The base policy then slips about as often, which puts it in the seed
+    run's difficulty band, and gives RL a consistent, verifiable behaviour to unlearn."""
+    seed: int = 0
+    """Initialisation and shuffling seed."""
+
+
+class LoggingConfig(_Section):
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project when wandb is installed; never required."""
+    plots: bool = True
+    """Write PNG plots to <run-dir>/plots at the end."""
+    progress: bool = True
+    """Rich live progress in the terminal."""
+
+
+class Config(_Section):
+    run_dir: str | None = None
+    """Run directory; None: a new folder under runs/."""
+    seed: int = 0
+    """Global seed (sampling seeds, trainer RNG)."""
+    model: ModelConfig = ModelConfig()
+    tasks: TasksConfig = TasksConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    length: LengthConfig = LengthConfig()
+    rewards: RewardsConfig = RewardsConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    async_: AsyncConfig = Field(AsyncConfig(), alias="async")
+    eval: EvalConfig = EvalConfig()
+    sft: SFTConfig = SFTConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        samples = self.sampling.prompts_per_step * self.sampling.group_size
+        if samples % self.trainer.optimizer_steps:
+            raise ValueError(
+                f"trainer.optimizer_steps={self.trainer.optimizer_steps} must divide the "
+                f"{samples} samples per step (sampling.prompts_per_step x sampling.group_size)")
+        if self.tasks.solve_rate_range is not None:
+            lo, hi = self.tasks.solve_rate_range
+            if not 0.0 <= lo <= hi <= 1.0:
+                raise ValueError(f"tasks.solve_rate_range must satisfy 0 <= lo <= hi <= 1, got {lo, hi}")
+        return self
+
+    def to_toml(self) -> str:
+        data = self.model_dump(by_alias=True, exclude_none=True, mode="json")
+        return tomli_w.dumps(data)
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the person who wrote the config."""
+
+
+def _parse_value(text: str) -> Any:
+    """Command-line values are read as TOML values when they parse (numbers, true, [1, 2]),
+    otherwise as plain strings, so `--tasks.source data.jsonl` needs no quotes."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node: Any = data
+    cls: type[BaseModel] | None = Config
+    for i, key in enumerate(keys):
+        fields = {**cls.model_fields, **{f.alias: f for f in cls.model_fields.values() if f.alias}}
+        if key not in fields:
+            where = ".".join(keys[:i]) or "the top level"
+            allowed = sorted(f.alias or n for n, f in cls.model_fields.items())
+            raise ConfigError(f"unknown config key '{dotted}': '{key}' is not a field of {where}; "
+                              f"allowed there: {', '.join(allowed)}")
+        field = fields[key]
+        name = field.alias or key
+        if i == len(keys) - 1:
+            node[name] = value
+            return
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(keys[:i + 1])}' is a value, not a section")
+        node = node.setdefault(name, {})
+        cls = ann
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`--a.b value` and `--a.b=value` pairs; anything else is an error that says so."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --trainer.lr 3e-7")
+        key = arg[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value: write {arg} VALUE")
+            text = args[i + 1]
+            i += 2
+        out.append((key, _parse_value(text)))
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})" if "input" in e and not isinstance(e.get("input"), dict)
+                     else f"  {loc}: {e['msg']}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then dotted overrides; validated once at the end."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(data, key, value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        # Unknown keys inside a file land here too ("Extra inputs are not permitted").
+        raise ConfigError(_format_validation_error(e)) from None

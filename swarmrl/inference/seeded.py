@@ -1,0 +1,74 @@
+"""Seeded Gumbel-max sampling that anyone holding the logits and the seed can replay.
+
+Token t of a completion is `argmax(logits_t / T + g(seed, t))`, where `g` is Gumbel noise from a
+counter-based generator: a pure hash of (seed, t, vocabulary index). Unlike a stateful RNG the
+noise does not depend on batch composition, device or call order, so a validator that recomputes
+the logits by prefill can check that every submitted token is the one the seed dictates (this is
+what catches cherry-picked or edited completions; TOPLOC alone does not).
+
+The hash is murmur3's 32-bit finaliser applied in int64 tensors. Products are split into 16-bit
+halves so no intermediate exceeds 2**63: signed overflow is never relied on, and CPU and CUDA give
+the same integers bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """(h * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    lo = h * (c & 0xFFFF)  # < 2**48
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits survive the shift mod 2**32
+    return (lo + hi) & _MASK32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def stream_keys(seeds: Tensor, steps: Tensor) -> Tensor:
+    """One 32-bit key per (seed, step). seeds, steps: [B] int64 (seeds >= 0) -> [B] int64."""
+    seeds = seeds.to(torch.int64)
+    steps = steps.to(torch.int64)
+    key = _fmix32((seeds & _MASK32) ^ 0x9E3779B9)
+    key = _fmix32(key ^ ((seeds >> 32) & _MASK32))
+    return _fmix32(key ^ _mul32(steps & _MASK32, 0x27D4EB2F))
+
+
+def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """U(0,1) noise [B, V] float32, open interval, 24 bits of resolution."""
+    keys = stream_keys(seeds, steps)  # [B]
+    vocab = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)  # [V]
+    h = _fmix32(keys[:, None] ^ _mul32(vocab, 0x165667B1)[None, :])  # [B, V]
+    h = _fmix32(h ^ 0x5BD1E995)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+    # float32 cannot hold 2**24 - 0.5, so the top value rounds to exactly 1.0, whose Gumbel noise
+    # is +inf (that token would win even at logit -inf). Clamp it to the largest float below 1;
+    # every other value is unchanged bit for bit.
+    return u.clamp(max=1.0 - 2**-24)
+
+
+def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """Standard Gumbel noise [B, V] float32 keyed by (seed, step, vocab index)."""
+    u = uniform_noise(seeds, steps, vocab_size)
+    return -torch.log(-torch.log(u))
+
+
+def seeded_choice(logits: Tensor, seeds: Tensor, steps: Tensor, temperature: float) -> Tensor:
+    """The Gumbel-max token [B] for logits [B, V]; temperature 0 is plain argmax.
+
+    argmax(logits/T + Gumbel) is an exact sample from softmax(logits/T) (the Gumbel-max trick).
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(-1)
+    noise = gumbel_noise(seeds, steps, logits.shape[-1])
+    return (logits / temperature + noise).argmax(-1)

@@ -1,0 +1,210 @@
+"""Math rewards: pull the final ``\\boxed{}`` answer out of a completion and grade it.
+
+Grading uses ``math_verify`` with its own signal-based timeouts switched off,
+because ``signal.alarm`` only works in the main thread of the main interpreter.
+Runaway sympy work is instead bounded from the outside by
+:class:`swarmrl.rewards.pool.VerifierPool`, which kills the worker process.
+Everything here is a plain module-level function so a spawned worker can
+unpickle it by reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from decimal import Decimal
+
+from math_verify import parse, verify
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# ``\boxed`` optionally followed by whitespace, then the opening brace.
+_BOXED_START = re.compile(r"\\boxed\s*\{")
+
+# How much of a wrong answer to quote in the reason string, so one runaway
+# completion does not bloat the scored JSONL.
+_MAX_QUOTED_ANSWER = 80
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """Hide math_verify's "Timeout is disabled" warning.
+
+    We disable its timeouts on purpose (the pool enforces a hard one), so the
+    warning would only be noise printed once by every worker process.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+def _matching_brace(text: str, open_index: int) -> int | None:
+    """Index of the ``}`` closing the ``{`` at ``open_index``, or None if unbalanced.
+
+    A backslash escapes the next character, so ``\\{`` and ``\\}`` (literal
+    braces in LaTeX) do not count towards the nesting depth.
+    """
+    depth = 0
+    i = open_index
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last top-level, balanced ``\\boxed{...}`` in ``text``.
+
+    A ``\\boxed`` nested inside another one is part of the outer answer, so
+    the scan resumes after each complete box; an unclosed ``\\boxed{`` is
+    skipped so a later well-formed one can still be found.
+    """
+    found = None
+    position = 0
+    while (match := _BOXED_START.search(text, position)) is not None:
+        open_index = match.end() - 1
+        close_index = _matching_brace(text, open_index)
+        if close_index is None:
+            position = match.end()
+            continue
+        found = text[open_index + 1 : close_index]
+        position = close_index + 1
+    return found
+
+
+def _answer_region(completion: str) -> str | None:
+    """The part of the completion that may hold the final answer.
+
+    Text after the last ``</think>``; the whole text when there is no think
+    block; None when ``<think>`` was opened and never closed (the INTELLECT-2
+    seed run scores such completions 0 rather than trust an answer written
+    mid-thought).
+    """
+    close_index = completion.rfind(THINK_CLOSE)
+    if close_index >= 0:
+        return completion[close_index + len(THINK_CLOSE) :]
+    if THINK_OPEN in completion:
+        return None
+    return completion
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer: the content of the last ``\\boxed{...}`` after ``</think>``.
+
+    Returns None when there is nothing to grade: an unclosed ``<think>``, no
+    balanced ``\\boxed{}``, or an empty one. The content is returned without
+    surrounding whitespace, nested braces intact (``\\frac{1}{2}``).
+    """
+    region = _answer_region(completion)
+    if region is None:
+        return None
+    boxed = _last_boxed(region)
+    if boxed is None or not boxed.strip():
+        return None
+    return boxed.strip()
+
+
+def _parse_boxed(expression: str) -> list:
+    """Parse one answer with math_verify, its signal-based timeout disabled.
+
+    Wrapping in ``\\boxed{}`` makes math_verify's LaTeX extractor take the
+    whole string as the answer, which works for integers, ``1/2``, LaTeX and
+    even ``$5$`` alike.
+    """
+    return parse("\\boxed{" + expression + "}", parsing_timeout=None)
+
+
+def _grade(ground_truth: str, answer: str) -> tuple[float, str | None]:
+    """Reward and, when it is 0, a short human-readable reason."""
+    gold = _parse_boxed(ground_truth)
+    if not gold:
+        return 0.0, f"math_verify could not parse the ground truth {ground_truth!r}"
+    prediction = _parse_boxed(answer)
+    if not prediction:
+        return 0.0, f"math_verify could not parse the answer {_quote(answer)}"
+    # verify is asymmetric: the gold answer must come first.
+    if verify(gold, prediction, timeout_seconds=None):
+        return 1.0, None
+    return 0.0, f"answer {_quote(answer)} does not match the ground truth {ground_truth!r}"
+
+
+def _quote(text: str) -> str:
+    if len(text) <= _MAX_QUOTED_ANSWER:
+        return repr(text)
+    return repr(text[:_MAX_QUOTED_ANSWER] + "...")
+
+
+def verify_math(ground_truth: str, answer: str) -> float:
+    """1.0 if ``answer`` is mathematically equal to ``ground_truth``, else 0.0.
+
+    Both strings are bare answers (no ``\\boxed``), e.g. ``"1/2"`` and
+    ``"\\frac{1}{2}"``. No timeout is applied here; run it in a
+    :class:`~swarmrl.rewards.pool.VerifierPool` to bound pathological inputs.
+    """
+    reward, _ = _grade(ground_truth, answer)
+    return reward
+
+
+def ground_truth_text(verification_info: dict) -> str:
+    """The ground truth of a decoded ``verification_info`` as a non-empty string.
+
+    JSON may carry it as a string or a number; numbers are spelled out in
+    plain decimal so math_verify reads them as numbers. Raises ValueError
+    naming the problem when there is no usable ground truth, so callers can
+    reject the row before any grading work.
+    """
+    if not isinstance(verification_info, dict) or "ground_truth" not in verification_info:
+        raise ValueError(
+            "verification_info has no 'ground_truth' key; a verifiable_math row needs "
+            'verification_info like {"ground_truth": "42"}'
+        )
+    value = verification_info["ground_truth"]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(
+            f"ground_truth must be a string or a number, got {type(value).__name__} "
+            f"{value!r}; fix the row's verification_info"
+        )
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"ground_truth must be a finite number, got {value!r}")
+        if value.is_integer():
+            return str(int(value))
+        # repr gives 1e-07, which math_verify reads as 1*e - 7; spell it out.
+        return format(Decimal(repr(value)), "f")
+    text = str(value).strip()
+    if not text:
+        raise ValueError("ground_truth is empty; fix the row's verification_info")
+    return text
+
+
+def math_task_reward(verification_info: dict, completion: str) -> tuple[float, str | None]:
+    """Reward for a ``verifiable_math`` row: 1.0 if the final boxed answer is right.
+
+    ``verification_info`` is the decoded JSON ``{"ground_truth": ...}``.
+    Returns ``(reward, reason)``: ``reason`` is None for a correct answer and
+    otherwise says why the reward is 0 (unclosed think, no boxed answer,
+    wrong answer). A row that cannot be graded at all (no usable ground
+    truth) raises ValueError instead, because that is a data bug, not a
+    wrong answer.
+    """
+    ground_truth = ground_truth_text(verification_info)
+    if _answer_region(completion) is None:
+        return 0.0, "completion opens <think> but never closes it"
+    answer = extract_answer(completion)
+    if answer is None:
+        where = " after </think>" if THINK_CLOSE in completion else ""
+        return 0.0, f"no \\boxed{{}} answer{where}"
+    return _grade(ground_truth, answer)

@@ -1,0 +1,164 @@
+"""`swarmrl rl`: start the trainer and inference workers as OS processes and watch them.
+
+The launcher owns the children: each runs in its own session (so a terminal's Ctrl-C reaches
+only the launcher, which then stops everyone in order), logs to `<run-dir>/logs/`, and is
+killed with its whole process group. A child that dies is reported with its log path and the
+run stops instead of hanging. At the end it writes `summary.json` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from swarmrl.config import Config
+from swarmrl.rl.progress import Progress
+from swarmrl.sft.warmstart import ensure_base_model
+from swarmrl.transport.filesystem import RunDir, atomic_write_text
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+def new_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _install_base(rd: RunDir, base: Path) -> None:
+    """Policy version 0 is the starting model, copied in whole before anyone reads it."""
+    dest = rd.version_path(0)
+    if dest.exists():
+        return
+    tmp = rd.policies / ".v000000.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    os.replace(tmp, dest)
+
+
+class Children:
+    def __init__(self, rd: RunDir):
+        self.rd = rd
+        self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+    def start(self, name: str, args: list[str], threads: int) -> None:
+        log = self.rd.logs / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               "SWARMRL_LAUNCHER_PID": str(os.getpid())}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = (proc, log)
+
+    def check(self) -> bool:
+        """True once the trainer has finished; raises ChildDied if any child failed."""
+        for name, (proc, log) in self.procs.items():
+            code = proc.poll()
+            if code is not None and (code != 0 or name != "trainer"):
+                if name != "trainer" and code == 0 and self.rd.stop_requested():
+                    continue  # a worker that exited because the run is over
+                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+                raise ChildDied(f"{name} exited with code {code}; its log is {log}\n  " + "\n  ".join(tail))
+        trainer = self.procs.get("trainer")
+        return trainer is not None and trainer[0].poll() == 0
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.rd.request_stop()
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for proc, _ in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the group: stray grandchildren too
+            except ProcessLookupError:
+                pass
+
+
+def read_metrics(rd: RunDir) -> list[dict]:
+    path = rd.root / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(rd: RunDir, cfg: Config, wall_seconds: float) -> dict:
+    records = read_metrics(rd)
+    trainer_summary = json.loads((rd.root / "trainer_summary.json").read_text())
+    steps = [r for r in records if "time/step" in r]
+    summary = {
+        "accuracy_before": trainer_summary["accuracy_before"],
+        "accuracy_after": trainer_summary["accuracy_after"],
+        "accuracy_gain": trainer_summary["accuracy_after"] - (trainer_summary["accuracy_before"] or 0.0),
+        "steps": cfg.trainer.steps,
+        "wall_seconds": round(wall_seconds, 1),
+        "max_off_policy": max((r["off_policy/max"] for r in steps), default=0),
+        "async_bound": cfg.async_.bound,
+        "off_policy_dropped": sum(r.get("off_policy/dropped", 0) for r in steps),
+        "mean_step_seconds": sum(r["time/step"] for r in steps) / max(1, len(steps)),
+        "eval_temperature": cfg.eval.temperature,
+        "eval_problems": cfg.tasks.eval_size,
+    }
+    atomic_write_text(rd.root / "summary.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
+    t0 = time.monotonic()
+    rd = RunDir(cfg.run_dir or new_run_dir())
+    if resume:
+        (rd.root / "stop").unlink(missing_ok=True)
+    else:
+        if (rd.root / "metrics.jsonl").exists():
+            raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
+        cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
+        atomic_write_text(rd.root / "config.toml", cfg.to_toml())
+        _install_base(rd, ensure_base_model(cfg, log=log))
+    log(f"run directory: {rd.root}")
+    children = Children(rd)
+    interrupted = False
+    try:
+        children.start("trainer", ["trainer", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
+                       cfg.async_.trainer_threads)
+        for i in range(cfg.async_.workers):
+            children.start(f"worker-{i}", ["worker", "--run-dir", str(rd.root), "--index", str(i)],
+                           cfg.async_.worker_threads)
+        with Progress(cfg, enabled=cfg.logging.progress) as progress:
+            seen = 0
+            while True:
+                finished = children.check()
+                records = read_metrics(rd)
+                for r in records[seen:]:
+                    progress.update(r)
+                seen = len(records)
+                if finished:
+                    break
+                time.sleep(0.25)
+    except KeyboardInterrupt:
+        interrupted = True
+        log(f"interrupted: stopping children. Continue with: swarmrl rl --resume --run-dir {rd.root}")
+    finally:
+        children.stop()
+    if interrupted:
+        raise SystemExit(130)
+    summary = write_summary(rd, cfg, time.monotonic() - t0)
+    if cfg.logging.plots:
+        from swarmrl.rl.plots import write_plots
+
+        write_plots(read_metrics(rd), rd.root / "plots", cfg)
+    return summary

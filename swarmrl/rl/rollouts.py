@@ -1,0 +1,45 @@
+"""What a worker hands back: one group of G completions of one prompt, and how it is scored.
+
+A group is the unit of GRPO (advantages are relative within it) and the unit of transport. It is
+plain JSON so it can cross a process, a disk or (later) an HTTP request unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # inference logprobs under the sampling temperature
+    finish_reason: str  # "stop" | "length"
+    seed: int  # the Gumbel-max seed the tokens were drawn with
+
+
+@dataclass
+class Group:
+    problem_id: str
+    task_type: str
+    prompt: str  # the task prompt as given to the model (length suffix included)
+    verification_info: str  # JSON string, as in the task schema
+    prompt_ids: list[int]
+    samples: list[Sample]
+    policy_version: int
+    worker: str
+    temperature: float
+    target_length: int | None = None
+    created: float = 0.0
+    # Filled in by the trusted side, never by a worker:
+    rewards: list[float] = field(default_factory=list)
+    task_rewards: list[float] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Group":
+        data = json.loads(text)
+        data["samples"] = [Sample(**s) for s in data["samples"]]
+        return cls(**data)

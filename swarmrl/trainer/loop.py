@@ -1,0 +1,129 @@
+"""The trainer role (`swarmrl trainer --run-dir DIR`): the RL loop, one screen long.
+
+    for step n:
+        batch n   <- groups from versions >= n - k, rewards recomputed, zero-advantage dropped
+        update    <- old logprobs, then `optimizer_steps` clipped-GRPO steps
+        publish   -> policy version n + 1 (a complete HF folder, atomically)
+        record    -> metrics.jsonl, checkpoints, held-out accuracy
+
+Rank 0 builds batches and writes files; under torchrun the other ranks receive each batch by
+broadcast and take part in the sharded update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from swarmrl.config import load_config
+from swarmrl.model.checkpoint import load_policy, save_policy
+from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rl.batcher import BatchBuilder
+from swarmrl.rl.evaluate import evaluate
+from swarmrl.rl.tasks import task_rows
+from swarmrl.trainer.batch import build_train_batch
+from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
+from swarmrl.transport.filesystem import RunDir, atomic_write_text
+
+
+def _log_metrics(rd: RunDir, record: dict) -> None:
+    with open(rd.root / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _parent_watchdog():
+    """Started by `swarmrl rl`: exit when the launcher is gone instead of running on orphaned."""
+    parent = os.environ.get("SWARMRL_LAUNCHER_PID")
+
+    def check() -> None:
+        if parent and str(os.getppid()) != parent:
+            raise SystemExit("the swarmrl rl launcher is gone; stopping the trainer")
+
+    return check
+
+
+def _broadcast(obj, dist_info):
+    if dist_info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
+    rd = RunDir(run_dir)
+    cfg = load_config(rd.root / "config.toml")
+    dinfo = init_distributed()
+    torch.set_num_threads(cfg.async_.trainer_threads)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_policy(rd.version_path(0), device=cfg.model.device, dtype=getattr(torch, cfg.model.dtype))
+    trainer = GRPOTrainer(model, cfg, dinfo)
+    main = dinfo.is_main
+    start, extra = 0, {}
+    if resume:
+        state = load_checkpoint(trainer, rd.root / "checkpoints")
+        if state is not None:
+            start, extra = state["step"], state["extra"]
+            print(f"resumed from checkpoint at step {start}", flush=True)
+    pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s) if main else None
+    _, held_out = task_rows(cfg, log=lambda *_: None)
+    builder = BatchBuilder(rd, cfg, tokenizer, pool, check_alive=_parent_watchdog()) if main else None
+    t_run = time.monotonic()
+    try:
+        if start == 0 and main:
+            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
+            extra["accuracy_before"] = before["eval/accuracy"]
+            _log_metrics(rd, {"step": 0, **before})
+            print(f"held-out accuracy before: {before['eval/accuracy']:.3f}", flush=True)
+        for step in range(start, cfg.trainer.steps):
+            t0 = time.monotonic()
+            groups, metrics = None, {}
+            if main:
+                rd.write_state(next_step=step, latest_version=step)
+                groups, metrics = builder.build(step)
+                # Batch n is complete: workers may now sample for step n + 1.
+                rd.write_state(next_step=step + 1, latest_version=step)
+            groups = _broadcast(groups, dinfo)
+            batch = build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
+                                      normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+            t1 = time.monotonic()
+            metrics.update(trainer.train_step(batch))
+            t2 = time.monotonic()
+            sd = trainer.full_state_dict()
+            if main:
+                save_policy(model, tokenizer, rd.version_path(step + 1), state_dict=sd)
+                rd.prune_versions(keep_from=min(step + 1 - cfg.async_.bound, step + 2 - cfg.trainer.keep_versions))
+            t3 = time.monotonic()
+            metrics.update({"time/train": t2 - t1, "time/publish": t3 - t2, "time/step": t3 - t0})
+            metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(t3 - t0, 1e-9)
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.trainer.steps and main:
+                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool))
+            if done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps:
+                save_checkpoint(trainer, rd.root / "checkpoints", done, extra)
+            if main:
+                _log_metrics(rd, {"step": done, **metrics})
+                print(f"step {done} reward {metrics['reward/mean']:.3f} acc {metrics['reward/task_mean_all']:.3f} "
+                      f"off_policy {metrics['off_policy/max']:.0f} step {metrics['time/step']:.2f}s", flush=True)
+        summary = {}
+        if main:
+            rd.write_state(next_step=cfg.trainer.steps, latest_version=cfg.trainer.steps, finished=True)
+            rd.request_stop()
+            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
+            _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
+            summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
+                       "steps": cfg.trainer.steps, "trainer_seconds": time.monotonic() - t_run}
+            atomic_write_text(rd.root / "trainer_summary.json", json.dumps(summary, indent=1))
+            print(f"held-out accuracy after: {after['eval/accuracy']:.3f}", flush=True)
+        return summary
+    finally:
+        if pool is not None:
+            pool.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
