@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(Path(args.run_dir) / "config.toml")
         try:
             summary = run_rl(cfg, resume=args.resume)
-        except (ChildDied, FileExistsError) as e:
+        except (ChildDied, FileExistsError, ValueError, FileNotFoundError) as e:
             _fail(str(e))
         print(json.dumps(summary, indent=1))
         return

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -125,19 +126,21 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: int = Field(60, ge=1)
+    steps: int = Field(150, ge=1)
     """Rollout steps (policy versions) to train."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over micro-batches."""
-    lr: float = Field(5e-4, gt=0)
-    """Peak learning rate. Seed run: 3e-7 (32B model)."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate. Seed run: 3e-7 (32B model). The tiny default tolerates 1e-4; at 5e-4
+    and above it collapsed in our runs (Adam turns noisy RL gradients into full-size steps)."""
     warmup_steps: int = Field(5, ge=0)
     """Linear warmup in optimizer steps. Seed run: 25."""
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """LR after warmup."""
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """LR after warmup: constant (the seed run), or decayed to 0 by the last step, which on the
+    tiny default keeps the final policy from swinging by several points between steps."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas. Seed run: (0.9, 0.99)."""
     weight_decay: float = Field(0.01, ge=0.0)
@@ -151,9 +154,10 @@ class TrainerConfig(_Section):
 
 
 class AsyncConfig(_Section):
-    bound: int = Field(2, ge=0)
+    bound: int = Field(1, ge=0)
     """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
-    Seed run: 2."""
+    Seed run: 2. The tiny default uses 1: its policy moves so much per step that 2-step-old
+    data learned markedly slower (docs/default-run.md has the measurements)."""
     workers: int = Field(1, ge=1)
     """Inference worker processes started by `swarmrl rl`."""
     worker_threads: int = Field(1, ge=1)
@@ -162,16 +166,17 @@ class AsyncConfig(_Section):
     """torch threads in the trainer process."""
     max_pending_groups: int | None = None
     """Back-pressure: workers pause when this many groups wait unconsumed. None: prompts_per_step
-    x (bound + 1), so workers never run further ahead than the bound can use."""
+    x min(bound + 1, 2): one batch in flight while the trainer trains. A deeper queue only makes
+    data staler (on the default run, staleness 2 learned far slower than staleness 0-1)."""
 
 
 class EvalConfig(_Section):
-    every: int = Field(0, ge=0)
+    every: int = Field(20, ge=0)
     """Evaluate held-out accuracy every N steps during training (0: only before and after)."""
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature for held-out evaluation (0: greedy). Default: the rollout
     temperature, so the figure is the accuracy of the policy that is being trained."""
-    samples: int = Field(2, ge=1)
+    samples: int = Field(4, ge=1)
     """Samples per held-out problem (accuracy is their mean: avg@k)."""
 
 
@@ -184,9 +189,9 @@ class SFTConfig(_Section):
     """Peak learning rate (cosine decay to 10%)."""
     examples: int = Field(5000, ge=1)
     """Distinct training traces generated."""
-    slip_rate: float = Field(0.7, ge=0.0, le=1.0)
-    """Share of traces (among problems with a carry) that show a dropped carry and the wrong
-    answer it leads to. The base policy then slips about as often, which puts it in the seed
+    slip_rate: float = Field(0.6, ge=0.0, le=1.0)
+    """Share of traces (among problems where it changes the answer) that show a slip: a dropped
+    carry, or the answer digits read off in reverse, with the wrong answer it leads to. The base policy then slips about as often, which puts it in the seed
     run's difficulty band, and gives RL a consistent, verifiable behaviour to unlearn."""
     seed: int = 0
     """Initialisation and shuffling seed."""
@@ -251,7 +256,13 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+def _takes_str(annotation: Any) -> bool:
+    return annotation is str or (get_origin(annotation) in (Union, UnionType) and str in get_args(annotation))
+
+
+def _set_dotted(data: dict, dotted: str, text: str) -> None:
+    """Set the field named `dotted` from its command-line text. A string field keeps the text
+    as written when it reads as another TOML type (`--run_dir 2024` is the string "2024")."""
     keys = dotted.split(".")
     node: Any = data
     cls: type[BaseModel] | None = Config
@@ -265,7 +276,8 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         field = fields[key]
         name = field.alias or key
         if i == len(keys) - 1:
-            node[name] = value
+            value = _parse_value(text)
+            node[name] = text if _takes_str(field.annotation) and not isinstance(value, str) else value
             return
         ann = field.annotation
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
@@ -276,6 +288,11 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """`--a.b value` and `--a.b=value` pairs; anything else is an error that says so."""
+    return [(key, _parse_value(text)) for key, text in _split_overrides(args)]
+
+
+def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`(dotted key, value text)` for each override, before the value is parsed."""
     out, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -290,14 +307,28 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
                 raise ConfigError(f"override {arg} has no value: write {arg} VALUE")
             text = args[i + 1]
             i += 2
-        out.append((key, _parse_value(text)))
+        out.append((key, text))
     return out
+
+
+def _allowed_at(loc: tuple) -> str:
+    """The field names allowed in the section at `loc` (for unknown-key messages)."""
+    cls: Any = Config
+    for key in loc:
+        fields = {**cls.model_fields, **{f.alias: f for f in cls.model_fields.values() if f.alias}}
+        cls = fields[key].annotation if key in fields else None
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return ""
+    return ", ".join(sorted(f.alias or n for n, f in cls.model_fields.items()))
 
 
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "config"
+        if e["type"] == "extra_forbidden" and (allowed := _allowed_at(e["loc"][:-1])):
+            lines.append(f"  {loc}: unknown key; allowed there: {allowed}")
+            continue
         lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})" if "input" in e and not isinstance(e.get("input"), dict)
                      else f"  {loc}: {e['msg']}")
     return "invalid config:\n" + "\n".join(lines)
@@ -314,8 +345,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(data, key, value)
+    for key, text in _split_overrides(overrides or []):
+        _set_dotted(data, key, text)
     try:
         return Config.model_validate(data)
     except ValidationError as e:

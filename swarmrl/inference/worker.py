@@ -25,7 +25,10 @@ from swarmrl.transport.filesystem import RunDir
 
 
 def max_pending(cfg: Config) -> int:
-    return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * (cfg.async_.bound + 1)
+    """Queue depth at which workers pause. In steady state workers and trainer run at the same
+    rate, so a deeper queue adds staleness, not throughput: about one batch ahead is enough to
+    keep both busy (two batches of groups, since online filtering drops some)."""
+    return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
 
 
 class Worker:
@@ -66,13 +69,15 @@ class Worker:
         inputs = [model_input(self.tokenizer, r["prompt"], t) for r, t in zip(rows, targets)]
         seeds = [self.rng.getrandbits(63) for _ in range(len(rows) * s.group_size)]
         prompts = [ids for _, ids in inputs for _ in range(s.group_size)]
+        t0 = time.monotonic()
         outs = self.sampler.generate(prompts, seeds, max_new_tokens=s.max_new_tokens, temperature=s.temperature)
+        share = (time.monotonic() - t0) / len(rows)
         groups, now = [], time.time()
         for i, (r, (prompt, ids), t) in enumerate(zip(rows, inputs, targets)):
             block = range(i * s.group_size, (i + 1) * s.group_size)
             samples = [Sample(outs[j].token_ids, outs[j].logprobs, outs[j].finish_reason, seeds[j]) for j in block]
             groups.append(Group(r["problem_id"], r["task_type"], prompt, r["verification_info"], ids, samples,
-                                self.version, self.name, s.temperature, t, now))
+                                self.version, self.name, s.temperature, t, now, share))
         return groups
 
     def run(self, *, poll_s: float = 0.05) -> None:

@@ -50,6 +50,7 @@ class BatchBuilder:
         taken: list[Group] = []
         stale = uninformative = scored_groups = 0
         task_rewards: list[float] = []
+        gen_seconds = 0.0  # worker time spent on everything this step consumed, dropped included
         t0 = time.monotonic()
         queue, self.carry = [g for g in self.carry if g.policy_version >= oldest], []
         while len(taken) < want:
@@ -63,6 +64,7 @@ class BatchBuilder:
                 for path in paths[: 2 * want]:
                     g = self.rd.read_group(path)
                     path.unlink()
+                    gen_seconds += g.gen_seconds
                     if g.policy_version < oldest:
                         stale += 1
                     else:
@@ -86,6 +88,7 @@ class BatchBuilder:
         staleness = [step - g.policy_version for g in taken]
         metrics = {
             "time/wait_for_batch": time.monotonic() - t0,
+            "time/generation": gen_seconds,
             "reward/mean": statistics.fmean(rewards),
             "reward/std": statistics.pstdev(rewards),
             # Accuracy over everything sampled (before filtering), the honest training signal.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from swarmrl.config import Config
 from swarmrl.rl.progress import Progress
+from swarmrl.rl.tasks import task_rows
 from swarmrl.sft.warmstart import ensure_base_model
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
@@ -127,6 +128,8 @@ def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
         if (rd.root / "metrics.jsonl").exists():
             raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
+        # Fail here, with the config's own words, rather than in a child process later.
+        task_rows(cfg, log=log)
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         _install_base(rd, ensure_base_model(cfg, log=log))
     log(f"run directory: {rd.root}")

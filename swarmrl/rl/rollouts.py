@@ -31,6 +31,7 @@ class Group:
     temperature: float
     target_length: int | None = None
     created: float = 0.0
+    gen_seconds: float = 0.0  # this group's share of the worker's generate call (for time/generation)
     # Filled in by the trusted side, never by a worker:
     rewards: list[float] = field(default_factory=list)
     task_rewards: list[float] = field(default_factory=list)

@@ -48,15 +48,19 @@ def prompt_for(problem: Problem) -> str:
     return f"Compute {problem.a} {problem.op} {problem.b}."
 
 
-def trace_for(problem: Problem, *, slip: bool = False) -> str:
+SLIPS = ("carry", "order")
+
+
+def trace_for(problem: Problem, *, slip: str | None = None) -> str:
     """Column arithmetic right to left, one digit per line, then the boxed answer.
 
     Addition: `d1+d2=s`, or `d1+d2+1=s` with a carry, per column. Subtraction of a larger number
     is rewritten as the negation of the reverse difference, so every column step stays a small
-    fact. `slip=True` writes the trace of a classic mistake: the carry (or borrow) is never
-    passed to the next column, and the boxed answer is what that wrong trace adds up to. The SFT
-    warm start mixes such traces in, so the base policy sometimes slips and RL has a consistent,
-    checkable behaviour to fix (see docs/default-run.md).
+    fact. `slip` writes the trace of a classic mistake, with the boxed answer that mistake leads
+    to: "carry" never passes a carry (or borrow) to the next column; "order" reads the column
+    digits off in the order they were computed, so the answer comes out reversed. The SFT warm
+    start mixes such traces in, so the base policy sometimes slips and RL has consistent,
+    checkable behaviours to fix (see docs/default-run.md).
     """
     a, b, op = problem.a, problem.b, problem.op
     lines = []
@@ -83,22 +87,29 @@ def trace_for(problem: Problem, *, slip: bool = False) -> str:
                 lines.append(f"{x}-{y}{'-1' if carry else ''}={s}")
                 carry, digit = 0, s
         digits.append(digit)
-        if slip and i + 1 < max(len(da), len(db)):
+        if slip == "carry" and i + 1 < max(len(da), len(db)):
             carry = 0  # the mistake: the carry is dropped before the next column
     if op == "+" and carry:
         lines.append(f"carry {carry}")
         digits.append(carry)
+    if slip == "order":
+        digits.reverse()
     value = int("".join(str(d) for d in reversed(digits)))
     answer = -value if negative else value
-    if not slip:
+    if slip is None:
         assert answer == problem.answer, (problem, answer)
     think = "\n".join(lines)
     return f"<think>{think}</think>\n\\boxed{{{answer}}}"
 
 
-def has_carry(problem: Problem) -> bool:
-    """Whether a slip (dropped carry or borrow) would change this problem's trace."""
-    return trace_for(problem) != trace_for(problem, slip=True)
+def possible_slips(problem: Problem) -> list[str]:
+    """The slips that would change this problem's answer."""
+    right = trace_for(problem)
+    return [s for s in SLIPS if _answer_of(trace_for(problem, slip=s)) != _answer_of(right)]
+
+
+def _answer_of(trace: str) -> str:
+    return trace.rsplit("\\boxed{", 1)[1].rstrip("}")
 
 
 def sample_problem(rng: random.Random, digits: int, ops: str) -> Problem:
@@ -111,13 +122,18 @@ def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
              held_out_fraction: float = 0.1, seed: int = 0, with_trace: bool = False,
              slip_rate: float = 0.0) -> list[dict]:
     """`n` distinct rows of one split. `with_trace` adds a `trace` column for SFT, in which a
-    problem with a carry gets the slipped trace with probability `slip_rate`."""
+    problem that admits a slip gets a slipped trace (a random one of its slips) with
+    probability `slip_rate`."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if digits < 1 or not ops or set(ops) - {"+", "-"}:
+        raise ValueError(f"need digits >= 1 and ops made of '+' and '-', got digits={digits}, ops={ops!r}")
     rng = random.Random(f"{seed}-{digits}-{ops}-{split}")
     want_test = split == "test"
     rows, seen = [], set()
-    space = 2 * (10**digits) ** 2
+    # Distinct problems: operands span [lo, hi] (no leading zeros), one per distinct operator.
+    lo = 10 ** (digits - 1) if digits > 1 else 0
+    space = len(set(ops)) * (10**digits - lo) ** 2
     if n > space * (held_out_fraction if want_test else 1 - held_out_fraction) * 0.5:
         raise ValueError(f"asked for {n} distinct {digits}-digit problems in split {split!r}; "
                          "that is too close to all there are: raise `digits` or lower `n`")
@@ -134,7 +150,8 @@ def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
             "difficulty": digits,
         }
         if with_trace:
-            slipped = slip_rate > 0 and has_carry(p) and rng.random() < slip_rate
-            row["trace"] = trace_for(p, slip=slipped)
+            slips = possible_slips(p) if slip_rate > 0 else []
+            slip = rng.choice(slips) if slips and rng.random() < slip_rate else None
+            row["trace"] = trace_for(p, slip=slip)
         rows.append(row)
     return rows

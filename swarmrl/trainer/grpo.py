@@ -46,9 +46,13 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: shard each decoder layer, then the root (embeddings, norm, head)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.base_model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    units = [fully_shard(layer) for layer in model.base_model.layers] + [fully_shard(model)]
+    for unit in units:
+        # Each rank's loss is already divided by the whole mini-batch's normaliser, so rank
+        # gradients must be summed; FSDP2's default averages them (1/world the true gradient,
+        # which grad clipping and the grad_norm metric would see). Plain SUM: gloo has no PREMUL_SUM.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -158,7 +162,9 @@ class GRPOTrainer:
                 loss, m = grpo_loss(inputs, normalizer=normalizer, delta=alg.delta, eps_low=alg.eps_low,
                                     eps_high=alg.eps_high, entropy_coef=alg.entropy_coef, kl_coef=alg.kl_coef)
                 loss.backward()
-                if not want_entropy:
+                if want_entropy:
+                    m["entropy/mean"] = m["loss/entropy"]  # same masked mean; one key either way
+                else:
                     with torch.no_grad():
                         e = token_entropy(logits.detach(), cfg.sampling.temperature)
                         m["entropy/mean"] = float(e[mb.loss_mask.to(self.device)].mean()) if mb.loss_mask.any() else 0.0
@@ -171,6 +177,13 @@ class GRPOTrainer:
                 grad_norm = grad_norm.full_tensor()
             self.optimizer.step()
             self.scheduler.step()
+            if self.dist.world_size > 1:
+                # Each rank saw only its share: sum the token-weighted metrics so rank 0 logs
+                # the whole mini-batch's (same keys, same order on every rank).
+                keys = list(step_metrics)
+                t = torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t)
+                step_metrics = dict(zip(keys, t.tolist()))
             w = max(step_metrics.pop("_w", 0.0), 1.0)
             for key, v in step_metrics.items():
                 if key != "tokens":

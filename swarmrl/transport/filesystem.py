@@ -53,9 +53,10 @@ class RunDir:
         return v[-1] if v else None
 
     def prune_versions(self, keep_from: int) -> None:
-        """Delete versions older than `keep_from` (no worker may use them any more)."""
+        """Delete versions older than `keep_from` (no worker may use them any more). Version 0,
+        the starting policy, stays: it is the KL reference and what a resumed run loads first."""
         for v in self.versions():
-            if v < keep_from:
+            if 0 < v < keep_from:
                 shutil.rmtree(self.version_path(v), ignore_errors=True)
 
     # ---- rollout groups --------------------------------------------------------------------

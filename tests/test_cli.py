@@ -1,0 +1,158 @@
+"""Tests for the `swarmrl` command, run as `python -m swarmrl.cli` subprocesses.
+
+Only the fast paths: help, dry runs, config errors, `tasks` and `score` on tiny files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from swarmrl.cli import COMMANDS
+from swarmrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_TOML = ROOT / "configs" / "intellect2-qwq32b.toml"
+
+
+def swarmrl(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code: int | None = 2) -> None:
+    assert proc.returncode != 0, proc
+    if code is not None:
+        assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+
+
+def test_help_lists_every_command(tmp_path):
+    proc = swarmrl("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "trainer", "worker"}
+    for name, text in COMMANDS.items():
+        assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
+        assert " ".join(text.split()[:3]) in " ".join(proc.stdout.split())
+
+
+def test_no_command_is_an_error(tmp_path):
+    proc = swarmrl(cwd=tmp_path)
+    assert_clean_failure(proc, "COMMAND")
+
+
+def test_rl_dry_run_prints_toml_with_overrides(tmp_path):
+    overrides = ["--trainer.lr", "3e-6", "--async.bound=0", "--tasks.source", "data/x.jsonl"]
+    proc = swarmrl("rl", "--dry-run", *overrides, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    printed = tomllib.loads(proc.stdout)
+    assert printed["trainer"]["lr"] == pytest.approx(3e-6)
+    assert printed["async"]["bound"] == 0
+    assert printed["tasks"]["source"] == "data/x.jsonl"
+    assert printed["sampling"]["group_size"] == 8  # untouched default
+    # Exactly the resolved config, nothing missing.
+    dumped = tmp_path / "dumped.toml"
+    dumped.write_text(proc.stdout)
+    assert load_config(dumped) == load_config(None, overrides)
+    assert not (tmp_path / "runs").exists()  # a dry run starts nothing
+
+
+def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):
+    proc = swarmrl("rl", "--config", str(SEED_TOML), "--run-dir", "myrun", "--dry-run",
+                   "--trainer.lr", "1e-6", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    printed = tomllib.loads(proc.stdout)
+    assert printed["run_dir"] == "myrun"
+    assert printed["sampling"]["group_size"] == 16
+    assert printed["trainer"]["lr"] == pytest.approx(1e-6)
+    assert not (tmp_path / "myrun").exists()
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--trainer.lr", "fast"], ["trainer.lr", "valid number"]),
+    (["--length.mode", "sometimes"], ["length.mode", "'exact', 'max' or 'clip'"]),
+    (["--trainer.lrr", "1"], ["trainer.lrr", "allowed", "warmup_steps"]),
+])
+def test_bad_override_exits_2_without_traceback(tmp_path, args, needles):
+    proc = swarmrl("rl", "--dry-run", *args, cwd=tmp_path)
+    assert_clean_failure(proc, *needles)
+    assert proc.stdout == ""
+
+
+def test_unknown_argument_for_other_commands(tmp_path):
+    proc = swarmrl("tasks", "--output", "x.jsonl", "--trainer.lr", "1", cwd=tmp_path)
+    assert_clean_failure(proc, "unrecognized arguments")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_tasks_writes_valid_rows(tmp_path):
+    out = tmp_path / "sub" / "f.jsonl"
+    proc = swarmrl("tasks", "--output", str(out), "--n", "50", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "50" in proc.stdout
+    lines = out.read_text().splitlines()
+    assert len(lines) == 50
+    rows = [json.loads(line) for line in lines]
+    assert len({r["problem_id"] for r in rows}) == 50
+    for row in rows:
+        assert row["task_type"] == "verifiable_math"
+        a, op, b = re.fullmatch(r"Compute (\d+) ([+-]) (\d+)\.", row["prompt"]).groups()
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99  # --digits defaults to 2
+        truth = json.loads(row["verification_info"])["ground_truth"]
+        assert int(truth) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def test_tasks_rejects_impossible_requests(tmp_path):
+    proc = swarmrl("tasks", "--output", "x.jsonl", "--n", "500", "--digits", "1", cwd=tmp_path, timeout=60)
+    assert_clean_failure(proc, "distinct")
+    proc = swarmrl("tasks", "--output", "x.jsonl", "--ops", "*", cwd=tmp_path, timeout=60)
+    assert_clean_failure(proc, "ops")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def _row(pid: str, completion: str, verification_info: str = json.dumps({"ground_truth": "46"})) -> str:
+    return json.dumps({"problem_id": pid, "task_type": "verifiable_math", "prompt": "Compute 12 + 34.",
+                       "verification_info": verification_info, "completion": completion})
+
+
+def test_score_file(tmp_path):
+    lines = [
+        _row("right", "<think>2+4=6\n1+3=4</think>\n\\boxed{46}"),
+        _row("wrong", "<think>2+4=6\n1+3=5</think>\n\\boxed{56}"),
+        _row("unclosed", "<think>2+4=6\n1+3=4 \\boxed{46}"),
+        _row("malformed", "\\boxed{46}", verification_info="{ground_truth: 46"),
+        "this line is not JSON",
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    proc = swarmrl("score", "--input", str(inp), "--output", str(out), "--workers", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(lines)
+    assert [r.get("problem_id") for r in rows] == ["right", "wrong", "unclosed", "malformed", None]
+    assert [r["reward"] for r in rows] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [r["error"] is None for r in rows] == [True, True, True, False, False]
+    assert "verification_info" in rows[3]["error"]
+    assert rows[4]["line"] == 5 and "JSON" in rows[4]["error"]
+    assert "think" in (rows[2]["reason"] or "")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary == {"rows": 5, "scored": 3, "errors": 2, "mean_reward": pytest.approx(1 / 3)}
+
+
+def test_score_missing_input(tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = swarmrl("score", "--input", str(tmp_path / "nope.jsonl"), "--output", str(out),
+                   "--workers", "1", cwd=tmp_path)
+    assert_clean_failure(proc, "nope.jsonl", "does not exist", code=None)
+    assert not out.exists()

@@ -1,0 +1,142 @@
+"""End to end: `swarmrl rl` as a real user runs it (real processes, real files, real model).
+
+A session fixture trains a tiny base on 1-digit addition (seconds), so these runs have signal
+without paying for the default warm start. Marked slow; they still run in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EASY = ["--tasks.digits", "1", "--tasks.ops", "+-", "--tasks.train_size", "40", "--tasks.eval_size", "8",
+        "--sft.examples", "40", "--sft.batch_size", "32", "--sft.slip_rate", "0.5",
+        "--sampling.max_new_tokens", "32", "--sampling.prompts_per_step", "4", "--sampling.group_size", "4",
+        "--sampling.worker_batch_prompts", "4", "--trainer.micro_batch_size", "16",
+        "--eval.samples", "1", "--eval.every", "0", "--logging.progress", "false"]
+
+
+def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"swarmrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def easy_base(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("base") / "model"
+    swarmrl("sft", "--output", str(out), "--sft.steps", "150", *EASY)
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
+    run = tmp_path / "run"
+    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "4",
+                   "--async.bound", "1", "--async.workers", "2", "--logging.plots", "true", *EASY)
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "max_off_policy"):
+        assert key in summary, key
+    assert summary["steps"] == 4
+    steps = [r for r in metrics(run) if "time/step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["off_policy/max"] <= 1 for r in steps)
+    for name in ("reward/mean", "time/step", "time/wait_for_batch", "loss/policy", "grad_norm"):
+        assert all(name in r for r in steps), name
+    # Every policy version is a complete HF folder; the newest one is the final policy.
+    assert (run / "policies" / "v000004" / "config.json").exists()
+    assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
+        "heldout_accuracy.png", "length.png", "reward.png", "step_time.png"]
+    assert (run / "checkpoints" / "step_000004" / "trainer.pt").exists()
+    assert '"accuracy_after"' in proc.stdout
+    # No process of the run is left behind.
+    time.sleep(0.5)
+    leftover = subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
+    assert leftover == []
+
+
+def test_synchronous_bound_zero(easy_base, tmp_path):
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3",
+            "--async.bound", "0", *EASY)
+    steps = [r for r in metrics(run) if "time/step" in r]
+    assert len(steps) == 3 and all(r["off_policy/max"] == 0 for r in steps)
+
+
+def test_resume_continues_a_run(easy_base, tmp_path):
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "2",
+            "--trainer.checkpoint_every", "1", *EASY)
+    # Raise the step budget in the run's own config, as a user extending a run would.
+    cfg = (run / "config.toml").read_text().replace("steps = 2\n", "steps = 4\n", 1)
+    (run / "config.toml").write_text(cfg)
+    again = swarmrl("rl", "--run-dir", str(run), "--resume", *EASY)  # the run's config wins; no override needed
+    assert "resumed" in (run / "logs" / "trainer.log").read_text()
+    steps = [r["step"] for r in metrics(run) if "time/step" in r]
+    assert steps == [1, 2, 3, 4], steps
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert again.returncode == 0
+
+
+def test_starting_over_an_existing_run_is_refused(easy_base, tmp_path):
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY)
+    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY,
+                   check=False)
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
+                             str(easy_base), "--trainer.steps", "500", *EASY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        pids = subprocess.run(["pgrep", "-f", f"worker --run-dir {run}"], capture_output=True, text=True).stdout.split()
+        assert pids, "worker not found"
+        os.kill(int(pids[0]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2
+    assert "worker-0 exited with code -9" in err and str(run / "logs" / "worker-0.log") in err
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split() == []
+
+
+def test_ctrl_c_stops_every_child(easy_base, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
+                             str(easy_base), "--trainer.steps", "500", *EASY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "--resume" in out
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split() == []

@@ -1,0 +1,466 @@
+"""The GRPO trainer on a synthetic but real batch: a tiny random Qwen2, made-up token ids, logprobs
+from an actual forward pass (so the inference and recomputed logprobs agree) and hand-set rewards.
+
+Covers: train_step metrics and the direction of the update, the alignment of TrainBatch, FSDP2
+(2 gloo processes under torchrun) against one process, checkpoint round trips, and the KL /
+entropy / old-logprob / TIS options.
+
+This file is also the FSDP2 equivalence script: `python tests/test_trainer.py --fsdp-run OUT`
+(plain or under torchrun) trains 2 steps and writes rank 0's full state dict and metrics to OUT.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmrl.algorithm.advantages import group_advantages
+from swarmrl.config import load_config
+from swarmrl.model.checkpoint import build_tiny_policy
+from swarmrl.rl.rollouts import Group, Sample
+from swarmrl.trainer.batch import TrainBatch, build_train_batch
+from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
+
+SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128)
+# One row per group, one column per sample. Group 1 is deliberately unbalanced (mean 0.25).
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
+PROMPT_LENS = [5, 7]
+COMPLETION_LENS = [[3, 6, 4, 8], [5, 2, 7, 4]]  # ragged, so padding and trimming are exercised
+# 8 sequences, 2 optimizer steps of 4, micro-batches of 2: one process runs 2 micro-batches per
+# optimizer step, each of 2 FSDP ranks runs 1 (its half), so accumulation is exercised too.
+BASE_OVERRIDES = [
+    "--sampling.prompts_per_step", "2", "--sampling.group_size", "4",
+    "--sampling.max_new_tokens", "16",
+    "--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2",
+    "--trainer.warmup_steps", "0", "--trainer.lr", "1e-3", "--trainer.schedule", "constant",
+]
+EXPECTED_KEYS = {
+    "loss/policy", "grad_norm", "lr", "clip/low_frac", "clip/high_frac", "clip/delta_frac",
+    "ratio/mean", "ratio/max", "entropy/mean", "train/tokens",
+}
+
+
+def make_cfg(*overrides: str):
+    return load_config(None, [*BASE_OVERRIDES, *overrides])
+
+
+def make_model(seed: int = 0):
+    model, tokenizer = build_tiny_policy(seed, **SHAPE)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def sequence_token_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+    """Logprob of each completion token, from one unpadded forward (independent of batch.py)."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0].float() / temperature  # [L, V]
+    logp = logits.log_softmax(-1)
+    p = len(prompt)
+    # Completion token j sits at position p + j and is predicted from position p + j - 1.
+    return [float(logp[p + j - 1, tok]) for j, tok in enumerate(completion)]
+
+
+def make_groups(model, seed: int = 1, rewards=REWARDS, temperature: float = 1.0) -> list[Group]:
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    groups = []
+    for gi, (p_len, c_lens) in enumerate(zip(PROMPT_LENS, COMPLETION_LENS)):
+        prompt = torch.randint(5, 261, (p_len,), generator=gen).tolist()  # ids 0-4 are special
+        samples = []
+        for si, c_len in enumerate(c_lens):
+            completion = torch.randint(5, 261, (c_len,), generator=gen).tolist()
+            samples.append(Sample(token_ids=completion,
+                                  logprobs=sequence_token_logprobs(model, prompt, completion, temperature),
+                                  finish_reason="stop", seed=100 * gi + si))
+        groups.append(Group(problem_id=f"p{gi}", task_type="synthetic", prompt=f"prompt {gi}",
+                            verification_info="{}", prompt_ids=prompt, samples=samples,
+                            policy_version=gi, worker="test", temperature=temperature,
+                            rewards=list(rewards[gi]), task_rewards=list(rewards[gi])))
+    model.train(was_training)
+    return groups
+
+
+def make_batch(groups, cfg, tokenizer) -> TrainBatch:
+    return build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
+                             normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+
+
+def prepare(*overrides: str, seed: int = 0):
+    cfg = make_cfg(*overrides)
+    model, tokenizer = make_model(seed)
+    groups = make_groups(model, temperature=cfg.sampling.temperature)
+    return cfg, model, tokenizer, groups, make_batch(groups, cfg, tokenizer)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def seq_logprobs(model, groups) -> torch.Tensor:
+    """Summed completion logprob of every sample, in groups x samples order [N]."""
+    model.eval()
+    out = [sum(sequence_token_logprobs(model, g.prompt_ids, s.token_ids)) for g in groups for s in g.samples]
+    model.train()
+    return torch.tensor(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny tensors on a shared 2-core box: one intra-op thread is fastest and deterministic.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------- train_step
+
+
+def test_train_step_metrics_params_and_direction():
+    cfg, model, _, groups, batch = prepare()
+    before_w = weights(model)
+    before_lp = seq_logprobs(model, groups)
+    trainer = GRPOTrainer(model, cfg)
+    metrics = trainer.train_step(batch)
+
+    missing = EXPECTED_KEYS - metrics.keys()
+    assert not missing, f"missing metric keys {missing}; got {sorted(metrics)}"
+    assert "off_policy/logprob_abs_diff" in metrics and "off_policy/logprob_abs_diff_max" in metrics
+    assert "tokens" not in metrics  # the per-micro-batch count is not averaged into the metrics
+    bad = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isfinite(v))}
+    assert not bad, f"non-finite or non-float metrics: {bad}"
+    # old (recomputed, padded batch) == inference (unpadded single forwards) before any update.
+    assert metrics["off_policy/logprob_abs_diff_max"] < 1e-4
+    assert metrics["lr"] == pytest.approx(1e-3)
+    assert metrics["train/tokens"] == sum(map(sum, COMPLETION_LENS))
+    assert metrics["grad_norm"] > 0
+    assert 0.0 <= metrics["clip/low_frac"] <= 1.0 and 0.0 <= metrics["clip/high_frac"] <= 1.0
+    assert metrics["entropy/mean"] > 0
+
+    # Every decoder weight moved by far more than weight decay alone (lr * wd * |w| ~ 1e-7).
+    after_w = weights(model)
+    for name in before_w:
+        if "layers" in name and name.endswith("proj.weight"):
+            assert (after_w[name] - before_w[name]).abs().max() > 1e-4, name
+
+    # Direction: reinforced samples become likelier, penalised ones less likely.
+    delta = seq_logprobs(model, groups) - before_lp  # [N]
+    adv = batch.advantages
+    assert (adv != 0).all()
+    assert (delta[adv > 0] > 0).all(), (delta, adv)
+    assert (delta[adv < 0] < 0).all(), (delta, adv)
+
+
+def test_zero_advantage_batch_only_decays():
+    """All-equal rewards: zero advantage, so the only change is AdamW's weight decay."""
+    cfg = make_cfg("--algorithm.old_logprobs", "inference")
+    model, tok = make_model()
+    groups = make_groups(model, rewards=[[1.0] * 4, [0.0] * 4])
+    batch = make_batch(groups, cfg, tok)
+    assert (batch.advantages == 0).all()
+    before = weights(model)
+    metrics = GRPOTrainer(model, cfg).train_step(batch)
+    assert metrics["grad_norm"] == 0.0
+    decay = (1 - cfg.trainer.lr * cfg.trainer.weight_decay) ** cfg.trainer.optimizer_steps
+    for name, w in weights(model).items():
+        torch.testing.assert_close(w, before[name] * decay, rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------- TrainBatch
+
+
+def test_train_batch_alignment():
+    cfg, model, tok, groups, batch = prepare()
+    n = sum(len(g.samples) for g in groups)
+    width = max(p + c for p, cs in zip(PROMPT_LENS, COMPLETION_LENS) for c in cs)
+    assert batch.input_ids.shape == (n, width) and batch.attention_mask.shape == (n, width)
+    assert batch.loss_mask.shape == (n, width - 1) and batch.inference_logprobs.shape == (n, width - 1)
+    assert batch.loss_mask.dtype == torch.bool and len(batch) == n
+
+    rows = [(g, s) for g in groups for s in g.samples]
+    for i, (g, s) in enumerate(rows):
+        p, c = len(g.prompt_ids), len(s.token_ids)
+        assert batch.input_ids[i, : p + c].tolist() == g.prompt_ids + s.token_ids
+        assert (batch.input_ids[i, p + c:] == tok.pad_token_id).all()
+        assert batch.attention_mask[i].tolist() == [1] * (p + c) + [0] * (width - p - c)
+        # Position t predicts token t + 1: the completion's c tokens are predicted at p-1 .. p+c-2.
+        assert batch.loss_mask[i].nonzero().flatten().tolist() == list(range(p - 1, p - 1 + c))
+        assert batch.input_ids[i, 1:][batch.loss_mask[i]].tolist() == s.token_ids
+        torch.testing.assert_close(batch.inference_logprobs[i, batch.loss_mask[i]], torch.tensor(s.logprobs))
+        assert (batch.inference_logprobs[i, ~batch.loss_mask[i]] == 0).all()
+        assert int(batch.policy_versions[i]) == g.policy_version
+
+    # Advantages in groups x samples order, signs following the rewards.
+    expected = group_advantages(torch.tensor(REWARDS), normalize_std=True, eps=cfg.algorithm.adv_eps).flatten()
+    torch.testing.assert_close(batch.advantages, expected)
+    flat_r = torch.tensor(REWARDS).flatten()
+    assert ((batch.advantages > 0) == (flat_r > torch.tensor(REWARDS).mean(1).repeat_interleave(4))).all()
+
+    # The loss convention: logits[:, :-1] against input_ids[:, 1:] reproduce the inference
+    # logprobs exactly at the masked positions of the padded batch.
+    from swarmrl.algorithm.loss import token_logprobs
+
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    lp = token_logprobs(logits, batch.input_ids[:, 1:])
+    torch.testing.assert_close(lp[batch.loss_mask], batch.inference_logprobs[batch.loss_mask], atol=1e-5, rtol=0)
+
+    # trimmed() keeps exactly the columns the slice uses, and slice() keeps rows aligned.
+    short = batch.slice(torch.tensor([1, 5])).trimmed()  # lengths 5+6=11 and 7+2=9
+    assert short.input_ids.shape[1] == 11 and short.loss_mask.shape[1] == 10
+    assert short.loss_mask.sum().item() == 6 + 2
+    torch.testing.assert_close(short.advantages, batch.advantages[[1, 5]])
+
+
+# ---------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_run(out: str) -> None:
+    """Same model, same batch, 2 train_steps; rank 0 writes its full state dict and metrics.
+
+    Between the steps it also writes a checkpoint, and a second trainer restored from it redoes
+    step 2: the checkpoint round trip under FSDP2 (collective save, every rank loading).
+    """
+    torch.set_num_threads(1)
+    dist_info = init_distributed()
+    cfg, model, _, _, batch = prepare()
+    trainer = GRPOTrainer(model, cfg, dist_info)
+    ckpt = Path(out + ".ckpt")
+    metrics = [trainer.train_step(batch)]
+    save_checkpoint(trainer, ckpt, 1, {"world": dist_info.world_size})
+    if dist_info.world_size > 1:
+        torch.distributed.barrier()  # rank 0 writes alone; the others must not look too early
+    metrics.append(trainer.train_step(batch))
+    sd = trainer.full_state_dict()
+    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
+    state = load_checkpoint(fresh, ckpt)
+    assert state is not None and state["step"] == 1
+    resumed_metrics = fresh.train_step(batch)
+    resumed = fresh.full_state_dict()
+    if dist_info.is_main:
+        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size,
+                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
+    if dist_info.world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp2_matches_single_process(tmp_path):
+    script = str(Path(__file__).resolve())
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    _run([sys.executable, script, "--fsdp-run", str(one)], env)
+    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+          script, "--fsdp-run", str(two)], env)
+    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
+    assert a["world_size"] == 1 and b["world_size"] == 2
+    assert a["state"].keys() == b["state"].keys()
+
+    diffs = {k: float((a["state"][k].float() - b["state"][k].float()).abs().max()) for k in a["state"]}
+    worst = max(diffs, key=diffs.get)
+    print(f"FSDP2 vs single process: max |diff| {diffs[worst]:.3g} ({worst})")
+    # Sharded reduce-scatters sum the two halves of a mini-batch in another order than one
+    # process accumulating micro-batches, so gradients agree only to float32 rounding (~1e-7
+    # relative; checked through grad_norm below). AdamW's first steps are ~lr * g / |g|, which
+    # passes that on as ~1e-7 * lr, except on a coordinate whose gradient is a near-cancelling
+    # sum (|g| near Adam's eps), where the division amplifies rounding. Observed: 3.7e-7 at
+    # worst (a k_proj bias). atol 1e-5 is 1% of one step (lr = 1e-3, every weight moves by
+    # ~2e-3 over the 2x2 optimizer steps here): a wrong shard, a wrong loss normaliser or a
+    # dropped or duplicated sample moves weights by a sizeable fraction of a step.
+    for k in a["state"]:
+        torch.testing.assert_close(b["state"][k], a["state"][k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+    # The gradient itself (not only Adam's scale-free step) must match: catches a gradient
+    # averaged over ranks instead of summed (the loss normaliser is already the whole batch's).
+    # Checkpoint round trip, sharded and not: resuming from step 1 reproduces step 2 exactly.
+    for run in (a, b):
+        assert run["resumed"].keys() == run["state"].keys()
+        for k in run["state"]:
+            torch.testing.assert_close(run["resumed"][k], run["state"][k], rtol=0, atol=0,
+                                       msg=lambda m, k=k, w=run["world_size"]: f"world {w} {k}: {m}")
+        assert run["resumed_metrics"] == run["metrics"][1]
+
+    for ma, mb in zip(a["metrics"], b["metrics"]):
+        print(f"grad_norm 1 proc {ma['grad_norm']:.7g}, 2 procs {mb['grad_norm']:.7g}")
+        assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
+        assert mb["lr"] == ma["lr"]
+        assert mb["train/tokens"] == ma["train/tokens"]
+        assert mb["off_policy/logprob_abs_diff"] == pytest.approx(ma["off_policy/logprob_abs_diff"], abs=1e-6)
+        # Loss-side metrics describe the whole mini-batch, not rank 0's half of it. (Each rank's
+        # share here is one micro-batch, the same partition one process uses, so even the
+        # per-micro-batch ratio/max average matches.)
+        for key in ("loss/policy", "entropy/mean", "ratio/mean", "ratio/max", "clip/low_frac", "clip/high_frac"):
+            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip(tmp_path):
+    root = tmp_path / "ckpt"
+    cfg, model, _, _, batch = prepare()
+    trainer = GRPOTrainer(model, cfg)
+    trainer.train_step(batch)
+    path = save_checkpoint(trainer, root, 1, {"accuracy_before": 0.25})
+    assert path == root / "step_000001" and (path / "trainer.pt").is_file()
+    assert [p.name for p in root.iterdir()] == ["step_000001"]  # no temporary folder left behind
+    m2 = trainer.train_step(batch)
+    expected = weights(trainer.model)
+
+    # A fresh trainer from the *initial* weights, restored from the checkpoint.
+    model_b, _ = make_model(seed=0)
+    fresh = GRPOTrainer(model_b, cfg)
+    state = load_checkpoint(fresh, root)
+    assert state is not None and state["step"] == 1 and state["extra"] == {"accuracy_before": 0.25}
+    assert fresh.scheduler.last_epoch == trainer.scheduler.last_epoch - cfg.trainer.optimizer_steps
+    m2b = fresh.train_step(batch)
+    got = weights(fresh.model)
+    assert got.keys() == expected.keys()
+    for k in expected:  # same process, same thread count, same inputs: bitwise equal
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    assert m2b == m2
+
+
+def test_checkpoint_restores_optimizer_state(tmp_path):
+    """Loading must overwrite Adam's moments, not just the weights (a fresh Adam step differs)."""
+    cfg, model, _, _, batch = prepare()
+    trainer = GRPOTrainer(model, cfg)
+    trainer.train_step(batch)
+    save_checkpoint(trainer, tmp_path, 1, {})
+    fresh = GRPOTrainer(make_model(seed=0)[0], cfg)
+    load_checkpoint(fresh, tmp_path)
+    a = trainer.optimizer.state_dict()["state"]
+    b = fresh.optimizer.state_dict()["state"]
+    assert len(a) == len(b) == len(list(model.parameters()))
+    for i in a:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(b[i][key], a[i][key], rtol=0, atol=0)
+
+
+def test_checkpoint_keep_prunes_and_atomic(tmp_path):
+    cfg = make_cfg()
+    trainer = GRPOTrainer(make_model()[0], cfg)
+    for step in (1, 2, 3):
+        save_checkpoint(trainer, tmp_path, step, {"s": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+    save_checkpoint(trainer, tmp_path, 3, {"s": "again"}, keep=2)  # re-saving a step replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+    # A stray temporary folder (a save killed mid-write) is never taken for a checkpoint.
+    (tmp_path / ".step_000009.tmp-deadbeef").mkdir()
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [2, 3]
+    state = load_checkpoint(trainer, tmp_path)
+    assert state["step"] == 3 and state["extra"] == {"s": "again"}
+
+
+def test_load_checkpoint_empty(tmp_path):
+    trainer = GRPOTrainer(make_model()[0], make_cfg())
+    assert load_checkpoint(trainer, tmp_path) is None
+    assert load_checkpoint(trainer, tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def _count_logprob_passes(trainer) -> list:
+    calls = []
+    inner = trainer._logprobs
+
+    def counted(model, batch):
+        calls.append(model is trainer.reference)
+        return inner(model, batch)
+
+    trainer._logprobs = counted
+    return calls
+
+
+def test_kl_keeps_frozen_reference():
+    cfg, model, _, _, batch = prepare("--algorithm.kl_coef", "0.1")
+    initial = weights(model)
+    trainer = GRPOTrainer(model, cfg)
+    assert trainer.reference is not None and trainer.reference is not trainer.model
+    assert not any(p.requires_grad for p in trainer.reference.parameters())
+    calls = _count_logprob_passes(trainer)
+    m1 = trainer.train_step(batch)
+    m2 = trainer.train_step(batch)
+    assert calls == [False, True, False, True]  # old logprobs, then reference, each step
+    for m in (m1, m2):
+        assert "loss/kl" in m and math.isfinite(m["loss/kl"]) and m["loss/kl"] >= 0
+    assert m2["loss/kl"] > 0  # the policy has moved away from the reference
+    for k, v in trainer.reference.state_dict().items():
+        torch.testing.assert_close(v, initial[k], rtol=0, atol=0)
+    # Without kl_coef there is no reference and no KL term.
+    cfg0 = make_cfg()
+    plain = GRPOTrainer(make_model()[0], cfg0)
+    assert plain.reference is None and "loss/kl" not in plain.train_step(batch)
+
+
+def test_entropy_bonus():
+    cfg, model, _, _, batch = prepare("--algorithm.entropy_coef", "0.01")
+    m = GRPOTrainer(model, cfg).train_step(batch)
+    assert "loss/entropy" in m and m["loss/entropy"] > 0 and math.isfinite(m["loss/policy"])
+    assert m["entropy/mean"] == pytest.approx(m["loss/entropy"], rel=1e-5)
+
+
+def test_inference_old_logprobs_skip_recompute():
+    cfg, model, _, _, batch = prepare("--algorithm.old_logprobs", "inference")
+    trainer = GRPOTrainer(model, cfg)
+    calls = _count_logprob_passes(trainer)
+    m = trainer.train_step(batch)
+    assert calls == []
+    assert "off_policy/logprob_abs_diff" not in m and "off_policy/logprob_abs_diff_max" not in m
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_tis_cap():
+    cfg, model, _, _, batch = prepare("--algorithm.tis_cap", "2.0")
+    m = GRPOTrainer(model, cfg).train_step(batch)
+    assert all(math.isfinite(v) for v in m.values())
+    plain = GRPOTrainer(make_model()[0], make_cfg()).train_step(batch)
+    # old == inference here, so every TIS weight is 1 up to float rounding: the same loss and
+    # gradient as without the correction. (Metrics, not weights: Adam's division by sqrt(v)
+    # can amplify a 1e-7 weight difference on a near-zero gradient coordinate to ~1e-5.)
+    assert m["loss/policy"] == pytest.approx(plain["loss/policy"], rel=1e-4, abs=1e-6)
+    assert m["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    # A sampler less confident than the trainer by 1 nat per token makes every weight
+    # e^1 = 2.72, capped at 2: the per-token loss and the gradient are exactly doubled. Both
+    # runs clip to the same grad norm (> 1), so both take the same Adam steps and the second
+    # optimizer step sees the same weights too.
+    skewed = batch.slice(slice(None))
+    skewed.inference_logprobs = torch.where(batch.loss_mask, batch.inference_logprobs - 1.0, 0.0)
+    m2 = GRPOTrainer(make_model()[0], cfg).train_step(skewed)
+    assert all(math.isfinite(v) for v in m2.values())
+    assert m2["off_policy/logprob_abs_diff"] == pytest.approx(1.0, abs=1e-4)
+    assert plain["grad_norm"] > 2 * cfg.trainer.grad_clip
+    assert m2["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-3, abs=1e-6)
+    assert m2["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-3)
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--fsdp-run":
+        _fsdp_run(sys.argv[2])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --fsdp-run OUT.pt (plain python or under torchrun)")
