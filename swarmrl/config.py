@@ -126,7 +126,7 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: int = Field(150, ge=1)
+    steps: int = Field(120, ge=1)
     """Rollout steps (policy versions) to train."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
