@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
             _fail("--resume needs --run-dir: the run to continue")
         from swarmrl.rl.launcher import ChildDied, run_rl
 
+        # Ctrl-C must reach the launcher even when it was started from a shell that ignores
+        # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         if args.resume:
             from pathlib import Path
 
