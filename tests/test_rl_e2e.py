@@ -102,6 +102,17 @@ def test_starting_over_an_existing_run_is_refused(easy_base, tmp_path):
     assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """If a test failed midway, stop the launcher the polite way (SIGTERM makes it stop its
+    children), so a failure never leaves a run burning CPU behind it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -117,8 +128,7 @@ def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
         os.kill(int(pids[0]), signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
     assert proc.returncode == 2
     assert "worker-0 exited with code -9" in err and str(run / "logs" / "worker-0.log") in err
     time.sleep(0.5)
@@ -131,11 +141,14 @@ def test_ctrl_c_stops_every_child(easy_base, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
                              str(easy_base), "--trainer.steps", "500", *EASY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (run / "metrics.jsonl").exists():
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
     assert proc.returncode == 130
     assert "--resume" in out
     time.sleep(0.5)
