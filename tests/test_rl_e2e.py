@@ -65,10 +65,7 @@ def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
         "heldout_accuracy.png", "length.png", "reward.png", "step_time.png"]
     assert (run / "checkpoints" / "step_000004" / "trainer.pt").exists()
     assert '"accuracy_after"' in proc.stdout
-    # No process of the run is left behind.
-    time.sleep(0.5)
-    leftover = subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
-    assert leftover == []
+    assert _processes_of(run) == []  # no process of the run is left behind
 
 
 def test_synchronous_bound_zero(easy_base, tmp_path):
@@ -113,16 +110,27 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
-    run = tmp_path / "run"
+def _start_long_run(easy_base: Path, run: Path) -> subprocess.Popen:
+    """A run far longer than the test, returned once its trainer has written metrics."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
                              str(easy_base), "--trainer.steps", "500", *EASY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").exists() and proc.poll() is None:
+        time.sleep(0.2)
+    return proc
+
+
+def _processes_of(run: Path) -> list[str]:
+    time.sleep(0.5)
+    return subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
+
+
+def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
+    run = tmp_path / "run"
+    proc = _start_long_run(easy_base, run)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run / "metrics.jsonl").exists():
-            time.sleep(0.2)
         pids = subprocess.run(["pgrep", "-f", f"worker --run-dir {run}"], capture_output=True, text=True).stdout.split()
         assert pids, "worker not found"
         os.kill(int(pids[0]), signal.SIGKILL)
@@ -131,25 +139,17 @@ def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
         _stop(proc)
     assert proc.returncode == 2
     assert "worker-0 exited with code -9" in err and str(run / "logs" / "worker-0.log") in err
-    time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split() == []
+    assert _processes_of(run) == []
 
 
 def test_ctrl_c_stops_every_child(easy_base, tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
-                             str(easy_base), "--trainer.steps", "500", *EASY],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = _start_long_run(easy_base, run)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run / "metrics.jsonl").exists():
-            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         _stop(proc)
     assert proc.returncode == 130
     assert "--resume" in out
-    time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split() == []
+    assert _processes_of(run) == []

@@ -103,6 +103,10 @@ class GRPOTrainer:
         return out
 
     def _my_share(self, n: int) -> slice:
+        if n % self.dist.world_size:
+            raise ValueError(f"a mini-batch of {n} sequences does not split over {self.dist.world_size} ranks: "
+                             "make sampling.prompts_per_step x sampling.group_size / trainer.optimizer_steps "
+                             "a multiple of the world size")
         per = n // self.dist.world_size
         return slice(self.dist.rank * per, (self.dist.rank + 1) * per)
 
