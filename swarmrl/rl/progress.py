@@ -15,7 +15,6 @@ class Progress:
         self.enabled = enabled
         self._progress = None
         self._wandb = None
-        self._before = None
 
     def __enter__(self) -> "Progress":
         if self.live:
@@ -39,8 +38,6 @@ class Progress:
     def update(self, r: dict) -> None:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in r.items() if isinstance(v, (int, float))}, step=r["step"])
-        if "eval/accuracy" in r and self._before is None:
-            self._before = r["eval/accuracy"]
         if "time/step" in r:
             info = (f"reward {r['reward/mean']:.2f}  acc {r['reward/task_mean_all']:.2f}  "
                     f"{r['throughput/generated_tokens_per_s']:.0f} tok/s  off-policy {r['off_policy/max']:.0f}"
