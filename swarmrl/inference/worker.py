@@ -56,7 +56,7 @@ class Worker:
         try:
             model, tok = load_policy(self.rd.version_path(version), device=self.cfg.model.device,
                                      dtype=getattr(torch, self.cfg.model.dtype))
-        except (OSError, FileNotFoundError, ValueError):
+        except (OSError, ValueError):
             return False  # pruned or replaced under us; look again
         self.model, self.tokenizer, self.version = model.eval(), tok, version
         self.sampler = Sampler(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)

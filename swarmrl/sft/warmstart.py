@@ -18,18 +18,13 @@ import torch
 
 from swarmrl.config import Config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+from swarmrl.rl.tasks import model_input
 from swarmrl.tasks import arithmetic
-
-
-def chat_prompt(tokenizer, prompt: str) -> str:
-    """The policy's input for a task prompt: the checkpoint's own chat template."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
 
 
 def encode_example(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion + eos, and a 0/1 mask marking what is learned."""
-    p = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    _, p = model_input(tokenizer, prompt, None)  # exactly what the sampler will see in RL
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return p + c, [0] * len(p) + [1] * len(c)
 
