@@ -17,14 +17,7 @@ from swarmrl.model.checkpoint import build_tiny_policy
 M32 = 0xFFFFFFFF
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tensors here are tiny: one intra-op thread is fastest, and on a 2-core box shared with
-    # other work, 2 OpenMP threads contend for a single free core and run several times slower.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _t(xs) -> torch.Tensor:

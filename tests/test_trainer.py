@@ -113,13 +113,7 @@ def seq_logprobs(model, groups) -> torch.Tensor:
     return torch.tensor(out)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors on a shared 2-core box: one intra-op thread is fastest and deterministic.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------------------- train_step
