@@ -9,12 +9,13 @@ import signal
 import sys
 
 COMMANDS = {
-    "rl": "Run the whole asynchronous GRPO loop on this machine (trainer + inference workers).",
+    "rl": "Run the whole asynchronous GRPO loop on this machine (orchestrator + trainer + workers on loopback).",
     "sft": "Supervised warm start of the built-in tiny model on worked arithmetic traces.",
     "score": "Score completions in a JSONL file (math rewards + length control).",
     "tasks": "Write built-in procedural tasks as JSONL in the INTELLECT-2 RL dataset schema.",
-    "trainer": "The trainer role over a run directory (started by `swarmrl rl`; torchrun-able).",
-    "worker": "An inference worker over a run directory (started by `swarmrl rl`).",
+    "orchestrator": "The orchestrator service (HTTP): leases, rollouts, rewards, batches, durable state.",
+    "trainer": "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able).",
+    "worker": "An untrusted inference worker: joins an orchestrator over HTTP with its own ed25519 key.",
 }
 
 CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -53,13 +54,27 @@ def _parser() -> argparse.ArgumentParser:
     tk.add_argument("--split", default="train", choices=["train", "test"])
     tk.add_argument("--seed", type=int, default=0)
 
+    orc = sub.add_parser("orchestrator", help=COMMANDS["orchestrator"], description=COMMANDS["orchestrator"])
+    orc.add_argument("--run-dir", required=True, help="run directory with config.toml and policies/v000000")
+    orc.add_argument("--host", help="bind address (default: orchestrator.host from the config)")
+    orc.add_argument("--port", type=int, help="port (default: orchestrator.port; 0 picks a free one)")
+
     tr = sub.add_parser("trainer", help=COMMANDS["trainer"], description=COMMANDS["trainer"])
     tr.add_argument("--run-dir", required=True)
     tr.add_argument("--resume", action="store_true")
+    tr.add_argument("--orchestrator", help="orchestrator URL (default: from <run-dir>/orchestrator.json)")
+    tr.add_argument("--token-file", help="trainer bearer token (default: <run-dir>/trainer.token)")
 
     wk = sub.add_parser("worker", help=COMMANDS["worker"], description=COMMANDS["worker"])
-    wk.add_argument("--run-dir", required=True)
-    wk.add_argument("--index", type=int, default=0)
+    wk.add_argument("--orchestrator", required=True, help="orchestrator URL, e.g. http://127.0.0.1:8000")
+    wk.add_argument("--key-file", default=".cache/swarmrl/worker/key.pem",
+                    help="ed25519 private key (PEM), created on first start; its public key is this worker's identity")
+    wk.add_argument("--cache-dir", default=".cache/swarmrl/worker",
+                    help="downloaded policy versions and the outbox of unsent submissions")
+    wk.add_argument("--name", default="worker", help="display name (letters, digits, _ . -)")
+    wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
+    wk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return p
 
 
@@ -92,6 +107,8 @@ def _quiet_libraries() -> None:
     except ImportError:
         pass
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "httpcore"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,16 +188,33 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")
         return
 
+    if args.command == "orchestrator":
+        from swarmrl.orchestrator.server import serve
+
+        try:
+            serve(args.run_dir, host=args.host, port=args.port)
+        except (FileNotFoundError, OSError) as e:
+            _fail(str(e))
+        return
+
     if args.command == "trainer":
         from swarmrl.trainer.loop import run_trainer
 
-        run_trainer(args.run_dir, resume=args.resume)
+        try:
+            run_trainer(args.run_dir, resume=args.resume, orchestrator=args.orchestrator, token_file=args.token_file)
+        except FileNotFoundError as e:
+            _fail(str(e))
         return
 
     if args.command == "worker":
         from swarmrl.inference.worker import run_worker
+        from swarmrl.orchestrator.auth import AuthError
 
-        run_worker(args.run_dir, args.index)
+        try:
+            run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
+                       threads=args.threads, device=args.device, dtype=args.dtype)
+        except AuthError as e:
+            _fail(str(e))
         return
 
 

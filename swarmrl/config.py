@@ -72,7 +72,7 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     """Token limit per completion; hitting it gives finish reason "length"."""
     worker_batch_prompts: int = Field(16, ge=1)
-    """Prompts a worker samples in one batched generate call."""
+    """Prompts (groups) in one lease: what a worker samples in one batched generate call."""
     uninformative_limit: int = Field(2000, ge=1)
     """Stop the run with an error after this many consecutive groups with all-equal rewards
     (no GRPO signal at all), rather than wait forever for an informative one."""
@@ -165,9 +165,31 @@ class AsyncConfig(_Section):
     trainer_threads: int = Field(1, ge=1)
     """torch threads in the trainer process."""
     max_pending_groups: int | None = None
-    """Back-pressure: workers pause when this many groups wait unconsumed. None: prompts_per_step
-    x min(bound + 1, 2): one batch in flight while the trainer trains. A deeper queue only makes
-    data staler (on the default run, staleness 2 learned far slower than staleness 0-1)."""
+    """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
+    wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
+    trainer trains. A deeper queue only makes data staler (on the default run, staleness 2
+    learned far slower than staleness 0-1)."""
+
+
+class OrchestratorConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the orchestrator binds. Keep loopback unless workers on other machines must reach it."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 picks a free one (written to <run-dir>/orchestrator.json for the other roles)."""
+    lease_timeout_s: float = Field(120.0, gt=0)
+    """A lease not submitted within this many seconds expires; its problems go to other workers
+    and a late submission is refused."""
+    max_request_bytes: int = Field(8 << 20, ge=1024)
+    """Largest request body accepted; bigger ones get 413 before being parsed."""
+    max_clock_skew_s: float = Field(60.0, gt=0)
+    """A signed request whose timestamp is further than this from the orchestrator's clock is
+    refused (and nonces are remembered this long, so a replay is always caught)."""
+    rate_per_s: float = Field(50.0, gt=0)
+    """Sustained signed requests per second allowed per worker key (token bucket)."""
+    rate_burst: int = Field(100, ge=1)
+    """Requests a worker key may send in a burst before rate limiting starts (429)."""
+    registrations_per_min: int = Field(600, ge=1)
+    """New worker keys accepted per minute across all clients (a flood of fresh keys gets 429)."""
 
 
 class EvalConfig(_Section):
@@ -219,6 +241,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
     eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
     logging: LoggingConfig = LoggingConfig()

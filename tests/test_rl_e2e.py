@@ -123,15 +123,17 @@ def _start_long_run(easy_base: Path, run: Path) -> subprocess.Popen:
 
 
 def _processes_of(run: Path) -> list[str]:
+    """Every role has the run directory on its command line (workers through --cache-dir)."""
     time.sleep(0.5)
-    return subprocess.run(["pgrep", "-f", f"--run-dir {run}"], capture_output=True, text=True).stdout.split()
+    return subprocess.run(["pgrep", "-f", f"swarmrl.cli .*{run}"], capture_output=True, text=True).stdout.split()
 
 
 def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
     proc = _start_long_run(easy_base, run)
     try:
-        pids = subprocess.run(["pgrep", "-f", f"worker --run-dir {run}"], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["pgrep", "-f", f"--cache-dir {run}/workers/worker-0"], capture_output=True,
+                              text=True).stdout.split()
         assert pids, "worker not found"
         os.kill(int(pids[0]), signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
@@ -153,3 +155,71 @@ def test_ctrl_c_stops_every_child(easy_base, tmp_path):
     assert proc.returncode == 130
     assert "--resume" in out
     assert _processes_of(run) == []
+
+
+def _role(*args: str, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "SWARMRL_LAUNCHER_PID"}
+    env["OMP_NUM_THREADS"] = "1"
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "swarmrl.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+
+def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_base, tmp_path):
+    """Orchestrator, trainer and 2 workers as separate processes (as on separate machines);
+    the orchestrator is killed with SIGKILL mid-run and restarted on the same port."""
+    import shutil
+    import sqlite3
+
+    from orchestrator_harness import OrchestratorProcess
+
+    from swarmrl.config import load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = 8
+    cfg = load_config(None, [*EASY, "--trainer.steps", str(steps), "--run-dir", str(run)])
+    (run / "config.toml").write_text(cfg.to_toml())
+    shutil.copytree(easy_base, run / "policies" / "v000000")
+    orch = OrchestratorProcess(run).start()
+    roles = [_role("trainer", "--run-dir", str(run), log=run / "trainer.log")]
+    for i in range(2):
+        roles.append(_role("worker", "--orchestrator", orch.url, "--key-file", str(run / f"w{i}" / "key.pem"),
+                           "--cache-dir", str(run / f"w{i}"), "--name", f"w{i}", log=run / f"w{i}.log"))
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len([r for r in _read(run) if "time/step" in r]) < 3:
+            assert all(p.poll() is None for p in roles), (run / "trainer.log").read_text()
+            time.sleep(0.1)
+        orch.kill9()
+        time.sleep(1.0)
+        orch.start()
+        assert roles[0].wait(timeout=240) == 0, (run / "trainer.log").read_text()
+        for p in roles[1:]:
+            assert p.wait(timeout=60) == 0  # workers leave once the run is finished
+    finally:
+        for p in roles:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        orch.stop()
+    assert [r["step"] for r in _read(run) if "time/step" in r] == list(range(1, steps + 1))
+    trained = [json.loads(line) for line in (run / "consumed.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(steps))
+    db = sqlite3.connect(run / "orchestrator.sqlite")
+    batches = dict(db.execute("SELECT step, group_ids FROM batches").fetchall())
+    all_ids = []
+    for t in trained:
+        assert json.loads(batches[t["step"]]) == t["group_ids"]  # the trainer got exactly the recorded batch
+        all_ids += t["group_ids"]
+    assert len(all_ids) == len(set(all_ids))  # no group fed two steps
+    consumed = dict(db.execute("SELECT id, step FROM groups WHERE state = 'consumed'").fetchall())
+    assert sorted(consumed) == sorted(all_ids)
+    assert all(consumed[i] == t["step"] for t in trained for i in t["group_ids"])
+    states = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+    assert set(states) <= {"consumed", "queued", "stale", "uninformative"}
+    assert "orchestrator listening" in orch.log() and orch.log().count("orchestrator listening") == 2
+
+
+def _read(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

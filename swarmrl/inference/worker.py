@@ -1,101 +1,167 @@
-"""An inference worker (`swarmrl worker --run-dir DIR`): newest allowed policy in, groups out.
+"""An untrusted inference worker (`swarmrl worker --orchestrator URL`).
 
-The async bound is respected at the source: a worker only samples with version v when
-v >= next_step - k (next_step is the step the trainer is collecting data for), and pauses while
-enough groups already wait, so it never produces data that the bound would have to throw away
-unless the trainer falls behind. The trainer still checks every group's version (it trusts the
-rule, not the worker).
+    register (ed25519 key = identity) -> status -> newest allowed policy (HTTP, hash-checked)
+    -> lease (the orchestrator picks problems, seeds, settings) -> generate -> signed submit
+
+The worker decides nothing that matters for training: problems, group size, temperature, token
+limit, target lengths and the seed of every completion come from the lease, and the rewards
+are recomputed by the orchestrator. What it owns is getting finished work delivered: a
+submission is written to `<cache-dir>/outbox/` before it is sent and removed only once the
+orchestrator accepted or refused it, or its lease expired, so an orchestrator restart or a
+network blip loses nothing (a restarted worker sends what its outbox holds first).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from swarmrl.config import Config, load_config
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import load_policy
-from swarmrl.rl.rollouts import Group, Sample
-from swarmrl.rl.tasks import model_input, task_rows
-from swarmrl.transport.filesystem import RunDir
+from swarmrl.orchestrator.auth import load_or_create_key
+from swarmrl.orchestrator.client import Refused, Unavailable, WorkerClient, retrying
+from swarmrl.transport.filesystem import atomic_write_text
+from swarmrl.transport.weights import WeightsError, fetch_policy, prune_cache
 
 
-def max_pending(cfg: Config) -> int:
-    """Queue depth at which workers pause. In steady state workers and trainer run at the same
-    rate, so a deeper queue adds staleness, not throughput: about one batch ahead is enough to
-    keep both busy (two batches of groups, since online filtering drops some)."""
-    return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
+def _log(msg: str) -> None:
+    print(msg, flush=True)
 
 
 class Worker:
-    def __init__(self, run_dir: str | Path, index: int, cfg: Config | None = None):
-        self.rd = RunDir(run_dir)
-        self.cfg = cfg or load_config(self.rd.root / "config.toml")
-        self.index = index
-        self.name = f"w{index}"
-        self.train_rows, _ = task_rows(self.cfg, log=lambda *_: None)
-        # The draw position is keyed by start time so a restarted worker does not replay its
-        # first problems; workers still cannot pick problems (the trusted side checks ids later).
-        self.rng = random.Random(f"{self.cfg.seed}-{index}-{time.time_ns()}")
-        self.model = None
+    def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
+                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = 600.0, log=_log):
+        self.key = load_or_create_key(key_file)
+        self.client = WorkerClient(orchestrator, self.key)
+        self.cache = Path(cache_dir)
+        self.outbox = self.cache / "outbox"
+        self.outbox.mkdir(parents=True, exist_ok=True)
+        self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
+        self.unreachable_s, self.log = unreachable_s, log
         self.version: int | None = None
-        self.parent = os.getppid()
+        self.sampler: Sampler | None = None
+        launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
+        self.parent = int(launcher) if launcher else None
 
-    def _usable_version(self) -> int | None:
-        latest = self.rd.latest_version()
-        next_step = self.rd.read_state().get("next_step", 0)
-        if latest is None or latest < next_step - self.cfg.async_.bound:
-            return None
-        return latest
+    def _watchdog(self) -> None:
+        if self.parent is not None and os.getppid() != self.parent:
+            raise SystemExit("the swarmrl rl launcher is gone; stopping this worker")
 
-    def _load(self, version: int) -> bool:
+    def _call(self, fn, what: str):
+        return retrying(fn, what=what, give_up_s=self.unreachable_s, check=self._watchdog, log=self.log)
+
+    # ---- policy ------------------------------------------------------------------------------
+    def _ensure_policy(self, policy: dict) -> bool:
+        """Load the orchestrator's newest version if we do not have it. False: try again later."""
+        version = policy["version"]
+        if version == self.version:
+            return True
         try:
-            model, tok = load_policy(self.rd.version_path(version), device=self.cfg.model.device,
-                                     dtype=getattr(torch, self.cfg.model.dtype))
-        except (OSError, ValueError):
-            return False  # pruned or replaced under us; look again
-        self.model, self.tokenizer, self.version = model.eval(), tok, version
-        self.sampler = Sampler(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+            folder = fetch_policy(policy["url"], version, policy["manifest"], self.cache / "policies",
+                                  retries=2, backoff_s=0.1)
+            model, tok = load_policy(folder, device=self.device, dtype=self.dtype)
+        except (WeightsError, OSError, ValueError) as e:
+            # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
+            self.log(f"could not load policy v{version}: {e}")
+            return False
+        self.sampler = Sampler(model.eval(), stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+        self.version = version
+        prune_cache(self.cache / "policies", keep=2)
         return True
 
-    def generate_groups(self) -> list[Group]:
-        c, s = self.cfg, self.cfg.sampling
-        rows = [self.rng.choice(self.train_rows) for _ in range(s.worker_batch_prompts)]
-        targets = [self.rng.choice(c.length.targets) if c.length.enabled else None for _ in rows]
-        inputs = [model_input(self.tokenizer, r["prompt"], t) for r, t in zip(rows, targets)]
-        seeds = [self.rng.getrandbits(63) for _ in range(len(rows) * s.group_size)]
-        prompts = [ids for _, ids in inputs for _ in range(s.group_size)]
-        t0 = time.monotonic()
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=s.max_new_tokens, temperature=s.temperature)
-        share = (time.monotonic() - t0) / len(rows)
-        groups, now = [], time.time()
-        for i, (r, (prompt, ids), t) in enumerate(zip(rows, inputs, targets)):
-            block = range(i * s.group_size, (i + 1) * s.group_size)
-            samples = [Sample(outs[j].token_ids, outs[j].logprobs, outs[j].finish_reason, seeds[j]) for j in block]
-            groups.append(Group(r["problem_id"], r["task_type"], prompt, r["verification_info"], ids, samples,
-                                self.version, self.name, s.temperature, t, now, share))
-        return groups
+    # ---- work --------------------------------------------------------------------------------
+    def generate(self, lease: dict) -> dict:
+        """Sample every prompt of a lease with the lease's seeds and settings; the submission body."""
+        g = lease["group_size"]
+        prompts = [p["prompt_ids"] for p in lease["prompts"] for _ in range(g)]
+        seeds = [s for p in lease["prompts"] for s in p["seeds"]]
+        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease["max_new_tokens"],
+                                     temperature=lease["temperature"])
+        groups = []
+        for i, p in enumerate(lease["prompts"]):
+            block = outs[i * g : (i + 1) * g]
+            groups.append({"slot": p["slot"], "policy_version": self.version,
+                           "samples": [{"token_ids": o.token_ids, "logprobs": o.logprobs,
+                                        "finish_reason": o.finish_reason} for o in block]})
+        return {"lease_id": lease["lease_id"], "groups": groups}
 
-    def run(self, *, poll_s: float = 0.05) -> None:
-        torch.set_num_threads(self.cfg.async_.worker_threads)
-        limit = max_pending(self.cfg)
-        while not self.rd.stop_requested():
-            if os.getppid() != self.parent:
-                return  # the launcher died: do not run on as an orphan
-            version = self._usable_version()
-            if version is None or self.rd.pending_count() >= limit:
-                time.sleep(poll_s)
+    def deliver(self, path: Path) -> dict | None:
+        """Send one outbox entry until it is accepted, refused, or its lease has expired."""
+        entry = json.loads(path.read_text())
+        expires, submission = entry["expires_at"], entry["submission"]
+        delay = 0.2
+        while True:
+            try:
+                result = self.client.submit(submission)
+            except Refused as e:
+                self.log(f"lease {submission['lease_id']} refused: {e}")
+                path.unlink(missing_ok=True)
+                return None
+            except Unavailable as e:
+                if time.time() > expires:
+                    self.log(f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
+                             f"({e}); dropping its groups")
+                    path.unlink(missing_ok=True)
+                    return None
+                self._watchdog()
+                time.sleep(e.retry_after or delay)
+                delay = min(5.0, delay * 2)
                 continue
-            if version != self.version and not self._load(version):
-                time.sleep(poll_s)
+            path.unlink(missing_ok=True)
+            for r in result["rejected"]:
+                self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
+            return result
+
+    def flush_outbox(self) -> int:
+        sent = 0
+        for path in sorted(self.outbox.glob("*.json")):
+            if self.deliver(path) is not None:
+                sent += 1
+        return sent
+
+    def run(self) -> None:
+        me = self._call(lambda: self.client.register(self.name), "register")
+        self.log(f"worker {self.name} registered as {self.client.key_hex[:16]}… "
+                 f"(accepted {me['accepted']}, rejected {me['rejected']})")
+        self.flush_outbox()
+        while True:
+            self._watchdog()
+            st = self._call(self.client.status, "status")
+            if st["finished"]:
+                self.log("the run is finished")
+                return
+            if st["policy"] is None or not self._ensure_policy(st["policy"]):
+                time.sleep(0.2)
                 continue
-            for g in self.generate_groups():
-                self.rd.put_group(g)
+            try:
+                resp = self._call(lambda: self.client.lease(self.version), "lease")
+            except Refused as e:
+                if e.code == "run_finished":
+                    return
+                time.sleep(0.05)  # e.g. our version fell out of the bound: the status says which to get
+                continue
+            lease = resp.get("lease")
+            if lease is None:
+                time.sleep(resp.get("retry_after_s", 0.2))
+                continue
+            submission = self.generate(lease)
+            path = self.outbox / f"{lease['lease_id']}.json"
+            atomic_write_text(path, json.dumps({"expires_at": lease["expires_at"], "submission": submission}))
+            self.deliver(path)
 
 
-def run_worker(run_dir: str | Path, index: int) -> None:
-    Worker(run_dir, index).run()
+def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
+               device: str = "cpu", dtype: str = "float32") -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype)
+    try:
+        worker.run()
+    except (Unavailable, Refused) as e:
+        print(f"swarmrl worker: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 
-import torch
 
 from swarmrl.config import Config
 from swarmrl.inference.sampler import Sampler

@@ -1,4 +1,6 @@
-"""`swarmrl rl`: start the trainer and inference workers as OS processes and watch them.
+"""`swarmrl rl`: start the orchestrator, the trainer and inference workers as OS processes on
+this machine and watch them. They talk HTTP on loopback exactly as they would across the
+internet: workers have their own keys, lease from the orchestrator and fetch weights over HTTP.
 
 The launcher owns the children: each runs in its own session (so a terminal's Ctrl-C reaches
 only the launcher, which then stops everyone in order), logs to `<run-dir>/logs/`, and is
@@ -64,16 +66,25 @@ class Children:
         for name, (proc, log) in self.procs.items():
             code = proc.poll()
             if code is not None and (code != 0 or name != "trainer"):
-                if name != "trainer" and code == 0 and self.rd.stop_requested():
+                if name.startswith("worker") and code == 0 and self.rd.stop_requested():
                     continue  # a worker that exited because the run is over
                 tail = log.read_text(errors="replace").strip().splitlines()[-15:]
                 raise ChildDied(f"{name} exited with code {code}; its log is {log}\n  " + "\n  ".join(tail))
         trainer = self.procs.get("trainer")
         return trainer is not None and trainer[0].poll() == 0
 
+    def wait_for_file(self, path: Path, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            self.check()
+            if time.monotonic() > deadline:
+                raise ChildDied(f"{path.name} did not appear within {timeout_s:.0f} s; see {self.rd.logs}")
+            time.sleep(0.05)
+
     def stop(self, grace_s: float = 5.0) -> None:
         self.rd.request_stop()
-        for proc, _ in self.procs.values():
+        # Workers and trainer first, the orchestrator last (they may be mid-request).
+        for proc, _ in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
@@ -122,9 +133,7 @@ def write_summary(rd: RunDir, cfg: Config, wall_seconds: float) -> dict:
 def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     rd = RunDir(cfg.run_dir or new_run_dir())
-    if resume:
-        (rd.root / "stop").unlink(missing_ok=True)
-    else:
+    if not resume:
         if (rd.root / "metrics.jsonl").exists():
             raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
@@ -136,10 +145,21 @@ def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
     children = Children(rd)
     interrupted = False
     try:
+        info = rd.root / "orchestrator.json"
+        info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
+        (rd.root / "stop").unlink(missing_ok=True)
+        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root)], 1)
+        children.wait_for_file(info)
+        url = json.loads(info.read_text())["url"]
+        log(f"orchestrator: {url}")
         children.start("trainer", ["trainer", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
                        cfg.async_.trainer_threads)
         for i in range(cfg.async_.workers):
-            children.start(f"worker-{i}", ["worker", "--run-dir", str(rd.root), "--index", str(i)],
+            wdir = rd.root / "workers" / f"worker-{i}"
+            children.start(f"worker-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
+                                           "--cache-dir", str(wdir), "--name", f"worker-{i}",
+                                           "--threads", str(cfg.async_.worker_threads),
+                                           "--device", cfg.model.device, "--dtype", cfg.model.dtype],
                            cfg.async_.worker_threads)
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0

@@ -40,7 +40,9 @@ class Group:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
+    def from_dict(cls, data: dict) -> "Group":
+        return cls(**{**data, "samples": [Sample(**s) for s in data["samples"]]})
+
+    @classmethod
     def from_json(cls, text: str) -> "Group":
-        data = json.loads(text)
-        data["samples"] = [Sample(**s) for s in data["samples"]]
-        return cls(**data)
+        return cls.from_dict(json.loads(text))

@@ -1,13 +1,15 @@
 """The trainer role (`swarmrl trainer --run-dir DIR`): the RL loop, one screen long.
 
     for step n:
-        batch n   <- groups from versions >= n - k, rewards recomputed, zero-advantage dropped
+        batch n   <- pulled from the orchestrator (versions >= n - k, rewards recomputed there,
+                     zero-advantage groups dropped); asking again returns the same batch
         update    <- old logprobs, then `optimizer_steps` clipped-GRPO steps
-        publish   -> policy version n + 1 (a complete HF folder, atomically)
-        record    -> metrics.jsonl, checkpoints, held-out accuracy
+        publish   -> policy version n + 1: a complete HF folder (atomically), served over HTTP
+                     by this process, announced to the orchestrator with its file hashes
+        record    -> metrics.jsonl, consumed.jsonl, checkpoints, held-out accuracy
 
-Rank 0 builds batches and writes files; under torchrun the other ranks receive each batch by
-broadcast and take part in the sharded update.
+Rank 0 talks to the orchestrator and writes files; under torchrun the other ranks receive each
+batch by broadcast and take part in the sharded update.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import torch.distributed as dist
 
 from swarmrl.config import load_config
 from swarmrl.model.checkpoint import load_policy, save_policy
+from swarmrl.orchestrator.client import Refused, TrainerClient, retrying
 from swarmrl.rewards.pool import VerifierPool
-from swarmrl.rl.batcher import BatchBuilder
 from swarmrl.rl.evaluate import evaluate
+from swarmrl.rl.rollouts import Group
 from swarmrl.rl.tasks import task_rows
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
+from swarmrl.transport.weights import PolicyServer, folder_manifest
 
 
 def _log_metrics(rd: RunDir, record: dict) -> None:
@@ -56,7 +60,52 @@ def _broadcast(obj, dist_info):
     return box[0]
 
 
-def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
+def _orchestrator(rd: RunDir, url: str | None, token_file: str | None) -> TrainerClient:
+    if url is None:
+        info = rd.root / "orchestrator.json"
+        if not info.exists():
+            raise FileNotFoundError(f"no --orchestrator URL and no {info}: start `swarmrl orchestrator` first")
+        url = json.loads(info.read_text())["url"]
+    token_path = Path(token_file) if token_file else rd.root / "trainer.token"
+    if not token_path.exists():
+        raise FileNotFoundError(f"{token_path} is missing: the orchestrator creates it; pass --token-file")
+    return TrainerClient(url, token_path.read_text().strip())
+
+
+class _Link:
+    """Rank 0's connection to the orchestrator: pull batches, announce versions. Every call
+    rides out an orchestrator restart (retry with backoff for up to `unreachable_s`)."""
+
+    def __init__(self, client: TrainerClient, server: PolicyServer, rd: RunDir, check, unreachable_s: float = 600):
+        self.client, self.server, self.rd, self.check = client, server, rd, check
+        self.unreachable_s = unreachable_s
+
+    def _call(self, fn, what):
+        return retrying(fn, what=what, give_up_s=self.unreachable_s, check=self.check)
+
+    def publish(self, version: int) -> None:
+        manifest = folder_manifest(self.rd.version_path(version))
+        self._call(lambda: self.client.publish(version, self.server.url, manifest), f"publish v{version}")
+
+    def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
+        t0 = last = time.monotonic()
+        while True:
+            try:
+                resp = self._call(lambda: self.client.batch(step), f"batch {step}")
+            except Refused as e:
+                raise RuntimeError(e.detail) from None
+            if resp["ready"]:
+                return resp
+            if time.monotonic() - last > report_s:  # a standalone trainer may wait for workers to join
+                last = time.monotonic()
+                print(f"waiting {last - t0:.0f} s for batch {step}: {resp['queued']}/{resp['needed']} groups",
+                      flush=True)
+            self.check()
+            time.sleep(poll_s)
+
+
+def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str | None = None,
+                token_file: str | None = None) -> dict:
     rd = RunDir(run_dir)
     cfg = load_config(rd.root / "config.toml")
     dinfo = init_distributed()
@@ -73,9 +122,19 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
             print(f"resumed from checkpoint at step {start}", flush=True)
     pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s) if main else None
     _, held_out = task_rows(cfg, log=lambda *_: None)
-    builder = BatchBuilder(rd, cfg, tokenizer, pool, check_alive=_parent_watchdog()) if main else None
+    server = link = None
     t_run = time.monotonic()
     try:
+        if main:
+            server = PolicyServer(rd.policies, host=cfg.orchestrator.host).start()
+            link = _Link(_orchestrator(rd, orchestrator, token_file), server, rd, _parent_watchdog())
+        sd = trainer.full_state_dict() if start else None
+        if main:
+            if start:
+                # The checkpoint's weights are version `start`; versions written after it belong to
+                # steps that will be redone (on the same frozen batches), so they are replaced.
+                save_policy(model, tokenizer, rd.version_path(start), state_dict=sd)
+            link.publish(start)
         if start == 0 and main:
             before = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
             extra["accuracy_before"] = before["eval/accuracy"]
@@ -85,10 +144,11 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
             t0 = time.monotonic()
             groups, metrics = None, {}
             if main:
-                rd.write_state(next_step=step, latest_version=step)
-                groups, metrics = builder.build(step)
-                # Batch n is complete: workers may now sample for step n + 1.
-                rd.write_state(next_step=step + 1, latest_version=step)
+                resp = link.pull(step)
+                groups = [Group.from_dict(g) for g in resp["groups"]]
+                metrics = {**resp["metrics"], "time/wait_for_batch": time.monotonic() - t0}
+                with open(rd.root / "consumed.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step, "group_ids": resp["group_ids"]}) + "\n")
             groups = _broadcast(groups, dinfo)
             batch = build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
                                       normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
@@ -98,6 +158,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
             sd = trainer.full_state_dict()
             if main:
                 save_policy(model, tokenizer, rd.version_path(step + 1), state_dict=sd)
+                link.publish(step + 1)
                 rd.prune_versions(keep_from=min(step + 1 - cfg.async_.bound, step + 2 - cfg.trainer.keep_versions))
             t3 = time.monotonic()
             metrics.update({"time/train": t2 - t1, "time/publish": t3 - t2, "time/step": t3 - t0})
@@ -113,7 +174,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
                       f"off_policy {metrics['off_policy/max']:.0f} step {metrics['time/step']:.2f}s", flush=True)
         summary = {}
         if main:
-            rd.write_state(next_step=cfg.trainer.steps, latest_version=cfg.trainer.steps, finished=True)
+            link._call(link.client.finish, "finish")
             rd.request_stop()
             after = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
@@ -123,6 +184,8 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False) -> dict:
             print(f"held-out accuracy after: {after['eval/accuracy']:.3f}", flush=True)
         return summary
     finally:
+        if server is not None:
+            server.close()
         if pool is not None:
             pool.close()
         if dist.is_initialized():

@@ -1,27 +1,27 @@
-"""Rollouts and policy versions exchanged through a run directory (trusted single machine).
+"""The run directory: the trusted side's files (trainer and orchestrator on one machine).
 
 Layout under the run dir:
+    config.toml           the resolved config every trusted role reads
     policies/v000003/     complete HF folders, one per policy version, renamed into place whole
-    rollouts/pending/     one JSON file per group, written to a temp name and renamed
-    state.json            the trainer's progress (next batch step, newest version), atomic
-    stop                  present once the run is over: workers exit
+    orchestrator.sqlite   the orchestrator's durable state (leases, groups, batches)
+    orchestrator.json     where the orchestrator listens ({"url": ...})
+    trainer.token         the trainer's bearer token for the orchestrator (mode 0600)
+    consumed.jsonl        the group ids the trainer trained on, per step
+    logs/, checkpoints/, metrics.jsonl, summary.json, plots/
+    stop                  present once the run is over
 
 Everything is written with write-to-temp-then-rename, so a reader never sees a partial file and
-a killed process leaves nothing half-written behind. The orchestrator issue replaces this with
-HTTP; the interface (put/take groups, publish/fetch versions, read progress) stays.
+a killed process leaves nothing half-written behind. Workers never read this directory: they
+talk to the orchestrator and fetch weights over HTTP.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
-
-from swarmrl.rl.rollouts import Group
 
 _VERSION_DIR = re.compile(r"^v(\d{6})$")
 
@@ -36,9 +36,8 @@ class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.policies = self.root / "policies"
-        self.pending = self.root / "rollouts" / "pending"
         self.logs = self.root / "logs"
-        for d in (self.policies, self.pending, self.logs):
+        for d in (self.policies, self.logs):
             d.mkdir(parents=True, exist_ok=True)
 
     # ---- policy versions -------------------------------------------------------------------
@@ -58,34 +57,6 @@ class RunDir:
         for v in self.versions():
             if 0 < v < keep_from:
                 shutil.rmtree(self.version_path(v), ignore_errors=True)
-
-    # ---- rollout groups --------------------------------------------------------------------
-    def put_group(self, group: Group) -> Path:
-        # Names sort by creation time, so the trainer consumes groups first in, first out.
-        name = f"{time.time_ns():020d}-v{group.policy_version:06d}-{group.worker}.json"
-        path = self.pending / name
-        atomic_write_text(path, group.to_json())
-        return path
-
-    def pending_groups(self) -> list[Path]:
-        return sorted(p for p in self.pending.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
-
-    def pending_count(self) -> int:
-        return len(self.pending_groups())
-
-    @staticmethod
-    def read_group(path: Path) -> Group:
-        return Group.from_json(path.read_text())
-
-    # ---- trainer progress ------------------------------------------------------------------
-    def write_state(self, **state) -> None:
-        atomic_write_text(self.root / "state.json", json.dumps(state))
-
-    def read_state(self) -> dict:
-        try:
-            return json.loads((self.root / "state.json").read_text())
-        except FileNotFoundError:
-            return {}
 
     def request_stop(self) -> None:
         (self.root / "stop").touch()

@@ -1,0 +1,257 @@
+"""The orchestrator's HTTP face (FastAPI). Thin: parse, authenticate, call `Orchestrator`.
+
+Endpoints (all JSON; errors are {"error": code, "detail": message} with a 4xx status):
+
+    GET  /healthz                     liveness
+    GET  /metrics                     Prometheus text format
+    GET  /v1/status                   step, newest policy version and where to get it, async bound
+    POST /v1/workers/register         signed by the worker key: join the run
+    POST /v1/leases                   signed: get problems to sample (or "no work now, retry")
+    POST /v1/rollouts                 signed: submit the groups of a lease
+    POST /v1/trainer/batches/{step}   trainer (bearer token): batch `step`, built on first ask
+    POST /v1/trainer/policies         trainer: a new policy version is available at a URL
+    POST /v1/trainer/finish           trainer: the run is over, workers may leave
+
+Nothing a client sends may produce a 5xx: bodies are size-capped before parsing, validated by
+pydantic with explicit limits, and every refusal is an ApiError with a code the client can act on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import traceback
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swarmrl.orchestrator.auth import AuthError, verify_request
+from swarmrl.orchestrator.service import ApiError, Orchestrator
+
+# Hard ceilings on request shapes, whatever the config says; the config's own limits (group
+# size, token limit) are checked by the service with a message that names them.
+MAX_TOKENS = 1 << 17
+MAX_SAMPLES = 1024
+MAX_GROUPS = 1024
+
+_LEASE_ID = r"^[0-9a-f]{32}$"
+
+
+class _In(BaseModel):
+    # Unknown fields are ignored, not refused: a worker may send a claimed reward, and it is
+    # simply never read.
+    model_config = ConfigDict(extra="ignore")
+
+
+class RegisterIn(_In):
+    name: str = Field("worker", pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="display name, not an identity")
+
+
+class LeaseIn(_In):
+    policy_version: int = Field(ge=0, le=10**9, description="the policy version this worker has loaded")
+
+
+class SampleIn(_In):
+    token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_TOKENS)
+    logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
+    finish_reason: Literal["stop", "length"]
+
+
+class GroupIn(_In):
+    slot: int = Field(ge=0, le=MAX_GROUPS)
+    policy_version: int = Field(ge=0, le=10**9)
+    samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
+
+
+class SubmitIn(_In):
+    lease_id: str = Field(pattern=_LEASE_ID)
+    groups: list[GroupIn] = Field(min_length=1, max_length=MAX_GROUPS)
+
+
+class PublishIn(_In):
+    version: int = Field(ge=0, le=10**9)
+    url: str = Field(max_length=2048, pattern=r"^https?://[^\s]+$")
+    manifest: dict = Field(description="folder_manifest() of the version: files with sha256 and size")
+
+
+class ErrorOut(BaseModel):
+    error: str
+    detail: str
+
+
+class SizeLimit:
+    """Refuse bodies over the limit before the app parses them. Pure ASGI, so it also covers a
+    chunked upload with no Content-Length: the body is counted as it arrives, cut off at the
+    limit, and whatever the app answers to the truncated body is replaced by the 413."""
+
+    def __init__(self, app: FastAPI, max_bytes: int):
+        self.app, self.fastapi, self.max_bytes = app, app, max_bytes
+
+    def _too_big(self) -> JSONResponse:
+        return _error(413, "too_large", f"request body over {self.max_bytes} bytes; split it into smaller requests")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared < 0:
+                return await _error(400, "bad_request", "invalid Content-Length header")(scope, receive, send)
+            if declared > self.max_bytes:
+                return await self._too_big()(scope, receive, send)
+        seen, over = 0, False
+
+        async def counted():
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request" and not over:
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    over = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def guarded_send(message):
+            if not over:
+                return await send(message)
+            if message["type"] == "http.response.start":
+                await self._too_big()(scope, receive, send)
+
+        await self.app(scope, counted, guarded_send)
+
+
+def _error(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors()[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ()))
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(orch: Orchestrator) -> SizeLimit:
+    """The ASGI app (size limit around FastAPI; the FastAPI object is `.fastapi`)."""
+    app = FastAPI(title="swarmrl orchestrator", version="1",
+                  description="Leases, rollouts and batches for asynchronous GRPO with untrusted workers.")
+    registry = CollectorRegistry()
+    requests = Counter("swarmrl_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
+    latency = Histogram("swarmrl_request_seconds", "Request latency", ["endpoint"], registry=registry,
+                        buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10))
+    totals = Gauge("swarmrl_total", "Totals since this orchestrator process started", ["what"], registry=registry)
+    state = Gauge("swarmrl_state", "Run state (step, versions, group counts)", ["what"], registry=registry)
+    responses = {400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
+                 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut},
+                 413: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}}
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "unmatched")
+        requests.labels(endpoint, str(response.status_code)).inc()
+        latency.labels(endpoint).observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, exc: ApiError):
+        headers = {"Retry-After": f"{max(1, round(exc.retry_after))}"} if exc.retry_after else None
+        return _error(exc.status, exc.code, exc.message, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError):
+        return _error(422, "invalid_request", _describe_validation(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def crash(_request, exc: Exception):
+        # A bug, never the client's fault: log it here, never send the traceback out.
+        orch.log("orchestrator: internal error\n" + "".join(traceback.format_exception(exc)))
+        return _error(500, "internal", "internal error; it has been logged on the orchestrator")
+
+    async def signed(request: Request) -> tuple[str, dict]:
+        body = await request.body()
+        try:
+            key, nonce, ts = verify_request({k.lower(): v for k, v in request.headers.items()}, request.method,
+                                            request.url.path, body,
+                                            max_skew_s=orch.cfg.orchestrator.max_clock_skew_s)
+        except AuthError as e:
+            raise ApiError(401, "bad_signature", str(e)) from None
+        return key, {"nonce": nonce, "ts": ts}
+
+    def trainer_only(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        if not (header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), orch.trainer_token.encode())):
+            raise ApiError(401, "not_trainer", "this endpoint needs the trainer's bearer token")
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        for name, value in orch.totals().items():
+            totals.labels(name).set(value)
+        for name, value in orch.gauges().items():
+            state.labels(name).set(value)
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    def status() -> dict:
+        return orch.status()
+
+    @app.post("/v1/workers/register", responses=responses)
+    def register(body: RegisterIn, who: tuple = Depends(signed)) -> dict:
+        key, auth = who
+        orch.authenticate(key, auth["nonce"], auth["ts"], registering=True)
+        return orch.register(key, body.name)
+
+    @app.post("/v1/leases", responses=responses)
+    def lease(body: LeaseIn, who: tuple = Depends(signed)) -> dict:
+        key, auth = who
+        orch.authenticate(key, auth["nonce"], auth["ts"])
+        return orch.lease(key, body.policy_version)
+
+    @app.post("/v1/rollouts", responses=responses)
+    def rollouts(body: SubmitIn, who: tuple = Depends(signed)) -> dict:
+        key, auth = who
+        orch.authenticate(key, auth["nonce"], auth["ts"])
+        return orch.submit(key, body.lease_id, body.groups)
+
+    @app.post("/v1/trainer/batches/{step}", responses=responses, dependencies=[Depends(trainer_only)])
+    def batch(step: int = Path(ge=0, le=10**9)) -> dict:
+        return orch.build_batch(step)
+
+    @app.post("/v1/trainer/policies", responses=responses, dependencies=[Depends(trainer_only)])
+    def publish(body: PublishIn) -> dict:
+        from swarmrl.transport.weights import WeightsError, check_manifest
+
+        try:
+            check_manifest(body.manifest)
+        except WeightsError as e:
+            raise ApiError(422, "bad_manifest", str(e)) from None
+        return orch.publish(body.version, body.url, body.manifest)
+
+    @app.post("/v1/trainer/finish", responses=responses, dependencies=[Depends(trainer_only)])
+    def finish() -> dict:
+        return orch.finish()
+
+    return SizeLimit(app, orch.cfg.orchestrator.max_request_bytes)
+

@@ -1,0 +1,118 @@
+"""HTTP clients of the orchestrator: one for workers (signed requests), one for the trainer.
+
+Both separate failures worth retrying (`Unavailable`: connection refused or reset, timeouts,
+5xx, 429) from refusals (`Refused`: any other 4xx, with the orchestrator's code and message),
+because a worker must keep a finished group through an outage but drop it when it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from swarmrl.orchestrator.auth import public_key_hex, sign_headers
+
+
+class Unavailable(RuntimeError):
+    """The orchestrator could not be reached or asked us to come back later."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Refused(RuntimeError):
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(f"{status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+
+
+class _Client:
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _send(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> dict:
+        try:
+            r = self.http.request(method, self.url + path, content=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise Unavailable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
+        if r.status_code == 429 or r.status_code >= 500:
+            retry = r.headers.get("retry-after")
+            raise Unavailable(f"{method} {path}: HTTP {r.status_code} {r.text[:200]}",
+                              retry_after=float(retry) if retry and retry.replace(".", "", 1).isdigit() else None)
+        try:
+            data = r.json()
+        except ValueError:
+            raise Unavailable(f"{method} {path}: HTTP {r.status_code} with a non-JSON body") from None
+        if r.status_code >= 400:
+            raise Refused(r.status_code, str(data.get("error", "error")), str(data.get("detail", data)))
+        return data
+
+    def status(self) -> dict:
+        return self._send("GET", "/v1/status")
+
+
+class WorkerClient(_Client):
+    """Every mutating request is signed afresh (new timestamp and nonce), retries included."""
+
+    def __init__(self, url: str, key, timeout_s: float = 30.0):
+        super().__init__(url, timeout_s)
+        self.key = key
+        self.key_hex = public_key_hex(key)
+
+    def _signed(self, path: str, payload: dict) -> dict:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        headers = {"content-type": "application/json", **sign_headers(self.key, "POST", path, body)}
+        return self._send("POST", path, body, headers)
+
+    def register(self, name: str) -> dict:
+        return self._signed("/v1/workers/register", {"name": name})
+
+    def lease(self, policy_version: int) -> dict:
+        return self._signed("/v1/leases", {"policy_version": policy_version})
+
+    def submit(self, submission: dict) -> dict:
+        return self._signed("/v1/rollouts", submission)
+
+
+class TrainerClient(_Client):
+    def __init__(self, url: str, token: str, timeout_s: float = 60.0):
+        super().__init__(url, timeout_s)
+        self.auth = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+
+    def _post(self, path: str, payload: dict | None = None) -> dict:
+        return self._send("POST", path, json.dumps(payload or {}).encode(), self.auth)
+
+    def batch(self, step: int) -> dict:
+        return self._post(f"/v1/trainer/batches/{step}")
+
+    def publish(self, version: int, url: str, manifest: dict) -> dict:
+        return self._post("/v1/trainer/policies", {"version": version, "url": url, "manifest": manifest})
+
+    def finish(self) -> dict:
+        return self._post("/v1/trainer/finish")
+
+
+def retrying(call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2,
+             max_s: float = 5.0):
+    """Run `call` until it succeeds, retrying on Unavailable with exponential backoff; raise after
+    `give_up_s` seconds of continuous failure. `check` runs between tries (watchdogs)."""
+    delay, start, warned = base_s, time.monotonic(), False
+    while True:
+        try:
+            return call()
+        except Unavailable as e:
+            if time.monotonic() - start > give_up_s:
+                raise Unavailable(f"{what}: orchestrator unreachable for {give_up_s:.0f} s; last error: {e}") from None
+            if not warned:
+                log(f"{what}: {e}; retrying with backoff")
+                warned = True
+            check()
+            time.sleep(e.retry_after if e.retry_after else delay)
+            delay = min(max_s, delay * 2)

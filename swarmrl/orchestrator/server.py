@@ -1,0 +1,82 @@
+"""`swarmrl orchestrator --run-dir DIR`: serve the orchestrator with uvicorn.
+
+The run directory holds what the orchestrator trusts: `config.toml`, the starting policy's
+tokenizer (`policies/v000000`, for prompts and reward decoding), `trainer.token` (the trainer's
+bearer token, created here with mode 0600 if missing) and `orchestrator.sqlite` (all state).
+Once listening it writes `orchestrator.json` ({"url": ...}) so local roles can find it; with
+port 0 the OS picks a free port. A restart on the same run directory resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+
+from swarmrl.transport.filesystem import atomic_write_text
+
+
+def trainer_token(run_dir: Path) -> str:
+    """The trainer's bearer token, created on first use (readable only by this user)."""
+    path = run_dir / "trainer.token"
+    if not path.exists():
+        tmp = run_dir / f".trainer.token.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # someone else created it first: use theirs
+        os.unlink(tmp)
+    return path.read_text().strip()
+
+
+def build_orchestrator(run_dir: str | Path, *, log=print):
+    import torch  # noqa: F401  (imported before transformers, as everywhere else)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from swarmrl.config import load_config
+    from swarmrl.orchestrator.service import Orchestrator
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").exists():
+        raise FileNotFoundError(f"{run_dir} has no config.toml: start the run with `swarmrl rl`, or write one")
+    base = run_dir / "policies" / "v000000"
+    if not (base / "config.json").exists():
+        raise FileNotFoundError(f"{base} is missing: the orchestrator needs the starting policy's tokenizer")
+    cfg = load_config(run_dir / "config.toml")
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    vocab = AutoConfig.from_pretrained(base, local_files_only=True).vocab_size
+    return Orchestrator(cfg, run_dir, tokenizer=tokenizer, vocab_size=vocab, trainer_token=trainer_token(run_dir),
+                        log=log)
+
+
+def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None) -> None:
+    import uvicorn
+
+    from swarmrl.orchestrator.app import create_app
+
+    run_dir = Path(run_dir)
+    orch = build_orchestrator(run_dir)
+    o = orch.cfg.orchestrator
+    host = host or o.host
+    port = o.port if port is None else port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    bound = sock.getsockname()[1]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    config = uvicorn.Config(create_app(orch), log_level="warning", access_log=False, timeout_keep_alive=30,
+                            limit_concurrency=1000, h11_max_incomplete_event_size=64 * 1024)
+    server = uvicorn.Server(config)
+    atomic_write_text(run_dir / "orchestrator.json", json.dumps({"url": url, "pid": os.getpid()}))
+    print(f"orchestrator listening on {url}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        orch.close()

@@ -1,0 +1,457 @@
+"""The orchestrator's logic, independent of HTTP: leases, submissions, batches, policies.
+
+`app.py` maps requests onto these methods; every refusal is an `ApiError` whose code and message
+reach the client as JSON. The rules it enforces:
+
+  * workers never choose problems: a lease names them, with the group size, sampling settings,
+    a target length per prompt and a sampling seed per completion, the policy versions allowed,
+    and an expiry after which the problems go to someone else;
+  * a submission is checked (lease owner, expiry, slot, sizes, token ids, policy version within
+    the lease and within the async bound) and then scored here: rewards come only from the
+    orchestrator's own verifiers, whatever the worker claims;
+  * batch n takes queued groups first in, first out, drops (and counts) those from a policy
+    older than n - k, and is frozen in SQLite the moment it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swarmrl.algorithm.advantages import is_informative
+from swarmrl.config import Config
+from swarmrl.orchestrator.store import Store
+from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rl.rollouts import Group, Sample
+from swarmrl.rl.scoring import score_groups
+from swarmrl.rl.tasks import model_input, task_rows
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+
+def max_outstanding(cfg: Config) -> int:
+    """Groups leased or waiting unconsumed before leasing pauses. In steady state workers and
+    trainer run at the same rate, so a deeper queue adds staleness, not throughput: about one
+    batch ahead keeps both busy (two batches of groups, since online filtering drops some)."""
+    return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
+
+
+class RateLimiter:
+    """Token bucket per key, in memory (a restart forgives everyone, which is harmless)."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = 100_000):
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, key: str, now: float | None = None) -> float:
+        """0 if allowed, else seconds until the next request would be."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            tokens, last = self.buckets.get(key, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+            if tokens < 1.0:
+                self.buckets[key] = (tokens, now)
+                return (1.0 - tokens) / self.rate
+            if len(self.buckets) >= self.max_keys and key not in self.buckets:
+                self.buckets.clear()  # bounded memory under a flood of fresh keys
+            self.buckets[key] = (tokens - 1.0, now)
+            return 0.0
+
+
+@dataclass
+class SlotCheck:
+    slot: int
+    group: Group | None = None
+    reason: str | None = None
+    detail: str = ""
+
+
+def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: int, cfg: Config) -> dict:
+    """Training-batch metrics: `taken` are the batch's groups, `resolved` everything this batch
+    settled (taken, uninformative and stale), so accuracy is measured before filtering."""
+    rewards = [r for g in taken for r in g.rewards]
+    lengths = [len(s.token_ids) for g in taken for s in g.samples]
+    staleness = [step - g.policy_version for g in taken]
+    scored = [g for g in resolved if g.task_rewards]
+    all_task = [r for g in scored for r in g.task_rewards]
+    m = {
+        "time/generation": sum(g.gen_seconds for g in resolved),
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        # Accuracy over everything sampled (before filtering), the honest training signal.
+        "reward/task_mean_all": statistics.fmean(all_task) if all_task else float("nan"),
+        "reward/task_mean": statistics.fmean(r for g in taken for r in g.task_rewards),
+        "length/mean": statistics.fmean(lengths),
+        "length/max": float(max(lengths)),
+        "length/truncated_frac": statistics.fmean(float(s.finish_reason == "length") for g in taken for s in g.samples),
+        "off_policy/max": float(max(staleness)),
+        "off_policy/mean": statistics.fmean(staleness),
+        "off_policy/dropped": float(stale),
+        "batch/uninformative_groups": float(len(resolved) - len(taken) - stale),
+        "batch/scored_groups": float(len(scored)),
+        "batch/generated_tokens": float(sum(lengths)),
+    }
+    if cfg.length.enabled:
+        targets = [g.target_length for g in taken for _ in g.samples]
+        m["length/target_mean"] = statistics.fmean(targets)
+        m["length/abs_error_mean"] = statistics.fmean(abs(n - t) for n, t in zip(lengths, targets))
+    return m
+
+
+class Orchestrator:
+    def __init__(self, cfg: Config, run_dir: str | Path, *, tokenizer, vocab_size: int, trainer_token: str,
+                 pool: VerifierPool | None = None, log=print):
+        self.cfg, self.rd = cfg, Path(run_dir)
+        self.tokenizer, self.vocab_size, self.trainer_token = tokenizer, vocab_size, trainer_token
+        self.log = log
+        self.store = Store(self.rd / "orchestrator.sqlite")
+        self.rows, _ = task_rows(cfg, log=lambda *_: None)
+        self.pool = pool or VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
+        self.score_lock = threading.Lock()  # the verifier pool serves one caller at a time
+        o = cfg.orchestrator
+        self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
+        self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
+        self._perms: dict[int, list[int]] = {}
+        self.counters: dict[str, float] = {}  # in-process totals for /metrics
+        self._counters_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.store.close()
+
+    def _count(self, name: str, by: float = 1.0) -> None:
+        with self._counters_lock:
+            self.counters[name] = self.counters.get(name, 0.0) + by
+
+    def totals(self) -> dict[str, float]:
+        with self._counters_lock:
+            return dict(self.counters)
+
+    # ---- state -------------------------------------------------------------------------------
+    def _progress(self, db) -> tuple[int, int | None, bool]:
+        return (Store.get_meta(db, "next_step", 0), Store.get_meta(db, "latest_version"),
+                Store.get_meta(db, "finished", False))
+
+    def status(self) -> dict:
+        with self.store.lock:
+            db = self.store.db
+            next_step, latest, finished = self._progress(db)
+            policy = None
+            if latest is not None:
+                row = db.execute("SELECT * FROM policies WHERE version = ?", (latest,)).fetchone()
+                policy = {"version": latest, "url": row["url"], "manifest": json.loads(row["manifest"])}
+        k = self.cfg.async_.bound
+        return {"next_step": next_step, "latest_version": latest, "async_bound": k,
+                "min_version": max(0, next_step - k), "finished": finished, "policy": policy,
+                "total_steps": self.cfg.trainer.steps}
+
+    # ---- workers -----------------------------------------------------------------------------
+    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False) -> dict:
+        """After the signature checked out: replay, rate, registration and ban checks."""
+        wait = self.limiter.take(key)
+        if wait:
+            raise ApiError(429, "rate_limited", f"too many requests from this key; retry in {wait:.2f} s",
+                           retry_after=wait)
+        skew = self.cfg.orchestrator.max_clock_skew_s
+        if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
+            raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
+        worker = self.store.worker(key)
+        if worker is None and not registering:
+            raise ApiError(403, "not_registered", "unknown worker key: POST /v1/workers/register first")
+        if worker is not None and worker["banned"]:
+            raise ApiError(403, "banned", "this worker key is banned")
+        return worker or {}
+
+    def register(self, key: str, name: str) -> dict:
+        if self.store.worker(key) is None:
+            wait = self.registrations.take("all")
+            if wait:
+                raise ApiError(429, "rate_limited", f"too many new workers; retry in {wait:.1f} s", retry_after=wait)
+        w = self.store.register(key, name)
+        self._count("workers_registered")
+        return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"]}
+
+    # ---- leases ------------------------------------------------------------------------------
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.cfg.seed}-tasks-{epoch}").shuffle(order)
+            self._perms = {epoch: order}
+        return self._perms[epoch]
+
+    def _next_problems(self, db, n: int) -> list[tuple[int, int | None]]:
+        out = [(r["problem"], r["target_length"]) for r in
+               db.execute("SELECT * FROM reissue ORDER BY id LIMIT ?", (n,)).fetchall()]
+        if out:
+            db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(out),))
+        cursor = Store.get_meta(db, "task_cursor", 0)
+        length = self.cfg.length
+        while len(out) < n:
+            epoch, i = divmod(cursor, len(self.rows))
+            target = random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets) if length.enabled else None
+            out.append((self._perm(epoch)[i], target))
+            cursor += 1
+        Store.set_meta(db, "task_cursor", cursor)
+        return out
+
+    def _expire(self, db, now: float) -> None:
+        expired = db.execute("SELECT id FROM leases WHERE state = 'open' AND expires < ?", (now,)).fetchall()
+        for (lease_id,) in expired:
+            for row in db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall():
+                db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
+                           (row["problem"], row["target_length"]))
+            db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
+            db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
+        if expired:
+            self._count("leases_expired", len(expired))
+
+    def lease(self, key: str, policy_version: int) -> dict:
+        cfg, s = self.cfg, self.cfg.sampling
+        now = time.time()
+        with self.store.tx() as db:
+            self._expire(db, now)
+            next_step, latest, finished = self._progress(db)
+            if finished:
+                raise ApiError(409, "run_finished", "the run is finished; nothing more to sample")
+            lo = max(0, next_step - cfg.async_.bound)
+            if latest is None or lo > latest:
+                return {"lease": None, "retry_after_s": 0.2,
+                        "reason": f"waiting for policy version {lo} to be published"}
+            if not lo <= policy_version <= latest:
+                raise ApiError(409, "version_not_allowed",
+                               f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
+                               f"fetch version {latest} (GET /v1/status says where)")
+            queued = db.execute("SELECT COUNT(*) FROM groups WHERE state = 'queued'").fetchone()[0]
+            open_slots = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+                                    "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
+            n = s.worker_batch_prompts
+            if queued + open_slots and queued + open_slots + n > max_outstanding(cfg):
+                return {"lease": None, "retry_after_s": 0.1,
+                        "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}
+            lease_id = secrets.token_hex(16)
+            expires = now + cfg.orchestrator.lease_timeout_s
+            db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')", (lease_id, key, now, expires, lo, latest, n))
+            prompts = []
+            for slot, (problem, target) in enumerate(self._next_problems(db, n)):
+                row = self.rows[problem]
+                seeds = [secrets.randbits(63) for _ in range(s.group_size)]
+                db.execute("INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) "
+                           "VALUES (?, ?, ?, ?, ?, 'open')", (lease_id, slot, problem, target, json.dumps(seeds)))
+                prompt, ids = model_input(self.tokenizer, row["prompt"], target)
+                prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
+                                "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})
+        self._count("leases_issued")
+        return {"lease": {"lease_id": lease_id, "expires_at": expires, "expires_in_s": expires - now,
+                          "min_version": lo, "max_version": latest, "group_size": s.group_size,
+                          "temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "prompts": prompts}}
+
+    # ---- submissions -------------------------------------------------------------------------
+    def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int) -> SlotCheck:
+        s, k = self.cfg.sampling, self.cfg.async_.bound
+        if g.slot not in slot_rows:
+            return SlotCheck(g.slot, reason="bad_slot", detail=f"lease has slots 0..{len(slot_rows) - 1}, not {g.slot}")
+        state = slot_rows[g.slot]["state"]
+        if g.slot in seen or state == "submitted":
+            return SlotCheck(g.slot, reason="duplicate", detail=f"slot {g.slot} was already submitted")
+        seen.add(g.slot)
+        if state != "open":
+            return SlotCheck(g.slot, reason="slot_closed", detail=f"slot {g.slot} is {state}")
+        if not lease["min_version"] <= g.policy_version <= lease["max_version"]:
+            return SlotCheck(g.slot, reason="version_not_in_lease",
+                             detail=f"policy version {g.policy_version} is outside this lease's "
+                                    f"[{lease['min_version']}, {lease['max_version']}]")
+        if g.policy_version < next_step - k:
+            return SlotCheck(g.slot, reason="stale", detail=f"policy version {g.policy_version} is older than "
+                                                            f"the async bound allows now ({next_step - k})")
+        if len(g.samples) != s.group_size:
+            return SlotCheck(g.slot, reason="group_size",
+                             detail=f"{len(g.samples)} completions, the lease asked for {s.group_size}")
+        for i, smp in enumerate(g.samples):
+            n = len(smp.token_ids)
+            if not 1 <= n <= s.max_new_tokens:
+                return SlotCheck(g.slot, reason="length",
+                                 detail=f"completion {i} has {n} tokens; allowed 1..{s.max_new_tokens}")
+            if len(smp.logprobs) != n:
+                return SlotCheck(g.slot, reason="logprobs_length",
+                                 detail=f"completion {i}: {len(smp.logprobs)} logprobs for {n} tokens")
+            if max(smp.token_ids) >= self.vocab_size:
+                return SlotCheck(g.slot, reason="token_out_of_range",
+                                 detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size {self.vocab_size}")
+            if max(smp.logprobs) > 1e-4:
+                return SlotCheck(g.slot, reason="bad_logprob", detail=f"completion {i} has a logprob above 0")
+        row = self.rows[slot_rows[g.slot]["problem"]]
+        seeds = json.loads(slot_rows[g.slot]["seeds"])
+        prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
+        samples = [Sample(list(x.token_ids), [float(v) for v in x.logprobs], x.finish_reason, seed)
+                   for x, seed in zip(g.samples, seeds)]
+        group = Group(row["problem_id"], row["task_type"], prompt, row["verification_info"], ids, samples,
+                      g.policy_version, lease["worker"], self.cfg.sampling.temperature,
+                      slot_rows[g.slot]["target_length"])
+        return SlotCheck(g.slot, group=group)
+
+    def submit(self, key: str, lease_id: str, groups: list) -> dict:
+        now = time.time()
+        with self.store.lock:
+            db = self.store.db
+            lease = db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
+            if lease is None:
+                raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
+            if lease["worker"] != key:
+                with self.store.tx() as tx:
+                    self.store.count_rejection(tx, key, lease_id, None, "foreign_lease", "lease of another worker")
+                self._count("rejected/foreign_lease")
+                raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
+            if lease["state"] == "expired" or lease["expires"] < now:
+                self._count("rejected/late")
+                raise ApiError(410, "lease_expired",
+                               f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
+                               "reissued to other workers. Lease again.")
+            slot_rows = {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
+            next_step, _, _ = self._progress(db)
+        seen: set[int] = set()
+        checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
+        good = [c.group for c in checks if c.group is not None]
+        if good:
+            with self.score_lock:
+                score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg)
+        n_slots = lease["slots"]
+        turnaround = (now - lease["created"]) / max(1, n_slots)
+        accepted, rejected = [], []
+        with self.store.tx() as db:
+            for c in checks:
+                if c.group is not None:
+                    updated = db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ? "
+                                         "AND state = 'open'", (lease_id, c.slot)).rowcount
+                    if not updated:  # expired or submitted by a concurrent request meanwhile
+                        c.reason, c.detail = "slot_closed", f"slot {c.slot} closed while this request was scored"
+                if c.reason is not None:
+                    # A refused slot is closed and its problem goes back to the pool: it must not
+                    # hold back-pressure capacity until the lease expires.
+                    closed = db.execute("UPDATE slots SET state = 'rejected' WHERE lease_id = ? AND slot = ? "
+                                        "AND state = 'open'", (lease_id, c.slot)).rowcount
+                    if closed:
+                        db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
+                                   "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                    self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail)
+                    rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
+                    self._count(f"rejected/{c.reason}")
+                    continue
+                g = c.group
+                g.created, g.gen_seconds = now, turnaround
+                informative = bool(is_informative(torch.tensor([g.rewards]))[0])
+                db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
+                           "informative, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           (lease_id, c.slot, key, g.policy_version, now, g.to_json(), int(informative),
+                            "queued" if informative else "uninformative"))
+                streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
+                Store.set_meta(db, "uninformative_streak", streak)
+                accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative})
+            db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (len(accepted), key))
+            if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchone():
+                db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
+        self._count("groups_accepted", len(accepted))
+        return {"accepted": accepted, "rejected": rejected}
+
+    # ---- trainer -----------------------------------------------------------------------------
+    def build_batch(self, step: int) -> dict:
+        """Batch `step`: the frozen batch if it exists, else build it now if enough informative
+        groups wait, else report what is missing (the trainer polls)."""
+        cfg = self.cfg
+        want, k = cfg.sampling.prompts_per_step, cfg.async_.bound
+        with self.store.tx() as db:
+            row = db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
+            if row is not None:
+                return self._batch_response(db, row)
+            next_step, _, _ = self._progress(db)
+            if step != next_step:
+                raise ApiError(409, "wrong_step", f"batch {step} cannot be built: the next batch is {next_step}")
+            streak = Store.get_meta(db, "uninformative_streak", 0)
+            if streak >= cfg.sampling.uninformative_limit:
+                rows = db.execute("SELECT payload FROM groups WHERE state = 'uninformative' ORDER BY id DESC LIMIT ?",
+                                  (streak,)).fetchall()
+                rewards = [r for (p,) in rows for r in json.loads(p)["task_rewards"]]
+                mean = statistics.fmean(rewards) if rewards else float("nan")
+                raise ApiError(409, "no_signal",
+                               f"the last {streak} groups all had equal rewards (mean task reward {mean:.2f}), "
+                               "so GRPO has no signal: the policy solves none (or all) of these tasks. Use a "
+                               "stronger base model (model.path, or more sft.steps), easier/harder tasks, or a "
+                               "larger group_size.")
+            oldest = step - k
+            stale = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state = 'queued' "
+                               "AND policy_version < ?", (step, oldest)).rowcount
+            if stale:
+                self._count("off_policy_dropped", stale)
+            ids = [r[0] for r in db.execute("SELECT id FROM groups WHERE state = 'queued' ORDER BY id LIMIT ?",
+                                            (want,)).fetchall()]
+            if len(ids) < want:
+                return {"ready": False, "step": step, "queued": len(ids), "needed": want}
+            marks = ",".join("?" * len(ids))
+            db.execute(f"UPDATE groups SET state = 'consumed', step = ?, resolved_step = ? WHERE id IN ({marks})",
+                       (step, step, *ids))
+            db.execute("UPDATE groups SET resolved_step = ? WHERE state = 'uninformative' AND resolved_step IS NULL",
+                       (step,))
+            taken = [Group.from_json(p) for (p,) in db.execute(
+                f"SELECT payload FROM groups WHERE id IN ({marks}) ORDER BY id", ids).fetchall()]
+            resolved = [Group.from_json(p) for (p,) in db.execute(
+                "SELECT payload FROM groups WHERE resolved_step = ? AND state != 'stale'", (step,)).fetchall()]
+            n_stale = db.execute("SELECT COUNT(*) FROM groups WHERE resolved_step = ? AND state = 'stale'",
+                                 (step,)).fetchone()[0]
+            metrics = batch_metrics(step, taken, resolved, n_stale, cfg)
+            metrics["off_policy/dropped_total"] = float(
+                db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0])
+            db.execute("INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
+                       (step, json.dumps(ids), json.dumps(metrics), time.time()))
+            Store.set_meta(db, "next_step", step + 1)
+            row = db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
+            self._count("batches_built")
+            return self._batch_response(db, row)
+
+    @staticmethod
+    def _batch_response(db, row) -> dict:
+        ids = json.loads(row["group_ids"])
+        marks = ",".join("?" * len(ids))
+        payloads = db.execute(f"SELECT id, payload FROM groups WHERE id IN ({marks}) ORDER BY id", ids).fetchall()
+        return {"ready": True, "step": row["step"], "group_ids": ids,
+                "groups": [json.loads(p) for _, p in payloads], "metrics": json.loads(row["metrics"])}
+
+    def publish(self, version: int, url: str, manifest: dict) -> dict:
+        """The trainer announces its current version. It is the authority: a trainer resumed from
+        an older checkpoint moves `latest_version` back (its newer versions are being redone)."""
+        with self.store.tx() as db:
+            db.execute("INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
+                       "published = excluded.published", (version, url, json.dumps(manifest), time.time()))
+            Store.set_meta(db, "latest_version", version)
+            db.execute("DELETE FROM policies WHERE version < ?", (version - self.cfg.async_.bound - 8,))
+        self._count("policies_published")
+        return {"latest_version": version}
+
+    def finish(self) -> dict:
+        with self.store.tx() as db:
+            Store.set_meta(db, "finished", True)
+        return {"finished": True}
+
+    def gauges(self) -> dict[str, float]:
+        with self.store.lock:
+            db = self.store.db
+            next_step, latest, _ = self._progress(db)
+            counts = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+            open_leases = db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()[0]
+            workers = db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]
+        return {"next_step": next_step, "latest_version": -1 if latest is None else latest,
+                "open_leases": open_leases, "workers": workers,
+                **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative")}}

@@ -1,0 +1,92 @@
+"""Helpers for tests that run a real orchestrator process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swarmrl.config import load_config
+from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+from swarmrl.tasks import arithmetic
+
+# Small everything: 2 prompts per lease and per batch, groups of 2, short completions.
+SMALL = ["--sampling.prompts_per_step", "2", "--sampling.group_size", "2", "--sampling.worker_batch_prompts", "2",
+         "--sampling.max_new_tokens", "16", "--tasks.train_size", "40", "--tasks.eval_size", "4",
+         "--trainer.optimizer_steps", "1", "--orchestrator.lease_timeout_s", "30", "--async.bound", "1"]
+
+
+def make_run_dir(root: Path, *overrides: str) -> Path:
+    """A run directory as `swarmrl rl` prepares it: config.toml and an (untrained) policy v0."""
+    cfg = load_config(None, [*SMALL, *overrides])
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.toml").write_text(cfg.model_copy(update={"run_dir": str(root)}).to_toml())
+    model, tok = build_tiny_policy(seed=0)
+    save_policy(model, tok, root / "policies" / "v000000")
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OrchestratorProcess:
+    def __init__(self, run_dir: Path, port: int | None = None):
+        self.run_dir, self.port = run_dir, port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60) -> "OrchestratorProcess":
+        info = self.run_dir / "orchestrator.json"
+        info.unlink(missing_ok=True)
+        log = open(self.run_dir / "orchestrator.log", "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir",
+                                      str(self.run_dir), "--port", str(self.port)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not info.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("orchestrator did not start:\n" + self.log())
+            time.sleep(0.05)
+        assert json.loads(info.read_text())["url"] == self.url
+        return self
+
+    def log(self) -> str:
+        return (self.run_dir / "orchestrator.log").read_text(errors="replace")
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the verifier pool too
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def answers(cfg_overrides=()) -> dict[str, str]:
+    """problem_id -> correct answer for the SMALL task set."""
+    cfg = load_config(None, [*SMALL, *cfg_overrides])
+    rows = arithmetic.generate(cfg.tasks.train_size, digits=cfg.tasks.digits, ops=cfg.tasks.ops, split="train",
+                               seed=cfg.tasks.seed)
+    return {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
+
+
+def completion_ids(tokenizer, answer: str) -> list[int]:
+    return tokenizer(f"<think>ok</think>\\boxed{{{answer}}}<|im_end|>", add_special_tokens=False)["input_ids"]

@@ -1,0 +1,344 @@
+"""The orchestrator as a real process on 127.0.0.1, driven over HTTP by real clients.
+
+Completions here are written by hand (right or wrong answers in the task's format), so every
+expectation about rewards, refusals and batches is exact; the sampler-driven path is covered by
+the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from orchestrator_harness import OrchestratorProcess, answers, completion_ids, make_run_dir
+
+from swarmrl.model.tokenizer import build_char_tokenizer
+from swarmrl.orchestrator.auth import sign_headers
+from swarmrl.orchestrator.client import Refused, TrainerClient, Unavailable, WorkerClient
+from swarmrl.rl.tasks import model_input
+from swarmrl.transport.weights import folder_manifest
+
+pytestmark = pytest.mark.timeout(180)
+
+TOK = build_char_tokenizer()
+ANSWERS = answers()
+
+
+@pytest.fixture(scope="module")
+def orch(tmp_path_factory):
+    # Many tests share this process and leave leases open: back-pressure must not stop the next.
+    run = make_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000")
+    proc = OrchestratorProcess(run).start()
+    yield proc
+    proc.stop()
+
+
+def trainer_of(o: OrchestratorProcess) -> TrainerClient:
+    return TrainerClient(o.url, (o.run_dir / "trainer.token").read_text().strip())
+
+
+def publish(o: OrchestratorProcess, version: int) -> None:
+    trainer_of(o).publish(version, "http://127.0.0.1:9", folder_manifest(o.run_dir / "policies" / "v000000"))
+
+
+def new_worker(o: OrchestratorProcess, name: str = "w") -> WorkerClient:
+    w = WorkerClient(o.url, Ed25519PrivateKey.generate())
+    w.register(name)
+    return w
+
+
+def group(prompt: dict, version: int, right: int, group_size: int = 2) -> dict:
+    """`right` of the `group_size` completions carry the correct answer."""
+    good = completion_ids(TOK, ANSWERS[prompt["problem_id"]])
+    bad = completion_ids(TOK, str(int(ANSWERS[prompt["problem_id"]]) + 1))
+    samples = [{"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop"}
+               for ids in [good] * right + [bad] * (group_size - right)]
+    return {"slot": prompt["slot"], "policy_version": version, "samples": samples}
+
+
+def lease_and_submit(w: WorkerClient, version: int, right: int = 1) -> dict:
+    lease = w.lease(version)["lease"]
+    assert lease is not None
+    return w.submit({"lease_id": lease["lease_id"], "groups": [group(p, version, right) for p in lease["prompts"]]})
+
+
+def signed_post(o, key, path: str, body: bytes, **overrides) -> httpx.Response:
+    headers = {"content-type": "application/json", **sign_headers(key, "POST", path, body), **overrides}
+    return httpx.post(o.url + path, content=body, headers=headers)
+
+
+def test_health_status_metrics_and_openapi(orch):
+    assert httpx.get(orch.url + "/healthz").json() == {"ok": True}
+    st = httpx.get(orch.url + "/v1/status").json()
+    assert st["async_bound"] == 1 and st["next_step"] == 0
+    paths = httpx.get(orch.url + "/openapi.json").json()["paths"]
+    assert {"/v1/leases", "/v1/rollouts", "/v1/workers/register", "/v1/trainer/batches/{step}"} <= set(paths)
+    text = httpx.get(orch.url + "/metrics").text
+    assert "swarmrl_requests_total" in text and 'swarmrl_state{what="next_step"}' in text
+
+
+def test_a_lease_names_problems_seeds_settings_and_versions(orch):
+    w = new_worker(orch)
+    publish(orch, 0)
+    lease = w.lease(0)["lease"]
+    assert lease["group_size"] == 2 and lease["max_new_tokens"] == 16 and lease["temperature"] == 1.0
+    assert lease["min_version"] == 0 and lease["max_version"] == 0
+    assert 25 < lease["expires_in_s"] <= 30
+    assert len(lease["prompts"]) == 2
+    for p in lease["prompts"]:
+        assert p["problem_id"] in ANSWERS
+        assert len(p["seeds"]) == 2 and len(set(p["seeds"])) == 2
+        # The prompt ids are the chat-templated prompt: a worker cannot alter what it answers.
+        assert p["prompt_ids"] == model_input(TOK, p["prompt"], None)[1]
+    with pytest.raises(Refused) as e:
+        w.lease(5)
+    assert e.value.code == "version_not_allowed" and "[0, 0]" in e.value.detail
+
+
+def test_rewards_are_recomputed_and_claims_ignored(orch):
+    w = new_worker(orch)
+    publish(orch, 0)
+    lease = w.lease(0)["lease"]
+    groups = [group(p, 0, right=1) for p in lease["prompts"]]
+    for g in groups:
+        g["rewards"] = [1.0, 1.0]  # a worker's claim: must be ignored
+        for s in g["samples"]:
+            s["reward"] = 1.0
+    result = w.submit({"lease_id": lease["lease_id"], "groups": groups})
+    assert [a["rewards"] for a in result["accepted"]] == [[1.0, 0.0], [1.0, 0.0]]
+    assert result["rejected"] == []
+    db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
+    stored = [json.loads(p) for (p,) in db.execute("SELECT payload FROM groups WHERE lease_id = ?",
+                                                    (lease["lease_id"],))]
+    assert [g["rewards"] for g in stored] == [[1.0, 0.0], [1.0, 0.0]]
+    assert all(len(g["samples"]) == 2 and g["samples"][0]["seed"] in p["seeds"]
+               for g, p in zip(stored, lease["prompts"]))
+
+
+def test_signatures_nonces_timestamps_and_identity(orch):
+    key = Ed25519PrivateKey.generate()
+    body = b'{"policy_version": 0}'
+    r = signed_post(orch, key, "/v1/leases", body)
+    assert r.status_code == 403 and r.json()["error"] == "not_registered"
+    WorkerClient(orch.url, key).register("k")
+    publish(orch, 0)
+    headers = {"content-type": "application/json", **sign_headers(key, "POST", "/v1/leases", body)}
+    assert httpx.post(orch.url + "/v1/leases", content=body, headers=headers).status_code == 200
+    replay = httpx.post(orch.url + "/v1/leases", content=body, headers=headers)
+    assert replay.status_code == 401 and replay.json()["error"] == "replayed_nonce"
+    tampered = httpx.post(orch.url + "/v1/leases", content=b'{"policy_version": 1}',
+                          headers={**headers, "x-swarmrl-nonce": "a" * 32})
+    assert tampered.status_code == 401 and "signature" in tampered.json()["detail"]
+    # Signed for one path, sent to another.
+    moved = httpx.post(orch.url + "/v1/leases", content=body, headers={
+        "content-type": "application/json", **sign_headers(key, "POST", "/v1/workers/register", body)})
+    assert moved.status_code == 401
+    old = {"content-type": "application/json",
+           **sign_headers(key, "POST", "/v1/leases", body, now=time.time() - 3600)}
+    r = httpx.post(orch.url + "/v1/leases", content=body, headers=old)
+    assert r.status_code == 401 and "clock" in r.json()["detail"]
+    r = httpx.post(orch.url + "/v1/leases", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 401 and "missing header" in r.json()["detail"]
+    r = signed_post(orch, key, "/v1/leases", body, **{"x-swarmrl-key": "zz"})
+    assert r.status_code == 401 and "hex" in r.json()["detail"]
+
+
+def test_foreign_unknown_late_and_malformed_submissions(orch):
+    a, b = new_worker(orch, "a"), new_worker(orch, "b")
+    publish(orch, 0)
+    lease = a.lease(0)["lease"]
+    ok = [group(p, 0, right=1) for p in lease["prompts"]]
+    with pytest.raises(Refused) as e:
+        b.submit({"lease_id": lease["lease_id"], "groups": ok})
+    assert e.value.status == 403 and e.value.code == "foreign_lease"
+    with pytest.raises(Refused) as e:
+        a.submit({"lease_id": "0" * 32, "groups": ok})
+    assert e.value.status == 404
+    p0, p1 = lease["prompts"]
+    out_of_range = group(p0, 0, 1)
+    out_of_range["samples"][0]["token_ids"][0] = 10_000
+    result = a.submit({"lease_id": lease["lease_id"], "groups": [out_of_range, group(p1, 0, 1, group_size=3)]})
+    assert [r["reason"] for r in result["rejected"]] == ["token_out_of_range", "group_size"]
+    # Rejected slots are not reopened; a second lease shows the rest of the checks.
+    lease = a.lease(0)["lease"]
+    p0, p1 = lease["prompts"]
+    long = group(p0, 0, 1)
+    long["samples"][1]["token_ids"] = [5] * 17
+    long["samples"][1]["logprobs"] = [-1.0] * 17
+    result = a.submit({"lease_id": lease["lease_id"], "groups": [long, group(p1, 3, 1)]})
+    assert [r["reason"] for r in result["rejected"]] == ["length", "version_not_in_lease"]
+    lease = a.lease(0)["lease"]
+    first = a.submit({"lease_id": lease["lease_id"], "groups": [group(lease["prompts"][0], 0, 1)]})
+    assert len(first["accepted"]) == 1
+    again = a.submit({"lease_id": lease["lease_id"], "groups": [group(lease["prompts"][0], 0, 1)]})
+    assert [r["reason"] for r in again["rejected"]] == ["duplicate"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", "json"),
+    (b'{"lease_id": "x", "groups": []}', "lease_id"),
+    (b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": "one", "policy_version": 0, "samples": []}]}', "slot"),
+    (b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": 0, "policy_version": 0, "samples": '
+     b'[{"token_ids": [1], "logprobs": [NaN], "finish_reason": "stop"}]}]}', "logprobs"),
+    (b'[1, 2, 3]', "body"),
+])
+def test_garbage_gets_a_422_naming_the_problem(orch, body, needle):
+    key = Ed25519PrivateKey.generate()
+    WorkerClient(orch.url, key).register("g")
+    r = signed_post(orch, key, "/v1/rollouts", body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "invalid_request" and needle in r.json()["detail"].lower()
+
+
+def test_oversized_bodies_get_413_before_parsing(orch):
+    key = Ed25519PrivateKey.generate()
+    big = b'{"lease_id": "' + b"a" * (9 << 20) + b'"}'
+    r = signed_post(orch, key, "/v1/rollouts", big)
+    assert r.status_code == 413 and r.json()["error"] == "too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(100):
+            yield b" " * (100 << 10)
+
+    r = httpx.post(orch.url + "/v1/rollouts", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(orch.url + "/healthz").status_code == 200
+
+
+def test_trainer_endpoints_need_the_token(orch):
+    r = httpx.post(orch.url + "/v1/trainer/batches/0")
+    assert r.status_code == 401 and r.json()["error"] == "not_trainer"
+    bad = TrainerClient(orch.url, "not-the-token")
+    with pytest.raises(Refused):
+        bad.publish(0, "http://x", {})
+    with pytest.raises(Refused) as e:
+        trainer_of(orch).publish(0, "http://127.0.0.1:9", {"files": {"../x": {"sha256": "0" * 64, "size": 1}}})
+    assert e.value.code == "bad_manifest"
+
+
+def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
+    orch = OrchestratorProcess(make_run_dir(tmp_path / "run")).start()
+    try:
+        t, w = trainer_of(orch), new_worker(orch)
+        publish(orch, 0)
+        assert t.batch(0)["ready"] is False
+        lease_and_submit(w, 0)
+        lease_and_submit(w, 0)
+        assert w.lease(0)["lease"] is None  # back-pressure: 2 batches of groups are waiting
+        b0 = t.batch(0)
+        assert b0["ready"] and len(b0["groups"]) == 2
+        assert t.batch(0) == b0  # asking again returns the frozen batch
+        with pytest.raises(Refused) as e:
+            t.batch(5)
+        assert e.value.code == "wrong_step"
+        lease_and_submit(w, 0)  # v0 is still allowed for batch 1 (bound 1)
+        b1 = t.batch(1)
+        assert b1["ready"] and b1["metrics"]["off_policy/max"] == 1.0
+        publish(orch, 1)
+        publish(orch, 2)
+        assert t.batch(2)["ready"] is False  # the last two v0 groups are now too old for batch 2
+        lease_and_submit(w, 2)
+        b2 = t.batch(2)
+        assert b2["metrics"]["off_policy/dropped"] == 2.0
+        assert b2["metrics"]["off_policy/max"] == 0.0
+        ids = b0["group_ids"] + b1["group_ids"] + b2["group_ids"]
+        assert len(ids) == len(set(ids)) == 6
+        db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
+        assert db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0] == 2
+        assert db.execute("SELECT step, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY step").fetchall() == [
+            (0, 2), (1, 2), (2, 2)]
+        # Uninformative groups (all right) are stored and counted, never batched.
+        uninformative = lease_and_submit(w, 2, right=2)
+        assert [a["informative"] for a in uninformative["accepted"]] == [False, False]
+    finally:
+        orch.stop()
+
+
+def test_an_expired_lease_is_reissued_and_a_late_submission_refused(tmp_path):
+    orch = OrchestratorProcess(make_run_dir(tmp_path / "run", "--orchestrator.lease_timeout_s", "1")).start()
+    try:
+        slow, other = new_worker(orch, "slow"), new_worker(orch, "other")
+        publish(orch, 0)
+        lease = slow.lease(0)["lease"]
+        time.sleep(1.3)
+        reissued = other.lease(0)["lease"]
+        assert [p["problem_id"] for p in reissued["prompts"]] == [p["problem_id"] for p in lease["prompts"]]
+        assert reissued["prompts"][0]["seeds"] != lease["prompts"][0]["seeds"]  # fresh seeds
+        with pytest.raises(Refused) as e:
+            slow.submit({"lease_id": lease["lease_id"], "groups": [group(p, 0, 1) for p in lease["prompts"]]})
+        assert e.value.status == 410 and "reissued" in e.value.detail
+    finally:
+        orch.stop()
+
+
+def test_rate_limits_answer_429_with_retry_after(tmp_path):
+    orch = OrchestratorProcess(make_run_dir(tmp_path / "run", "--orchestrator.rate_per_s", "1",
+                                            "--orchestrator.rate_burst", "5")).start()
+    try:
+        key = Ed25519PrivateKey.generate()
+        codes = [signed_post(orch, key, "/v1/workers/register", b'{"name": "x"}') for _ in range(10)]
+        assert [r.status_code for r in codes[:5]] == [200] * 5
+        limited = [r for r in codes[5:] if r.status_code == 429]
+        assert limited and limited[0].json()["error"] == "rate_limited" and "retry-after" in limited[0].headers
+        # Another key is not affected.
+        assert signed_post(orch, Ed25519PrivateKey.generate(), "/v1/workers/register", b"{}").status_code == 200
+    finally:
+        orch.stop()
+
+
+def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
+    """The worker keeps its submission in the outbox while the orchestrator is down and
+    delivers it after the restart; the SQLite state (lease, nonces) survives kill -9."""
+    from swarmrl.inference.worker import Worker
+
+    orch = OrchestratorProcess(make_run_dir(tmp_path / "run")).start()
+    try:
+        worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
+        worker.client.register("w")
+        publish(orch, 0)
+        lease = worker.client.lease(0)["lease"]
+        path = worker.outbox / f"{lease['lease_id']}.json"
+        path.write_text(json.dumps({"expires_at": lease["expires_at"], "submission": {
+            "lease_id": lease["lease_id"], "groups": [group(p, 0, 1) for p in lease["prompts"]]}}))
+        orch.kill9()
+        with pytest.raises(Unavailable):
+            worker.client.status()
+        results = []
+        sender = threading.Thread(target=lambda: results.append(worker.deliver(path)))
+        sender.start()
+        time.sleep(1.0)
+        assert path.exists() and not results  # still retrying, nothing lost
+        orch.start()
+        sender.join(timeout=60)
+        assert results and len(results[0]["accepted"]) == 2
+        assert not path.exists()
+        db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
+        assert db.execute("SELECT COUNT(*) FROM groups WHERE lease_id = ?", (lease["lease_id"],)).fetchone()[0] == 2
+    finally:
+        orch.stop()
+
+
+def test_worker_key_file_is_private_and_stable(tmp_path):
+    from swarmrl.orchestrator.auth import AuthError, load_or_create_key, public_key_hex
+
+    path = tmp_path / "keys" / "w.pem"
+    a = load_or_create_key(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert public_key_hex(load_or_create_key(path)) == public_key_hex(a)
+    path.write_text("garbage")
+    with pytest.raises(AuthError, match="delete it"):
+        load_or_create_key(path)
+
+
+def test_orchestrator_refuses_a_run_dir_without_config(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr

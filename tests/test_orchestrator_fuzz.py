@@ -1,0 +1,67 @@
+"""Schemathesis against the live orchestrator's /openapi.json: no input may produce a 5xx.
+
+Every operation is fuzzed three ways: unsigned, signed by a registered worker key (so bodies get
+past authentication into the service's own checks), and with the trainer's bearer token. The
+signer is a `requests` auth hook, so it signs the exact bytes schemathesis sends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import schemathesis
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, settings
+from orchestrator_harness import OrchestratorProcess, make_run_dir
+from schemathesis.checks import not_a_server_error
+
+from swarmrl.orchestrator.auth import sign_headers
+from swarmrl.orchestrator.client import TrainerClient, WorkerClient
+from swarmrl.transport.weights import folder_manifest
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Signer(requests.auth.AuthBase):
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self, r):
+        body = r.body or b""
+        if isinstance(body, str):
+            body = body.encode()
+        r.headers.update(sign_headers(self.key, r.method, r.path_url.split("?")[0], body))
+        return r
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    # High rate limits: the fuzzer itself must not be throttled into only ever seeing 429s.
+    run = make_run_dir(tmp_path_factory.mktemp("fuzz") / "run", "--orchestrator.rate_per_s", "10000",
+                       "--orchestrator.rate_burst", "10000", "--orchestrator.max_request_bytes", "200000")
+    proc = OrchestratorProcess(run).start()
+    token = (run / "trainer.token").read_text().strip()
+    TrainerClient(proc.url, token).publish(0, "http://127.0.0.1:9", folder_manifest(run / "policies" / "v000000"))
+    key = Ed25519PrivateKey.generate()
+    WorkerClient(proc.url, key).register("fuzzer")
+    yield {"proc": proc, "key": key, "token": token}
+    proc.stop()
+    assert "internal error" not in proc.log(), proc.log()
+
+
+@pytest.fixture(scope="module")
+def api(live):
+    return schemathesis.openapi.from_url(live["proc"].url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api")
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_request_produces_a_server_error(case, live):
+    with requests.Session() as session:
+        case.call_and_validate(session=session, checks=[not_a_server_error])
+        case.call_and_validate(session=session, checks=[not_a_server_error], auth=Signer(live["key"]))
+        case.call_and_validate(session=session, checks=[not_a_server_error],
+                               headers={"authorization": f"Bearer {live['token']}"})
