@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     rl.add_argument("--run-dir", help="run directory (default: a new folder under runs/)")
     rl.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     rl.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    rl.add_argument("--prepare", action="store_true",
+                    help="only write the run directory (config.toml, policies/v000000) for roles started by hand")
 
     sft = sub.add_parser("sft", help=COMMANDS["sft"], description=COMMANDS["sft"], epilog=CONFIG_EPILOG)
     sft.add_argument("--config", help="TOML config file (its [sft] and [tasks] sections are used)")
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 _fail(f"{args.run_dir} has no config.toml: it is not a swarmrl run directory")
             cfg = load_config(Path(args.run_dir) / "config.toml")
         try:
-            summary = run_rl(cfg, resume=args.resume)
+            summary = run_rl(cfg, resume=args.resume, prepare_only=args.prepare)
         except (ChildDied, FileExistsError, ValueError, FileNotFoundError) as e:
             _fail(str(e))
         print(json.dumps(summary, indent=1))

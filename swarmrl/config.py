@@ -151,6 +151,13 @@ class TrainerConfig(_Section):
     """Write a resumable checkpoint every N rollout steps (and at the end)."""
     keep_versions: int = Field(4, ge=1)
     """Policy version folders to keep on disk; older ones are deleted once no bound allows them."""
+    weights_host: str = "127.0.0.1"
+    """Address the trainer serves policy versions on (HTTP, read-only). 0.0.0.0 for remote workers."""
+    weights_port: int = Field(0, ge=0, le=65535)
+    """Port for serving policy versions; 0 picks a free one."""
+    weights_url: str | None = None
+    """The URL workers fetch versions from, if not http://weights_host:port (e.g. behind NAT or
+    when weights_host is 0.0.0.0)."""
 
 
 class AsyncConfig(_Section):
@@ -158,8 +165,9 @@ class AsyncConfig(_Section):
     """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
     Seed run: 2. The tiny default uses 1: its policy moves so much per step that 2-step-old
     data learned markedly slower (docs/default-run.md has the measurements)."""
-    workers: int = Field(1, ge=1)
-    """Inference worker processes started by `swarmrl rl`."""
+    workers: int = Field(2, ge=1)
+    """Inference worker processes started by `swarmrl rl`, each with its own key (the default
+    exercises several untrusted workers; on 2 cores they share a core with each other)."""
     worker_threads: int = Field(1, ge=1)
     """torch threads per worker process."""
     trainer_threads: int = Field(1, ge=1)

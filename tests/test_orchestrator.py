@@ -255,6 +255,11 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         # Uninformative groups (all right) are stored and counted, never batched.
         uninformative = lease_and_submit(w, 2, right=2)
         assert [a["informative"] for a in uninformative["accepted"]] == [False, False]
+        assert t.batch(3)["ready"] is False
+        lease_and_submit(w, 2)
+        m3 = t.batch(3)["metrics"]
+        assert m3["batch/uninformative_groups"] == 2.0 and m3["batch/scored_groups"] == 4.0
+        assert m3["reward/task_mean_all"] == 0.75 and m3["reward/task_mean"] == 0.5
     finally:
         orch.stop()
 

@@ -143,7 +143,9 @@ class Worker:
             except Refused as e:
                 if e.code == "run_finished":
                     return
-                time.sleep(0.05)  # e.g. our version fell out of the bound: the status says which to get
+                if e.code != "version_not_allowed":
+                    raise  # banned, unregistered, ...: nothing this worker can fix by retrying
+                time.sleep(0.05)  # our version fell out of the bound: the status says which to get
                 continue
             lease = resp.get("lease")
             if lease is None:

@@ -80,8 +80,9 @@ class SlotCheck:
 
 
 def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: int, cfg: Config) -> dict:
-    """Training-batch metrics: `taken` are the batch's groups, `resolved` everything this batch
-    settled (taken, uninformative and stale), so accuracy is measured before filtering."""
+    """Training-batch metrics: `taken` are the batch's groups, `resolved` the scored groups this
+    batch settled (taken and uninformative), so accuracy is measured before filtering; `stale`
+    counts groups dropped for the async bound."""
     rewards = [r for g in taken for r in g.rewards]
     lengths = [len(s.token_ids) for g in taken for s in g.samples]
     staleness = [step - g.policy_version for g in taken]
@@ -100,7 +101,7 @@ def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: i
         "off_policy/max": float(max(staleness)),
         "off_policy/mean": statistics.fmean(staleness),
         "off_policy/dropped": float(stale),
-        "batch/uninformative_groups": float(len(resolved) - len(taken) - stale),
+        "batch/uninformative_groups": float(len(resolved) - len(taken)),
         "batch/scored_groups": float(len(scored)),
         "batch/generated_tokens": float(sum(lengths)),
     }

@@ -130,7 +130,7 @@ def write_summary(rd: RunDir, cfg: Config, wall_seconds: float) -> dict:
     return summary
 
 
-def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
+def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     rd = RunDir(cfg.run_dir or new_run_dir())
     if not resume:
@@ -141,6 +141,9 @@ def run_rl(cfg: Config, *, resume: bool = False, log=print) -> dict:
         task_rows(cfg, log=log)
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         _install_base(rd, ensure_base_model(cfg, log=log))
+    if prepare_only:
+        log(f"prepared {rd.root}: config.toml and policies/v000000; start the roles on it")
+        return {"run_dir": str(rd.root)}
     log(f"run directory: {rd.root}")
     children = Children(rd)
     interrupted = False

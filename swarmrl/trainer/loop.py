@@ -76,8 +76,8 @@ class _Link:
     """Rank 0's connection to the orchestrator: pull batches, announce versions. Every call
     rides out an orchestrator restart (retry with backoff for up to `unreachable_s`)."""
 
-    def __init__(self, client: TrainerClient, server: PolicyServer, rd: RunDir, check, unreachable_s: float = 600):
-        self.client, self.server, self.rd, self.check = client, server, rd, check
+    def __init__(self, client: TrainerClient, url: str, rd: RunDir, check, unreachable_s: float = 600):
+        self.client, self.url, self.rd, self.check = client, url, rd, check
         self.unreachable_s = unreachable_s
 
     def _call(self, fn, what):
@@ -126,8 +126,9 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
     t_run = time.monotonic()
     try:
         if main:
-            server = PolicyServer(rd.policies, host=cfg.orchestrator.host).start()
-            link = _Link(_orchestrator(rd, orchestrator, token_file), server, rd, _parent_watchdog())
+            server = PolicyServer(rd.policies, host=cfg.trainer.weights_host, port=cfg.trainer.weights_port).start()
+            link = _Link(_orchestrator(rd, orchestrator, token_file), cfg.trainer.weights_url or server.url, rd,
+                         _parent_watchdog())
         sd = trainer.full_state_dict() if start else None
         if main:
             if start:

@@ -1,0 +1,156 @@
+"""Benchmark (not a test): the orchestrator alone under a loopback load of signed submissions.
+
+A real `swarmrl orchestrator` process; N load-generator processes, each with its own ed25519
+key, loop lease -> submit as fast as they can. Every submission is signed, checked (signature,
+nonce, lease, sizes, token ids, versions) and scored by the orchestrator's own verifiers
+(math-verify in its process pool), then stored in SQLite; half the completions of each group
+carry the right answer, so every group is informative and stored as queued. Back-pressure and
+rate limits are set out of the way: this measures the service, not its throttles.
+
+Printed: accepted groups/s and completions/s, submissions/s, and p50/p99 latency of the submit
+and lease requests as the clients saw them. The load generators share the machine's cores with
+the orchestrator, so on 2 cores the figure is a lower bound on what the service does alone.
+
+Usage: python benchmarks/bench_orchestrator.py [--clients 4] [--seconds 20] [--prompts 4]
+       [--group-size 8] [--verify-workers 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarmrl.model.tokenizer import build_char_tokenizer
+    from swarmrl.orchestrator.client import WorkerClient
+
+    tok = build_char_tokenizer()
+    w = WorkerClient(url, Ed25519PrivateKey.generate())
+    w.register("load")
+    cache: dict[str, list[int]] = {}
+
+    def ids(text: str) -> list[int]:
+        if text not in cache:
+            cache[text] = tok(text, add_special_tokens=False)["input_ids"]
+        return cache[text]
+
+    submit_lat, lease_lat, groups, completions = [], [], 0, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        lease = w.lease(0)["lease"]
+        lease_lat.append(time.perf_counter() - t0)
+        if lease is None:
+            continue
+        body = {"lease_id": lease["lease_id"], "groups": []}
+        for p in lease["prompts"]:
+            right = answers[p["problem_id"]]
+            samples = []
+            for j in range(lease["group_size"]):
+                answer = right if j % 2 == 0 else str(int(right) + 1)
+                # About the length of the default run's completions (~40 tokens).
+                t = ids(f"<think>{answer} checked digit by digit, carry noted</think>\\boxed{{{answer}}}<|im_end|>")
+                samples.append({"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop"})
+            body["groups"].append({"slot": p["slot"], "policy_version": 0, "samples": samples})
+        t0 = time.perf_counter()
+        result = w.submit(body)
+        submit_lat.append(time.perf_counter() - t0)
+        groups += len(result["accepted"])
+        completions += sum(len(body["groups"][0]["samples"]) for _ in result["accepted"])
+    out.put({"submit": submit_lat, "lease": lease_lat, "groups": groups, "completions": completions})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) per lease and submission")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--verify-workers", type=int, default=1)
+    args = ap.parse_args()
+
+    import torch  # noqa: F401
+
+    from swarmrl.config import load_config
+    from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+    from swarmrl.orchestrator.client import TrainerClient
+    from swarmrl.rl.tasks import task_rows
+    from swarmrl.transport.weights import folder_manifest
+
+    overrides = ["--sampling.worker_batch_prompts", str(args.prompts), "--sampling.group_size", str(args.group_size),
+                 "--async.max_pending_groups", str(10**9), "--orchestrator.rate_per_s", "1e6",
+                 "--orchestrator.rate_burst", str(10**6), "--rewards.verify_workers", str(args.verify_workers)]
+    cfg = load_config(None, overrides)
+    rows, _ = task_rows(cfg, log=lambda *_: None)
+    answers = {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        run.mkdir()
+        (run / "config.toml").write_text(cfg.model_copy(update={"run_dir": str(run)}).to_toml())
+        model, tok = build_tiny_policy()
+        save_policy(model, tok, run / "policies" / "v000000")
+        port = _free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        orch = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(run),
+                                 "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
+        try:
+            while not (run / "orchestrator.json").exists():
+                if orch.poll() is not None:
+                    raise SystemExit("the orchestrator failed to start")
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            TrainerClient(url, (run / "trainer.token").read_text().strip()).publish(
+                0, "http://127.0.0.1:9", folder_manifest(run / "policies" / "v000000"))
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            procs = [ctx.Process(target=_client, args=(url, args.seconds, answers, out)) for _ in range(args.clients)]
+            t0 = time.monotonic()
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=args.seconds + 120) for _ in procs]
+            wall = time.monotonic() - t0
+            for p in procs:
+                p.join()
+        finally:
+            orch.terminate()
+            orch.wait(timeout=30)
+    submit = [x for r in results for x in r["submit"]]
+    lease = [x for r in results for x in r["lease"]]
+    groups = sum(r["groups"] for r in results)
+    completions = sum(r["completions"] for r in results)
+    # Clients start at slightly different times; rates use the sum of their own windows.
+    window = args.seconds
+    print(f"clients {args.clients}, {args.prompts} groups x {args.group_size} completions per submission, "
+          f"verify_workers {args.verify_workers}, {os.cpu_count()} CPUs, wall {wall:.1f} s")
+    print(f"accepted groups/s      {groups / window:8.1f}")
+    print(f"accepted completions/s {completions / window:8.1f}")
+    print(f"submissions/s          {len(submit) / window:8.1f}")
+    print(f"submit latency ms      p50 {1000 * statistics.median(submit):7.1f}   p99 {1000 * _percentile(submit, 0.99):7.1f}")
+    print(f"lease latency ms       p50 {1000 * statistics.median(lease):7.1f}   p99 {1000 * _percentile(lease, 0.99):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
