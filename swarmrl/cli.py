@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     orc.add_argument("--run-dir", required=True, help="run directory with config.toml and policies/v000000")
     orc.add_argument("--host", help="bind address (default: orchestrator.host from the config)")
     orc.add_argument("--port", type=int, help="port (default: orchestrator.port; 0 picks a free one)")
+    orc.add_argument("--resume", action="store_true", help="reopen a finished run (its trainer is resuming)")
 
     tr = sub.add_parser("trainer", help=COMMANDS["trainer"], description=COMMANDS["trainer"])
     tr.add_argument("--run-dir", required=True)
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         from swarmrl.orchestrator.server import serve
 
         try:
-            serve(args.run_dir, host=args.host, port=args.port)
+            serve(args.run_dir, host=args.host, port=args.port, resume=args.resume)
         except (FileNotFoundError, OSError) as e:
             _fail(str(e))
         return

@@ -132,7 +132,7 @@ def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
     proc = _start_long_run(easy_base, run)
     try:
-        pids = subprocess.run(["pgrep", "-f", f"--cache-dir {run}/workers/worker-0"], capture_output=True,
+        pids = subprocess.run(["pgrep", "-f", f"cache-dir {run}/workers/worker-0"], capture_output=True,
                               text=True).stdout.split()
         assert pids, "worker not found"
         os.kill(int(pids[0]), signal.SIGKILL)
@@ -178,7 +178,7 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
     run = tmp_path / "run"
     run.mkdir()
     steps = 8
-    cfg = load_config(None, [*EASY, "--trainer.steps", str(steps), "--run-dir", str(run)])
+    cfg = load_config(None, [*EASY, "--trainer.steps", str(steps), "--run_dir", str(run)])
     (run / "config.toml").write_text(cfg.to_toml())
     shutil.copytree(easy_base, run / "policies" / "v000000")
     orch = OrchestratorProcess(run).start()

@@ -103,6 +103,8 @@ class Worker:
                 path.unlink(missing_ok=True)
                 return None
             except Unavailable as e:
+                if delay == 0.2:
+                    self.log(f"submitting lease {submission['lease_id'][:8]}: {e}; kept in the outbox, retrying")
                 if time.time() > expires:
                     self.log(f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
                              f"({e}); dropping its groups")

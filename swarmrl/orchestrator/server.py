@@ -54,13 +54,15 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
                         log=log)
 
 
-def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None) -> None:
+def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False) -> None:
     import uvicorn
 
     from swarmrl.orchestrator.app import create_app
 
     run_dir = Path(run_dir)
     orch = build_orchestrator(run_dir)
+    if resume:
+        orch.reopen()
     o = orch.cfg.orchestrator
     host = host or o.host
     port = o.port if port is None else port

@@ -239,7 +239,9 @@ class Orchestrator:
             open_slots = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
                                     "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
             n = s.worker_batch_prompts
-            if queued + open_slots and queued + open_slots + n > max_outstanding(cfg):
+            # Lease while below the limit (not "if the lease fits"): with fewer informative groups
+            # queued than a batch needs and nothing leased, a lease must always be possible.
+            if queued + open_slots >= max(max_outstanding(cfg), s.prompts_per_step):
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}
             lease_id = secrets.token_hex(16)
@@ -437,9 +439,16 @@ class Orchestrator:
                        "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
                        "published = excluded.published", (version, url, json.dumps(manifest), time.time()))
             Store.set_meta(db, "latest_version", version)
+            Store.set_meta(db, "finished", False)  # a trainer publishing means the run is live (resumed)
             db.execute("DELETE FROM policies WHERE version < ?", (version - self.cfg.async_.bound - 8,))
         self._count("policies_published")
         return {"latest_version": version}
+
+    def reopen(self) -> None:
+        """A resumed run: workers started before the trainer's first publication must not see the
+        old run's "finished" and leave."""
+        with self.store.tx() as db:
+            Store.set_meta(db, "finished", False)
 
     def finish(self) -> dict:
         with self.store.tx() as db:

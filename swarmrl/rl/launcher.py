@@ -151,7 +151,8 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         info = rd.root / "orchestrator.json"
         info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
-        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root)], 1)
+        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
+                       1)
         children.wait_for_file(info)
         url = json.loads(info.read_text())["url"]
         log(f"orchestrator: {url}")

@@ -85,7 +85,7 @@ class _Link:
 
     def publish(self, version: int) -> None:
         manifest = folder_manifest(self.rd.version_path(version))
-        self._call(lambda: self.client.publish(version, self.server.url, manifest), f"publish v{version}")
+        self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
 
     def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
         t0 = last = time.monotonic()
