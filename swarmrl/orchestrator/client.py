@@ -8,6 +8,7 @@ because a worker must keep a finished group through an outage but drop it when i
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -32,7 +33,10 @@ class Refused(RuntimeError):
 class _Client:
     def __init__(self, url: str, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=timeout_s)
+        # TCP_NODELAY: a request goes out as headers then body; with Nagle's algorithm and the
+        # server's delayed ACK every POST waited ~40 ms (measured: lease p50 48 ms -> see docs).
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self.http = httpx.Client(timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
         self.http.close()

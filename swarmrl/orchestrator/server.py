@@ -68,6 +68,9 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     port = o.port if port is None else port
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this. Without it every response (headers, then body, two
+    # writes) waited for the client's delayed ACK: 44 ms per request on loopback, 1.2 ms with.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
