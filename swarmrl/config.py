@@ -71,8 +71,10 @@ class SamplingConfig(_Section):
     (later raised to 1.0 in their ablations)."""
     max_new_tokens: int = Field(64, ge=1)
     """Token limit per completion; hitting it gives finish reason "length"."""
-    worker_batch_prompts: int = Field(16, ge=1)
-    """Prompts (groups) in one lease: what a worker samples in one batched generate call."""
+    worker_batch_prompts: int = Field(8, ge=1)
+    """Prompts (groups) in one lease: what a worker samples in one batched generate call.
+    Smaller leases let the orchestrator stop handing out work with a version closer to exactly
+    what the next batch needs (less dropped as stale); larger ones batch the sampler better."""
     uninformative_limit: int = Field(2000, ge=1)
     """Stop the run with an error after this many consecutive groups with all-equal rewards
     (no GRPO signal at all), rather than wait forever for an informative one."""

@@ -32,7 +32,8 @@ ANSWERS = answers()
 @pytest.fixture(scope="module")
 def orch(tmp_path_factory):
     # Many tests share this process and leave leases open: back-pressure must not stop the next.
-    run = make_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000")
+    run = make_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000",
+                       "--sampling.prompts_per_step", "1000")
     proc = OrchestratorProcess(run).start()
     yield proc
     proc.stop()
@@ -227,21 +228,22 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         t, w = trainer_of(orch), new_worker(orch)
         publish(orch, 0)
         assert t.batch(0)["ready"] is False
-        lease_and_submit(w, 0)
-        lease_and_submit(w, 0)
-        assert w.lease(0)["lease"] is None  # back-pressure: 2 batches of groups are waiting
+        a, b = w.lease(0)["lease"], w.lease(0)["lease"]  # v0 can feed batches 0 and 1
+        w.submit({"lease_id": a["lease_id"], "groups": [group(p, 0, 1) for p in a["prompts"]]})
         b0 = t.batch(0)
         assert b0["ready"] and len(b0["groups"]) == 2
         assert t.batch(0) == b0  # asking again returns the frozen batch
         with pytest.raises(Refused) as e:
             t.batch(5)
         assert e.value.code == "wrong_step"
-        lease_and_submit(w, 0)  # v0 is still allowed for batch 1 (bound 1)
-        b1 = t.batch(1)
-        assert b1["ready"] and b1["metrics"]["off_policy/max"] == 1.0
         publish(orch, 1)
+        lease_and_submit(w, 1)
+        w.submit({"lease_id": b["lease_id"], "groups": [group(p, 0, 1) for p in b["prompts"]]})  # late, still allowed
+        assert w.lease(1)["lease"] is None  # back-pressure: 4 queued cover both batches v1 can feed
+        b1 = t.batch(1)  # first in, first out: the v1 groups, submitted before the late v0 ones
+        assert b1["ready"] and b1["metrics"]["off_policy/max"] == 0.0
         publish(orch, 2)
-        assert t.batch(2)["ready"] is False  # the last two v0 groups are now too old for batch 2
+        assert t.batch(2)["ready"] is False  # the two v0 groups are now too old for batch 2
         lease_and_submit(w, 2)
         b2 = t.batch(2)
         assert b2["metrics"]["off_policy/dropped"] == 2.0
@@ -347,3 +349,15 @@ def test_orchestrator_refuses_a_run_dir_without_config(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_wants_more_work_hand_checked():
+    from swarmrl.orchestrator.service import wants_more_work
+
+    # One batch of 16 still open: 10 queued + 8 leased x 0.75 = 16 expected -> enough.
+    assert not wants_more_work(1, 16, 10, 8, 0.75)
+    assert wants_more_work(1, 16, 10, 7, 0.75)  # 15.25 expected
+    assert wants_more_work(2, 16, 10, 8, 0.75)  # the version can feed two batches: 32 wanted
+    assert not wants_more_work(1, 16, 0, 32, None)  # nothing scored yet: half of 32 = 16
+    assert wants_more_work(1, 16, 0, 79, 0.01)  # rate floored at 0.2: 79 x 0.2 = 15.8
+    assert not wants_more_work(0, 16, 0, 0, 0.5)  # a version that can feed no batch gets no work

@@ -48,6 +48,16 @@ def max_outstanding(cfg: Config) -> int:
     return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
 
 
+def wants_more_work(batches: int, prompts_per_step: int, queued: int, open_slots: int,
+                    informative_rate: float | None) -> bool:
+    """Whether one more lease for a policy version is useful. That version can still feed
+    `batches` batches of `prompts_per_step` informative groups; `queued` informative groups wait
+    already and `open_slots` are leased, of which `informative_rate` are expected to survive
+    online filtering (0.5 before anything was scored, floored at 0.2)."""
+    rate = 0.5 if informative_rate is None else max(0.2, informative_rate)
+    return queued + open_slots * rate < batches * prompts_per_step
+
+
 class RateLimiter:
     """Token bucket per key, in memory (a restart forgives everyone, which is harmless)."""
 
@@ -219,6 +229,12 @@ class Orchestrator:
         if expired:
             self._count("leases_expired", len(expired))
 
+    @staticmethod
+    def _informative_rate(db, window: int = 256) -> float | None:
+        row = db.execute("SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups "
+                         "ORDER BY id DESC LIMIT ?)", (window,)).fetchone()
+        return row[0] if row[1] >= 16 else None
+
     def lease(self, key: str, policy_version: int) -> dict:
         cfg, s = self.cfg, self.cfg.sampling
         now = time.time()
@@ -241,9 +257,18 @@ class Orchestrator:
             n = s.worker_batch_prompts
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
-            if queued + open_slots >= max(max_outstanding(cfg), s.prompts_per_step):
+            outstanding = queued + open_slots
+            if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}
+            # Work sampled with version v can only feed batches up to v + k. Once what is queued or
+            # leased covers those batches (at the informative rate seen lately), more work with v
+            # would be dropped as stale: wait for a newer version instead.
+            batches = policy_version + cfg.async_.bound - next_step + 1
+            if not wants_more_work(batches, s.prompts_per_step, queued, open_slots, self._informative_rate(db)):
+                return {"lease": None, "retry_after_s": 0.1,
+                        "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
+                                  f"version {policy_version} can still feed; waiting for a newer version"}
             lease_id = secrets.token_hex(16)
             expires = now + cfg.orchestrator.lease_timeout_s
             db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
