@@ -174,6 +174,10 @@ class AsyncConfig(_Section):
     """torch threads per worker process."""
     trainer_threads: int = Field(1, ge=1)
     """torch threads in the trainer process."""
+    worker_nice: int = Field(10, ge=0, le=19)
+    """Scheduling niceness of the workers `swarmrl rl` starts. The trainer is the critical path
+    (workers sample the next batch while it trains), so on a machine where they share cores
+    the trainer goes first and workers take what is left."""
     max_pending_groups: int | None = None
     """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the

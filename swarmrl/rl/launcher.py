@@ -51,14 +51,15 @@ class Children:
         self.rd = rd
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
 
-    def start(self, name: str, args: list[str], threads: int) -> None:
+    def start(self, name: str, args: list[str], threads: int, nice: int = 0) -> None:
         log = self.rd.logs / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                "SWARMRL_LAUNCHER_PID": str(os.getpid())}
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.procs[name] = (proc, log)
 
     def check(self) -> bool:
@@ -164,7 +165,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                                            "--cache-dir", str(wdir), "--name", f"worker-{i}",
                                            "--threads", str(cfg.async_.worker_threads),
                                            "--device", cfg.model.device, "--dtype", cfg.model.dtype],
-                           cfg.async_.worker_threads)
+                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0
             while True:
