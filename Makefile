@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_async.py
+	$(BIN)/python benchmarks/bench_orchestrator.py
 
 clean:
 	rm -rf $(VENV) .cache runs
