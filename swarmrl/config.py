@@ -202,6 +202,9 @@ class OrchestratorConfig(_Section):
     """Sustained signed requests per second allowed per worker key (token bucket)."""
     rate_burst: int = Field(100, ge=1)
     """Requests a worker key may send in a burst before rate limiting starts (429)."""
+    max_open_leases: int = Field(2, ge=1)
+    """Open (unsubmitted, unexpired) leases one worker key may hold, so no worker can hoard the
+    work that back-pressure allows."""
     registrations_per_min: int = Field(600, ge=1)
     """New worker keys accepted per minute across all clients (a flood of fresh keys gets 429)."""
 

@@ -142,11 +142,16 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     old = {"content-type": "application/json",
            **sign_headers(key, "POST", "/v1/leases", body, now=time.time() - 3600)}
     r = httpx.post(orch.url + "/v1/leases", content=body, headers=old)
-    assert r.status_code == 401 and "clock" in r.json()["detail"]
+    assert r.status_code == 401 and r.json()["error"] == "clock_skew" and "clock" in r.json()["detail"]
     r = httpx.post(orch.url + "/v1/leases", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 401 and "missing header" in r.json()["detail"]
     r = signed_post(orch, key, "/v1/leases", body, **{"x-swarmrl-key": "zz"})
     assert r.status_code == 401 and "hex" in r.json()["detail"]
+    # The same key spelled in upper case would be another identity (and another nonce space).
+    fresh = sign_headers(key, "POST", "/v1/leases", body)
+    r = httpx.post(orch.url + "/v1/leases", content=body,
+                   headers={**fresh, "content-type": "application/json", "x-swarmrl-key": fresh["x-swarmrl-key"].upper()})
+    assert r.status_code == 401 and "lowercase" in r.json()["detail"]
 
 
 def test_foreign_unknown_late_and_malformed_submissions(orch):
@@ -262,6 +267,16 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         m3 = t.batch(3)["metrics"]
         assert m3["batch/uninformative_groups"] == 2.0 and m3["batch/scored_groups"] == 4.0
         assert m3["reward/task_mean_all"] == 0.75 and m3["reward/task_mean"] == 0.5
+        # A trainer resumed from an older checkpoint announces an older version: work sampled
+        # with the abandoned newer versions is dropped, open leases on them expire.
+        publish(orch, 3)
+        held = w.lease(3)["lease"]
+        lease_and_submit(w, 3)
+        publish(orch, 2)
+        assert db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0] == 4
+        with pytest.raises(Refused) as e:
+            w.submit({"lease_id": held["lease_id"], "groups": [group(p, 3, 1) for p in held["prompts"]]})
+        assert e.value.code == "lease_expired"
     finally:
         orch.stop()
 
@@ -361,3 +376,36 @@ def test_wants_more_work_hand_checked():
     assert not wants_more_work(1, 16, 0, 32, None)  # nothing scored yet: half of 32 = 16
     assert wants_more_work(1, 16, 0, 79, 0.01)  # rate floored at 0.2: 79 x 0.2 = 15.8
     assert not wants_more_work(0, 16, 0, 0, 0.5)  # a version that can feed no batch gets no work
+
+
+def test_concurrent_copies_of_a_submission_are_scored_once(orch):
+    w = new_worker(orch, "twice")
+    publish(orch, 0)
+    lease = w.lease(0)["lease"]
+    body = {"lease_id": lease["lease_id"], "groups": [group(p, 0, 1) for p in lease["prompts"]]}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(w.submit(body))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    accepted = [a for r in results for a in r["accepted"]]
+    reasons = {x["reason"] for r in results for x in r["rejected"]}
+    assert len(results) == 4 and len(accepted) == 2 and reasons <= {"duplicate", "in_progress"}
+    db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM groups WHERE lease_id = ?", (lease["lease_id"],)).fetchone()[0] == 2
+
+
+def test_one_worker_cannot_hoard_leases_or_overfill_one(orch):
+    w = new_worker(orch, "hoarder")
+    publish(orch, 0)
+    first, second = w.lease(0)["lease"], w.lease(0)["lease"]
+    third = w.lease(0)
+    assert first and second and third["lease"] is None and "open leases" in third["reason"]
+    too_many = [group(p, 0, 1) for p in first["prompts"]] * 2
+    with pytest.raises(Refused) as e:
+        w.submit({"lease_id": first["lease_id"], "groups": too_many})
+    assert e.value.status == 422 and e.value.code == "too_many_groups"
+    w.submit({"lease_id": first["lease_id"], "groups": [group(p, 0, 1) for p in first["prompts"]]})
+    assert new_worker(orch, "other").lease(0)["lease"] is not None
+    assert w.lease(0)["lease"] is not None  # one lease done: room for another

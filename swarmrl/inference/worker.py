@@ -35,7 +35,7 @@ def _log(msg: str) -> None:
 
 class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
-                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = 600.0, log=_log):
+                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = float("inf"), log=_log):
         self.key = load_or_create_key(key_file)
         self.client = WorkerClient(orchestrator, self.key)
         self.cache = Path(cache_dir)
@@ -44,6 +44,7 @@ class Worker:
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.unreachable_s, self.log = unreachable_s, log
         self.version: int | None = None
+        self.digest: str | None = None
         self.sampler: Sampler | None = None
         launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
         self.parent = int(launcher) if launcher else None
@@ -58,8 +59,10 @@ class Worker:
     # ---- policy ------------------------------------------------------------------------------
     def _ensure_policy(self, policy: dict) -> bool:
         """Load the orchestrator's newest version if we do not have it. False: try again later."""
-        version = policy["version"]
-        if version == self.version:
+        version, digest = policy["version"], policy["manifest"].get("sha256")
+        # The digest too: a trainer resumed from an older checkpoint rebuilds a version number
+        # with other weights.
+        if version == self.version and digest == self.digest:
             return True
         try:
             folder = fetch_policy(policy["url"], version, policy["manifest"], self.cache / "policies",
@@ -70,7 +73,7 @@ class Worker:
             self.log(f"could not load policy v{version}: {e}")
             return False
         self.sampler = Sampler(model.eval(), stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-        self.version = version
+        self.version, self.digest = version, digest
         prune_cache(self.cache / "policies", keep=2)
         return True
 
@@ -92,13 +95,25 @@ class Worker:
 
     def deliver(self, path: Path) -> dict | None:
         """Send one outbox entry until it is accepted, refused, or its lease has expired."""
-        entry = json.loads(path.read_text())
-        expires, submission = entry["expires_at"], entry["submission"]
+        try:
+            entry = json.loads(path.read_text())
+            expires, submission = entry["expires_at"], entry["submission"]
+        except (ValueError, KeyError, TypeError) as e:
+            # A torn write (power loss) must not stop the worker on every start.
+            path.rename(path.with_suffix(".corrupt"))
+            self.log(f"outbox entry {path.name} is unreadable ({e}); moved aside")
+            return None
         delay = 0.2
         while True:
             try:
                 result = self.client.submit(submission)
             except Refused as e:
+                if e.code == "clock_skew" and time.time() < expires:
+                    # Not a verdict on the work: retry (signed afresh) until the clocks agree.
+                    self.log(f"lease {submission['lease_id'][:8]}: {e.detail}")
+                    time.sleep(min(5.0, delay))
+                    delay = min(5.0, delay * 2)
+                    continue
                 self.log(f"lease {submission['lease_id']} refused: {e}")
                 path.unlink(missing_ok=True)
                 return None
@@ -149,13 +164,16 @@ class Worker:
                     raise  # banned, unregistered, ...: nothing this worker can fix by retrying
                 time.sleep(0.05)  # our version fell out of the bound: the status says which to get
                 continue
+            received = time.time()
             lease = resp.get("lease")
             if lease is None:
                 time.sleep(resp.get("retry_after_s", 0.2))
                 continue
             submission = self.generate(lease)
             path = self.outbox / f"{lease['lease_id']}.json"
-            atomic_write_text(path, json.dumps({"expires_at": lease["expires_at"], "submission": submission}))
+            # Expiry on this machine's clock (receipt + lifetime), not the orchestrator's timestamp.
+            expires = received + lease["expires_in_s"]
+            atomic_write_text(path, json.dumps({"expires_at": expires, "submission": submission}))
             self.deliver(path)
 
 

@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swarmrl.orchestrator.auth import AuthError, verify_request
+from swarmrl.orchestrator.auth import AuthError, ClockSkew, verify_request
 from swarmrl.orchestrator.service import ApiError, Orchestrator
 
 # Hard ceilings on request shapes, whatever the config says; the config's own limits (group
@@ -192,6 +192,8 @@ def create_app(orch: Orchestrator) -> SizeLimit:
             key, nonce, ts = verify_request({k.lower(): v for k, v in request.headers.items()}, request.method,
                                             request.url.path, body,
                                             max_skew_s=orch.cfg.orchestrator.max_clock_skew_s)
+        except ClockSkew as e:
+            raise ApiError(401, "clock_skew", str(e)) from None
         except AuthError as e:
             raise ApiError(401, "bad_signature", str(e)) from None
         return key, {"nonce": nonce, "ts": ts}

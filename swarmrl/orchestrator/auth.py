@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+_LOWER_HEX = re.compile(r"[0-9a-f]{64}")
 
 H_KEY = "x-swarmrl-key"
 H_TIMESTAMP = "x-swarmrl-timestamp"
@@ -32,6 +35,10 @@ SIGNED_HEADERS = (H_KEY, H_TIMESTAMP, H_NONCE, H_SIGNATURE)
 
 class AuthError(ValueError):
     """A request whose signature, timestamp or nonce is not acceptable; the message says which."""
+
+
+class ClockSkew(AuthError):
+    """The timestamp is outside the window: the clocks disagree (retryable once they agree)."""
 
 
 def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
@@ -99,6 +106,10 @@ def verify_request(headers: dict[str, str], method: str, path: str, body: bytes,
     if missing:
         raise AuthError(f"unsigned request: missing header(s) {', '.join(missing)}; sign it with the worker key")
     key_hex, ts, nonce, sig = (headers[h] for h in SIGNED_HEADERS)
+    if not _LOWER_HEX.fullmatch(key_hex):
+        # One spelling per key: bytes.fromhex would accept upper case and spaces, and the header
+        # text is the identity (nonces, leases, bans), so variants would dodge all three.
+        raise AuthError(f"header {H_KEY} must be exactly 64 lowercase hex characters")
     raw_key = _hex(key_hex, 32, H_KEY)
     try:
         pub = Ed25519PublicKey.from_public_bytes(raw_key)
@@ -113,7 +124,7 @@ def verify_request(headers: dict[str, str], method: str, path: str, body: bytes,
         raise AuthError(f"header {H_TIMESTAMP} must be unix seconds, got {ts[:40]!r}") from None
     now = time.time() if now is None else now
     if not abs(now - t) <= max_skew_s:  # `not <=` also refuses nan
-        raise AuthError(f"timestamp {ts[:40]} is more than {max_skew_s:.0f} s from the orchestrator's clock "
+        raise ClockSkew(f"timestamp {ts[:40]} is more than {max_skew_s:.0f} s from the orchestrator's clock "
                         f"({now:.0f}); check the worker's clock")
     try:
         pub.verify(signature, signing_message(method, path, body, ts, nonce))

@@ -269,6 +269,10 @@ class Orchestrator:
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
                                   f"version {policy_version} can still feed; waiting for a newer version"}
+            mine = db.execute("SELECT COUNT(*) FROM leases WHERE worker = ? AND state = 'open'", (key,)).fetchone()[0]
+            if mine >= cfg.orchestrator.max_open_leases:
+                return {"lease": None, "retry_after_s": 0.5,
+                        "reason": f"this worker holds {mine} open leases; submit them first"}
             lease_id = secrets.token_hex(16)
             expires = now + cfg.orchestrator.lease_timeout_s
             db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
@@ -295,6 +299,9 @@ class Orchestrator:
         state = slot_rows[g.slot]["state"]
         if g.slot in seen or state == "submitted":
             return SlotCheck(g.slot, reason="duplicate", detail=f"slot {g.slot} was already submitted")
+        if state == "scoring":
+            seen.add(g.slot)
+            return SlotCheck(g.slot, reason="in_progress", detail=f"slot {g.slot} is being scored from another request")
         seen.add(g.slot)
         if state != "open":
             return SlotCheck(g.slot, reason="slot_closed", detail=f"slot {g.slot} is {state}")
@@ -319,8 +326,9 @@ class Orchestrator:
             if max(smp.token_ids) >= self.vocab_size:
                 return SlotCheck(g.slot, reason="token_out_of_range",
                                  detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size {self.vocab_size}")
-            if max(smp.logprobs) > 1e-4:
-                return SlotCheck(g.slot, reason="bad_logprob", detail=f"completion {i} has a logprob above 0")
+            if max(smp.logprobs) > 1e-4 or min(smp.logprobs) < -1e4:
+                return SlotCheck(g.slot, reason="bad_logprob",
+                                 detail=f"completion {i} has a logprob outside [-1e4, 0]")
         row = self.rows[slot_rows[g.slot]["problem"]]
         seeds = json.loads(slot_rows[g.slot]["seeds"])
         prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
@@ -333,40 +341,52 @@ class Orchestrator:
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
-        with self.store.lock:
-            db = self.store.db
+        foreign = False
+        with self.store.tx() as db:
             lease = db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
             if lease is None:
                 raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
             if lease["worker"] != key:
-                with self.store.tx() as tx:
-                    self.store.count_rejection(tx, key, lease_id, None, "foreign_lease", "lease of another worker")
-                self._count("rejected/foreign_lease")
-                raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
-            if lease["state"] == "expired" or lease["expires"] < now:
+                self.store.count_rejection(db, key, lease_id, None, "foreign_lease", "lease of another worker")
+                foreign = True
+            elif lease["state"] == "expired" or lease["expires"] < now:
                 self._count("rejected/late")
                 raise ApiError(410, "lease_expired",
                                f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
                                "reissued to other workers. Lease again.")
-            slot_rows = {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
-            next_step, _, _ = self._progress(db)
-        seen: set[int] = set()
-        checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
+            elif len(groups) > lease["slots"]:
+                raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
+            else:
+                slot_rows = {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
+                next_step, _, _ = self._progress(db)
+                seen: set[int] = set()
+                checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
+                # Claim the slots before the (slow) scoring, so a concurrent copy of this request is
+                # refused at once instead of being scored again.
+                for c in checks:
+                    if c.group is not None:
+                        db.execute("UPDATE slots SET state = 'scoring' WHERE lease_id = ? AND slot = ?",
+                                   (lease_id, c.slot))
+        if foreign:
+            self._count("rejected/foreign_lease")
+            raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
         good = [c.group for c in checks if c.group is not None]
-        if good:
-            with self.score_lock:
-                score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg)
-        n_slots = lease["slots"]
-        turnaround = (now - lease["created"]) / max(1, n_slots)
+        try:
+            if good:
+                with self.score_lock:
+                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg)
+        except BaseException:
+            with self.store.tx() as db:  # give the slots back: the worker may retry
+                for c in checks:
+                    if c.group is not None:
+                        db.execute("UPDATE slots SET state = 'open' WHERE lease_id = ? AND slot = ? AND "
+                                   "state = 'scoring'", (lease_id, c.slot))
+            raise
+        turnaround = (now - lease["created"]) / max(1, lease["slots"])
         accepted, rejected = [], []
         with self.store.tx() as db:
             for c in checks:
-                if c.group is not None:
-                    updated = db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ? "
-                                         "AND state = 'open'", (lease_id, c.slot)).rowcount
-                    if not updated:  # expired or submitted by a concurrent request meanwhile
-                        c.reason, c.detail = "slot_closed", f"slot {c.slot} closed while this request was scored"
-                if c.reason is not None:
+                if c.group is None and c.reason not in ("duplicate", "in_progress"):
                     # A refused slot is closed and its problem goes back to the pool: it must not
                     # hold back-pressure capacity until the lease expires.
                     closed = db.execute("UPDATE slots SET state = 'rejected' WHERE lease_id = ? AND slot = ? "
@@ -374,10 +394,12 @@ class Orchestrator:
                     if closed:
                         db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
                                    "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                if c.reason is not None:
                     self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail)
                     rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
                     self._count(f"rejected/{c.reason}")
                     continue
+                db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
@@ -389,7 +411,8 @@ class Orchestrator:
                 Store.set_meta(db, "uninformative_streak", streak)
                 accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative})
             db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (len(accepted), key))
-            if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchone():
+            if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
+                              (lease_id,)).fetchone():
                 db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
         self._count("groups_accepted", len(accepted))
         return {"accepted": accepted, "rejected": rejected}
@@ -463,6 +486,16 @@ class Orchestrator:
             db.execute("INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
                        "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
                        "published = excluded.published", (version, url, json.dumps(manifest), time.time()))
+            latest = Store.get_meta(db, "latest_version")
+            if latest is not None and version < latest:
+                # A trainer resumed from an older checkpoint: versions above `version` will be
+                # rebuilt with other weights, so work sampled with the old ones is dropped.
+                next_step = Store.get_meta(db, "next_step", 0)
+                dropped = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state = 'queued' "
+                                     "AND policy_version > ?", (next_step, version)).rowcount
+                db.execute("UPDATE leases SET expires = ? WHERE state = 'open' AND max_version > ?", (0.0, version))
+                self._expire(db, time.time())
+                self.log(f"trainer went back to version {version} (was {latest}): {dropped} queued groups dropped")
             Store.set_meta(db, "latest_version", version)
             Store.set_meta(db, "finished", False)  # a trainer publishing means the run is live (resumed)
             db.execute("DELETE FROM policies WHERE version < ?", (version - self.cfg.async_.bound - 8,))

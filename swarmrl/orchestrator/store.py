@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE INDEX IF NOT EXISTS leases_open ON leases (state, expires);
 CREATE TABLE IF NOT EXISTS slots (
     lease_id TEXT NOT NULL, slot INTEGER NOT NULL, problem INTEGER NOT NULL, target_length INTEGER,
-    seeds TEXT NOT NULL, state TEXT NOT NULL,   -- open | submitted | rejected | expired
+    seeds TEXT NOT NULL, state TEXT NOT NULL,   -- open | scoring | submitted | rejected | expired
     PRIMARY KEY (lease_id, slot));
 CREATE TABLE IF NOT EXISTS reissue (id INTEGER PRIMARY KEY AUTOINCREMENT, problem INTEGER NOT NULL,
     target_length INTEGER);
@@ -74,6 +74,9 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={os.environ.get('SWARMRL_SQLITE_SYNC', 'NORMAL')}")
         self.db.executescript(SCHEMA)
+        # Slots being scored when the previous process died go back to open: their submission was
+        # never accepted, so the worker's retry (or another worker after expiry) may deliver them.
+        self.db.execute("UPDATE slots SET state = 'open' WHERE state = 'scoring'")
 
     def close(self) -> None:
         with self.lock:
@@ -86,12 +89,24 @@ class Store:
 
         def __enter__(self) -> sqlite3.Connection:
             self.store.lock.acquire()
-            self.store.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.store.db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self.store.lock.release()  # never leave the lock held: every later call would hang
+                raise
             return self.store.db
 
         def __exit__(self, exc_type, exc, tb) -> None:
             try:
-                self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+                if exc_type is None:
+                    try:
+                        self.store.db.execute("COMMIT")
+                    except BaseException:
+                        if self.store.db.in_transaction:
+                            self.store.db.execute("ROLLBACK")
+                        raise
+                elif self.store.db.in_transaction:
+                    self.store.db.execute("ROLLBACK")
             finally:
                 self.store.lock.release()
 

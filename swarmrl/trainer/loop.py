@@ -175,8 +175,8 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                       f"off_policy {metrics['off_policy/max']:.0f} step {metrics['time/step']:.2f}s", flush=True)
         summary = {}
         if main:
+            rd.request_stop()  # first: the launcher must know workers leaving now are done, not dead
             link._call(link.client.finish, "finish")
-            rd.request_stop()
             after = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
             summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
