@@ -394,6 +394,15 @@ class Orchestrator:
                     if closed:
                         db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
                                    "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                if c.reason == "duplicate" and slot_rows[c.slot]["state"] == "submitted":
+                    # A resubmission after a lost reply (the lease is this worker's): answer with
+                    # what was stored, and do not count it against an honest worker.
+                    row = db.execute("SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?",
+                                     (lease_id, c.slot)).fetchone()
+                    if row is not None:
+                        accepted.append({"slot": c.slot, "rewards": json.loads(row[0])["rewards"],
+                                         "informative": bool(row[1]), "already_accepted": True})
+                        continue
                 if c.reason is not None:
                     self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail)
                     rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
@@ -410,11 +419,12 @@ class Orchestrator:
                 streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
                 Store.set_meta(db, "uninformative_streak", streak)
                 accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative})
-            db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (len(accepted), key))
+            fresh = [a for a in accepted if not a.get("already_accepted")]
+            db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (len(fresh), key))
             if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
                               (lease_id,)).fetchone():
                 db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
-        self._count("groups_accepted", len(accepted))
+        self._count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}
 
     # ---- trainer -----------------------------------------------------------------------------
