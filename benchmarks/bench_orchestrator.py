@@ -101,7 +101,9 @@ def main() -> None:
     from swarmrl.transport.weights import folder_manifest
 
     overrides = ["--sampling.worker_batch_prompts", str(args.prompts), "--sampling.group_size", str(args.group_size),
-                 "--async.max_pending_groups", str(10**9), "--orchestrator.rate_per_s", "1e6",
+                 # No trainer consumes batches here: make the batch so large that leasing never
+                 # stops for "the next batches are covered" or back-pressure.
+                 "--async.max_pending_groups", str(10**9), "--sampling.prompts_per_step", str(10**6), "--orchestrator.rate_per_s", "1e6",
                  "--orchestrator.rate_burst", str(10**6), "--rewards.verify_workers", str(args.verify_workers)]
     cfg = load_config(None, overrides)
     rows, _ = task_rows(cfg, log=lambda *_: None)
