@@ -128,10 +128,6 @@ class Store:
         db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                    (key, json.dumps(value)))
 
-    def meta(self, key: str, default=None):
-        with self.lock:
-            return self.get_meta(self.db, key, default)
-
     # ---- workers and nonces ------------------------------------------------------------------
     def register(self, key: str, name: str) -> dict:
         now = time.time()

@@ -47,10 +47,6 @@ class RunDir:
     def versions(self) -> list[int]:
         return sorted(int(m.group(1)) for p in self.policies.iterdir() if (m := _VERSION_DIR.match(p.name)))
 
-    def latest_version(self) -> int | None:
-        v = self.versions()
-        return v[-1] if v else None
-
     def prune_versions(self, keep_from: int) -> None:
         """Delete versions older than `keep_from` (no worker may use them any more). Version 0,
         the starting policy, stays: it is the KL reference and what a resumed run loads first."""
