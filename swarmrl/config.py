@@ -209,6 +209,43 @@ class OrchestratorConfig(_Section):
     """New worker keys accepted per minute across all clients (a flood of fresh keys gets 429)."""
 
 
+class ValidatorConfig(_Section):
+    mode: Literal["in-process", "external"] = "in-process"
+    """in-process: the orchestrator validates in a thread of its own process (local runs).
+    external: it only queues groups; `swarmrl validator` processes (trusted, with the
+    validator token) claim and check them over HTTP."""
+    rate: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of accepted groups that get the full check (prefill: TOPLOC, seeded sampling,
+    logprobs). The others still get every cheap check. A banned worker's unconsumed groups are
+    always fully re-checked."""
+    chunk_size: int = Field(32, ge=1)
+    """Tokens per TOPLOC proof (the seed run's decode batching: 32)."""
+    topk: int = Field(128, ge=1, le=4096)
+    """Hidden-state entries committed per proof (seed run: 128, i.e. 258-byte proofs)."""
+    exp_mismatches_max: int = Field(8, ge=0)
+    """A chunk fails when more of its top-k points differ in sign or exponent than this."""
+    mant_err_mean_max: float = Field(2.0, ge=0.0)
+    """... or when the mean bf16 mantissa error (in units of the 7-bit mantissa) over the points
+    that match exceeds this ..."""
+    mant_err_median_max: float = Field(1.0, ge=0.0)
+    """... or their median does. Calibration of all thresholds: docs/validation.md."""
+    sampling_margin: float = Field(0.05, ge=0.0)
+    """Largest allowed gap, in logits/T + Gumbel units, between the best score under the seed and
+    the submitted token's score (0 for an exact replay; this allows near-ties that rounding
+    differences between the worker's decode and the validator's prefill can flip)."""
+    logprob_tol: float = Field(0.02, ge=0.0)
+    """Largest allowed |reported - recomputed| logprob of a submitted token."""
+    ban_after: int = Field(3, ge=1)
+    """Groups rejected for fraud (a failed check an honest worker cannot fail) before a worker is
+    banned: its key is refused and its unconsumed groups are re-checked."""
+    batch_groups: int = Field(16, ge=1)
+    """Groups a validator claims and prefills together."""
+    threads: int = Field(1, ge=1)
+    """torch threads of the in-process validator."""
+    claim_timeout_s: float = Field(120.0, gt=0)
+    """A claimed group without a verdict after this long goes back to the queue (a validator died)."""
+
+
 class EvalConfig(_Section):
     every: int = Field(20, ge=0)
     """Evaluate held-out accuracy every N steps during training (0: only before and after)."""
@@ -259,6 +296,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     orchestrator: OrchestratorConfig = OrchestratorConfig()
+    validator: ValidatorConfig = ValidatorConfig()
     eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
     logging: LoggingConfig = LoggingConfig()

@@ -1,7 +1,8 @@
 """An untrusted inference worker (`swarmrl worker --orchestrator URL`).
 
     register (ed25519 key = identity) -> status -> newest allowed policy (HTTP, hash-checked)
-    -> lease (the orchestrator picks problems, seeds, settings) -> generate -> signed submit
+    -> lease (the orchestrator picks problems, seeds, settings) -> generate, building a TOPLOC
+    proof per chunk of tokens from the last hidden states -> signed submit
 
 The worker decides nothing that matters for training: problems, group size, temperature, token
 limit, target lengths and the seed of every completion come from the lease, and the rewards
@@ -25,6 +26,7 @@ from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.orchestrator.auth import load_or_create_key
 from swarmrl.orchestrator.client import Refused, Unavailable, WorkerClient, retrying
+from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.transport.filesystem import atomic_write_text
 from swarmrl.transport.weights import WeightsError, fetch_policy, prune_cache
 
@@ -84,13 +86,16 @@ class Worker:
         prompts = [p["prompt_ids"] for p in lease["prompts"] for _ in range(g)]
         seeds = [s for p in lease["prompts"] for s in p["seeds"]]
         outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease["max_new_tokens"],
-                                     temperature=lease["temperature"])
+                                     temperature=lease["temperature"], return_hidden=True)
+        proof = lease["proof"]
+        proofs = build_proofs_many([o.hidden for o in outs], chunk_size=proof["chunk_size"], topk=proof["topk"])
         groups = []
         for i, p in enumerate(lease["prompts"]):
-            block = outs[i * g : (i + 1) * g]
+            block = range(i * g, (i + 1) * g)
             groups.append({"slot": p["slot"], "policy_version": self.version,
-                           "samples": [{"token_ids": o.token_ids, "logprobs": o.logprobs,
-                                        "finish_reason": o.finish_reason} for o in block]})
+                           "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs,
+                                        "finish_reason": outs[j].finish_reason, "proofs": encode(proofs[j])}
+                                       for j in block]})
         return {"lease_id": lease["lease_id"], "groups": groups}
 
     def deliver(self, path: Path) -> dict | None:

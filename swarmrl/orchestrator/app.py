@@ -7,7 +7,10 @@ Endpoints (all JSON; errors are {"error": code, "detail": message} with a 4xx st
     GET  /v1/status                   step, newest policy version and where to get it, async bound
     POST /v1/workers/register         signed by the worker key: join the run
     POST /v1/leases                   signed: get problems to sample (or "no work now, retry")
-    POST /v1/rollouts                 signed: submit the groups of a lease
+    POST /v1/rollouts                 signed: submit the groups of a lease (with TOPLOC proofs)
+    POST /v1/workers/me               signed: this key's record (accepted, rejections by reason, ban)
+    POST /v1/validator/claim          validator (bearer token): groups to check, with their policies
+    POST /v1/validator/verdicts       validator: the verdicts on claimed groups
     POST /v1/trainer/batches/{step}   trainer (bearer token): batch `step`, built on first ask
     POST /v1/trainer/policies         trainer: a new policy version is available at a URL
     POST /v1/trainer/finish           trainer: the run is over, workers may leave
@@ -39,6 +42,7 @@ from swarmrl.orchestrator.service import ApiError, Orchestrator
 MAX_TOKENS = 1 << 17
 MAX_SAMPLES = 1024
 MAX_GROUPS = 1024
+MAX_PROOF_CHARS = 4 * (2 + 2 * 4096) // 3 + 4  # base64 of a top-4096 proof, the largest topk allowed
 
 _LEASE_ID = r"^[0-9a-f]{32}$"
 
@@ -57,13 +61,22 @@ class LeaseIn(_In):
     policy_version: int = Field(ge=0, le=10**9, description="the policy version this worker has loaded")
 
 
-class SampleIn(_In):
+class _Claims(BaseModel):
+    # Extra fields are kept (not refused at parse time) so that a claimed reward is rejected by
+    # the service with its own reason and counted against the worker.
+    model_config = ConfigDict(extra="allow")
+
+
+class SampleIn(_Claims):
     token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_TOKENS)
     logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
     finish_reason: Literal["stop", "length"]
+    proofs: list[Annotated[str, Field(max_length=MAX_PROOF_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_TOKENS,
+        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)")
 
 
-class GroupIn(_In):
+class GroupIn(_Claims):
     slot: int = Field(ge=0, le=MAX_GROUPS)
     policy_version: int = Field(ge=0, le=10**9)
     samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
@@ -78,6 +91,23 @@ class PublishIn(_In):
     version: int = Field(ge=0, le=10**9)
     url: str = Field(max_length=2048, pattern=r"^https?://[^\s]+$")
     manifest: dict = Field(description="folder_manifest() of the version: files with sha256 and size")
+
+
+class ClaimIn(_In):
+    max_groups: int = Field(16, ge=1, le=1024)
+
+
+class VerdictIn(_In):
+    id: int = Field(ge=0, le=1 << 62)
+    ok: bool
+    reason: str | None = Field(None, pattern=r"^[a-z_]{1,40}$")
+    detail: str = Field("", max_length=2000)
+    stats: dict[str, float] = Field(default_factory=dict, max_length=32)
+
+
+class VerdictsIn(_In):
+    verdicts: list[VerdictIn] = Field(default_factory=list, max_length=4096)
+    retry: list[Annotated[int, Field(ge=0, le=1 << 62)]] = Field(default_factory=list, max_length=4096)
 
 
 class ErrorOut(BaseModel):
@@ -203,6 +233,13 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         if not (header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), orch.trainer_token.encode())):
             raise ApiError(401, "not_trainer", "this endpoint needs the trainer's bearer token")
 
+    def validator_only(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        token = orch.validator_token
+        if not (token and header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), token.encode())):
+            raise ApiError(401, "not_validator", "this endpoint needs the validator's bearer token "
+                                                 "(<run-dir>/validator.token)")
+
     @app.get("/healthz")
     def healthz() -> dict:
         return {"ok": True}
@@ -236,6 +273,20 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         key, auth = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.submit(key, body.lease_id, body.groups)
+
+    @app.post("/v1/workers/me", responses=responses)
+    def me(who: tuple = Depends(signed)) -> dict:
+        key, auth = who
+        orch.authenticate(key, auth["nonce"], auth["ts"], allow_banned=True)
+        return orch.worker_record(key)
+
+    @app.post("/v1/validator/claim", responses=responses, dependencies=[Depends(validator_only)])
+    def claim(body: ClaimIn) -> dict:
+        return orch.claim_validation(body.max_groups)
+
+    @app.post("/v1/validator/verdicts", responses=responses, dependencies=[Depends(validator_only)])
+    def verdicts(body: VerdictsIn) -> dict:
+        return orch.record_verdicts([v.model_dump() for v in body.verdicts], body.retry)
 
     @app.post("/v1/trainer/batches/{step}", responses=responses, dependencies=[Depends(trainer_only)])
     def batch(step: int = Path(ge=0, le=10**9)) -> dict:

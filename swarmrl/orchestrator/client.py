@@ -1,4 +1,4 @@
-"""HTTP clients of the orchestrator: one for workers (signed requests), one for the trainer.
+"""HTTP clients of the orchestrator: workers (signed requests), the trainer and validators (tokens).
 
 Both separate failures worth retrying (`Unavailable`: connection refused or reset, timeouts,
 5xx, 429) from refusals (`Refused`: any other 4xx, with the orchestrator's code and message),
@@ -84,6 +84,9 @@ class WorkerClient(_Client):
     def submit(self, submission: dict) -> dict:
         return self._signed("/v1/rollouts", submission)
 
+    def me(self) -> dict:
+        return self._signed("/v1/workers/me", {})
+
 
 class TrainerClient(_Client):
     def __init__(self, url: str, token: str, timeout_s: float = 60.0):
@@ -101,6 +104,16 @@ class TrainerClient(_Client):
 
     def finish(self) -> dict:
         return self._post("/v1/trainer/finish")
+
+
+class ValidatorClient(TrainerClient):
+    """A trusted validator (bearer token from <run-dir>/validator.token)."""
+
+    def claim(self, max_groups: int) -> dict:
+        return self._post("/v1/validator/claim", {"max_groups": max_groups})
+
+    def record(self, verdicts: list[dict], retry: list[int]) -> dict:
+        return self._post("/v1/validator/verdicts", {"verdicts": verdicts, "retry": retry})
 
 
 def retrying(call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2,

@@ -18,11 +18,12 @@ from pathlib import Path
 from swarmrl.transport.filesystem import atomic_write_text
 
 
-def trainer_token(run_dir: Path) -> str:
-    """The trainer's bearer token, created on first use (readable only by this user)."""
-    path = run_dir / "trainer.token"
+def trainer_token(run_dir: Path, role: str = "trainer") -> str:
+    """A trusted role's bearer token (`<role>.token`: the trainer's, the validators'), created on
+    first use, readable only by this user."""
+    path = run_dir / f"{role}.token"
     if not path.exists():
-        tmp = run_dir / f".trainer.token.{secrets.token_hex(4)}"
+        tmp = run_dir / f".{role}.token.{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32))
@@ -49,9 +50,10 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
         raise FileNotFoundError(f"{base} is missing: the orchestrator needs the starting policy's tokenizer")
     cfg = load_config(run_dir / "config.toml")
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
-    vocab = AutoConfig.from_pretrained(base, local_files_only=True).vocab_size
-    return Orchestrator(cfg, run_dir, tokenizer=tokenizer, vocab_size=vocab, trainer_token=trainer_token(run_dir),
-                        log=log)
+    model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
+    return Orchestrator(cfg, run_dir, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
+                        hidden_size=model_cfg.hidden_size, trainer_token=trainer_token(run_dir),
+                        validator_token=trainer_token(run_dir, "validator"), log=log)
 
 
 def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False) -> None:
@@ -79,9 +81,17 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     config = uvicorn.Config(create_app(orch), log_level="warning", access_log=False, timeout_keep_alive=30,
                             limit_concurrency=1000, h11_max_incomplete_event_size=64 * 1024)
     server = uvicorn.Server(config)
+    thread = stop = None
+    if orch.cfg.validator.mode == "in-process":
+        from swarmrl.validator.runner import start_in_process
+
+        thread, stop = start_in_process(orch, run_dir)
     atomic_write_text(run_dir / "orchestrator.json", json.dumps({"url": url, "pid": os.getpid()}))
-    print(f"orchestrator listening on {url}", flush=True)
+    print(f"orchestrator listening on {url} (validator: {orch.cfg.validator.mode})", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
+        if stop is not None:
+            stop.set()
+            thread.join(timeout=30)  # let a check in progress record its verdicts
         orch.close()

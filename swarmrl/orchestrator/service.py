@@ -9,6 +9,12 @@ reach the client as JSON. The rules it enforces:
   * a submission is checked (lease owner, expiry, slot, sizes, token ids, policy version within
     the lease and within the async bound) and then scored here: rewards come only from the
     orchestrator's own verifiers, whatever the worker claims;
+  * then it waits for the validator (`validator.rate` of the groups; all of them by default):
+    `pending` until a validator claimed it, `validating` while one checks it, and then `queued`
+    (or `uninformative`) if it passed, `rejected` if not. Only queued groups reach the trainer;
+  * rejections an honest worker cannot get (FRAUD_REASONS) count against the worker; after
+    `validator.ban_after` of them its key is refused, its open leases are expired and its
+    queued groups go back to the validator for a full check;
   * batch n takes queued groups first in, first out, drops (and counts) those from a policy
     older than n - k, and is frozen in SQLite the moment it is complete.
 """
@@ -29,10 +35,24 @@ import torch
 from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
 from swarmrl.orchestrator.store import Store
+from swarmrl.proofs.toploc import check_format
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rl.rollouts import Group, Sample
 from swarmrl.rl.scoring import score_groups
 from swarmrl.rl.tasks import model_input, task_rows
+from swarmrl.validator.checks import termination_problem
+
+
+# Rejections that an honest worker running swarmrl cannot get, whatever its network or speed:
+# they count towards a ban. Not in the list (and never counted as fraud): duplicate,
+# in_progress, slot_closed, stale, lease_expired; a slow or restarted honest worker gets those.
+FRAUD_REASONS = frozenset({
+    "bad_slot", "version_not_in_lease", "group_size", "length", "logprobs_length", "token_out_of_range",
+    "bad_logprob", "termination", "claimed_reward", "proofs_missing", "proofs_malformed", "foreign_lease",
+    "toploc", "sampling", "logprobs",
+})
+# Group states that will (most likely) become queued: back-pressure counts them as queued.
+WAITING = ("queued", "pending", "validating")
 
 
 class ApiError(Exception):
@@ -87,6 +107,7 @@ class SlotCheck:
     group: Group | None = None
     reason: str | None = None
     detail: str = ""
+    proofs: list | None = None  # per completion, its TOPLOC proofs (base64), kept for the validator
 
 
 def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: int, cfg: Config) -> dict:
@@ -123,10 +144,13 @@ def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: i
 
 
 class Orchestrator:
-    def __init__(self, cfg: Config, run_dir: str | Path, *, tokenizer, vocab_size: int, trainer_token: str,
-                 pool: VerifierPool | None = None, log=print):
+    def __init__(self, cfg: Config, run_dir: str | Path, *, tokenizer, vocab_size: int, hidden_size: int,
+                 trainer_token: str, validator_token: str | None = None, pool: VerifierPool | None = None, log=print):
         self.cfg, self.rd = cfg, Path(run_dir)
-        self.tokenizer, self.vocab_size, self.trainer_token = tokenizer, vocab_size, trainer_token
+        self.tokenizer, self.vocab_size, self.hidden_size = tokenizer, vocab_size, hidden_size
+        self.trainer_token, self.validator_token = trainer_token, validator_token
+        self.stop_ids = [tokenizer.eos_token_id]
+        self.rng = random.SystemRandom()  # which groups get the full check: not predictable by workers
         self.log = log
         self.store = Store(self.rd / "orchestrator.sqlite")
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
@@ -170,7 +194,8 @@ class Orchestrator:
                 "total_steps": self.cfg.trainer.steps}
 
     # ---- workers -----------------------------------------------------------------------------
-    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False) -> dict:
+    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
+                     allow_banned: bool = False) -> dict:
         """After the signature checked out: replay, rate, registration and ban checks."""
         wait = self.limiter.take(key)
         if wait:
@@ -182,8 +207,9 @@ class Orchestrator:
         worker = self.store.worker(key)
         if worker is None and not registering:
             raise ApiError(403, "not_registered", "unknown worker key: POST /v1/workers/register first")
-        if worker is not None and worker["banned"]:
-            raise ApiError(403, "banned", "this worker key is banned")
+        if worker is not None and worker["banned"] and not allow_banned:
+            raise ApiError(403, "banned", "this worker key is banned for submitting work that failed validation "
+                                          "(POST /v1/workers/me says why)")
         return worker or {}
 
     def register(self, key: str, name: str) -> dict:
@@ -251,7 +277,7 @@ class Orchestrator:
                 raise ApiError(409, "version_not_allowed",
                                f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
                                f"fetch version {latest} (GET /v1/status says where)")
-            queued = db.execute("SELECT COUNT(*) FROM groups WHERE state = 'queued'").fetchone()[0]
+            queued = db.execute("SELECT COUNT(*) FROM groups WHERE state IN (?, ?, ?)", WAITING).fetchone()[0]
             open_slots = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
                                     "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
             n = s.worker_batch_prompts
@@ -289,7 +315,9 @@ class Orchestrator:
         self._count("leases_issued")
         return {"lease": {"lease_id": lease_id, "expires_at": expires, "expires_in_s": expires - now,
                           "min_version": lo, "max_version": latest, "group_size": s.group_size,
-                          "temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "prompts": prompts}}
+                          "temperature": s.temperature, "max_new_tokens": s.max_new_tokens,
+                          "proof": {"kind": "toploc", "chunk_size": cfg.validator.chunk_size, "topk": cfg.validator.topk},
+                          "prompts": prompts}}
 
     # ---- submissions -------------------------------------------------------------------------
     def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int) -> SlotCheck:
@@ -329,6 +357,24 @@ class Orchestrator:
             if max(smp.logprobs) > 1e-4 or min(smp.logprobs) < -1e4:
                 return SlotCheck(g.slot, reason="bad_logprob",
                                  detail=f"completion {i} has a logprob outside [-1e4, 0]")
+            claims = [k for k in (smp.model_extra or {}) if "reward" in k.lower()]
+            if claims:
+                return SlotCheck(g.slot, reason="claimed_reward",
+                                 detail=f"completion {i} carries {claims[0]!r}: rewards are computed by the "
+                                        "orchestrator, a worker never sends one")
+            problem = termination_problem(list(smp.token_ids), smp.finish_reason, self.stop_ids, s.max_new_tokens)
+            if problem:
+                return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
+            v = self.cfg.validator
+            if not smp.proofs:
+                return SlotCheck(g.slot, reason="proofs_missing", detail=f"completion {i} has no TOPLOC proofs")
+            problem = check_format(smp.proofs, n, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
+            if problem:
+                return SlotCheck(g.slot, reason="proofs_malformed", detail=f"completion {i}: {problem}")
+        claims = [k for k in (g.model_extra or {}) if "reward" in k.lower()]
+        if claims:
+            return SlotCheck(g.slot, reason="claimed_reward",
+                             detail=f"the group carries {claims[0]!r}: rewards are computed by the orchestrator")
         row = self.rows[slot_rows[g.slot]["problem"]]
         seeds = json.loads(slot_rows[g.slot]["seeds"])
         prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
@@ -337,7 +383,7 @@ class Orchestrator:
         group = Group(row["problem_id"], row["task_type"], prompt, row["verification_info"], ids, samples,
                       g.policy_version, lease["worker"], self.cfg.sampling.temperature,
                       slot_rows[g.slot]["target_length"])
-        return SlotCheck(g.slot, group=group)
+        return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples])
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
@@ -347,7 +393,9 @@ class Orchestrator:
             if lease is None:
                 raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
             if lease["worker"] != key:
-                self.store.count_rejection(db, key, lease_id, None, "foreign_lease", "lease of another worker")
+                fraud = self.store.count_rejection(db, key, lease_id, None, "foreign_lease", "lease of another worker",
+                                                   fraud=True)
+                self._maybe_ban(db, key, fraud)
                 foreign = True
             elif lease["state"] == "expired" or lease["expires"] < now:
                 self._count("rejected/late")
@@ -404,28 +452,156 @@ class Orchestrator:
                                          "informative": bool(row[1]), "already_accepted": True})
                         continue
                 if c.reason is not None:
-                    self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail)
+                    fraud = self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail,
+                                                       fraud=c.reason in FRAUD_REASONS)
                     rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
                     self._count(f"rejected/{c.reason}")
+                    if c.reason in FRAUD_REASONS:
+                        self._log_rejection(db, key, c.reason, c.detail)
+                        self._maybe_ban(db, key, fraud)
                     continue
                 db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
+                full = self.rng.random() < self.cfg.validator.rate
                 db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
-                           "informative, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (lease_id, c.slot, key, g.policy_version, now, g.to_json(), int(informative),
-                            "queued" if informative else "uninformative"))
-                streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
-                Store.set_meta(db, "uninformative_streak", streak)
-                accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative})
+                            "pending" if full else "queued" if informative else "uninformative",
+                            json.dumps(c.proofs, separators=(",", ":"))))
+                if not full:
+                    self._settled(db, key, informative)
+                accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
+                                 "validation": "pending" if full else "cheap checks only"})
             fresh = [a for a in accepted if not a.get("already_accepted")]
-            db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (len(fresh), key))
             if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
                               (lease_id,)).fetchone():
                 db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
         self._count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}
+
+    # ---- validation --------------------------------------------------------------------------
+    def _settled(self, db, key: str, informative: bool) -> None:
+        """A group passed every check it was given: it counts for its worker and the streak."""
+        db.execute("UPDATE workers SET accepted = accepted + 1 WHERE key = ?", (key,))
+        streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
+        Store.set_meta(db, "uninformative_streak", streak)
+
+    def _name(self, db, key: str) -> str:
+        row = db.execute("SELECT name FROM workers WHERE key = ?", (key,)).fetchone()
+        return f"{row[0] if row else '?'} ({key[:12]}…)"
+
+    def _log_rejection(self, db, key: str, reason: str, detail: str) -> None:
+        self.log(f"rejected: worker {self._name(db, key)}: {reason}: {detail}")
+
+    def _maybe_ban(self, db, key: str, fraud: int) -> None:
+        """Ban a worker once its fraud count reaches the limit: refuse its key from now on, give
+        its open leases' problems to others, and send its not-yet-trained groups back to the
+        validator for a full check (groups that got only the cheap checks included)."""
+        if fraud < self.cfg.validator.ban_after:
+            return
+        if not db.execute("UPDATE workers SET banned = 1 WHERE key = ? AND banned = 0", (key,)).rowcount:
+            return
+        db.execute("UPDATE leases SET expires = 0 WHERE worker = ? AND state = 'open'", (key,))
+        self._expire(db, time.time())
+        recheck = db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND state = 'queued'",
+                             (key,)).rowcount
+        self._count("workers_banned")
+        self.log(f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
+                 f"{recheck} of its queued groups go back to the validator")
+
+    @staticmethod
+    def _validation_metrics(db) -> dict[str, float]:
+        m = {f"rejected/{reason}": float(n) for reason, n in
+             db.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall()}
+        m["workers/banned"] = float(db.execute("SELECT COUNT(*) FROM workers WHERE banned = 1").fetchone()[0])
+        m["validator/pending"] = float(db.execute("SELECT COUNT(*) FROM groups WHERE state IN ('pending', 'validating')")
+                                       .fetchone()[0])
+        return m
+
+    def claim_validation(self, max_groups: int) -> dict:
+        """Up to `max_groups` pending groups for a validator, with the policies they claim."""
+        cfg = self.cfg
+        now = time.time()
+        with self.store.tx() as db:
+            next_step, _, _ = self._progress(db)
+            lo = max(0, next_step - cfg.async_.bound)
+            # Claims of a validator that died go back to the queue.
+            db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating' AND claimed < ?",
+                       (now - cfg.validator.claim_timeout_s,))
+            # Work too old to be trained now needs no check: it is dropped like any stale group.
+            stale = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state = 'pending' "
+                               "AND policy_version < ?", (next_step, lo)).rowcount
+            if stale:
+                self._count("off_policy_dropped", stale)
+            rows = db.execute("SELECT id, worker, policy_version, payload, proofs FROM groups WHERE state = 'pending' "
+                              "ORDER BY id LIMIT ?", (max_groups,)).fetchall()
+            if rows:
+                marks = ",".join("?" * len(rows))
+                db.execute(f"UPDATE groups SET state = 'validating', claimed = ? WHERE id IN ({marks})",
+                           (now, *[r["id"] for r in rows]))
+            versions = sorted({r["policy_version"] for r in rows})
+            policies = {}
+            for v in versions:
+                prow = db.execute("SELECT url, manifest FROM policies WHERE version = ?", (v,)).fetchone()
+                if prow is not None:
+                    policies[str(v)] = {"url": prow["url"], "manifest": json.loads(prow["manifest"])}
+        items = []
+        for r in rows:
+            g = json.loads(r["payload"])
+            proofs = json.loads(r["proofs"] or "[]")
+            items.append({"id": r["id"], "worker": r["worker"], "policy_version": r["policy_version"],
+                          "temperature": g["temperature"], "prompt_ids": g["prompt_ids"],
+                          "samples": [{"token_ids": smp["token_ids"], "logprobs": smp["logprobs"], "seed": smp["seed"],
+                                       "proofs": proofs[i] if i < len(proofs) else []}
+                                      for i, smp in enumerate(g["samples"])]})
+        self._count("validator/claimed", len(items))
+        return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump()}
+
+    def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:
+        """Apply a validator's verdicts: passed groups join the queue, failed ones are rejected
+        (fraud) against their worker; `retry` ids go back to pending (their policy could not be
+        loaded just now)."""
+        recorded = 0
+        with self.store.tx() as db:
+            for v in verdicts:
+                row = db.execute("SELECT worker, lease_id, slot, informative, state FROM groups WHERE id = ?",
+                                 (v["id"],)).fetchone()
+                if row is None or row["state"] not in ("validating", "pending"):
+                    continue  # a verdict for a group already settled (e.g. a second validator's)
+                recorded += 1
+                verdict = json.dumps({"ok": v["ok"], "reason": v.get("reason"), "stats": v.get("stats", {})})
+                if v["ok"]:
+                    state = "queued" if row["informative"] else "uninformative"
+                    db.execute("UPDATE groups SET state = ?, verdict = ? WHERE id = ?", (state, verdict, v["id"]))
+                    self._settled(db, row["worker"], bool(row["informative"]))
+                    self._count("validator/passed")
+                    continue
+                reason = v.get("reason") or "validation"
+                db.execute("UPDATE groups SET state = 'rejected', verdict = ? WHERE id = ?", (verdict, v["id"]))
+                fraud = self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], reason,
+                                                   v.get("detail", ""), fraud=True)
+                self._count(f"rejected/{reason}")
+                self._log_rejection(db, row["worker"], reason, v.get("detail", ""))
+                self._maybe_ban(db, row["worker"], fraud)
+            for gid in retry:
+                db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE id = ? AND state = 'validating'",
+                           (gid,))
+        return {"recorded": recorded}
+
+    def worker_record(self, key: str) -> dict:
+        """What the orchestrator holds against (and for) a worker key."""
+        with self.store.lock:
+            db = self.store.db
+            w = db.execute("SELECT * FROM workers WHERE key = ?", (key,)).fetchone()
+            reasons = dict(db.execute("SELECT reason, COUNT(*) FROM rejections WHERE worker = ? GROUP BY reason",
+                                      (key,)).fetchall())
+            waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
+                                 (key,)).fetchone()[0]
+        return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
+                "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
+                "rejections": reasons}
 
     # ---- trainer -----------------------------------------------------------------------------
     def build_batch(self, step: int) -> dict:
@@ -474,6 +650,7 @@ class Orchestrator:
             metrics = batch_metrics(step, taken, resolved, n_stale, cfg)
             metrics["off_policy/dropped_total"] = float(
                 db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0])
+            metrics.update(self._validation_metrics(db))
             db.execute("INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
                        (step, json.dumps(ids), json.dumps(metrics), time.time()))
             Store.set_meta(db, "next_step", step + 1)
@@ -501,8 +678,8 @@ class Orchestrator:
                 # A trainer resumed from an older checkpoint: versions above `version` will be
                 # rebuilt with other weights, so work sampled with the old ones is dropped.
                 next_step = Store.get_meta(db, "next_step", 0)
-                dropped = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state = 'queued' "
-                                     "AND policy_version > ?", (next_step, version)).rowcount
+                dropped = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state IN (?, ?, ?) "
+                                     "AND policy_version > ?", (next_step, *WAITING, version)).rowcount
                 db.execute("UPDATE leases SET expires = ? WHERE state = 'open' AND max_version > ?", (0.0, version))
                 self._expire(db, time.time())
                 self.log(f"trainer went back to version {version} (was {latest}): {dropped} queued groups dropped")
@@ -530,6 +707,8 @@ class Orchestrator:
             counts = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
             open_leases = db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()[0]
             workers = db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]
+            banned = db.execute("SELECT COUNT(*) FROM workers WHERE banned = 1").fetchone()[0]
         return {"next_step": next_step, "latest_version": -1 if latest is None else latest,
-                "open_leases": open_leases, "workers": workers,
-                **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative")}}
+                "open_leases": open_leases, "workers": workers, "workers_banned": banned,
+                **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative",
+                                                                      "pending", "validating", "rejected")}}

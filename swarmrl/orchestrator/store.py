@@ -29,7 +29,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (
     key TEXT PRIMARY KEY, name TEXT NOT NULL, registered REAL NOT NULL, last_seen REAL NOT NULL,
-    accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0);
+    accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0,
+    fraud INTEGER NOT NULL DEFAULT 0);         -- rejections no honest worker can get
 CREATE TABLE IF NOT EXISTS nonces (key TEXT NOT NULL, nonce TEXT NOT NULL, ts REAL NOT NULL,
     PRIMARY KEY (key, nonce)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS nonces_ts ON nonces (ts);
@@ -48,9 +49,14 @@ CREATE TABLE IF NOT EXISTS groups (
     id INTEGER PRIMARY KEY AUTOINCREMENT, lease_id TEXT NOT NULL, slot INTEGER NOT NULL,
     worker TEXT NOT NULL, policy_version INTEGER NOT NULL, accepted REAL NOT NULL,
     payload TEXT NOT NULL, informative INTEGER NOT NULL,
-    state TEXT NOT NULL,                        -- queued | consumed | stale | uninformative
+    -- pending (awaiting the validator) | validating (claimed by one) | queued | uninformative
+    -- | consumed | stale | rejected (failed validation)
+    state TEXT NOT NULL,
     step INTEGER,                               -- the batch that consumed it
     resolved_step INTEGER,                      -- the batch whose metrics count it
+    proofs TEXT,                                -- JSON: per completion, its TOPLOC proofs (base64)
+    claimed REAL,                               -- when a validator claimed it
+    verdict TEXT,                               -- JSON: the validator's reason and statistics
     UNIQUE (lease_id, slot));
 CREATE INDEX IF NOT EXISTS groups_state ON groups (state, id);
 CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, group_ids TEXT NOT NULL,
@@ -74,9 +80,21 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={os.environ.get('SWARMRL_SQLITE_SYNC', 'NORMAL')}")
         self.db.executescript(SCHEMA)
+        self._migrate()
         # Slots being scored when the previous process died go back to open: their submission was
         # never accepted, so the worker's retry (or another worker after expiry) may deliver them.
         self.db.execute("UPDATE slots SET state = 'open' WHERE state = 'scoring'")
+
+    def _migrate(self) -> None:
+        """Columns added after a run directory may have been created (run directories of
+        earlier swarmrl versions keep working)."""
+        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0")],
+                 "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")]}
+        for table, cols in added.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in cols:
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         with self.lock:
@@ -153,7 +171,10 @@ class Store:
             return True
 
     def count_rejection(self, db: sqlite3.Connection, worker: str, lease_id: str | None, slot: int | None,
-                        reason: str, detail: str) -> None:
+                        reason: str, detail: str, *, fraud: bool = False) -> int:
+        """Record a rejection against a worker; returns its fraud count afterwards."""
         db.execute("INSERT INTO rejections (worker, lease_id, slot, reason, detail, at) VALUES (?, ?, ?, ?, ?, ?)",
                    (worker, lease_id, slot, reason, detail[:500], time.time()))
-        db.execute("UPDATE workers SET rejected = rejected + 1 WHERE key = ?", (worker,))
+        db.execute("UPDATE workers SET rejected = rejected + 1, fraud = fraud + ? WHERE key = ?", (int(fraud), worker))
+        row = db.execute("SELECT fraud FROM workers WHERE key = ?", (worker,)).fetchone()
+        return row[0] if row else 0

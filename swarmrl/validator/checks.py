@@ -1,0 +1,53 @@
+"""The validator's checks as pure functions over a prefill's logits and hidden states.
+
+Conventions are the sampler's: for a completion of n tokens after a prompt of p tokens, row t of
+`logits` / `hidden` is the prefill at position p - 1 + t, the position whose output chose token t.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from swarmrl.inference.seeded import gumbel_noise
+
+
+def termination_problem(token_ids: list[int], finish_reason: str, stop_ids: list[int],
+                        max_new_tokens: int) -> str | None:
+    """None if the completion ends the way the sampler ends one, else what is wrong.
+
+    A completion stops at its first stop token, or runs to exactly the token limit.
+    """
+    n = len(token_ids)
+    stops = [i for i, t in enumerate(token_ids) if t in stop_ids]
+    if stops and stops[0] != n - 1:
+        return f"{n - 1 - stops[0]} tokens follow the stop token at position {stops[0]}"
+    if stops:
+        if finish_reason != "stop":
+            return f"ends with the stop token but finish_reason is {finish_reason!r}"
+        return None
+    if n != max_new_tokens:
+        return f"{n} tokens without a stop token: a completion without one runs to the limit ({max_new_tokens})"
+    if finish_reason != "length":
+        return f"no stop token but finish_reason is {finish_reason!r}"
+    return None
+
+
+def sampling_margins(logits: Tensor, tokens: Tensor, seeds: Tensor, steps: Tensor, temperature: Tensor) -> Tensor:
+    """Per row, how far the submitted token's score is below the best score its seed gives:
+    max_v(logits/T + g(seed, step)) - (logits/T + g(seed, step))[token]. 0 when the token is the
+    seeded sampler's choice. Rows may come from many completions: logits [N, V], tokens, seeds,
+    steps [N] (step = position in its completion), temperature [N, 1] (0: plain logits)."""
+    logits = logits.float()
+    temperature = temperature.float()
+    greedy = temperature <= 0
+    scores = logits / torch.where(greedy, 1.0, temperature)
+    scores = scores + torch.where(greedy, 0.0, gumbel_noise(seeds, steps, logits.shape[-1]))
+    return scores.max(-1).values - scores.gather(-1, tokens[:, None])[:, 0]
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: Tensor) -> Tensor:
+    """log p(token) under softmax(logits / T), as the sampler reports it (T = 0: plain logits)."""
+    temperature = temperature.float()
+    scaled = logits.float() / torch.where(temperature <= 0, 1.0, temperature)
+    return scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]

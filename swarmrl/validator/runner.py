@@ -1,0 +1,126 @@
+"""Running a validator: inside the orchestrator's process (local runs) or as `swarmrl validator`.
+
+Both drive the same loop over a work source: claim pending groups, check them (`core.Validator`),
+send the verdicts. In-process, the source is the `Orchestrator` object itself; external
+validators reach it over HTTP with the validator token and may run on other machines (they need
+the policy weights, fetched from the URLs the trainer announced, like workers do).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from swarmrl.config import ValidatorConfig
+from swarmrl.orchestrator.client import Refused, Unavailable, ValidatorClient, retrying
+from swarmrl.validator.core import Validator
+
+
+class InProcessSource:
+    def __init__(self, orch):
+        self.orch = orch
+
+    def claim(self, n: int) -> dict:
+        return self.orch.claim_validation(n)
+
+    def record(self, verdicts: list[dict], retry: list[int]) -> dict:
+        return self.orch.record_verdicts(verdicts, retry)
+
+
+class HttpSource:
+    def __init__(self, url: str, token: str, *, unreachable_s: float = 300.0, log=print):
+        self.client = ValidatorClient(url, token)
+        self.unreachable_s, self.log = unreachable_s, log
+
+    def claim(self, n: int) -> dict:
+        return retrying(lambda: self.client.claim(n), what="claim", give_up_s=self.unreachable_s, log=self.log)
+
+    def record(self, verdicts: list[dict], retry: list[int]) -> dict:
+        return retrying(lambda: self.client.record(verdicts, retry), what="verdicts", give_up_s=self.unreachable_s,
+                        log=self.log)
+
+    def finished(self) -> bool:
+        return bool(retrying(self.client.status, what="status", give_up_s=self.unreachable_s, log=self.log)["finished"])
+
+
+def validate_once(source, validator: Validator, max_groups: int) -> int:
+    """One claim-check-record round; the number of groups checked."""
+    work = source.claim(max_groups)
+    # The run's thresholds, whoever runs the validator.
+    validator.cfg = ValidatorConfig(**work["config"])
+    items = work["items"]
+    if items:
+        policies = {int(v): p for v, p in work["policies"].items()}
+        verdicts, retry = validator.check(items, policies)
+        source.record([v.to_dict() for v in verdicts], retry)
+    validator.forget_below(work["min_version"])
+    return len(items)
+
+
+def run_loop(source, validator: Validator, *, stop: threading.Event, idle_s: float = 0.05, log=print) -> None:
+    idle = idle_s
+    while not stop.is_set():
+        if validate_once(source, validator, validator.cfg.batch_groups):
+            idle = idle_s
+        else:
+            stop.wait(idle)
+            idle = min(0.5, idle * 2)
+    log("validator stopped")
+
+
+def start_in_process(orch, run_dir: Path, *, log=print) -> tuple[threading.Thread, threading.Event]:
+    """The orchestrator's own validator thread (validator.mode = "in-process")."""
+    import torch
+
+    cfg = orch.cfg.validator
+    torch.set_num_threads(cfg.threads)
+    validator = Validator(cfg, run_dir / "validator", log=log)
+    stop = threading.Event()
+
+    def body():
+        try:
+            run_loop(InProcessSource(orch), validator, stop=stop, log=log)
+        except BaseException:  # never die silently: groups would wait forever
+            log("validator: crashed\n" + traceback.format_exc())
+            raise
+
+    thread = threading.Thread(target=body, name="validator", daemon=True)
+    thread.start()
+    return thread, stop
+
+
+def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads: int | None = None,
+                 device: str = "cpu", dtype: str = "float32") -> None:
+    """`swarmrl validator`: check groups for a remote orchestrator until the run finishes. The
+    thresholds and batch size come from the orchestrator's config with every claim."""
+    import torch
+
+    cfg = ValidatorConfig()
+    if threads:
+        torch.set_num_threads(threads)
+    token = Path(token_file).read_text().strip()
+    source = HttpSource(orchestrator, token)
+    validator = Validator(cfg, cache_dir, device=device, dtype=dtype)
+    print(f"validator: checking groups for {orchestrator}", flush=True)
+    checked, last = 0, time.monotonic()
+    try:
+        while True:
+            n = validate_once(source, validator, validator.cfg.batch_groups)
+            checked += n
+            if not n:
+                if source.finished():
+                    print(f"validator: the run is finished ({checked} groups checked)", flush=True)
+                    return
+                time.sleep(0.2)
+            elif time.monotonic() - last > 30:
+                print(f"validator: {checked} groups checked", flush=True)
+                last = time.monotonic()
+    except Refused as e:
+        print(f"swarmrl validator: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except Unavailable as e:
+        print(f"swarmrl validator: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
