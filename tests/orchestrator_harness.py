@@ -88,5 +88,25 @@ def answers(cfg_overrides=()) -> dict[str, str]:
     return {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
 
 
+_MODELS: dict = {}
+
+
+def honest_proofs(policy_dir: Path, prompt_ids: list[int], token_ids: list[int], *, chunk_size: int = 32,
+                  topk: int = 128) -> list[str]:
+    """The TOPLOC proofs an honest worker running this policy would send for these tokens, built
+    from a real prefill (hand-written completions are not sampled, but their proofs are real)."""
+    from swarmrl.config import ValidatorConfig
+    from swarmrl.model.checkpoint import load_policy
+    from swarmrl.proofs.toploc import build_proofs, encode
+    from swarmrl.validator.core import Validator
+
+    key = str(policy_dir)
+    if key not in _MODELS:
+        _MODELS[key] = load_policy(policy_dir)[0].eval()
+    (hidden, _), = Validator(ValidatorConfig(), policy_dir.parent / ".unused").prefill(
+        _MODELS[key], [(prompt_ids, [token_ids])])[0]
+    return encode(build_proofs(hidden, chunk_size=chunk_size, topk=topk))
+
+
 def completion_ids(tokenizer, answer: str) -> list[int]:
     return tokenizer(f"<think>ok</think>\\boxed{{{answer}}}<|im_end|>", add_special_tokens=False)["input_ids"]

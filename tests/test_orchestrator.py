@@ -2,7 +2,9 @@
 
 Completions here are written by hand (right or wrong answers in the task's format), so every
 expectation about rewards, refusals and batches is exact; the sampler-driven path is covered by
-the end-to-end tests.
+the end-to-end tests. Their TOPLOC proofs are real (a prefill of policy v0), and the module's
+orchestrator runs with `validator.rate 0`: hand-written tokens are not what the seeded sampler
+would pick, so the full check is exercised in test_validation.py instead.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import json
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import OrchestratorProcess, answers, completion_ids, make_run_dir
+from orchestrator_harness import OrchestratorProcess, answers, completion_ids, honest_proofs, make_run_dir
 
 from swarmrl.model.tokenizer import build_char_tokenizer
 from swarmrl.orchestrator.auth import sign_headers
@@ -27,13 +30,22 @@ pytestmark = pytest.mark.timeout(180)
 
 TOK = build_char_tokenizer()
 ANSWERS = answers()
+POLICY: Path = None  # policy v0 of the module's run, set by the fixture
+# Hand-written completions: cheap checks only, and no bans (many tests here send bad work on purpose).
+HAND_WRITTEN = ("--validator.rate", "0", "--validator.ban_after", "1000")
+
+
+def hand_run_dir(root: Path, *overrides: str) -> Path:
+    return make_run_dir(root, *HAND_WRITTEN, *overrides)
 
 
 @pytest.fixture(scope="module")
 def orch(tmp_path_factory):
     # Many tests share this process and leave leases open: back-pressure must not stop the next.
-    run = make_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000",
+    run = hand_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000",
                        "--sampling.prompts_per_step", "1000")
+    global POLICY
+    POLICY = run / "policies" / "v000000"
     proc = OrchestratorProcess(run).start()
     yield proc
     proc.stop()
@@ -57,7 +69,8 @@ def group(prompt: dict, version: int, right: int, group_size: int = 2) -> dict:
     """`right` of the `group_size` completions carry the correct answer."""
     good = completion_ids(TOK, ANSWERS[prompt["problem_id"]])
     bad = completion_ids(TOK, str(int(ANSWERS[prompt["problem_id"]]) + 1))
-    samples = [{"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop"}
+    samples = [{"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop",
+                "proofs": honest_proofs(POLICY, prompt["prompt_ids"], ids)}
                for ids in [good] * right + [bad] * (group_size - right)]
     return {"slot": prompt["slot"], "policy_version": version, "samples": samples}
 
@@ -101,15 +114,21 @@ def test_a_lease_names_problems_seeds_settings_and_versions(orch):
     assert e.value.code == "version_not_allowed" and "[0, 0]" in e.value.detail
 
 
-def test_rewards_are_recomputed_and_claims_ignored(orch):
+def test_rewards_are_recomputed_and_claimed_rewards_refused(orch):
     w = new_worker(orch)
     publish(orch, 0)
+    # A claimed reward, on the group or on one completion, is refused with its reason (an
+    # honest worker never sends one); the orchestrator's own reward is what counts.
+    bad_lease = w.lease(0)["lease"]
+    claimed = [group(p, 0, right=0) for p in bad_lease["prompts"]]
+    claimed[0]["rewards"] = [1.0, 1.0]
+    claimed[1]["samples"][1]["task_reward"] = 1.0
+    refused = w.submit({"lease_id": bad_lease["lease_id"], "groups": claimed})
+    assert refused["accepted"] == []
+    assert [(r["reason"], "rewards" in r["detail"] or "task_reward" in r["detail"]) for r in refused["rejected"]] \
+        == [("claimed_reward", True), ("claimed_reward", True)]
     lease = w.lease(0)["lease"]
     groups = [group(p, 0, right=1) for p in lease["prompts"]]
-    for g in groups:
-        g["rewards"] = [1.0, 1.0]  # a worker's claim: must be ignored
-        for s in g["samples"]:
-            s["reward"] = 1.0
     result = w.submit({"lease_id": lease["lease_id"], "groups": groups})
     assert [a["rewards"] for a in result["accepted"]] == [[1.0, 0.0], [1.0, 0.0]]
     assert result["rejected"] == []
@@ -233,7 +252,7 @@ def test_trainer_endpoints_need_the_token(orch):
 
 
 def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
-    orch = OrchestratorProcess(make_run_dir(tmp_path / "run")).start()
+    orch = OrchestratorProcess(hand_run_dir(tmp_path / "run")).start()
     try:
         t, w = trainer_of(orch), new_worker(orch)
         publish(orch, 0)
@@ -287,7 +306,7 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
 
 
 def test_an_expired_lease_is_reissued_and_a_late_submission_refused(tmp_path):
-    orch = OrchestratorProcess(make_run_dir(tmp_path / "run", "--orchestrator.lease_timeout_s", "1")).start()
+    orch = OrchestratorProcess(hand_run_dir(tmp_path / "run", "--orchestrator.lease_timeout_s", "1")).start()
     try:
         slow, other = new_worker(orch, "slow"), new_worker(orch, "other")
         publish(orch, 0)
@@ -304,7 +323,7 @@ def test_an_expired_lease_is_reissued_and_a_late_submission_refused(tmp_path):
 
 
 def test_rate_limits_answer_429_with_retry_after(tmp_path):
-    orch = OrchestratorProcess(make_run_dir(tmp_path / "run", "--orchestrator.rate_per_s", "1",
+    orch = OrchestratorProcess(hand_run_dir(tmp_path / "run", "--orchestrator.rate_per_s", "1",
                                             "--orchestrator.rate_burst", "5")).start()
     try:
         key = Ed25519PrivateKey.generate()
@@ -323,7 +342,7 @@ def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
     delivers it after the restart; the SQLite state (lease, nonces) survives kill -9."""
     from swarmrl.inference.worker import Worker
 
-    orch = OrchestratorProcess(make_run_dir(tmp_path / "run")).start()
+    orch = OrchestratorProcess(hand_run_dir(tmp_path / "run")).start()
     try:
         worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
         worker.client.register("w")

@@ -1,7 +1,8 @@
 """Schemathesis against the live orchestrator's /openapi.json: no input may produce a 5xx.
 
-Every operation is fuzzed three ways: unsigned, signed by a registered worker key (so bodies get
-past authentication into the service's own checks), and with the trainer's bearer token. The
+Every operation is fuzzed four ways: unsigned, signed by a registered worker key (so bodies get
+past authentication into the service's own checks), and with the trainer's and the validator's
+bearer tokens. The
 signer is a `requests` auth hook, so it signs the exact bytes schemathesis sends.
 """
 
@@ -47,7 +48,8 @@ def live(tmp_path_factory):
     TrainerClient(proc.url, token).publish(0, "http://127.0.0.1:9", folder_manifest(run / "policies" / "v000000"))
     key = Ed25519PrivateKey.generate()
     WorkerClient(proc.url, key).register("fuzzer")
-    yield {"proc": proc, "key": key, "token": token}
+    validator = (run / "validator.token").read_text().strip()
+    yield {"proc": proc, "key": key, "token": token, "validator": validator}
     proc.stop()
     assert "internal error" not in proc.log(), proc.log()
 
@@ -57,7 +59,7 @@ def test_no_request_produces_a_server_error(live, mode):
     """Positive: bodies that match the schema; negative: bodies that violate it on purpose."""
     api = schemathesis.openapi.from_url(live["proc"].url + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) >= 8
+    assert len(operations) >= 11
     generation = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
     calls = 0
     for operation in operations:
@@ -69,13 +71,14 @@ def test_no_request_produces_a_server_error(live, mode):
             with requests.Session() as session:
                 case.call_and_validate(session=session, checks=[not_a_server_error])
                 case.call_and_validate(session=session, checks=[not_a_server_error], auth=Signer(live["key"]))
-                case.call_and_validate(session=session, checks=[not_a_server_error],
-                                       headers={"authorization": f"Bearer {live['token']}"})
-            calls += 3
+                for token in (live["token"], live["validator"]):
+                    case.call_and_validate(session=session, checks=[not_a_server_error],
+                                           headers={"authorization": f"Bearer {token}"})
+            calls += 4
 
         try:
             fuzz()
         except Unsatisfiable:
             assert mode == "negative"  # nothing to violate (no parameters, no body): e.g. GET /healthz
-    assert calls >= 3 * len(operations) * (1 if mode == "positive" else 0.5)
+    assert calls >= 4 * len(operations) * (1 if mode == "positive" else 0.5)
     assert httpx.get(live["proc"].url + "/healthz").status_code == 200  # still serving
