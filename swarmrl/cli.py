@@ -16,6 +16,7 @@ COMMANDS = {
     "orchestrator": "The orchestrator service (HTTP): leases, rollouts, rewards, batches, durable state.",
     "trainer": "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able).",
     "worker": "An untrusted inference worker: joins an orchestrator over HTTP with its own ed25519 key.",
+    "validator": "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, seeded sampling, logprobs.",
 }
 
 CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -78,6 +79,23 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
     wk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from swarmrl.inference.adversary import KINDS
+
+    wk.add_argument("--adversary", choices=list(KINDS), metavar="KIND",
+                    help="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator bans the key). "
+                         + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
+
+    va = sub.add_parser("validator", help=COMMANDS["validator"], description=COMMANDS["validator"] + (
+        " Claims groups from the orchestrator with the validator token, fetches the claimed policy versions "
+        "from the trainer's weight URLs, and reports verdicts; thresholds come from the orchestrator's config. "
+        "Start the orchestrator with --validator.mode external in its config to use only these."))
+    va.add_argument("--orchestrator", required=True, help="orchestrator URL")
+    va.add_argument("--token-file", required=True, help="validator bearer token (<run-dir>/validator.token)")
+    va.add_argument("--cache-dir", default=".cache/swarmrl/validator", help="downloaded policy versions")
+    va.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    va.add_argument("--device", default="cpu",
+                    help="cpu or cuda (the CUDA path is untested here: no GPU was available to this project's CI)")
+    va.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return p
 
 
@@ -215,8 +233,18 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
-                       threads=args.threads, device=args.device, dtype=args.dtype)
+                       threads=args.threads, device=args.device, dtype=args.dtype, adversary=args.adversary)
         except AuthError as e:
+            _fail(str(e))
+        return
+
+    if args.command == "validator":
+        from swarmrl.validator.runner import run_external
+
+        try:
+            run_external(args.orchestrator, token_file=args.token_file, cache_dir=args.cache_dir,
+                         threads=args.threads, device=args.device, dtype=args.dtype)
+        except FileNotFoundError as e:
             _fail(str(e))
         return
 

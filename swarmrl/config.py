@@ -178,6 +178,11 @@ class AsyncConfig(_Section):
     """Scheduling niceness of the workers `swarmrl rl` starts. The trainer is the critical path
     (workers sample the next batch while it trains), so on a machine where they share cores
     the trainer goes first and workers take what is left."""
+    adversaries: list[str] = Field(default_factory=list)
+    """FOR TESTING THE VALIDATOR: extra workers `swarmrl rl` starts that cheat, one per entry,
+    each in the named way (`swarmrl worker --help` lists them: other_model, old_version,
+    edit_tokens, edit_logprobs, cherry_pick, claim_reward, replay, garbage_proofs,
+    truncated_proofs, missing_proofs, wrong_group_size). They are banned and leave; the run goes on."""
     max_pending_groups: int | None = None
     """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
@@ -223,18 +228,22 @@ class ValidatorConfig(_Section):
     topk: int = Field(128, ge=1, le=4096)
     """Hidden-state entries committed per proof (seed run: 128, i.e. 258-byte proofs)."""
     exp_mismatches_max: int = Field(8, ge=0)
-    """A chunk fails when more of its top-k points differ in sign or exponent than this."""
-    mant_err_mean_max: float = Field(2.0, ge=0.0)
+    """A chunk fails when more of its top-k points differ in sign or exponent than this. Honest
+    CPU fp32 workers, calibrated on 1200 completions: at most 2 (docs/validation.md)."""
+    mant_err_mean_max: float = Field(0.5, ge=0.0)
     """... or when the mean bf16 mantissa error (in units of the 7-bit mantissa) over the points
-    that match exceeds this ..."""
-    mant_err_median_max: float = Field(1.0, ge=0.0)
-    """... or their median does. Calibration of all thresholds: docs/validation.md."""
+    that match exceeds this (honest: at most 0.008) ..."""
+    mant_err_median_max: float = Field(0.5, ge=0.0)
+    """... or their median does (honest: 0). These three are calibrated for CPU fp32 workers and
+    validators; recalibrate (benchmarks/calibrate_validator.py) before admitting GPU bf16 workers,
+    whose kernels differ from the validator's far more (the seed run's limits were much looser)."""
     sampling_margin: float = Field(0.05, ge=0.0)
     """Largest allowed gap, in logits/T + Gumbel units, between the best score under the seed and
-    the submitted token's score (0 for an exact replay; this allows near-ties that rounding
-    differences between the worker's decode and the validator's prefill can flip)."""
-    logprob_tol: float = Field(0.02, ge=0.0)
-    """Largest allowed |reported - recomputed| logprob of a submitted token."""
+    the submitted token's score (honest: 0; a token drawn with another seed: typically 1-15).
+    Allows near-ties that rounding differences between decode and prefill could flip."""
+    logprob_tol: float = Field(0.005, ge=0.0)
+    """Largest allowed |reported - recomputed| logprob of a submitted token (honest CPU fp32: at
+    most 2e-5; a policy one version older: up to 0.02)."""
     ban_after: int = Field(3, ge=1)
     """Groups rejected for fraud (a failed check an honest worker cannot fail) before a worker is
     banned: its key is refused and its unconsumed groups are re-checked."""
@@ -305,6 +314,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
+        from swarmrl.inference.adversary import KINDS
+
+        for kind in self.async_.adversaries:
+            if kind not in KINDS:
+                raise ValueError(f"async.adversaries: unknown kind {kind!r}; one of: {', '.join(KINDS)}")
         samples = self.sampling.prompts_per_step * self.sampling.group_size
         if samples % self.trainer.optimizer_steps:
             raise ValueError(

@@ -95,16 +95,14 @@ def honest_proofs(policy_dir: Path, prompt_ids: list[int], token_ids: list[int],
                   topk: int = 128) -> list[str]:
     """The TOPLOC proofs an honest worker running this policy would send for these tokens, built
     from a real prefill (hand-written completions are not sampled, but their proofs are real)."""
-    from swarmrl.config import ValidatorConfig
     from swarmrl.model.checkpoint import load_policy
     from swarmrl.proofs.toploc import build_proofs, encode
-    from swarmrl.validator.core import Validator
+    from swarmrl.validator.core import prefill
 
     key = str(policy_dir)
     if key not in _MODELS:
         _MODELS[key] = load_policy(policy_dir)[0].eval()
-    (hidden, _), = Validator(ValidatorConfig(), policy_dir.parent / ".unused").prefill(
-        _MODELS[key], [(prompt_ids, [token_ids])])[0]
+    (hidden, _), = prefill(_MODELS[key], [(prompt_ids, [token_ids])])[0]
     return encode(build_proofs(hidden, chunk_size=chunk_size, topk=topk))
 
 

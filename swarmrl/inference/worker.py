@@ -183,10 +183,17 @@ class Worker:
 
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
-               device: str = "cpu", dtype: str = "float32") -> None:
+               device: str = "cpu", dtype: str = "float32", adversary: str | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
-    worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype)
+    if adversary:
+        from swarmrl.inference.adversary import AdversarialWorker
+
+        worker = AdversarialWorker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
+                                   dtype=dtype, kind=adversary)
+        worker.log(f"ADVERSARIAL worker ({adversary}: {worker.kind_help}); for testing the validator")
+    else:
+        worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype)
     try:
         worker.run()
     except (Unavailable, Refused) as e:

@@ -505,8 +505,12 @@ class Orchestrator:
             return
         db.execute("UPDATE leases SET expires = 0 WHERE worker = ? AND state = 'open'", (key,))
         self._expire(db, time.time())
-        recheck = db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND state = 'queued'",
+        # Everything not yet trained or counted in a batch's metrics; each was counted as accepted,
+        # and is again only if it passes.
+        recheck = db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND "
+                             "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))",
                              (key,)).rowcount
+        db.execute("UPDATE workers SET accepted = accepted - ? WHERE key = ?", (recheck, key))
         self._count("workers_banned")
         self.log(f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
                  f"{recheck} of its queued groups go back to the validator")

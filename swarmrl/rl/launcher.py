@@ -47,9 +47,10 @@ def _install_base(rd: RunDir, base: Path) -> None:
 
 
 class Children:
-    def __init__(self, rd: RunDir):
-        self.rd = rd
+    def __init__(self, rd: RunDir, log=print):
+        self.rd, self.log = rd, log
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self.gone: set[str] = set()  # adversarial workers that left (banned): expected
 
     def start(self, name: str, args: list[str], threads: int, nice: int = 0) -> None:
         log = self.rd.logs / f"{name}.log"
@@ -66,6 +67,12 @@ class Children:
         """True once the trainer has finished; raises ChildDied if any child failed."""
         for name, (proc, log) in self.procs.items():
             code = proc.poll()
+            if code is not None and name.startswith("adversary"):
+                if name not in self.gone:
+                    self.gone.add(name)
+                    last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+                    self.log(f"{name} left (code {code}): {last}")
+                continue
             if code is not None and (code != 0 or name != "trainer"):
                 if name.startswith("worker") and code == 0 and self.rd.stop_requested():
                     continue  # a worker that exited because the run is over
@@ -101,6 +108,35 @@ class Children:
                 os.killpg(proc.pid, signal.SIGKILL)  # the group: stray grandchildren too
             except ProcessLookupError:
                 pass
+
+
+class _Events:
+    """Validator rejections and bans from the orchestrator's log, for the terminal: every ban,
+    and the first rejection of each (worker, reason) (the log and /metrics have all of them)."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos, self.seen = path, 0, set()
+
+    def new(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        cut = data.rfind(b"\n") + 1  # whole lines only
+        self.pos += cut
+        out = []
+        for line in data[:cut].decode(errors="replace").splitlines():
+            if line.startswith("banned:"):
+                out.append(line)
+            elif line.startswith("rejected:"):
+                who_reason = line.split(":", 3)[:3]
+                key = tuple(who_reason)
+                if key not in self.seen:
+                    self.seen.add(key)
+                    out.append(line[:240] + " (first of its kind; all in logs/orchestrator.log)")
+        return out
 
 
 def read_metrics(rd: RunDir) -> list[dict]:
@@ -146,7 +182,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         log(f"prepared {rd.root}: config.toml and policies/v000000; start the roles on it")
         return {"run_dir": str(rd.root)}
     log(f"run directory: {rd.root}")
-    children = Children(rd)
+    children = Children(rd, log=log)
     interrupted = False
     try:
         info = rd.root / "orchestrator.json"
@@ -166,10 +202,21 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                                            "--threads", str(cfg.async_.worker_threads),
                                            "--device", cfg.model.device, "--dtype", cfg.model.dtype],
                            cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+        for i, kind in enumerate(cfg.async_.adversaries):
+            wdir = rd.root / "workers" / f"adversary-{i}"
+            children.start(f"adversary-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
+                                              "--cache-dir", str(wdir), "--name", f"adversary-{i}-{kind}",
+                                              "--threads", str(cfg.async_.worker_threads), "--adversary", kind],
+                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+        if cfg.async_.adversaries:
+            log(f"{len(cfg.async_.adversaries)} adversarial workers: {', '.join(cfg.async_.adversaries)}")
+        events = _Events(rd.logs / "orchestrator.log")
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0
             while True:
                 finished = children.check()
+                for line in events.new():
+                    progress.note(line)
                 records = read_metrics(rd)
                 for r in records[seen:]:
                     progress.update(r)

@@ -48,10 +48,22 @@ class Progress:
             return
         if "eval/accuracy" in r and "time/step" in r:
             info += f"  held-out {r['eval/accuracy']:.3f}"
+        rejected = {k.split("/", 1)[1]: int(v) for k, v in r.items() if k.startswith("rejected/") and v}
+        if rejected:
+            info += "  rejected " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
+        if r.get("workers/banned"):
+            info += f"  banned {int(r['workers/banned'])}"
         if self._progress is not None:
             self._progress.update(self._task, completed=min(r["step"], self.total), info=info)
         elif self.enabled:
             print(f"step {r['step']}/{self.total}  {info}", flush=True)
+
+    def note(self, line: str) -> None:
+        """An event worth a line of its own (a worker banned, a validator rejection)."""
+        if self._progress is not None:
+            self._progress.console.print(line)
+        elif self.enabled:
+            print(line, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

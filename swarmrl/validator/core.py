@@ -60,6 +60,68 @@ def _finite_max(values) -> float:
     return max(values) if values else 0.0
 
 
+@torch.inference_mode()
+def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_tokens: int = 16384):
+    """For each (prompt, completions) group, (hidden [n, H], logits [n, V]) per completion, in
+    float32, rows being the positions that chose each completion token.
+
+    The prompt is run once per group and its KV cache shared by the completions, then the
+    completions (all but their last token, whose output chose nothing) in one padded pass.
+    """
+    dev = next(model.parameters()).device
+    head = model.get_output_embeddings()
+    params = inspect.signature(model.base_model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    out: list = [None] * len(groups)
+    pos = 0
+    while pos < len(groups):
+        batch, tokens = [], 0
+        while pos < len(groups):
+            p, cs = groups[pos]
+            cost = len(p) + sum(len(c) for c in cs)
+            if batch and tokens + cost > max_batch_tokens:
+                break
+            batch.append(pos)
+            tokens += cost
+            pos += 1
+        prompts = [groups[j][0] for j in batch]
+        wp = max(len(p) for p in prompts)
+        ids = torch.zeros((len(batch), wp), dtype=torch.long)
+        mask = torch.zeros((len(batch), wp), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, wp - len(p):] = torch.tensor(p)
+            mask[r, wp - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache()
+        first = model.base_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                                 use_cache=True, **{cache_kw: cache}).last_hidden_state[:, -1]  # [m, H]
+        rows = [(r, c) for r, j in enumerate(batch) for c in groups[j][1]]
+        wc = max(len(c) for _, c in rows) - 1
+        rest = None
+        if wc > 0:
+            cache.batch_select_indices(torch.tensor([r for r, _ in rows], device=dev))
+            cids = torch.zeros((len(rows), wc), dtype=torch.long)
+            cmask = torch.zeros((len(rows), wc), dtype=torch.long)
+            for i, (_, c) in enumerate(rows):
+                cids[i, :len(c) - 1] = torch.tensor(c[:-1])
+                cmask[i, :len(c) - 1] = 1
+            cids, cmask = cids.to(dev), cmask.to(dev)
+            sel = torch.tensor([r for r, _ in rows], device=dev)
+            start = torch.tensor([len(prompts[r]) for r, _ in rows], device=dev)
+            rest = model.base_model(input_ids=cids, attention_mask=torch.cat([mask[sel], cmask], 1),
+                                    position_ids=start[:, None] + torch.arange(wc, device=dev)[None],
+                                    use_cache=True, **{cache_kw: cache}).last_hidden_state
+        i = 0
+        for r, j in enumerate(batch):
+            res = []
+            for c in groups[j][1]:
+                h = first[r:r + 1] if rest is None else torch.cat([first[r:r + 1], rest[i, :len(c) - 1]])
+                res.append((h.float().cpu(), head(h).float().cpu()))
+                i += 1
+            out[j] = res
+    return out
+
+
 class Validator:
     def __init__(self, cfg: ValidatorConfig, cache_dir: str | Path, *, device: str = "cpu",
                  dtype: str = "float32", log=print):
@@ -88,68 +150,11 @@ class Validator:
         prune_cache(self.cache / "policies", keep=max(2, len(self.models) + 1))
 
     # ---- prefill -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, model, groups: list[tuple[list[int], list[list[int]]]], max_batch_tokens: int = 16384):
-        """For each (prompt, completions) group, (hidden [n, H], logits [n, V]) per completion, in
-        float32, rows being the positions that chose each completion token.
-
-        The prompt is run once per group and its KV cache shared by the completions, then the
-        completions (all but their last token, whose output chose nothing) in one padded pass.
-        """
+    def prefill(self, model, groups: list[tuple[list[int], list[list[int]]]]):
         t0 = time.perf_counter()
-        dev = next(model.parameters()).device
-        head = model.get_output_embeddings()
-        params = inspect.signature(model.base_model.forward).parameters
-        cache_kw = "cache" if "cache" in params else "past_key_values"
-        out: list = [None] * len(groups)
-        pos = 0
-        while pos < len(groups):
-            batch, tokens = [], 0
-            while pos < len(groups):
-                p, cs = groups[pos]
-                cost = len(p) + sum(len(c) for c in cs)
-                if batch and tokens + cost > max_batch_tokens:
-                    break
-                batch.append(pos)
-                tokens += cost
-                pos += 1
-            prompts = [groups[j][0] for j in batch]
-            wp = max(len(p) for p in prompts)
-            ids = torch.zeros((len(batch), wp), dtype=torch.long)
-            mask = torch.zeros((len(batch), wp), dtype=torch.long)
-            for r, p in enumerate(prompts):
-                ids[r, wp - len(p):] = torch.tensor(p)
-                mask[r, wp - len(p):] = 1
-            ids, mask = ids.to(dev), mask.to(dev)
-            cache = DynamicCache()
-            first = model.base_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                     use_cache=True, **{cache_kw: cache}).last_hidden_state[:, -1]  # [m, H]
-            rows = [(r, c) for r, j in enumerate(batch) for c in groups[j][1]]
-            wc = max(len(c) for _, c in rows) - 1
-            rest = None
-            if wc > 0:
-                cache.batch_select_indices(torch.tensor([r for r, _ in rows], device=dev))
-                cids = torch.zeros((len(rows), wc), dtype=torch.long)
-                cmask = torch.zeros((len(rows), wc), dtype=torch.long)
-                for i, (_, c) in enumerate(rows):
-                    cids[i, :len(c) - 1] = torch.tensor(c[:-1])
-                    cmask[i, :len(c) - 1] = 1
-                cids, cmask = cids.to(dev), cmask.to(dev)
-                sel = torch.tensor([r for r, _ in rows], device=dev)
-                start = torch.tensor([len(prompts[r]) for r, _ in rows], device=dev)
-                rest = model.base_model(input_ids=cids, attention_mask=torch.cat([mask[sel], cmask], 1),
-                                        position_ids=start[:, None] + torch.arange(wc, device=dev)[None],
-                                        use_cache=True, **{cache_kw: cache}).last_hidden_state
-            i = 0
-            for r, j in enumerate(batch):
-                res = []
-                for c in groups[j][1]:
-                    h = first[r:r + 1] if rest is None else torch.cat([first[r:r + 1], rest[i, :len(c) - 1]])
-                    res.append((h.float().cpu(), head(h).float().cpu()))
-                    i += 1
-                out[j] = res
-            self.prefill_tokens += tokens
+        out = prefill(model, groups)
         self.prefill_seconds += time.perf_counter() - t0
+        self.prefill_tokens += sum(len(p) + sum(len(c) for c in cs) for p, cs in groups)
         return out
 
     # ---- checks ------------------------------------------------------------------------------

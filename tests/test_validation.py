@@ -1,0 +1,326 @@
+"""Adversarial suite: scripted malicious workers against a real orchestrator and its validator.
+
+One orchestrator process on 127.0.0.1 (in-process validator, validation rate 1), policy
+versions served over HTTP by a real PolicyServer: v0, and v1 = v0 after ten real AdamW steps.
+Every cheat is an `AdversarialWorker` (the same code `swarmrl worker --adversary` runs) or a
+hand-made request, submitted over HTTP; each test checks the reason it is rejected with, and
+that the honest worker sharing the run has no rejection at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from orchestrator_harness import OrchestratorProcess, answers, completion_ids, make_run_dir
+
+from swarmrl.inference.adversary import AdversarialWorker
+from swarmrl.inference.worker import Worker
+from swarmrl.model.checkpoint import load_policy, save_policy
+from swarmrl.orchestrator.auth import public_key_hex, sign_headers
+from swarmrl.orchestrator.client import Refused, TrainerClient, WorkerClient
+from swarmrl.rl.tasks import model_input
+from swarmrl.transport.weights import PolicyServer, folder_manifest
+
+pytestmark = pytest.mark.timeout(300)
+
+SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000",
+          "--sampling.prompts_per_step", "1000")
+
+
+def train_a_little(src: Path, dst: Path, steps: int = 10, lr: float = 3e-3) -> None:
+    """A later policy version: real AdamW steps of next-token loss on worked answers."""
+    model, tok = load_policy(src)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ans = answers()
+    texts = []
+    for pid, answer in list(ans.items())[:16]:
+        _, prompt = model_input(tok, f"What is {pid}?", None)
+        texts.append(prompt + completion_ids(tok, answer))
+    width = max(len(t) for t in texts)
+    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
+    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_policy(model.eval(), tok, dst)
+
+
+class World:
+    def __init__(self, root: Path, *overrides: str):
+        self.root = root
+        self.run = make_run_dir(root / "run", *SHARED, *overrides)
+        policies = self.run / "policies"
+        train_a_little(policies / "v000000", policies / "v000001")
+        self.server = PolicyServer(policies).start()
+        self.orch = OrchestratorProcess(self.run).start()
+        self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
+        self.policy = {}
+        for v in (0, 1):
+            manifest = folder_manifest(policies / f"v{v:06d}")
+            self.trainer.publish(v, self.server.url, manifest)
+            self.policy[v] = {"version": v, "url": self.server.url, "manifest": manifest}
+        self.count = 0
+        self.honest = self.worker("honest")
+
+    def worker(self, name: str, kind: str | None = None, version: int = 1) -> Worker:
+        self.count += 1
+        d = self.root / "workers" / f"{name}-{self.count}"
+        args = dict(key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None)
+        w = AdversarialWorker(self.orch.url, kind=kind, **args) if kind else Worker(self.orch.url, **args)
+        w.client.register(name)
+        assert w._ensure_policy(self.policy[version])
+        return w
+
+    def close(self) -> None:
+        self.orch.stop()
+        self.server.close()
+
+    def db(self):
+        return sqlite3.connect(self.run / "orchestrator.sqlite")
+
+
+def lease_of(w: Worker) -> dict:
+    lease = w.client.lease(w.version)["lease"]
+    assert lease is not None
+    return lease
+
+
+def settled(w: Worker, timeout_s: float = 90.0) -> dict:
+    """The worker's record once the validator has judged everything it submitted."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        me = w.client.me()
+        if me["awaiting_validation"] == 0:
+            return me
+        assert time.monotonic() < deadline, f"validation did not finish: {me}"
+        time.sleep(0.1)
+
+
+def honest_round(world: World) -> dict:
+    result = world.honest.client.submit(world.honest.generate(lease_of(world.honest)))
+    assert result["rejected"] == [] and len(result["accepted"]) == 2
+    return result
+
+
+def honest_clean(world: World) -> None:
+    me = settled(world.honest)
+    assert me["rejected"] == 0 and me["fraud"] == 0 and me["rejections"] == {} and not me["banned"], me
+    assert me["accepted"] >= 2
+
+
+def attack(world: World, kind: str) -> tuple[dict, dict]:
+    """One lease of an adversary, submitted; (submit response, its record once judged)."""
+    honest_round(world)  # honest work in flight in the same run, checked by the same validator
+    adv = world.worker(f"adv-{kind}", kind)
+    result = adv.client.submit(adv.generate(lease_of(adv)))
+    record = settled(adv)
+    honest_clean(world)
+    return result, record
+
+
+def verdicts(world: World, worker_key: str) -> list[dict]:
+    with world.db() as db:
+        return [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT "
+                                                     "NULL", (worker_key,))]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("validation"))
+    yield w
+    w.close()
+    assert "internal error" not in w.orch.log()
+
+
+# ---- honest -------------------------------------------------------------------------------------
+def test_honest_workers_pass_the_full_check(world):
+    for _ in range(2):
+        honest_round(world)
+    honest_clean(world)
+    checked = verdicts(world, world.honest.client.key_hex)
+    assert len(checked) >= 4 and all(v["ok"] for v in checked)
+    for v in checked:  # the statistics behind the verdict are kept, and sit far inside the limits
+        s = v["stats"]
+        assert s["chunks"] >= 2 and s["exp_mismatches_max"] <= 2 and s["sampling_margin_max"] < 1e-3
+        assert s["logprob_err_max"] < 1e-3
+
+
+# ---- cheats caught by the validator's prefill -----------------------------------------------------
+@pytest.mark.parametrize("kind, reason", [
+    ("other_model", "toploc"),
+    ("edit_tokens", "sampling"),
+    ("edit_logprobs", "logprobs"),
+    ("cherry_pick", "sampling"),
+    ("garbage_proofs", "toploc"),
+    ("replay", "sampling"),
+])
+def test_cheats_are_rejected_by_the_validator(world, kind, reason):
+    if kind == "replay":  # its first lease is honest; the replay is the second
+        adv = world.worker("adv-replay", "replay")
+        first = adv.client.submit(adv.generate(lease_of(adv)))
+        assert first["rejected"] == []
+        result = adv.client.submit(adv.generate(lease_of(adv)))
+        record = settled(adv)
+        honest_clean(world)
+        assert record["rejections"] == {reason: 2}, record
+        assert record["accepted"] == 2  # the honest first lease
+        return
+    result, record = attack(world, kind)
+    # Cheap checks pass (the cheat is careful), so the submission is accepted for validation...
+    assert result["rejected"] == [] and all(a["validation"] == "pending" for a in result["accepted"])
+    # ... and the validator rejects both groups for the reason aimed at this cheat.
+    assert record["rejections"] == {reason: 2}, record
+    assert record["accepted"] == 0 and record["fraud"] == 2
+    with sqlite3.connect(world.run / "orchestrator.sqlite") as db:
+        states = [s for (s,) in db.execute("SELECT state FROM groups WHERE worker = ?", (record["worker"],))]
+        details = [d for (d,) in db.execute("SELECT detail FROM rejections WHERE worker = ?", (record["worker"],))]
+    assert states == ["rejected", "rejected"]
+    assert all(d for d in details)  # a reason with numbers, for the operator
+
+
+def test_an_old_policy_claimed_as_new_is_rejected(world):
+    adv = world.worker("adv-old", "old_version", version=0)  # samples with v0 from now on ...
+    assert adv._ensure_policy(world.policy[1]) and adv.version == 1  # ... while claiming v1
+    honest_round(world)
+    sub = adv.generate(lease_of(adv))
+    assert {g["policy_version"] for g in sub["groups"]} == {1}
+    result = adv.client.submit(sub)
+    assert result["rejected"] == []
+    record = settled(adv)
+    assert record["rejections"] == {"toploc": 2}, record
+    honest_clean(world)
+
+
+# ---- cheats caught by the orchestrator's cheap checks ----------------------------------------------
+@pytest.mark.parametrize("kind, reason", [
+    ("claim_reward", "claimed_reward"),
+    ("truncated_proofs", "proofs_malformed"),
+    ("missing_proofs", "proofs_missing"),
+    ("wrong_group_size", "group_size"),
+])
+def test_cheats_refused_at_submission(world, kind, reason):
+    result, record = attack(world, kind)
+    assert result["accepted"] == [] and [r["reason"] for r in result["rejected"]] == [reason, reason]
+    assert record["rejections"] == {reason: 2} and record["fraud"] == 2
+
+
+def test_another_workers_lease_is_refused(world):
+    honest_lease = lease_of(world.honest)
+    adv = world.worker("adv-foreign", "claim_reward")
+    stolen = world.honest.generate(honest_lease)  # even honest work, if sent under someone else's lease
+    with pytest.raises(Refused) as e:
+        adv.client.submit(stolen)
+    assert e.value.status == 403 and e.value.code == "foreign_lease"
+    assert settled(adv)["rejections"] == {"foreign_lease": 1}
+    # The owner can still deliver it.
+    assert world.honest.client.submit(stolen)["rejected"] == []
+    honest_clean(world)
+
+
+def test_a_forged_signature_is_refused_and_costs_the_victim_nothing(world):
+    forger = Ed25519PrivateKey.generate()
+    body = json.dumps({"policy_version": 1}).encode()
+    headers = {"content-type": "application/json", **sign_headers(forger, "POST", "/v1/leases", body)}
+    headers["x-swarmrl-key"] = world.honest.client.key_hex  # claims to be the honest worker
+    r = httpx.post(world.orch.url + "/v1/leases", content=body, headers=headers)
+    assert r.status_code == 401 and r.json()["error"] == "bad_signature"
+    honest_clean(world)
+
+
+def test_a_replayed_request_is_refused(world):
+    w = world.honest
+    sub = w.generate(lease_of(w))
+    body = json.dumps(sub, separators=(",", ":")).encode()
+    headers = {"content-type": "application/json", **sign_headers(w.key, "POST", "/v1/rollouts", body)}
+    first = httpx.post(world.orch.url + "/v1/rollouts", content=body, headers=headers)
+    assert first.status_code == 200 and first.json()["rejected"] == []
+    again = httpx.post(world.orch.url + "/v1/rollouts", content=body, headers=headers)  # byte-identical
+    assert again.status_code == 401 and again.json()["error"] == "replayed_nonce"
+    honest_clean(world)
+
+
+def test_an_oversized_payload_is_refused_before_parsing(world):
+    adv = world.worker("adv-big")
+    lease = lease_of(adv)
+    sub = adv.generate(lease)
+    sub["groups"][0]["samples"][0]["padding"] = "x" * (9 << 20)
+    body = json.dumps(sub).encode()
+    headers = {"content-type": "application/json", **sign_headers(adv.key, "POST", "/v1/rollouts", body)}
+    r = httpx.post(world.orch.url + "/v1/rollouts", content=body, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"] == "too_large"
+    honest_clean(world)
+
+
+def test_every_rejection_reason_is_a_metric(world):
+    text = httpx.get(world.orch.url + "/metrics").text
+    for reason in ("toploc", "sampling", "logprobs", "claimed_reward", "proofs_malformed", "group_size"):
+        assert f'swarmrl_total{{what="rejected/{reason}"}}' in text, reason
+
+
+# ---- bans --------------------------------------------------------------------------------------------
+def test_a_banned_worker_is_refused_and_its_unchecked_groups_are_rechecked(tmp_path):
+    # Validation rate 0: only cheap checks, so edited logprobs get through at first.
+    world = World(tmp_path, "--validator.rate", "0", "--validator.ban_after", "2")
+    try:
+        adv = world.worker("adv", "edit_logprobs")
+        first = adv.client.submit(adv.generate(lease_of(adv)))
+        assert first["rejected"] == [] and len(first["accepted"]) == 2
+        honest_round(world)
+        adv.kind = "claim_reward"  # now a cheat the cheap checks see: 2 fraudulent groups = ban
+        second = adv.client.submit(adv.generate(lease_of(adv)))
+        assert [r["reason"] for r in second["rejected"]] == ["claimed_reward"] * 2
+        with pytest.raises(Refused) as e:
+            adv.client.lease(1)
+        assert e.value.code == "banned"
+        record = settled(adv)  # the ban sent its two queued groups to the validator
+        assert record["banned"] and record["rejections"] == {"claimed_reward": 2, "logprobs": 2}, record
+        assert record["accepted"] == 0  # its first two groups no longer count as accepted
+        with world.db() as db:
+            states = [s for (s,) in db.execute("SELECT state FROM groups WHERE worker = ?", (record["worker"],))]
+        assert states == ["rejected", "rejected"]
+        assert "banned: worker adv" in world.orch.log()
+        # Nothing of it reaches the trainer; the honest groups do.
+        batch = world.trainer.batch(0)
+        assert batch["ready"] is False or all(g["worker"] != record["worker"] for g in batch["groups"])
+        honest_clean(world)
+    finally:
+        world.close()
+
+
+# ---- the validator as its own process ------------------------------------------------------------------
+def test_an_external_validator_process_judges_the_groups(tmp_path):
+    world = World(tmp_path, "--validator.mode", "external")
+    proc = None
+    try:
+        honest_round(world)
+        adv = world.worker("adv", "cherry_pick")
+        adv.client.submit(adv.generate(lease_of(adv)))
+        time.sleep(0.5)
+        assert world.honest.client.me()["awaiting_validation"] == 2  # nobody validates in-process
+        log = open(tmp_path / "validator.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "validator", "--orchestrator", world.orch.url,
+                                 "--token-file", str(world.run / "validator.token"), "--cache-dir",
+                                 str(tmp_path / "vcache"), "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+        assert settled(adv)["rejections"] == {"sampling": 2}
+        honest_clean(world)
+        # A wrong token is refused, with a message that says which file holds the right one.
+        r = httpx.post(world.orch.url + "/v1/validator/claim", json={}, headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401 and "validator.token" in r.json()["detail"]
+        assert public_key_hex(adv.key) == adv.client.key_hex
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        world.close()
