@@ -18,7 +18,7 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -188,6 +188,12 @@ class AsyncConfig(_Section):
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
     trainer trains. A deeper queue only makes data staler (on the default run, staleness 2
     learned far slower than staleness 0-1)."""
+
+    @field_validator("adversaries", mode="before")
+    @classmethod
+    def _split(cls, value):
+        # `--async.adversaries cherry_pick,other_model` as well as a TOML list.
+        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
 
 class OrchestratorConfig(_Section):

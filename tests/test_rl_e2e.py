@@ -223,3 +223,37 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
 def _read(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_base, tmp_path):
+    import sqlite3
+
+    run = tmp_path / "run"
+    kinds = ["cherry_pick", "edit_tokens", "other_model"]
+    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "8",
+                   "--async.adversaries", ",".join(kinds), "--validator.ban_after", "2", *EASY, timeout=600)
+    db = sqlite3.connect(run / "orchestrator.sqlite")
+    workers = {key: (name, banned, rejected) for key, name, banned, rejected in
+               db.execute("SELECT key, name, banned, rejected FROM workers")}
+    bad = {k for k, (name, _, _) in workers.items() if name.startswith("adversary-")}
+    good = set(workers) - bad
+    assert len(bad) == 3 and len(good) == 2
+    assert all(workers[k][1] == 1 for k in bad), workers  # every adversary banned ...
+    assert all(workers[k][1] == 0 and workers[k][2] == 0 for k in good), workers  # ... no honest rejection
+    reasons = {name: r for name, r in db.execute(
+        "SELECT workers.name, GROUP_CONCAT(DISTINCT rejections.reason) FROM rejections "
+        "JOIN workers ON workers.key = rejections.worker GROUP BY workers.name")}
+    assert reasons == {"adversary-0-cherry_pick": "sampling", "adversary-1-edit_tokens": "sampling",
+                       "adversary-2-other_model": "toploc"}, reasons
+    # Not one adversarial group in any batch the trainer consumed.
+    consumed = [gid for line in (run / "consumed.jsonl").read_text().splitlines()
+                for gid in json.loads(line)["group_ids"]]
+    marks = ",".join("?" * len(consumed))
+    owners = {w for (w,) in db.execute(f"SELECT DISTINCT worker FROM groups WHERE id IN ({marks})", consumed)}
+    assert owners and owners <= good
+    # The terminal said who was banned and why; the metrics count it.
+    for kind in kinds:
+        assert f"banned: worker adversary-{kinds.index(kind)}-{kind}" in proc.stdout, proc.stdout
+    last = [r for r in metrics(run) if "time/step" in r][-1]
+    assert last["workers/banned"] == 3 and last["rejected/sampling"] >= 2 and last["rejected/toploc"] >= 2
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8

@@ -62,7 +62,7 @@ class Progress:
         """An event worth a line of its own (a worker banned, a validator rejection)."""
         if self._progress is not None:
             self._progress.console.print(line)
-        elif self.enabled:
+        else:
             print(line, flush=True)
 
     def __exit__(self, *exc) -> None:
