@@ -84,6 +84,9 @@ class Store:
         # Slots being scored when the previous process died go back to open: their submission was
         # never accepted, so the worker's retry (or another worker after expiry) may deliver them.
         self.db.execute("UPDATE slots SET state = 'open' WHERE state = 'scoring'")
+        # Groups a validator was checking go back to the queue: an in-process validator died with
+        # the previous process (an external one's late verdict is still accepted for a pending group).
+        self.db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating'")
 
     def _migrate(self) -> None:
         """Columns added after a run directory may have been created (run directories of
