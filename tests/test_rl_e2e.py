@@ -245,12 +245,19 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
         "JOIN workers ON workers.key = rejections.worker GROUP BY workers.name")}
     assert reasons == {"adversary-0-cherry_pick": "sampling", "adversary-1-edit_tokens": "sampling",
                        "adversary-2-other_model": "toploc"}, reasons
-    # Not one adversarial group in any batch the trainer consumed.
+    # Every group the trainer consumed passed the full check. An adversary's group can only be
+    # among them if it is token for token what the lease's seeds give (a best-of-4 whose picks all
+    # equal the seeded samples, on a confident model): honest work, whoever sent it.
     consumed = [gid for line in (run / "consumed.jsonl").read_text().splitlines()
                 for gid in json.loads(line)["group_ids"]]
     marks = ",".join("?" * len(consumed))
-    owners = {w for (w,) in db.execute(f"SELECT DISTINCT worker FROM groups WHERE id IN ({marks})", consumed)}
-    assert owners and owners <= good
+    rows = db.execute(f"SELECT worker, verdict FROM groups WHERE id IN ({marks})", consumed).fetchall()
+    assert len(rows) == len(consumed) and all(json.loads(v)["ok"] for _, v in rows)
+    assert {w for w, _ in rows} & good
+    for w, v in rows:
+        if w in bad:
+            assert json.loads(v)["stats"]["sampling_margin_max"] == 0.0
+    assert not db.execute("SELECT COUNT(*) FROM groups WHERE state = 'rejected' AND step IS NOT NULL").fetchone()[0]
     # The terminal said who was banned and why; the metrics count it.
     for kind in kinds:
         assert f"banned: worker adversary-{kinds.index(kind)}-{kind}" in proc.stdout, proc.stdout

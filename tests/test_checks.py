@@ -1,0 +1,88 @@
+"""The validator's pure checks, with hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import torch
+
+from swarmrl.inference.seeded import gumbel_noise, seeded_choice
+from swarmrl.orchestrator.service import FRAUD_REASONS
+from swarmrl.orchestrator.store import Store
+from swarmrl.validator.checks import sampling_margins, termination_problem, token_logprobs
+
+STOP = [0]
+
+
+def test_termination_rules():
+    assert termination_problem([5, 6, 0], "stop", STOP, 8) is None
+    assert termination_problem([5, 6, 7], "length", STOP, 3) is None  # ran to the limit
+    assert termination_problem([5, 6, 0], "stop", STOP, 3) is None  # stop exactly at the limit
+    assert "1 tokens follow the stop token" in termination_problem([5, 0, 6], "stop", STOP, 8)
+    assert "runs to the limit (8)" in termination_problem([5, 6], "length", STOP, 8)  # cut short, no stop
+    assert "finish_reason is 'length'" in termination_problem([5, 0], "length", STOP, 8)
+    assert "finish_reason is 'stop'" in termination_problem([5, 6, 7], "stop", STOP, 3)
+
+
+def test_sampling_margin_is_zero_for_the_seeded_choice_and_positive_otherwise():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11) * 3
+    seeds = torch.full((6,), 1234, dtype=torch.int64)
+    steps = torch.arange(6, dtype=torch.int64)
+    temp = torch.full((6, 1), 0.7)
+    chosen = seeded_choice(logits, seeds, steps, 0.7)
+    assert torch.all(sampling_margins(logits, chosen, seeds, steps, temp) == 0)
+    other = (chosen + 1) % 11
+    gaps = sampling_margins(logits, other, seeds, steps, temp)
+    # By hand: the gap is the best score minus the other token's score.
+    scores = logits / 0.7 + gumbel_noise(seeds, steps, 11)
+    expected = scores.max(-1).values - scores.gather(-1, other[:, None])[:, 0]
+    assert torch.allclose(gaps, expected) and torch.all(gaps > 0)
+    # Another seed picks other tokens somewhere: that is what catches cherry-picking.
+    assert torch.any(sampling_margins(logits, chosen, seeds + 1, steps, temp) > 0)
+
+
+def test_greedy_rows_use_plain_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    one = torch.ones(1, dtype=torch.int64)
+    assert sampling_margins(logits, torch.tensor([2]), one, one - 1, torch.zeros(1, 1)).item() == 1.0
+    assert sampling_margins(logits, torch.tensor([1]), one, one - 1, torch.zeros(1, 1)).item() == 0.0
+
+
+def test_token_logprobs_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [2.0, 2.0]])
+    # T = 1: p = [1/4, 3/4]; T = 2 on equal logits: 1/2.
+    lp = token_logprobs(logits, torch.tensor([1, 0]), torch.tensor([[1.0], [2.0]]))
+    assert torch.allclose(lp, torch.tensor([math.log(0.75), math.log(0.5)]))
+
+
+def test_reasons_an_honest_worker_can_get_never_count_as_fraud():
+    for honest in ("duplicate", "in_progress", "slot_closed", "stale", "lease_expired"):
+        assert honest not in FRAUD_REASONS
+    for cheat in ("toploc", "sampling", "logprobs", "claimed_reward", "proofs_malformed", "foreign_lease"):
+        assert cheat in FRAUD_REASONS
+
+
+def test_a_run_directory_from_before_validation_opens_and_gains_the_new_columns(tmp_path):
+    db = sqlite3.connect(tmp_path / "orchestrator.sqlite")
+    db.executescript("""
+        CREATE TABLE workers (key TEXT PRIMARY KEY, name TEXT NOT NULL, registered REAL NOT NULL,
+            last_seen REAL NOT NULL, accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
+            banned INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE groups (id INTEGER PRIMARY KEY AUTOINCREMENT, lease_id TEXT NOT NULL, slot INTEGER NOT NULL,
+            worker TEXT NOT NULL, policy_version INTEGER NOT NULL, accepted REAL NOT NULL, payload TEXT NOT NULL,
+            informative INTEGER NOT NULL, state TEXT NOT NULL, step INTEGER, resolved_step INTEGER,
+            UNIQUE (lease_id, slot));
+        INSERT INTO workers (key, name, registered, last_seen) VALUES ('k', 'old', 0, 0);
+        INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, informative, state)
+            VALUES ('l', 0, 'k', 0, 0, '{}', 1, 'queued');
+    """)
+    db.close()
+    store = Store(tmp_path / "orchestrator.sqlite")
+    try:
+        assert store.worker("k")["fraud"] == 0
+        row = store.query("SELECT state, proofs, verdict FROM groups")[0]
+        assert (row["state"], row["proofs"], row["verdict"]) == ("queued", None, None)
+    finally:
+        store.close()
