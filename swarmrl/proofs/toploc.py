@@ -96,31 +96,36 @@ def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Coefficients (ascending powers, mod PRIME) of the polynomials through (x[i], y[i]).
 
     x, y: int64 [P, n], x distinct within each row and < PRIME. Newton divided differences,
-    then expansion into monomial form; every row is done at once. Reductions mod PRIME are
-    skipped where the int64 range allows (values stay below 2**40), since this is the worker's
-    cost per proof.
+    then expansion into monomial form, all rows at once. This is the worker's cost per proof,
+    so: arrays are held transposed ([n, P]: every slice below is one contiguous block), updates
+    are in place, and reductions mod PRIME are skipped where int64 allows (values stay < 2**40).
     """
-    x = np.asarray(x, dtype=np.int64)
-    dd = np.asarray(y, dtype=np.int64) % PRIME
-    P, n = x.shape
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.int64).T)
+    dd = np.ascontiguousarray(np.asarray(y, dtype=np.int64).T) % PRIME
+    n = x.shape[0]
     for k in range(1, n):
         # dd[i] <- (dd[i] - dd[i-1]) / (x[i] - x[i-k]) for i >= k, from the previous round's dd.
         # Both differences are shifted into (0, 2 * PRIME) rather than reduced.
-        num = dd[:, k:] - dd[:, k - 1:-1] + PRIME
-        dd[:, k:] = num * _INV2[x[:, k:] - x[:, :-k] + PRIME] % PRIME
-    coeffs = np.zeros((P, n), dtype=np.int64)
-    factor = np.zeros((P, n), dtype=np.int64)  # (x - x_0)...(x - x_{i-1}), ascending powers
-    factor[:, 0] = 1
+        num = dd[k:] - dd[k - 1:-1]
+        num += PRIME
+        num *= _INV2[x[k:] - x[:-k] + PRIME]
+        num %= PRIME
+        dd[k:] = num
+    coeffs = np.zeros_like(x)
+    factor = np.zeros_like(x)  # (x - x_0)...(x - x_{i-1}), ascending powers
+    factor[0] = 1
     minus_x = (PRIME - x) % PRIME
     for i in range(n):
-        coeffs[:, :i + 1] += dd[:, i:i + 1] * factor[:, :i + 1]  # < 2**32 per term, n terms at most
+        coeffs[:i + 1] += dd[i] * factor[:i + 1]  # < 2**32 per term, n terms at most
         if i + 1 < n:
             # factor <- factor * (x - x_i); only its first i + 2 entries can be non-zero.
-            live = factor[:, :i + 2]
-            new = live * minus_x[:, i:i + 1]
-            new[:, 1:] += live[:, :-1]
-            factor[:, :i + 2] = new % PRIME
-    return coeffs % PRIME
+            live = factor[:i + 2]
+            new = live * minus_x[i]
+            new[1:] += live[:-1]
+            new %= PRIME
+            factor[:i + 2] = new
+    coeffs %= PRIME
+    return np.ascontiguousarray(coeffs.T)
 
 
 def evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -217,7 +222,7 @@ def as_bf16(t: Tensor) -> Tensor:
     return t
 
 
-def chunks(activations: Tensor | Sequence[Tensor], chunk_size: int) -> list[Tensor]:
+def chunks(activations: Tensor | Sequence[Tensor], chunk_size: int, *, cast: bool = True) -> list[Tensor]:
     """Flattened bf16 chunks of `chunk_size` tokens. A 2-D [tokens, hidden] tensor and a list of
     per-token tensors (any shape each) give the same chunks."""
     if chunk_size < 1:
@@ -227,7 +232,7 @@ def chunks(activations: Tensor | Sequence[Tensor], chunk_size: int) -> list[Tens
             raise ProofError(f"activations must be [tokens, hidden], not {tuple(activations.shape)}")
         if not len(activations):
             raise ProofError("no activations: a completion has at least one token")
-        flat = as_bf16(activations)
+        flat = as_bf16(activations) if cast else activations  # cast=False: done by the caller
         return [flat[i:i + chunk_size].reshape(-1) for i in range(0, len(flat), chunk_size)]
     rows = list(activations)
     if not rows:
@@ -262,7 +267,15 @@ def build_proofs_many(seqs: Sequence[Tensor | Sequence[Tensor]], *, chunk_size: 
     """The proofs of many sequences, built together: one top-k, one modulus search and one
     interpolation per chunk width, so the cost is per call rather than per proof."""
     _check_topk(topk)
-    per_seq = [chunks(a, chunk_size) for a in seqs]
+    if seqs and all(isinstance(a, Tensor) and a.dim() == 2 and len(a) for a in seqs) \
+            and len({a.shape[1] for a in seqs}) == 1:
+        # The usual worker call: one cast and one finiteness check for the whole batch.
+        whole = torch.cat(list(seqs))
+        if not whole.is_floating_point():
+            raise ProofError(f"activations must be floating point (bf16, fp16, fp32 or fp64), not {whole.dtype}")
+        per_seq = [chunks(a, chunk_size, cast=False) for a in as_bf16(whole).split([len(a) for a in seqs])]
+    else:
+        per_seq = [chunks(a, chunk_size) for a in seqs]
     flat = [c for cs in per_seq for c in cs]
     by_size: dict[int, list[int]] = {}  # full chunks share a size; only short final chunks differ
     for i, c in enumerate(flat):
