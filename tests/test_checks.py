@@ -86,3 +86,19 @@ def test_a_run_directory_from_before_validation_opens_and_gains_the_new_columns(
         assert (row["state"], row["proofs"], row["verdict"]) == ("queued", None, None)
     finally:
         store.close()
+
+
+def test_large_vocabularies_hash_only_the_contenders_and_agree_with_the_dense_computation():
+    torch.manual_seed(1)
+    n, vocab = 5, 50_000
+    logits = torch.randn(n, vocab) - 60.0
+    logits[:, :4] = torch.tensor([5.0, 4.0, 0.5, -3.0])  # a real model: a few tokens carry the mass
+    seeds = torch.arange(n, dtype=torch.int64) * 7919
+    steps = torch.arange(n, dtype=torch.int64)
+    temp = torch.full((n, 1), 1.0)
+    tokens = torch.tensor([0, 1, 2, 3, 0])
+    sparse = sampling_margins(logits, tokens, seeds, steps, temp)
+    scores = logits + gumbel_noise(seeds, steps, vocab)
+    dense = scores.max(-1).values - scores.gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(sparse, dense, atol=1e-5) and torch.all(sparse >= 0)
+    assert torch.equal(seeded_choice(logits, seeds, steps, 1.0) == tokens, sparse == 0)

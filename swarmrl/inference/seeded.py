@@ -56,6 +56,21 @@ def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     return u.clamp(max=1.0 - 2**-24)
 
 
+def gumbel_at(seeds: Tensor, steps: Tensor, index: Tensor) -> Tensor:
+    """The Gumbel noise of single entries: element i is gumbel_noise(...)[i, index[i]] for the
+    row keyed by (seeds[i], steps[i]); all [M]. Bit for bit the same values, without building
+    the [rows, vocab] matrix (a validator needs only the few entries that could win)."""
+    keys = stream_keys(seeds, steps)
+    h = _fmix32(keys ^ _mul32(index.to(torch.int64), 0x165667B1))
+    h = _fmix32(h ^ 0x5BD1E995)
+    u = (((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)).clamp(max=1.0 - 2**-24)
+    return -torch.log(-torch.log(u))
+
+
+# The largest value the noise can take (u is at most 1 - 2**-24), plus a little for rounding.
+GUMBEL_MAX = 16.64
+
+
 def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     """Standard Gumbel noise [B, V] float32 keyed by (seed, step, vocab index)."""
     u = uniform_noise(seeds, steps, vocab_size)
