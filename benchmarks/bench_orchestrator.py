@@ -46,6 +46,7 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
 
     from swarmrl.model.tokenizer import build_char_tokenizer
     from swarmrl.orchestrator.client import WorkerClient
+    from swarmrl.proofs.toploc import chunk_count, encode, to_bytes
 
     tok = build_char_tokenizer()
     w = WorkerClient(url, Ed25519PrivateKey.generate())
@@ -56,6 +57,12 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
         if text not in cache:
             cache[text] = tok(text, add_special_tokens=False)["input_ids"]
         return cache[text]
+
+    def proofs(n: int) -> list[str]:
+        # Well-formed proofs (their format is checked on every submission); never verified
+        # against hidden states here: the validator is off (validator.rate 0), so this measures
+        # the service, not the prefill (benchmarks/bench_validation.py measures that).
+        return encode([to_bytes(65497, [7] * 128)] * chunk_count(n, 32))
 
     submit_lat, lease_lat, groups, completions = [], [], 0, 0
     deadline = time.monotonic() + seconds
@@ -73,7 +80,8 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
                 answer = right if j % 2 == 0 else str(int(right) + 1)
                 # About the length of the default run's completions (~40 tokens).
                 t = ids(f"<think>{answer} checked digit by digit, carry noted</think>\\boxed{{{answer}}}<|im_end|>")
-                samples.append({"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop"})
+                samples.append({"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop",
+                                "proofs": proofs(len(t))})
             body["groups"].append({"slot": p["slot"], "policy_version": 0, "samples": samples})
         t0 = time.perf_counter()
         result = w.submit(body)
@@ -104,7 +112,8 @@ def main() -> None:
                  # No trainer consumes batches here: make the batch so large that leasing never
                  # stops for "the next batches are covered" or back-pressure.
                  "--async.max_pending_groups", str(10**9), "--sampling.prompts_per_step", str(10**6), "--orchestrator.rate_per_s", "1e6",
-                 "--orchestrator.rate_burst", str(10**6), "--rewards.verify_workers", str(args.verify_workers)]
+                 "--orchestrator.rate_burst", str(10**6), "--rewards.verify_workers", str(args.verify_workers),
+                 "--validator.rate", "0"]
     cfg = load_config(None, overrides)
     rows, _ = task_rows(cfg, log=lambda *_: None)
     answers = {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
