@@ -26,7 +26,7 @@ from swarmrl.inference.adversary import AdversarialWorker
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.orchestrator.auth import public_key_hex, sign_headers
-from swarmrl.orchestrator.client import Refused, TrainerClient, WorkerClient
+from swarmrl.orchestrator.client import Refused, TrainerClient
 from swarmrl.rl.tasks import model_input
 from swarmrl.transport.weights import PolicyServer, folder_manifest
 

@@ -584,6 +584,9 @@ class Orchestrator:
                     continue
                 reason = v.get("reason") or "validation"
                 db.execute("UPDATE groups SET state = 'rejected', verdict = ? WHERE id = ?", (verdict, v["id"]))
+                # The problem goes back to the pool, as for a slot refused at submission.
+                db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
+                           "FROM slots WHERE lease_id = ? AND slot = ?", (row["lease_id"], row["slot"]))
                 fraud = self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], reason,
                                                    v.get("detail", ""), fraud=True)
                 self._count(f"rejected/{reason}")
