@@ -85,11 +85,7 @@ _INV2 = np.concatenate([_INV, _INV])  # indexed by a value in [0, 2 * PRIME)
 # ---- the polynomial -------------------------------------------------------------------------
 def find_injective_modulus(x: np.ndarray) -> int:
     """The largest m <= PRIME with x mod m all distinct (the reference's search order)."""
-    n = len(x)
-    for m in range(PRIME, 0, -1):
-        if np.unique(x % m).size == n:
-            return m
-    raise ProofError("no modulus keeps these indices distinct (are there duplicate indices?)")
+    return int(_find_moduli(np.asarray(x, dtype=np.int64)[None])[0])
 
 
 def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -250,6 +246,9 @@ def build_proofs(activations: Tensor | Sequence[Tensor], *, chunk_size: int = 32
 def _find_moduli(x: np.ndarray) -> np.ndarray:
     """find_injective_modulus for every row of x [P, k] at once (almost every row stops at the
     first candidate; the rest step down together)."""
+    srt = np.sort(x, axis=1)
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        raise ProofError("duplicate indices: no modulus can keep them distinct")
     moduli = np.zeros(len(x), dtype=np.int64)
     todo = np.arange(len(x))
     for m in range(PRIME, 0, -1):

@@ -32,9 +32,6 @@ from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.transport.weights import WeightsError, fetch_policy, prune_cache
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
-# Reasons a full check can give; all of them are fraud (an honest worker never fails them).
-FULL_CHECK_REASONS = ("toploc", "sampling", "logprobs", "proofs_malformed")
-
 
 @dataclass
 class SampleReport:

@@ -116,7 +116,8 @@ def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads:
                     return
                 time.sleep(0.2)
             elif time.monotonic() - last > 30:
-                print(f"validator: {checked} groups checked", flush=True)
+                rate = validator.prefill_tokens / max(validator.prefill_seconds, 1e-9)
+                print(f"validator: {checked} groups checked (prefill {rate:.0f} tok/s)", flush=True)
                 last = time.monotonic()
     except Refused as e:
         print(f"swarmrl validator: {e}", file=sys.stderr)
