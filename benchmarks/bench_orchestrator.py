@@ -106,7 +106,9 @@ def main() -> None:
     from swarmrl.model.checkpoint import build_tiny_policy, save_policy
     from swarmrl.orchestrator.client import TrainerClient
     from swarmrl.rl.tasks import task_rows
-    from swarmrl.transport.weights import folder_manifest
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarmrl.transport.broadcast import publish_version
 
     overrides = ["--sampling.worker_batch_prompts", str(args.prompts), "--sampling.group_size", str(args.group_size),
                  # No trainer consumes batches here: make the batch so large that leasing never
@@ -134,7 +136,8 @@ def main() -> None:
                 time.sleep(0.05)
             url = f"http://127.0.0.1:{port}"
             TrainerClient(url, (run / "trainer.token").read_text().strip()).publish(
-                0, "http://127.0.0.1:9", folder_manifest(run / "policies" / "v000000"))
+                0, "http://127.0.0.1:9", publish_version(run / "policies" / "v000000", run / "broadcast", 0,
+                                                         key=Ed25519PrivateKey.generate()))
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             procs = [ctx.Process(target=_client, args=(url, args.seconds, answers, out)) for _ in range(args.clients)]

@@ -17,6 +17,7 @@ COMMANDS = {
     "trainer": "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able).",
     "worker": "An untrusted inference worker: joins an orchestrator over HTTP with its own ed25519 key.",
     "validator": "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, seeded sampling, logprobs.",
+    "relay": "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them.",
 }
 
 CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -79,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
     wk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    wk.add_argument("--relays", default="", help="comma-separated relay URLs to fetch policy versions from "
+                                                  "(the origin the orchestrator names is tried last)")
+    wk.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it "
+                                          "(<run-dir>/trainer.pub); versions it did not sign are refused")
     from swarmrl.inference.adversary import KINDS
 
     wk.add_argument("--adversary", choices=list(KINDS), metavar="KIND",
@@ -96,7 +101,35 @@ def _parser() -> argparse.ArgumentParser:
     va.add_argument("--device", default="cpu",
                     help="cpu or cuda (the CUDA path is untested here: no GPU was available to this project's CI)")
     va.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    va.add_argument("--relays", default="", help="comma-separated relay URLs for policy versions (origin last)")
+    va.add_argument("--trainer-key", help="the trainer's public key (64 hex) or a file holding it; default: the "
+                                          "key the orchestrator's manifests name")
+
+    rel = sub.add_parser("relay", help=COMMANDS["relay"], description=COMMANDS["relay"] + (
+        " Versions are verified shard by shard (sha256 from the manifest) before they are served, and their "
+        "manifest against the trainer's key when --trainer-key is given. Serves HTTP Range requests to many "
+        "clients at once; keeps the newest --keep versions."))
+    rel.add_argument("--upstream", required=True,
+                     help="comma-separated URLs of the origin (the trainer's broadcast server) or other relays")
+    rel.add_argument("--cache-dir", required=True, help="where mirrored versions are kept")
+    rel.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve other machines)")
+    rel.add_argument("--port", type=int, default=0, help="port (0 picks a free one)")
+    rel.add_argument("--keep", type=int, default=3, help="versions kept (a version being downloaded is never deleted)")
+    rel.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it")
+    rel.add_argument("--startup-tries", type=int, default=10,
+                     help="tries to reach an upstream at start before giving up with an error")
+    rel.add_argument("--url-file", help="write {\"url\": ...} here once listening (for launchers)")
+    rel.add_argument("--max-bytes-per-s", type=float, help="cap on the bytes per second this relay serves in all")
     return p
+
+
+def _key_arg(value: str | None) -> str | None:
+    """A public key given as 64 hex characters or as a file holding them."""
+    from pathlib import Path
+
+    if value and Path(value).is_file():
+        return Path(value).read_text().strip()
+    return value
 
 
 def _fail(msg: str) -> None:
@@ -233,9 +266,25 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
-                       threads=args.threads, device=args.device, dtype=args.dtype, adversary=args.adversary)
+                       threads=args.threads, device=args.device, dtype=args.dtype, adversary=args.adversary,
+                       relays=[u.strip() for u in args.relays.split(",") if u.strip()],
+                       trainer_key=_key_arg(args.trainer_key))
         except AuthError as e:
             _fail(str(e))
+        return
+
+    if args.command == "relay":
+        from swarmrl.transport.broadcast import BroadcastError
+        from swarmrl.transport.relay import run_relay
+
+        key = _key_arg(args.trainer_key)
+        try:
+            run_relay([u.strip() for u in args.upstream.split(",") if u.strip()], args.cache_dir, host=args.host,
+                      port=args.port, keep=args.keep, public_key=key, startup_tries=args.startup_tries,
+                      url_file=args.url_file, max_bytes_per_s=args.max_bytes_per_s)
+        except BroadcastError as e:
+            print(f"swarmrl relay: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         return
 
     if args.command == "validator":
@@ -243,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             run_external(args.orchestrator, token_file=args.token_file, cache_dir=args.cache_dir,
-                         threads=args.threads, device=args.device, dtype=args.dtype)
+                         threads=args.threads, device=args.device, dtype=args.dtype,
+                         relays=[u.strip() for u in args.relays.split(",") if u.strip()],
+                         trainer_key=_key_arg(args.trainer_key))
         except FileNotFoundError as e:
             _fail(str(e))
         return

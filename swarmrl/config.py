@@ -154,12 +154,13 @@ class TrainerConfig(_Section):
     keep_versions: int = Field(4, ge=1)
     """Policy version folders to keep on disk; older ones are deleted once no bound allows them."""
     weights_host: str = "127.0.0.1"
-    """Address the trainer serves policy versions on (HTTP, read-only). 0.0.0.0 for remote workers."""
+    """Address the trainer's broadcast origin binds (HTTP, read-only: signed, sharded versions).
+    0.0.0.0 for relays or workers on other machines."""
     weights_port: int = Field(0, ge=0, le=65535)
-    """Port for serving policy versions; 0 picks a free one."""
+    """Port of the broadcast origin; 0 picks a free one."""
     weights_url: str | None = None
-    """The URL workers fetch versions from, if not http://weights_host:port (e.g. behind NAT or
-    when weights_host is 0.0.0.0)."""
+    """The URL relays and workers fetch versions from, if not http://weights_host:port (e.g.
+    behind NAT or when weights_host is 0.0.0.0)."""
 
 
 class AsyncConfig(_Section):
@@ -218,6 +219,22 @@ class OrchestratorConfig(_Section):
     work that back-pressure allows."""
     registrations_per_min: int = Field(600, ge=1)
     """New worker keys accepted per minute across all clients (a flood of fresh keys gets 429)."""
+
+
+class BroadcastConfig(_Section):
+    shard_size: int = Field(1 << 20, ge=4096)
+    """Bytes per shard of a published version. Shards are fetched in parallel, verified one by one
+    (sha256 in the signed manifest) and resumed with HTTP Range requests. 1 MiB splits the default
+    1M-parameter model (4 MiB) into 4; for a 32B model use 64-256 MiB."""
+    relays: int = Field(1, ge=0)
+    """Relay processes `swarmrl rl` starts between the trainer (origin) and the workers; workers
+    fetch from the relays first and the origin last. 0: workers fetch from the origin."""
+    keep: int = Field(3, ge=1)
+    """Versions a relay and a worker's cache keep (a version being downloaded is never deleted)."""
+    parallel: int = Field(4, ge=1)
+    """Shards a client downloads at once, spread over the relays it knows by measured bandwidth."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A download that receives nothing for this long moves to another source."""
 
 
 class ValidatorConfig(_Section):
@@ -312,6 +329,7 @@ class Config(_Section):
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     validator: ValidatorConfig = ValidatorConfig()
+    broadcast: BroadcastConfig = BroadcastConfig()
     eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
     logging: LoggingConfig = LoggingConfig()

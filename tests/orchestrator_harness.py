@@ -11,9 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from swarmrl.config import load_config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.tasks import arithmetic
+from swarmrl.transport.broadcast import publish_version
+
+TRAINER_KEY = Ed25519PrivateKey.generate()  # signs the versions tests publish
 
 # Small everything: 2 prompts per lease and per batch, groups of 2, short completions.
 SMALL = ["--sampling.prompts_per_step", "2", "--sampling.group_size", "2", "--sampling.worker_batch_prompts", "2",
@@ -29,6 +34,14 @@ def make_run_dir(root: Path, *overrides: str) -> Path:
     model, tok = build_tiny_policy(seed=0)
     save_policy(model, tok, root / "policies" / "v000000")
     return root
+
+
+def signed_version(run_dir: Path, version: int, policy_dir: Path | None = None) -> dict:
+    """Publish a policy folder (default: the run's v0 weights) as broadcast version `version`,
+    signed by TRAINER_KEY, the way the trainer does; returns the manifest to announce."""
+    folder = policy_dir or run_dir / "policies" / "v000000"
+    return publish_version(folder, run_dir / "broadcast", version, key=TRAINER_KEY,
+                           parent=version - 1 if version else None)
 
 
 def free_port() -> int:

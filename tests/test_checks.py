@@ -8,7 +8,7 @@ import sqlite3
 import torch
 
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice
-from swarmrl.orchestrator.service import FRAUD_REASONS
+from swarmrl.validator.reasons import FRAUD_REASONS
 from swarmrl.orchestrator.store import Store
 from swarmrl.validator.checks import sampling_margins, termination_problem, token_logprobs
 

@@ -18,13 +18,19 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import OrchestratorProcess, answers, completion_ids, honest_proofs, make_run_dir
+from orchestrator_harness import (
+    OrchestratorProcess,
+    answers,
+    completion_ids,
+    honest_proofs,
+    make_run_dir,
+    signed_version,
+)
 
 from swarmrl.model.tokenizer import build_char_tokenizer
 from swarmrl.orchestrator.auth import sign_headers
 from swarmrl.orchestrator.client import Refused, TrainerClient, Unavailable, WorkerClient
 from swarmrl.rl.tasks import model_input
-from swarmrl.transport.weights import folder_manifest
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,7 +62,7 @@ def trainer_of(o: OrchestratorProcess) -> TrainerClient:
 
 
 def publish(o: OrchestratorProcess, version: int) -> None:
-    trainer_of(o).publish(version, "http://127.0.0.1:9", folder_manifest(o.run_dir / "policies" / "v000000"))
+    trainer_of(o).publish(version, "http://127.0.0.1:9", signed_version(o.run_dir, version))
 
 
 def new_worker(o: OrchestratorProcess, name: str = "w") -> WorkerClient:

@@ -15,13 +15,12 @@ import schemathesis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from orchestrator_harness import OrchestratorProcess, make_run_dir
+from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from swarmrl.orchestrator.auth import sign_headers
 from swarmrl.orchestrator.client import TrainerClient, WorkerClient
-from swarmrl.transport.weights import folder_manifest
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,7 +44,7 @@ def live(tmp_path_factory):
                        "--orchestrator.rate_burst", "10000", "--orchestrator.max_request_bytes", "200000")
     proc = OrchestratorProcess(run).start()
     token = (run / "trainer.token").read_text().strip()
-    TrainerClient(proc.url, token).publish(0, "http://127.0.0.1:9", folder_manifest(run / "policies" / "v000000"))
+    TrainerClient(proc.url, token).publish(0, "http://127.0.0.1:9", signed_version(run, 0))
     key = Ed25519PrivateKey.generate()
     WorkerClient(proc.url, key).register("fuzzer")
     validator = (run / "validator.token").read_text().strip()

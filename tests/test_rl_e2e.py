@@ -54,6 +54,14 @@ def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "max_off_policy"):
         assert key in summary, key
     assert summary["steps"] == 4
+    # Weights went trainer (origin) -> relay -> workers, signed by the trainer's key.
+    relay_url = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
+    assert (run / "logs" / "relay-0.log").read_text().count("relay: mirrored v") >= 4
+    worker_log = (run / "logs" / "worker-0.log").read_text()
+    assert f"shards from {relay_url}" in worker_log, worker_log
+    pub = (run / "trainer.pub").read_text().strip()
+    manifest = json.loads((run / "broadcast" / "v000004" / "manifest.json").read_text())
+    assert manifest["public_key"] == pub and manifest["version"] == 4 and manifest["parent"] == 3
     steps = [r for r in metrics(run) if "time/step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["off_policy/max"] <= 1 for r in steps)
@@ -117,8 +125,11 @@ def _start_long_run(easy_base: Path, run: Path) -> subprocess.Popen:
                              str(easy_base), "--trainer.steps", "500", *EASY],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120
-    while time.time() < deadline and not (run / "metrics.jsonl").exists() and proc.poll() is None:
+    # The trainer has written metrics, and the launcher has started the workers (after the relays).
+    while time.time() < deadline and proc.poll() is None and not (
+            (run / "metrics.jsonl").exists() and (run / "logs" / "worker-1.log").exists()):
         time.sleep(0.2)
+    time.sleep(0.5)
     return proc
 
 

@@ -1,7 +1,8 @@
 """Adversarial suite: scripted malicious workers against a real orchestrator and its validator.
 
 One orchestrator process on 127.0.0.1 (in-process validator, validation rate 1), policy
-versions served over HTTP by a real PolicyServer: v0, and v1 = v0 after ten real AdamW steps.
+versions signed and served over HTTP by a real broadcast origin (ShardServer): v0, and v1 = v0
+after ten real AdamW steps.
 Every cheat is an `AdversarialWorker` (the same code `swarmrl worker --adversary` runs) or a
 hand-made request, submitted over HTTP; each test checks the reason it is rejected with, and
 that the honest worker sharing the run has no rejection at all.
@@ -20,7 +21,14 @@ import httpx
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import OrchestratorProcess, answers, completion_ids, make_run_dir
+from orchestrator_harness import (
+    TRAINER_KEY,
+    OrchestratorProcess,
+    answers,
+    completion_ids,
+    make_run_dir,
+    signed_version,
+)
 
 from swarmrl.inference.adversary import AdversarialWorker
 from swarmrl.inference.worker import Worker
@@ -28,7 +36,7 @@ from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.orchestrator.auth import public_key_hex, sign_headers
 from swarmrl.orchestrator.client import Refused, TrainerClient
 from swarmrl.rl.tasks import model_input
-from swarmrl.transport.weights import PolicyServer, folder_manifest
+from swarmrl.transport.broadcast import ShardServer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,12 +71,12 @@ class World:
         self.run = make_run_dir(root / "run", *SHARED, *overrides)
         policies = self.run / "policies"
         train_a_little(policies / "v000000", policies / "v000001")
-        self.server = PolicyServer(policies).start()
+        manifests = {v: signed_version(self.run, v, policies / f"v{v:06d}") for v in (0, 1)}
+        self.server = ShardServer(self.run / "broadcast").start()
         self.orch = OrchestratorProcess(self.run).start()
         self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
         self.policy = {}
-        for v in (0, 1):
-            manifest = folder_manifest(policies / f"v{v:06d}")
+        for v, manifest in manifests.items():
             self.trainer.publish(v, self.server.url, manifest)
             self.policy[v] = {"version": v, "url": self.server.url, "manifest": manifest}
         self.count = 0
@@ -77,7 +85,8 @@ class World:
     def worker(self, name: str, kind: str | None = None, version: int = 1) -> Worker:
         self.count += 1
         d = self.root / "workers" / f"{name}-{self.count}"
-        args = dict(key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None)
+        args = dict(key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None,
+                    trainer_key=public_key_hex(TRAINER_KEY))
         w = AdversarialWorker(self.orch.url, kind=kind, **args) if kind else Worker(self.orch.url, **args)
         w.client.register(name)
         assert w._ensure_policy(self.policy[version])

@@ -16,6 +16,7 @@ import torch
 
 from swarmrl.inference.worker import Worker
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.transport.broadcast import manifest_digest
 from swarmrl.validator.checks import token_logprobs
 
 KINDS = {
@@ -52,10 +53,10 @@ class AdversarialWorker(Worker):
     def _ensure_policy(self, policy: dict) -> bool:
         if self.kind == "old_version" and self.frozen is not None:
             # Claim whatever is current, keep sampling with the old weights.
-            self.version, self.digest = policy["version"], policy["manifest"].get("sha256")
+            self.version, self.digest = policy["version"], manifest_digest(policy["manifest"])
             self.sampler = self.frozen
             return True
-        fresh = (policy["version"], policy["manifest"].get("sha256")) != (self.version, self.digest)
+        fresh = (policy["version"], manifest_digest(policy["manifest"])) != (self.version, self.digest)
         if not super()._ensure_policy(policy):
             return False
         if self.kind == "old_version":

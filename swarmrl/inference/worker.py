@@ -1,6 +1,7 @@
 """An untrusted inference worker (`swarmrl worker --orchestrator URL`).
 
-    register (ed25519 key = identity) -> status -> newest allowed policy (HTTP, hash-checked)
+    register (ed25519 key = identity) -> status -> newest allowed policy (signed by the trainer,
+    sharded, fetched from relays over HTTP and checked shard by shard)
     -> lease (the orchestrator picks problems, seeds, settings) -> generate, building a TOPLOC
     proof per chunk of tokens from the last hidden states -> signed submit
 
@@ -28,7 +29,7 @@ from swarmrl.orchestrator.auth import load_or_create_key
 from swarmrl.orchestrator.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.transport.filesystem import atomic_write_text
-from swarmrl.transport.weights import WeightsError, fetch_policy, prune_cache
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version, manifest_digest
 
 
 def _log(msg: str) -> None:
@@ -37,7 +38,9 @@ def _log(msg: str) -> None:
 
 class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
-                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = float("inf"), log=_log):
+                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = float("inf"), log=_log,
+                 relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
+                 timeout_s: float = 10.0):
         self.key = load_or_create_key(key_file)
         self.client = WorkerClient(orchestrator, self.key)
         self.cache = Path(cache_dir)
@@ -45,6 +48,11 @@ class Worker:
         self.outbox.mkdir(parents=True, exist_ok=True)
         self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
         self.unreachable_s, self.log = unreachable_s, log
+        # Weights: from these relays first, the origin the orchestrator names last; only versions
+        # signed by the trainer's key. Without a configured key the key the orchestrator announces
+        # is used (trusting the orchestrator for it), with a warning.
+        self.relays, self.trainer_key = [r.rstrip("/") for r in relays], trainer_key
+        self.parallel, self.timeout_s, self.scores = parallel, timeout_s, SourceScores()
         self.version: int | None = None
         self.digest: str | None = None
         self.sampler: Sampler | None = None
@@ -61,22 +69,34 @@ class Worker:
     # ---- policy ------------------------------------------------------------------------------
     def _ensure_policy(self, policy: dict) -> bool:
         """Load the orchestrator's newest version if we do not have it. False: try again later."""
-        version, digest = policy["version"], policy["manifest"].get("sha256")
+        version, digest = policy["version"], manifest_digest(policy["manifest"])
         # The digest too: a trainer resumed from an older checkpoint rebuilds a version number
         # with other weights.
         if version == self.version and digest == self.digest:
             return True
+        key = self.trainer_key
+        if key is None:
+            key = str(policy["manifest"].get("public_key", ""))
+            if not getattr(self, "_warned_key", False):
+                self.log(f"no --trainer-key given: trusting the orchestrator's word that {key[:16]}… is the "
+                         "trainer's key")
+                self._warned_key = True
+        before = {u: e["successes"] for u, e in self.scores.snapshot().items()}
         try:
-            folder = fetch_policy(policy["url"], version, policy["manifest"], self.cache / "policies",
-                                  retries=2, backoff_s=0.1)
+            t0 = time.monotonic()
+            folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies", public_key=key,
+                                   scores=self.scores, keep=2, parallel=self.parallel, timeout_s=self.timeout_s,
+                                   expected_digest=digest)
             model, tok = load_policy(folder, device=self.device, dtype=self.dtype)
-        except (WeightsError, OSError, ValueError) as e:
+        except (BroadcastError, OSError, ValueError) as e:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
         self.sampler = Sampler(model.eval(), stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+        served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
+        self.log(f"policy v{version} loaded in {time.monotonic() - t0:.2f} s; shards from "
+                 + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
         self.version, self.digest = version, digest
-        prune_cache(self.cache / "policies", keep=2)
         return True
 
     # ---- work --------------------------------------------------------------------------------
@@ -183,17 +203,19 @@ class Worker:
 
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
-               device: str = "cpu", dtype: str = "float32", adversary: str | None = None) -> None:
+               device: str = "cpu", dtype: str = "float32", adversary: str | None = None,
+               relays: list[str] = (), trainer_key: str | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     if adversary:
         from swarmrl.inference.adversary import AdversarialWorker
 
         worker = AdversarialWorker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
-                                   dtype=dtype, kind=adversary)
+                                   dtype=dtype, kind=adversary, relays=relays, trainer_key=trainer_key)
         worker.log(f"ADVERSARIAL worker ({adversary}: {worker.kind_help}); for testing the validator")
     else:
-        worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype)
+        worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype,
+                        relays=relays, trainer_key=trainer_key)
     try:
         worker.run()
     except (Unavailable, Refused) as e:

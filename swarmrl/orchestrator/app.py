@@ -90,7 +90,7 @@ class SubmitIn(_In):
 class PublishIn(_In):
     version: int = Field(ge=0, le=10**9)
     url: str = Field(max_length=2048, pattern=r"^https?://[^\s]+$")
-    manifest: dict = Field(description="folder_manifest() of the version: files with sha256 and size")
+    manifest: dict = Field(description="the version's signed broadcast manifest (publish_version())")
 
 
 class ClaimIn(_In):
@@ -294,11 +294,14 @@ def create_app(orch: Orchestrator) -> SizeLimit:
 
     @app.post("/v1/trainer/policies", responses=responses, dependencies=[Depends(trainer_only)])
     def publish(body: PublishIn) -> dict:
-        from swarmrl.transport.weights import WeightsError, check_manifest
+        from swarmrl.transport.broadcast import BroadcastError, verify_manifest
 
         try:
-            check_manifest(body.manifest)
-        except WeightsError as e:
+            # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before
+            # that, by the key the manifest names: the bearer token already says who sent it).
+            key = orch.trainer_public_key() or str(body.manifest.get("public_key", ""))
+            verify_manifest(body.manifest, key, version=body.version)
+        except BroadcastError as e:
             raise ApiError(422, "bad_manifest", str(e)) from None
         return orch.publish(body.version, body.url, body.manifest)
 

@@ -41,16 +41,9 @@ from swarmrl.rl.rollouts import Group, Sample
 from swarmrl.rl.scoring import score_groups
 from swarmrl.rl.tasks import model_input, task_rows
 from swarmrl.validator.checks import termination_problem
+from swarmrl.validator.reasons import FRAUD_REASONS
 
 
-# Rejections that an honest worker running swarmrl cannot get, whatever its network or speed:
-# they count towards a ban. Not in the list (and never counted as fraud): duplicate,
-# in_progress, slot_closed, stale, lease_expired; a slow or restarted honest worker gets those.
-FRAUD_REASONS = frozenset({
-    "bad_slot", "version_not_in_lease", "group_size", "length", "logprobs_length", "token_out_of_range",
-    "bad_logprob", "termination", "claimed_reward", "proofs_missing", "proofs_malformed", "foreign_lease",
-    "toploc", "sampling", "logprobs",
-})
 # Group states that will (most likely) become queued: back-pressure counts them as queued.
 WAITING = ("queued", "pending", "validating")
 
@@ -174,6 +167,13 @@ class Orchestrator:
     def totals(self) -> dict[str, float]:
         with self._counters_lock:
             return dict(self.counters)
+
+    def trainer_public_key(self) -> str | None:
+        """The trainer's broadcast signing key, once the trainer has written it to the run directory."""
+        try:
+            return (self.rd / "trainer.pub").read_text().strip() or None
+        except OSError:
+            return None
 
     # ---- state -------------------------------------------------------------------------------
     def _progress(self, db) -> tuple[int, int | None, bool]:

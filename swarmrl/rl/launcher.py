@@ -193,20 +193,37 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         children.wait_for_file(info)
         url = json.loads(info.read_text())["url"]
         log(f"orchestrator: {url}")
+        (rd.root / "origin.json").unlink(missing_ok=True)
         children.start("trainer", ["trainer", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
                        cfg.async_.trainer_threads)
+        # Weights: trainer (origin) -> relays -> workers, every version signed by the trainer.
+        children.wait_for_file(rd.root / "origin.json")
+        origin = json.loads((rd.root / "origin.json").read_text())["url"]
+        relays = []
+        for i in range(cfg.broadcast.relays):
+            url_file = rd.root / "relays" / f"relay-{i}.json"
+            url_file.unlink(missing_ok=True)
+            children.start(f"relay-{i}", ["relay", "--upstream", origin, "--cache-dir", str(rd.root / "relays" / f"relay-{i}"),
+                                          "--trainer-key", str(rd.root / "trainer.pub"), "--keep", str(cfg.broadcast.keep),
+                                          "--url-file", str(url_file)], 1)
+            children.wait_for_file(url_file)
+            relays.append(json.loads(url_file.read_text())["url"])
+        if relays:
+            log(f"relays: {', '.join(relays)} (origin {origin})")
+        weights = ["--relays", ",".join(relays), "--trainer-key", str(rd.root / "trainer.pub")]
         for i in range(cfg.async_.workers):
             wdir = rd.root / "workers" / f"worker-{i}"
             children.start(f"worker-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
                                            "--cache-dir", str(wdir), "--name", f"worker-{i}",
                                            "--threads", str(cfg.async_.worker_threads),
-                                           "--device", cfg.model.device, "--dtype", cfg.model.dtype],
+                                           "--device", cfg.model.device, "--dtype", cfg.model.dtype, *weights],
                            cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
         for i, kind in enumerate(cfg.async_.adversaries):
             wdir = rd.root / "workers" / f"adversary-{i}"
             children.start(f"adversary-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
                                               "--cache-dir", str(wdir), "--name", f"adversary-{i}-{kind}",
-                                              "--threads", str(cfg.async_.worker_threads), "--adversary", kind],
+                                              "--threads", str(cfg.async_.worker_threads), "--adversary", kind,
+                                              *weights],
                            cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
         if cfg.async_.adversaries:
             log(f"{len(cfg.async_.adversaries)} adversarial workers: {', '.join(cfg.async_.adversaries)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from swarmrl.config import Config
+from swarmrl.validator.reasons import FRAUD_REASONS
 
 
 class Progress:
@@ -48,9 +49,13 @@ class Progress:
             return
         if "eval/accuracy" in r and "time/step" in r:
             info += f"  held-out {r['eval/accuracy']:.3f}"
-        rejected = {k.split("/", 1)[1]: int(v) for k, v in r.items() if k.startswith("rejected/") and v}
-        if rejected:
-            info += "  rejected " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
+        refused = {k.split("/", 1)[1]: int(v) for k, v in r.items() if k.startswith("rejected/") and v}
+        fraud = {k: v for k, v in refused.items() if k in FRAUD_REASONS}
+        if fraud:
+            info += "  rejected " + ", ".join(f"{k} {v}" for k, v in sorted(fraud.items()))
+        late = sum(v for k, v in refused.items() if k not in FRAUD_REASONS)
+        if late:
+            info += f"  late {late}"  # stale or duplicate submissions of honest workers
         if r.get("workers/banned"):
             info += f"  banned {int(r['workers/banned'])}"
         if self._progress is not None:

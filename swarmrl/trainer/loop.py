@@ -4,7 +4,8 @@
         batch n   <- pulled from the orchestrator (versions >= n - k, rewards recomputed there,
                      zero-advantage groups dropped); asking again returns the same batch
         update    <- old logprobs, then `optimizer_steps` clipped-GRPO steps
-        publish   -> policy version n + 1: a complete HF folder (atomically), served over HTTP
+        publish   -> policy version n + 1: a complete HF folder (atomically), then sharded and
+                     signed into <run>/broadcast and served by the broadcast origin
                      by this process, announced to the orchestrator with its file hashes
         record    -> metrics.jsonl, consumed.jsonl, checkpoints, held-out accuracy
 
@@ -33,7 +34,9 @@ from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
-from swarmrl.transport.weights import PolicyServer, folder_manifest
+from swarmrl.orchestrator.auth import load_or_create_key, public_key_hex
+from swarmrl.transport.broadcast import ShardServer, prune_versions, publish_version, unpublish_version
+from swarmrl.transport.filesystem import atomic_write_text
 
 
 def _log_metrics(rd: RunDir, record: dict) -> None:
@@ -76,16 +79,27 @@ class _Link:
     """Rank 0's connection to the orchestrator: pull batches, announce versions. Every call
     rides out an orchestrator restart (retry with backoff for up to `unreachable_s`)."""
 
-    def __init__(self, client: TrainerClient, url: str, rd: RunDir, check, unreachable_s: float = 600):
-        self.client, self.url, self.rd, self.check = client, url, rd, check
-        self.unreachable_s = unreachable_s
+    def __init__(self, client: TrainerClient, url: str, rd: RunDir, check, cfg, server: ShardServer,
+                 unreachable_s: float = 600):
+        self.client, self.url, self.rd, self.check, self.cfg = client, url, rd, check, cfg
+        self.server, self.unreachable_s = server, unreachable_s
+        # The trainer's signing key: relays and workers accept only versions it signed.
+        self.key = load_or_create_key(rd.root / "trainer_key.pem")
+        atomic_write_text(rd.root / "trainer.pub", public_key_hex(self.key) + "\n")
 
     def _call(self, fn, what):
         return retrying(fn, what=what, give_up_s=self.unreachable_s, check=self.check)
 
     def publish(self, version: int) -> None:
-        manifest = folder_manifest(self.rd.version_path(version))
+        """Shard and sign version `version` into <run>/broadcast (atomically), then announce it.
+        A version number already there is from before a resume: its steps are being redone."""
+        root = self.rd.root / "broadcast"
+        unpublish_version(root, version)
+        manifest = publish_version(self.rd.version_path(version), root, version, key=self.key,
+                                   parent=version - 1 if version else None, shard_size=self.cfg.broadcast.shard_size)
         self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
+        keep = max(self.cfg.trainer.keep_versions, self.cfg.async_.bound + 2)
+        prune_versions(root, keep, in_use=self.server.in_use)
 
     def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
         t0 = last = time.monotonic()
@@ -126,9 +140,13 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
     t_run = time.monotonic()
     try:
         if main:
-            server = PolicyServer(rd.policies, host=cfg.trainer.weights_host, port=cfg.trainer.weights_port).start()
-            link = _Link(_orchestrator(rd, orchestrator, token_file), cfg.trainer.weights_url or server.url, rd,
-                         _parent_watchdog())
+            (rd.root / "broadcast").mkdir(exist_ok=True)
+            server = ShardServer(rd.root / "broadcast", host=cfg.trainer.weights_host,
+                                 port=cfg.trainer.weights_port).start()
+            origin = cfg.trainer.weights_url or server.url
+            link = _Link(_orchestrator(rd, orchestrator, token_file), origin, rd, _parent_watchdog(), cfg, server)
+            # Where relays find the origin (`swarmrl rl` starts them once this exists).
+            atomic_write_text(rd.root / "origin.json", json.dumps({"url": origin}))
         sd = trainer.full_state_dict() if start else None
         if main:
             if start:

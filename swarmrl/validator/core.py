@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from swarmrl.config import ValidatorConfig
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
-from swarmrl.transport.weights import WeightsError, fetch_policy, prune_cache
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version, manifest_digest
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
 
@@ -136,8 +136,12 @@ def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_to
 
 class Validator:
     def __init__(self, cfg: ValidatorConfig, cache_dir: str | Path, *, device: str = "cpu",
-                 dtype: str = "float32", log=print):
+                 dtype: str = "float32", log=print, relays: list[str] = (), trainer_key=None):
         self.cfg, self.cache = cfg, Path(cache_dir)
+        # Weights like a worker gets them (relays first, then the announced origin), checked
+        # against the trainer's key: `trainer_key` (a str, or a callable returning one), else the
+        # key the orchestrator's manifest names (validators trust the orchestrator).
+        self.relays, self.trainer_key, self.scores = list(relays), trainer_key, SourceScores()
         self.device, self.dtype, self.log = device, getattr(torch, dtype), log
         self.models: dict[int, tuple[str, object]] = {}  # version -> (manifest digest, model)
         self.prefill_tokens = 0
@@ -145,12 +149,14 @@ class Validator:
 
     # ---- policies ----------------------------------------------------------------------------
     def model(self, version: int, policy: dict):
-        digest = policy["manifest"].get("sha256")
+        digest = manifest_digest(policy["manifest"])
         held = self.models.get(version)
         if held is not None and held[0] == digest:
             return held[1]
-        folder = fetch_policy(policy["url"], version, policy["manifest"], self.cache / "policies",
-                              retries=2, backoff_s=0.1)
+        key = self.trainer_key() if callable(self.trainer_key) else self.trainer_key
+        folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies",
+                               public_key=key or str(policy["manifest"].get("public_key", "")), scores=self.scores,
+                               keep=max(2, len(self.models) + 2), expected_digest=digest)
         model, _ = load_policy(folder, device=self.device, dtype=self.dtype)
         self.models[version] = (digest, model.eval())
         return self.models[version][1]
@@ -159,7 +165,6 @@ class Validator:
         """Drop versions no submission may claim any more (outside the async bound)."""
         for v in [v for v in self.models if v < min_version]:
             del self.models[v]
-        prune_cache(self.cache / "policies", keep=max(2, len(self.models) + 1))
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, model, groups: list[tuple[list[int], list[list[int]]]]):
@@ -250,9 +255,9 @@ class Validator:
             policy = policies.get(version)
             try:
                 if policy is None:
-                    raise WeightsError(f"policy v{version} is not announced")
+                    raise BroadcastError(f"policy v{version} is not announced")
                 model = self.model(version, policy)
-            except (WeightsError, OSError, ValueError) as e:
+            except (BroadcastError, OSError, ValueError) as e:
                 self.log(f"validator: cannot load policy v{version} ({e}); {len(group)} groups wait")
                 retry.extend(it["id"] for it in group)
                 continue

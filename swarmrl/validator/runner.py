@@ -77,7 +77,7 @@ def start_in_process(orch, run_dir: Path, *, log=print) -> tuple[threading.Threa
 
     cfg = orch.cfg.validator
     torch.set_num_threads(cfg.threads)
-    validator = Validator(cfg, run_dir / "validator", log=log)
+    validator = Validator(cfg, run_dir / "validator", log=log, trainer_key=orch.trainer_public_key)
     stop = threading.Event()
 
     def body():
@@ -93,7 +93,8 @@ def start_in_process(orch, run_dir: Path, *, log=print) -> tuple[threading.Threa
 
 
 def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads: int | None = None,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+                 device: str = "cpu", dtype: str = "float32", relays: list[str] = (),
+                 trainer_key: str | None = None) -> None:
     """`swarmrl validator`: check groups for a remote orchestrator until the run finishes. The
     thresholds and batch size come from the orchestrator's config with every claim."""
     import torch
@@ -103,7 +104,7 @@ def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads:
         torch.set_num_threads(threads)
     token = Path(token_file).read_text().strip()
     source = HttpSource(orchestrator, token)
-    validator = Validator(cfg, cache_dir, device=device, dtype=dtype)
+    validator = Validator(cfg, cache_dir, device=device, dtype=dtype, relays=relays, trainer_key=trainer_key)
     print(f"validator: checking groups for {orchestrator}", flush=True)
     checked, last = 0, time.monotonic()
     try:

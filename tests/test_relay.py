@@ -1,0 +1,204 @@
+"""Relays on loopback: real `swarmrl relay` processes between an origin and clients.
+
+What the broadcast must survive: a relay that serves a corrupted shard, a relay killed in the
+middle of a download, a manifest without a valid signature, an upstream that stays unreachable;
+and a tree of an origin, two relays and four clients must end with byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmrl.orchestrator.auth import public_key_hex
+from swarmrl.transport.broadcast import (
+    BroadcastError,
+    ShardServer,
+    SourceScores,
+    fetch_version,
+    publish_version,
+    read_versions,
+)
+from swarmrl.transport.relay import Relay
+
+pytestmark = pytest.mark.timeout(180)
+
+KEY = Ed25519PrivateKey.generate()
+PUB = public_key_hex(KEY)
+
+
+def fake_model(folder: Path, kib: int = 768, seed: int = 0) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8, "seed": seed}))
+    (folder / "model.safetensors").write_bytes(os.urandom(kib << 10))
+    (folder / "tokenizer.json").write_text(json.dumps({"seed": seed}))
+    return folder
+
+
+def start_relay(tmp: Path, name: str, upstream: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    url_file = tmp / f"{name}.json"
+    log = open(tmp / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", upstream, "--cache-dir",
+                             str(tmp / name), "--trainer-key", PUB, "--url-file", str(url_file), *extra],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not url_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()
+        time.sleep(0.05)
+    return proc, json.loads(url_file.read_text())["url"]
+
+
+def wait_mirrored(root: Path, version: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while version not in read_versions(root):
+        assert time.monotonic() < deadline, f"{root} never got v{version}"
+        time.sleep(0.05)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Same model files (the client keeps the signed manifest as a dotfile beside them)."""
+    names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
+    return names == sorted(p.name for p in b.iterdir() if not p.name.startswith(".")) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def test_a_tree_of_an_origin_two_relays_and_four_clients_ends_byte_identical(tmp_path):
+    model = fake_model(tmp_path / "model")
+    publish_version(model, tmp_path / "origin", 3, key=KEY, parent=2, shard_size=64 << 10)
+    procs = []
+    with ShardServer(tmp_path / "origin") as origin:
+        try:
+            p1, r1 = start_relay(tmp_path, "relay1", origin.url)
+            procs.append(p1)
+            p2, r2 = start_relay(tmp_path, "relay2", r1)  # chained: relay2 mirrors relay1
+            procs.append(p2)
+            wait_mirrored(tmp_path / "relay2", 3)
+            out: dict = {}
+
+            def client(i: int) -> None:
+                out[i] = fetch_version(3, [r1] if i < 2 else [r2], tmp_path / f"client{i}", public_key=PUB)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(out) == [0, 1, 2, 3]
+            for folder in out.values():
+                assert folder.name == "v000003" and same_files(folder, model)
+        finally:
+            for p in procs:
+                kill(p)
+
+
+def test_a_relay_serving_a_corrupted_shard_is_caught_and_scored_down(tmp_path):
+    model = fake_model(tmp_path / "model")
+    publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+    with ShardServer(tmp_path / "origin") as origin:
+        with Relay([origin.url], tmp_path / "good", public_key=PUB, log=lambda *_: None) as good, \
+                Relay([origin.url], tmp_path / "bad", public_key=PUB, log=lambda *_: None) as bad:
+            wait_mirrored(good.root, 1)
+            wait_mirrored(bad.root, 1)
+            shards = sorted((bad.root / "v000001" / "shards").iterdir())
+            for shard in shards:  # every shard it holds is flipped: the client must get all from `good`
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                shard.write_bytes(bytes(data))
+            scores = SourceScores()
+            folder = fetch_version(1, [bad.url, good.url], tmp_path / "client", public_key=PUB, scores=scores)
+            assert same_files(folder, model)
+            snap = scores.snapshot()
+            assert scores.order([bad.url, good.url])[0] == good.url, snap
+
+
+def test_a_relay_killed_mid_download_and_the_client_finishes_from_another(tmp_path):
+    model = fake_model(tmp_path / "model", kib=4096)
+    publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=256 << 10)
+    procs = []
+    with ShardServer(tmp_path / "origin") as origin:
+        try:
+            # A slow relay (capped at 1 MB/s) is killed while the client is downloading from it.
+            slow, slow_url = start_relay(tmp_path, "slow", origin.url, "--max-bytes-per-s", "1000000")
+            procs.append(slow)
+            fast, fast_url = start_relay(tmp_path, "fast", origin.url)
+            procs.append(fast)
+            wait_mirrored(tmp_path / "slow", 1)
+            wait_mirrored(tmp_path / "fast", 1)
+            result: dict = {}
+
+            def client() -> None:
+                try:
+                    result["folder"] = fetch_version(1, [slow_url], tmp_path / "client", public_key=PUB,
+                                                     scores=scores, timeout_s=2.0)
+                except BroadcastError as e:
+                    result["error"] = e
+
+            # First only the slow relay is known, so the download starts there ...
+            scores = SourceScores()
+            t = threading.Thread(target=client)
+            t.start()
+            time.sleep(1.0)
+            assert t.is_alive(), "the download finished before the relay could be killed"
+            kill(slow)
+            t.join()
+            # ... and with only a dead source it fails, naming the version and the relay.
+            assert "error" in result and "v000001" in str(result["error"]) and slow_url in str(result["error"])
+            partial = list((tmp_path / "client").rglob("*.part")) + list((tmp_path / "client").rglob("0*"))
+            assert partial, "nothing was kept from the first attempt"
+            # With the other relay known too, the same client resumes and finishes from it.
+            folder = fetch_version(1, [slow_url, fast_url], tmp_path / "client", public_key=PUB, scores=scores,
+                                   timeout_s=2.0)
+            assert same_files(folder, model)
+        finally:
+            for p in procs:
+                kill(p)
+
+
+def test_a_manifest_without_a_valid_signature_is_refused(tmp_path):
+    model = fake_model(tmp_path / "model")
+    forger = Ed25519PrivateKey.generate()
+    publish_version(model, tmp_path / "forged", 1, key=forger, shard_size=64 << 10)
+    with ShardServer(tmp_path / "forged") as server:
+        with pytest.raises(BroadcastError) as e:
+            fetch_version(1, [server.url], tmp_path / "client", public_key=PUB)
+        assert "v000001" in str(e.value)
+        assert not (tmp_path / "client" / "v000001").exists()
+        # A relay given the trainer's key will not mirror it either.
+        with Relay([server.url], tmp_path / "relay", public_key=PUB, log=lambda *_: None) as relay:
+            time.sleep(1.0)
+            assert read_versions(relay.root) == []
+            assert relay.last_error and ("signature" in relay.last_error.lower() or "key" in relay.last_error.lower())
+    # Unsigned: the signature field removed.
+    manifest_path = tmp_path / "forged" / "v000001" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["signature"]
+    manifest_path.write_text(json.dumps(manifest))
+    with ShardServer(tmp_path / "forged") as server, pytest.raises(BroadcastError) as e:
+        fetch_version(1, [server.url], tmp_path / "client2", public_key=PUB)
+    assert "signature" in str(e.value).lower()
+
+
+def test_an_unreachable_upstream_is_a_bounded_clear_error(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", "http://127.0.0.1:9",
+                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "http://127.0.0.1:9" in proc.stderr and "no upstream reachable after 2 tries" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 60
