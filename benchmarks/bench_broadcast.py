@@ -42,8 +42,21 @@ def fake_model(folder: Path, mb: int) -> None:
 
 
 class _Quiet(SimpleHTTPRequestHandler):
+    cap = None  # bytes/s, like ShardServer(max_bytes_per_s=...)
+
     def log_message(self, *args):
         pass
+
+    def copyfile(self, source, outputfile):
+        if self.cap is None:
+            return super().copyfile(source, outputfile)
+        t0, sent = time.monotonic(), 0
+        while chunk := source.read(1 << 16):
+            outputfile.write(chunk)
+            sent += len(chunk)
+            ahead = sent / self.cap - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
 
 def raw_copy(url: str, names: list[str], dest: Path) -> None:
@@ -67,6 +80,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--shard-mb", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cap-mib-s", type=float, default=100.0,
+                    help="also compare both with the server capped at this rate (a realistic link), 0: skip")
     ap.add_argument("--out", default="bench_broadcast.json")
     args = ap.parse_args()
     key = Ed25519PrivateKey.generate()
@@ -99,6 +114,23 @@ def main() -> None:
                     shutil.rmtree(tmp / f"client{i}")
                 results["raw_s"], results["relay_s"] = statistics.median(raw_s), statistics.median(relay_s)
                 results["relay_over_raw_throughput"] = results["raw_s"] / results["relay_s"]
+                if args.cap_mib_s:
+                    cap = args.cap_mib_s * 2**20
+                    _Quiet.cap = cap
+                    capped = Relay([origin.url], tmp / "relay-capped", public_key=pub, max_bytes_per_s=cap,
+                                   log=lambda *_: None).start()
+                    try:
+                        wait_for(lambda: 1 in read_versions(capped.root))
+                        t0 = time.perf_counter()
+                        raw_copy(raw_url, names, tmp / "raw-capped")
+                        results["capped_raw_s"] = time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        fetch_version(1, [capped.url], tmp / "client-capped", public_key=pub)
+                        results["capped_relay_s"] = time.perf_counter() - t0
+                    finally:
+                        capped.close()
+                        _Quiet.cap = None
+                    results["capped_ratio"] = results["capped_raw_s"] / results["capped_relay_s"]
 
                 def one(i, out):
                     t0 = time.perf_counter()
@@ -131,6 +163,9 @@ def main() -> None:
     print(f"raw HTTP copy     {results['raw_s']:.2f} s  ({mb / results['raw_s']:.0f} MiB/s)")
     print(f"through a relay   {results['relay_s']:.2f} s  ({mb / results['relay_s']:.0f} MiB/s): "
           f"{results['relay_over_raw_throughput']:.2f} of the raw throughput")
+    if "capped_ratio" in results:
+        print(f"both servers capped at {args.cap_mib_s:.0f} MiB/s: raw {results['capped_raw_s']:.2f} s, relay "
+              f"{results['capped_relay_s']:.2f} s: {results['capped_ratio']:.2f} of the raw throughput")
     print(f"8 clients, 2-relay tree: {results['eight_clients_s']:.2f} s vs one client {results['one_client_s']:.2f} s "
           f"({results['eight_over_one']:.1f}x the time for 8x the bytes)")
 

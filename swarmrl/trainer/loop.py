@@ -36,7 +36,6 @@ from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 from swarmrl.orchestrator.auth import load_or_create_key, public_key_hex
 from swarmrl.transport.broadcast import ShardServer, prune_versions, publish_version, unpublish_version
-from swarmrl.transport.filesystem import atomic_write_text
 
 
 def _log_metrics(rd: RunDir, record: dict) -> None:
