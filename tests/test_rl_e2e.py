@@ -244,16 +244,22 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
     proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "8",
                    "--async.adversaries", ",".join(kinds), "--validator.ban_after", "2", *EASY, timeout=600)
     db = sqlite3.connect(run / "orchestrator.sqlite")
-    workers = {key: (name, banned, rejected) for key, name, banned, rejected in
-               db.execute("SELECT key, name, banned, rejected FROM workers")}
+    workers = {key: (name, banned, fraud) for key, name, banned, fraud in
+               db.execute("SELECT key, name, banned, fraud FROM workers")}
     bad = {k for k, (name, _, _) in workers.items() if name.startswith("adversary-")}
     good = set(workers) - bad
     assert len(bad) == 3 and len(good) == 2
     assert all(workers[k][1] == 1 for k in bad), workers  # every adversary banned ...
-    assert all(workers[k][1] == 0 and workers[k][2] == 0 for k in good), workers  # ... no honest rejection
+    assert all(workers[k][1] == 0 and workers[k][2] == 0 for k in good), workers  # ... no honest fraud
+    # An honest worker may only be refused for being late (a loaded machine), never for its work.
+    marks = ",".join("?" * len(good))
+    honest = {r for (r,) in db.execute(f"SELECT DISTINCT reason FROM rejections WHERE worker IN ({marks})",
+                                       tuple(good))}
+    assert honest <= {"stale", "duplicate", "in_progress", "slot_closed"}, honest
     reasons = {name: r for name, r in db.execute(
         "SELECT workers.name, GROUP_CONCAT(DISTINCT rejections.reason) FROM rejections "
-        "JOIN workers ON workers.key = rejections.worker GROUP BY workers.name")}
+        "JOIN workers ON workers.key = rejections.worker WHERE workers.name LIKE 'adversary-%' "
+        "AND rejections.reason NOT IN ('stale', 'duplicate', 'in_progress', 'slot_closed') GROUP BY workers.name")}
     assert reasons == {"adversary-0-cherry_pick": "sampling", "adversary-1-edit_tokens": "sampling",
                        "adversary-2-other_model": "toploc"}, reasons
     # Every group the trainer consumed passed the full check. An adversary's group can only be

@@ -16,7 +16,8 @@ shards from whichever sources are fastest, in parallel, and rebuilds the HF fold
 Nothing between the trainer and the client is trusted: the client accepts only a manifest signed
 by the configured trainer public key (`verify_manifest`), checks every shard's sha256 as it
 arrives (a relay that serves a bad shard is scored down and the shard is fetched elsewhere), and
-checks every rebuilt file's sha256 before the folder is renamed into place whole.
+renames the rebuilt folder into place whole (a cached folder is re-checked against the files'
+sha256 before it is reused).
 
 Everything is written into a temp folder (name starting with '.') and renamed into place, so a
 version folder exists only when complete. Standard library HTTP only (`http.server`,
