@@ -447,6 +447,10 @@ def test_prune_versions_keeps_the_newest_and_versions_in_use(tmp_path):
         gate.set()
         t.join(10)
         assert result == {"ok": True}
+        # The server thread ends its response just after the client has read the last byte.
+        deadline = time.monotonic() + 5
+        while server.in_use(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not server.in_use(1)
         prune_versions(root, 1, in_use=server.in_use)
         assert read_versions(root) == [4]

@@ -15,7 +15,7 @@ import secrets
 import torch
 
 from swarmrl.inference.worker import Worker
-from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
 from swarmrl.transport.broadcast import manifest_digest
 from swarmrl.validator.checks import token_logprobs
 
@@ -94,9 +94,9 @@ class AdversarialWorker(Worker):
                 elif self.kind == "claim_reward":
                     s["reward"] = 1.0
                 elif self.kind == "garbage_proofs":
-                    s["proofs"] = encode([_garbage(len(b)) for b in _raw(s["proofs"])])
+                    s["proofs"] = encode([_garbage(len(b)) for b in decode(s["proofs"])])
                 elif self.kind == "truncated_proofs":
-                    s["proofs"] = encode([b[: len(b) // 2] for b in _raw(s["proofs"])])
+                    s["proofs"] = encode([b[: len(b) // 2] for b in decode(s["proofs"])])
                 elif self.kind == "missing_proofs":
                     s["proofs"] = []
         return sub
@@ -154,13 +154,7 @@ class AdversarialWorker(Worker):
 
 def _garbage(size: int) -> bytes:
     """A well-formed proof (valid modulus, coefficients in the field) committing to nothing."""
-    from swarmrl.proofs.toploc import PRIME, to_bytes
-
     rng = secrets.SystemRandom()
     return to_bytes(rng.randrange(2**15, PRIME + 1), [rng.randrange(PRIME) for _ in range((size - 2) // 2)])
 
 
-def _raw(proofs: list[str]) -> list[bytes]:
-    from swarmrl.proofs.toploc import decode
-
-    return decode(proofs)

@@ -211,20 +211,19 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         if relays:
             log(f"relays: {', '.join(relays)} (origin {origin})")
         weights = ["--relays", ",".join(relays), "--trainer-key", str(rd.root / "trainer.pub")]
+
+        def start_worker(proc_name: str, display_name: str, *extra: str) -> None:
+            wdir = rd.root / "workers" / proc_name  # its own key, policy cache and outbox
+            children.start(proc_name, ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
+                                       "--cache-dir", str(wdir), "--name", display_name,
+                                       "--threads", str(cfg.async_.worker_threads), "--device", cfg.model.device,
+                                       "--dtype", cfg.model.dtype, *weights, *extra],
+                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+
         for i in range(cfg.async_.workers):
-            wdir = rd.root / "workers" / f"worker-{i}"
-            children.start(f"worker-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
-                                           "--cache-dir", str(wdir), "--name", f"worker-{i}",
-                                           "--threads", str(cfg.async_.worker_threads),
-                                           "--device", cfg.model.device, "--dtype", cfg.model.dtype, *weights],
-                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+            start_worker(f"worker-{i}", f"worker-{i}")
         for i, kind in enumerate(cfg.async_.adversaries):
-            wdir = rd.root / "workers" / f"adversary-{i}"
-            children.start(f"adversary-{i}", ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
-                                              "--cache-dir", str(wdir), "--name", f"adversary-{i}-{kind}",
-                                              "--threads", str(cfg.async_.worker_threads), "--adversary", kind,
-                                              *weights],
-                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
         if cfg.async_.adversaries:
             log(f"{len(cfg.async_.adversaries)} adversarial workers: {', '.join(cfg.async_.adversaries)}")
         events = _Events(rd.logs / "orchestrator.log")

@@ -169,13 +169,19 @@ def _remove_dir(path: Path) -> bool:
     return True
 
 
-def _sha256_file(path: Path) -> tuple[int, str]:
+def _hash_file(path: Path) -> tuple[int, "hashlib._Hash"]:
+    """Size and sha256 state of a file (a state, so a resumed download can keep hashing)."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
             size += len(chunk)
+    return size, h
+
+
+def _sha256_file(path: Path) -> tuple[int, str]:
+    size, h = _hash_file(path)
     return size, h.hexdigest()
 
 
@@ -940,16 +946,6 @@ def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, 
         "configured trainer key is right")
 
 
-def _hash_part(part: Path) -> tuple[int, "hashlib._Hash"]:
-    h = hashlib.sha256()
-    size = 0
-    with open(part, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h
-
-
 def _download_shard(src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path,
                     timeout_s: float) -> int:
     """One attempt at one shard from one source, resuming `part` with a Range request.
@@ -957,7 +953,7 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
     have, h = 0, hashlib.sha256()
     if part.exists():
         try:
-            have, h = _hash_part(part)
+            have, h = _hash_file(part)
         except OSError:
             have, h = 0, hashlib.sha256()
         if have > size:

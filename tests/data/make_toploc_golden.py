@@ -11,7 +11,7 @@ from there into that folder, its C++ extensions compiled against the same torch;
 `toploc.build_proofs_bytes` and `toploc.build_proofs_base64` (both with decode_batching_size=32, topk=128,
 skip_prefill=True, on the list of rows of a [T, H] bf16 tensor) and, for the record,
 `toploc.verify_proofs_bytes` on the same tensor. tests/test_proofs.py needs neither toploc nor this
-script: it regenerates the activations from (seed, T, H) with its own copy of `make_bf16`, checks
+script: it regenerates the activations from (seed, T, H) with `make_bf16` from tests/bf16_inputs.py, checks
 them against the recorded sha256, and compares swarmrl.proofs.toploc with what is recorded here.
 
 Inputs are bf16 bit patterns from a counter-based integer hash (splitmix64 over numpy uint64),
@@ -46,39 +46,8 @@ from toploc import build_proofs_base64, build_proofs_bytes, verify_proofs_bytes
 
 CHUNK, TOPK, PRIME = 32, 128, 65497
 OUT = Path(__file__).with_name("toploc_golden.json")
-
-_M64 = (1 << 64) - 1
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def make_bf16(seed: int, T: int, H: int) -> torch.Tensor:
-    """[T, H] bf16 activations, a pure function of (seed, T, H) (copied in tests/test_proofs.py)."""
-    n = T * H
-    i = np.arange(n, dtype=np.uint64)
-    base = np.uint64((seed * 0x9E3779B97F4A7C15 + T * 0x1000193 + H) & _M64)
-    h1 = _mix(i * np.uint64(4) + base)
-    h2 = _mix(i * np.uint64(4) + base + np.uint64(1))
-    h3 = _mix(i * np.uint64(4) + base + np.uint64(2))
-    # k = leading zeros of h1 (geometric: P(k >= j) = 2**-j), capped at 30.
-    k = np.zeros(n, dtype=np.int64)
-    for bit in range(30):
-        k += (h1 >> np.uint64(63 - bit)) == 0  # true for every bit up to the first set one
-    k = np.minimum(k, 30)
-    mag = k * 1040 + (h2 % np.uint64(1040)).astype(np.int64)
-    dup = (h3 & np.uint64(15)) == 0
-    src = (np.arange(n) + 1 + ((h3 >> np.uint64(8)) % np.uint64(7)).astype(np.int64)) % n
-    mag = np.where(dup, mag[src], mag)
-    sign = (h3 >> np.uint64(63)).astype(np.int64)
-    bits = (sign << 15) | mag
-    assert int(mag.max()) < 0x7F80
-    return torch.from_numpy(bits.astype(np.uint16).view(np.int16).copy()).view(torch.bfloat16).reshape(T, H)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared input generator
+from bf16_inputs import make_bf16  # noqa: E402
 
 def top_magnitudes(x: torch.Tensor) -> list[np.ndarray]:
     """Sorted (descending) 15-bit magnitude patterns of each chunk of CHUNK rows."""
