@@ -1181,19 +1181,26 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
         for leftover in (tmp / "shards").glob("*.part"):
             leftover.unlink(missing_ok=True)
         (tmp / "manifest.json").write_bytes(_manifest_bytes(manifest))
-        try:
-            os.rename(tmp, vdir)
-        except OSError:
-            if (vdir / "manifest.json").is_file():  # another mirror finished first
+        # Other fetchers into the same root may finish first, and may remove their copy again
+        # (fetch_version deletes the shard copy once the files are rebuilt): a few rounds settle it.
+        for _ in range(5):
+            try:
+                os.rename(tmp, vdir)
+                return manifest
+            except OSError:
+                pass
+            try:
                 existing = _load_manifest_file(vdir / "manifest.json")
-                shutil.rmtree(tmp, ignore_errors=True)
-                if manifest_digest(existing) == digest:
-                    return existing
-                raise BroadcastError(f"cannot mirror {vname} into {root}: it already holds another {vname} "
-                                     f"(digest {manifest_digest(existing)[:16]}...); delete {vdir} to replace it")
-            raise BroadcastError(f"cannot mirror {vname}: {vdir} exists but is not a complete version; delete it "
-                                 "and try again") from None
-        return manifest
+            except (BroadcastError, OSError):
+                time.sleep(0.05)  # gone again, or still being moved: try the rename once more
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            if manifest_digest(existing) == digest:
+                return existing
+            raise BroadcastError(f"cannot mirror {vname} into {root}: it already holds another {vname} "
+                                 f"(digest {manifest_digest(existing)[:16]}...); delete {vdir} to replace it")
+        raise BroadcastError(f"cannot mirror {vname}: {vdir} exists but is not a complete version; delete it "
+                             "and try again")
     except OSError as e:
         raise BroadcastError(f"cannot mirror {vname} into {root}: {e}; check free space and permissions") from e
     finally:
