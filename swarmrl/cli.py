@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "rl": "Run the whole asynchronous GRPO loop on this machine (orchestrator + trainer + workers on loopback).",
     "sft": "Supervised warm start of the built-in tiny model on worked arithmetic traces.",
-    "score": "Score completions in a JSONL file (math rewards + length control).",
+    "score": "Score completions in a JSONL file (math answers, code run against tests in a sandbox; length control).",
     "tasks": "Write built-in procedural tasks as JSONL in the INTELLECT-2 RL dataset schema.",
     "orchestrator": "The orchestrator service (HTTP): leases, rollouts, rewards, batches, durable state.",
     "trainer": "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able).",
@@ -48,10 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--length-mode", default="max", choices=["exact", "max", "clip"])
     sc.add_argument("--length-coef", type=float, default=0.001)
     sc.add_argument("--workers", type=int, default=2, help="grading processes")
-    sc.add_argument("--timeout", type=float, default=5.0, help="hard per-row grading timeout in seconds")
+    sc.add_argument("--timeout", type=float, default=5.0, help="hard per-row math grading timeout in seconds")
+    sc.add_argument("--config", help="TOML config file; its [sandbox] section sets how code rows run")
+    sc.epilog = ("Code rows (task_type prime_rl_code) run in bubblewrap; set its fields as --sandbox.FIELD "
+                 "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md.")
 
     tk = sub.add_parser("tasks", help=COMMANDS["tasks"], description=COMMANDS["tasks"])
     tk.add_argument("--output", required=True)
+    tk.add_argument("--kind", default="arithmetic", choices=["arithmetic", "code"],
+                    help="arithmetic: procedural math rows; code: the built-in programming tasks (fixed set)")
+    tk.add_argument("--completions", choices=["reference", "wrong"],
+                    help="code only: add a completion to each row (its reference or a wrong program), "
+                         "ready for `swarmrl score`")
     tk.add_argument("--n", type=int, default=1000)
     tk.add_argument("--digits", type=int, default=2)
     tk.add_argument("--ops", default="+-")
@@ -149,6 +157,20 @@ def _config(args, overrides):
         _fail(str(e))
 
 
+def _peek_task_types(path: str) -> list[dict]:
+    """``{"task_type": ...}`` of each parseable line, to know whether a sandbox is needed."""
+    found = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                found.append({"task_type": row.get("task_type")})
+    return found
+
+
 def _quiet_libraries() -> None:
     import logging
 
@@ -168,8 +190,10 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("rl", "sft"):
+    if extra and args.command not in ("rl", "sft", "score"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "score" and any(a.startswith("--") and not a.startswith("--sandbox.") for a in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (score takes --sandbox.FIELD VALUE overrides only)")
     _quiet_libraries()
     # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -190,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume and not args.run_dir:
             _fail("--resume needs --run-dir: the run to continue")
         from swarmrl.rl.launcher import ChildDied, run_rl
+        from swarmrl.sandbox.runner import SandboxUnavailable
 
         # Ctrl-C must reach the launcher even when it was started from a shell that ignores
         # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
@@ -205,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(Path(args.run_dir) / "config.toml")
         try:
             summary = run_rl(cfg, resume=args.resume, prepare_only=args.prepare)
-        except (ChildDied, FileExistsError, ValueError, FileNotFoundError) as e:
+        except (ChildDied, FileExistsError, ValueError, FileNotFoundError, SandboxUnavailable) as e:
             _fail(str(e))
         print(json.dumps(summary, indent=1))
         return
@@ -222,21 +247,39 @@ def main(argv: list[str] | None = None) -> None:
             from swarmrl.model.tokenizer import build_char_tokenizer
 
             tok = build_char_tokenizer()
+        from swarmrl.rewards.code import code_grader_for
+        from swarmrl.sandbox.runner import SandboxUnavailable
+
+        cfg = _config(args, extra)
         if not os.path.exists(args.input):
             _fail(f"--input {args.input} does not exist")
-        with VerifierPool(args.workers, args.timeout) as pool:
-            counts = score_file(args.input, args.output, pool=pool,
-                                count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]),
-                                length_mode=args.length_mode, length_coef=args.length_coef)
+        try:
+            code = code_grader_for(_peek_task_types(args.input), cfg.sandbox)
+        except SandboxUnavailable as e:
+            _fail(str(e))
+        try:
+            with VerifierPool(args.workers, args.timeout) as pool:
+                counts = score_file(args.input, args.output, pool=pool,
+                                    count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]),
+                                    length_mode=args.length_mode, length_coef=args.length_coef, code=code)
+        finally:
+            if code is not None:
+                code.close()
         print(json.dumps(counts))
         return
 
     if args.command == "tasks":
         from swarmrl.data.loading import write_jsonl
         from swarmrl.tasks import arithmetic
+        from swarmrl.tasks import code as code_tasks
 
+        if args.completions and args.kind != "code":
+            _fail("--completions is for --kind code (arithmetic rows have no reference programs)")
         try:
-            rows = arithmetic.generate(args.n, digits=args.digits, ops=args.ops, split=args.split, seed=args.seed)
+            if args.kind == "code":
+                rows = code_tasks.generate(completions=args.completions)
+            else:
+                rows = arithmetic.generate(args.n, digits=args.digits, ops=args.ops, split=args.split, seed=args.seed)
         except ValueError as e:
             _fail(str(e))
         print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")

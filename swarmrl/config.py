@@ -100,6 +100,52 @@ class RewardsConfig(_Section):
     """Hard per-completion grading timeout; a completion that exceeds it scores 0."""
 
 
+class SandboxConfig(_Section):
+    """How code rewards (`prime_rl_code` rows) run untrusted programs: each test in a fresh
+    bubblewrap sandbox (see docs/sandbox.md)."""
+
+    workers: int | None = Field(None, ge=1)
+    """Sandboxes running at once (completions graded in parallel). None: one per CPU core."""
+    test_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit of one test; RLIMIT_CPU is this rounded up plus 1 s. Sandbox startup
+    (about 40 ms here) gets `startup_grace_s` on top."""
+    total_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit for all tests of one completion; tests that no longer fit fail."""
+    partial_credit: bool = False
+    """False: reward 1 only if every test passes, stopping at the first failure (the seed run).
+    True: the fraction of tests passed, running them all."""
+    memory_mb: int = Field(512, ge=32)
+    """Address-space limit (RLIMIT_AS) of each process in the sandbox; the slot's cgroup gets
+    this plus `tmp_mb` plus 64 MB for the whole sandbox."""
+    max_procs: int = Field(32, ge=1)
+    """Processes and threads a program may have (RLIMIT_NPROC, and the cgroup's pids.max)."""
+    max_output_kb: int = Field(1024, ge=1)
+    """Stdout and stderr each read up to this; a program writing more is killed and fails."""
+    max_file_mb: int = Field(16, ge=1)
+    """Largest file a program may write (RLIMIT_FSIZE)."""
+    max_open_files: int = Field(64, ge=8)
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    tmp_mb: int = Field(64, ge=1)
+    """Size of the sandbox's private /tmp (a tmpfs, the only writable place)."""
+    startup_grace_s: float = Field(1.0, ge=0)
+    """Added to each test's wall-clock limit for starting the sandbox and the interpreter."""
+    uid_base: int = Field(61000, ge=1000)
+    """Run as root, slot i's programs run as uid uid_base + i (no account needed): never root,
+    and one uid per slot so each slot's process limit is its own."""
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    """Per-slot pids+memory cgroup (v2 if delegated, else v1). "auto": use one where the
+    cgroup filesystem is writable (root), else rely on rlimits and namespaces; "required":
+    refuse to start without; "off": never."""
+    bwrap: str = "bwrap"
+    """The bubblewrap executable (Debian package `bubblewrap`)."""
+    python: str | None = None
+    """Interpreter run inside the sandbox (standard library only). None: this Python's base
+    interpreter."""
+    unsafe_no_sandbox: bool = False
+    """DANGEROUS: run programs with no sandbox (as this user, with network and files), for code
+    you trust on machines where bubblewrap cannot run. Prints a warning at every start."""
+
+
 class AlgorithmConfig(_Section):
     delta: float = Field(4.0, gt=1.0)
     """Upper bound on the ratio for negative advantages (two-sided clipping). Seed run: 4."""
@@ -324,6 +370,7 @@ class Config(_Section):
     sampling: SamplingConfig = SamplingConfig()
     length: LengthConfig = LengthConfig()
     rewards: RewardsConfig = RewardsConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")

@@ -16,7 +16,7 @@ import pytest
 from swarmrl.rewards.length import LENGTH_SUFFIX, length_reward, with_length_target
 from swarmrl.rewards.math import extract_answer, math_task_reward, verify_math
 from swarmrl.rewards.pool import Outcome, VerifierPool
-from swarmrl.rewards.scoring import CODE_VERIFIER_MISSING, Score, score_file, score_rows
+from swarmrl.rewards.scoring import CODE_NEEDS_SANDBOX, Score, score_file, score_rows
 
 # -- extract_answer ------------------------------------------------------------
 
@@ -201,7 +201,9 @@ def test_score_rows_mixes_good_and_malformed_rows(pool):
         {**_math_row("bad-json", "\\boxed{92}"), "verification_info": "{not json"},
         {k: v for k, v in _math_row("no-completion", "").items() if k != "completion"},
         {**_math_row("unknown-task", "\\boxed{92}"), "task_type": "poetry"},
-        {**_math_row("code", "print(1)"), "task_type": "prime_rl_code"},
+        {**_math_row("code-no-tests", "print(1)"), "task_type": "prime_rl_code"},
+        {**_math_row("code", "```python\nprint(1)\n```"), "task_type": "prime_rl_code",
+         "verification_info": json.dumps({"test_cases": json.dumps({"inputs": [""], "outputs": ["1"]})})},
         _math_row("no-ground-truth", "\\boxed{92}", ground_truth=None),
         _math_row("bad-target", "\\boxed{92}", target_length="many"),
         # 0.001 * (1000 - 800) + 0.5 = 0.7 of the reward kept.
@@ -218,7 +220,8 @@ def test_score_rows_mixes_good_and_malformed_rows(pool):
     assert "'verification_info' is not valid JSON" in by_id["bad-json"].error
     assert by_id["no-completion"].error == "missing field 'completion'"
     assert "'task_type' has unknown value 'poetry'" in by_id["unknown-task"].error
-    assert by_id["code"].error == CODE_VERIFIER_MISSING
+    assert "has no 'test_cases'" in by_id["code-no-tests"].error
+    assert by_id["code"].error == CODE_NEEDS_SANDBOX  # no sandbox was given to score_rows
     assert "ground_truth" in by_id["no-ground-truth"].error
     assert "'target_length' must be a positive integer" in by_id["bad-target"].error
     assert by_id["budget"].reward == pytest.approx(0.7)

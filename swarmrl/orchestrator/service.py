@@ -36,6 +36,7 @@ from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
 from swarmrl.orchestrator.store import Store
 from swarmrl.proofs.toploc import check_format
+from swarmrl.rewards.code import code_grader_for
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rl.rollouts import Group, Sample
 from swarmrl.rl.scoring import score_groups
@@ -147,6 +148,8 @@ class Orchestrator:
         self.log = log
         self.store = Store(self.rd / "orchestrator.sqlite")
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
+        # Code tasks need the sandbox: refuse to start (with the fix) rather than score them 0.
+        self.code = code_grader_for(self.rows, cfg.sandbox, log=log)
         self.pool = pool or VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
         self.score_lock = threading.Lock()  # the verifier pool serves one caller at a time
         o = cfg.orchestrator
@@ -158,6 +161,8 @@ class Orchestrator:
 
     def close(self) -> None:
         self.pool.close()
+        if self.code is not None:
+            self.code.close()
         self.store.close()
 
     def _count(self, name: str, by: float = 1.0) -> None:
@@ -422,7 +427,7 @@ class Orchestrator:
         try:
             if good:
                 with self.score_lock:
-                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg)
+                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg, code=self.code)
         except BaseException:
             with self.store.tx() as db:  # give the slots back: the worker may retry
                 for c in checks:

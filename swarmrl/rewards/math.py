@@ -16,8 +16,7 @@ from decimal import Decimal
 
 from math_verify import parse, verify
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+from swarmrl.rewards.answer import THINK_CLOSE, answer_region
 
 # ``\boxed`` optionally followed by whitespace, then the opening brace.
 _BOXED_START = re.compile(r"\\boxed\s*\{")
@@ -85,22 +84,6 @@ def _last_boxed(text: str) -> str | None:
     return found
 
 
-def _answer_region(completion: str) -> str | None:
-    """The part of the completion that may hold the final answer.
-
-    Text after the last ``</think>``; the whole text when there is no think
-    block; None when ``<think>`` was opened and never closed (the INTELLECT-2
-    seed run scores such completions 0 rather than trust an answer written
-    mid-thought).
-    """
-    close_index = completion.rfind(THINK_CLOSE)
-    if close_index >= 0:
-        return completion[close_index + len(THINK_CLOSE) :]
-    if THINK_OPEN in completion:
-        return None
-    return completion
-
-
 def extract_answer(completion: str) -> str | None:
     """The final answer: the content of the last ``\\boxed{...}`` after ``</think>``.
 
@@ -108,7 +91,7 @@ def extract_answer(completion: str) -> str | None:
     balanced ``\\boxed{}``, or an empty one. The content is returned without
     surrounding whitespace, nested braces intact (``\\frac{1}{2}``).
     """
-    region = _answer_region(completion)
+    region = answer_region(completion)
     if region is None:
         return None
     boxed = _last_boxed(region)
@@ -201,7 +184,7 @@ def math_task_reward(verification_info: dict, completion: str) -> tuple[float, s
     wrong answer.
     """
     ground_truth = ground_truth_text(verification_info)
-    if _answer_region(completion) is None:
+    if answer_region(completion) is None:
         return 0.0, "completion opens <think> but never closes it"
     answer = extract_answer(completion)
     if answer is None:

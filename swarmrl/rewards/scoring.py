@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from swarmrl.rewards.code import CodeGrader, parse_test_cases
 from swarmrl.rewards.length import LENGTH_MODES, length_reward
 from swarmrl.rewards.math import ground_truth_text, math_task_reward
 from swarmrl.rewards.pool import VerifierPool
 
-CODE_VERIFIER_MISSING = "code tasks need the sandboxed code verifier, which is not built yet"
+CODE_NEEDS_SANDBOX = ("code rows are graded in the bubblewrap sandbox, and this scorer was started "
+                      "without one; pass a CodeGrader (swarmrl.rewards.code.open_code_grader)")
 
 # Fields every row must have, with the types they may take.
 _REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
@@ -68,7 +70,8 @@ class TaskGrader(NamedTuple):
     ``check`` runs in this process on the decoded verification_info and
     returns an error for rows that cannot be graded, before any pool work.
     ``grade(verification_info, completion) -> (reward, reason)`` runs in a
-    pool worker, so it must be a module-level function.
+    pool worker, so it must be a module-level function. ``grade=None`` means
+    the rows run in the sandbox through a :class:`CodeGrader` instead.
     """
 
     check: Callable[[dict], str | None]
@@ -84,7 +87,11 @@ def _check_math(verification_info: dict) -> str | None:
 
 
 def _check_code(verification_info: dict) -> str | None:
-    return CODE_VERIFIER_MISSING
+    try:
+        parse_test_cases(verification_info)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 # The one place that maps a task_type to its verifier.
@@ -170,12 +177,14 @@ def score_rows(
     count_tokens: Callable[[str], int],
     length_mode: str = "max",
     length_coef: float = 0.001,
+    code: CodeGrader | None = None,
 ) -> list[Score]:
     """Score each row; one Score per row, in order.
 
     Rows that cannot be scored get reward 0 and an ``error`` naming the field
     and the problem; the others are still scored. Grading runs in ``pool``,
-    grouped by task type. When a row has ``target_length`` the task reward is
+    grouped by task type; code rows run in ``code``'s sandbox (without one
+    they get an error). When a row has ``target_length`` the task reward is
     shaped by :func:`~swarmrl.rewards.length.length_reward`; the length is the
     row's ``completion_length`` if given, else ``count_tokens(completion)``
     (which is only called for rows with a target).
@@ -193,12 +202,18 @@ def score_rows(
         indices = [index for index, job in jobs.items() if job.task_type == task_type]
         if not indices:
             continue
-        outcomes = pool.map(grader.grade, [(jobs[i].verification_info, jobs[i].completion) for i in indices])
-        for index, outcome in zip(indices, outcomes):
-            if outcome.error is not None:
-                scores[index] = _failed(outcome.error)
+        calls = [(jobs[i].verification_info, jobs[i].completion) for i in indices]
+        if grader.grade is not None:
+            outcomes = [(o.value, o.error) for o in pool.map(grader.grade, calls)]
+        elif code is None:
+            outcomes = [(None, CODE_NEEDS_SANDBOX)] * len(calls)
+        else:
+            outcomes = [(None, str(r)) if isinstance(r, ValueError) else (r, None) for r in code.grade_many(calls)]
+        for index, (value, error) in zip(indices, outcomes):
+            if error is not None:
+                scores[index] = _failed(error)
                 continue
-            task_reward, reason = outcome.value
+            task_reward, reason = value
             scores[index] = _shape(
                 float(task_reward), reason, jobs[index], count_tokens, length_mode, length_coef
             )
@@ -251,6 +266,7 @@ def score_file(
     count_tokens: Callable[[str], int],
     length_mode: str = "max",
     length_coef: float = 0.001,
+    code: CodeGrader | None = None,
 ) -> dict:
     """Score a JSONL file of rows into another JSONL file; return summary counts.
 
@@ -265,7 +281,8 @@ def score_file(
     entries = _read_jsonl(input_path)
     good = [row for _, row, _ in entries if row is not None]
     scores = score_rows(
-        good, pool=pool, count_tokens=count_tokens, length_mode=length_mode, length_coef=length_coef
+        good, pool=pool, count_tokens=count_tokens, length_mode=length_mode, length_coef=length_coef,
+        code=code,
     )
     good_scores = iter(scores)
     output_rows = []

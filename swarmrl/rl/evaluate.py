@@ -7,6 +7,7 @@ import statistics
 
 from swarmrl.config import Config
 from swarmrl.inference.sampler import Sampler
+from swarmrl.rewards.code import CodeGrader
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rl.rollouts import Group, Sample
 from swarmrl.rl.scoring import score_groups
@@ -14,7 +15,7 @@ from swarmrl.rl.tasks import model_input
 
 
 def evaluate(model, tokenizer, rows: list[dict], cfg: Config, pool: VerifierPool, *,
-             batch_prompts: int = 64) -> dict[str, float]:
+             batch_prompts: int = 64, code: CodeGrader | None = None) -> dict[str, float]:
     """`eval/accuracy`: mean task reward over `eval.samples` samples per held-out problem
     (avg@k) at `eval.temperature`; with length control on, prompts carry the middle target."""
     model.eval()
@@ -34,7 +35,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, pool: VerifierPool
                        for j, o in enumerate(outs[i * k : (i + 1) * k])]
             groups.append(Group(r["problem_id"], r["task_type"], inputs[i][0], r["verification_info"],
                                 inputs[i][1], samples, -1, "eval", cfg.eval.temperature, target))
-    score_groups(groups, tokenizer=tokenizer, pool=pool, cfg=cfg)
+    score_groups(groups, tokenizer=tokenizer, pool=pool, cfg=cfg, code=code)
     task = [x for g in groups for x in g.task_rewards]
     lengths = [len(s.token_ids) for g in groups for s in g.samples]
     metrics = {

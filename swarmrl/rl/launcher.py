@@ -22,6 +22,7 @@ from pathlib import Path
 
 from swarmrl.config import Config
 from swarmrl.rl.progress import Progress
+from swarmrl.rewards.code import code_grader_for
 from swarmrl.rl.tasks import task_rows
 from swarmrl.sft.warmstart import ensure_base_model
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
@@ -175,7 +176,11 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
         # Fail here, with the config's own words, rather than in a child process later.
-        task_rows(cfg, log=log)
+        train, held_out = task_rows(cfg, log=log)
+        code = code_grader_for(train + held_out, cfg.sandbox, log=log)  # SandboxUnavailable: the fix
+        if code is not None:
+            log(f"code tasks run in {code.sandbox.describe()}")
+            code.close()
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         _install_base(rd, ensure_base_model(cfg, log=log))
     if prepare_only:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from swarmrl.config import load_config
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.orchestrator.client import Refused, TrainerClient, retrying
+from swarmrl.rewards.code import code_grader_for
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rl.evaluate import evaluate
 from swarmrl.rl.rollouts import Group
@@ -135,6 +136,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             print(f"resumed from checkpoint at step {start}", flush=True)
     pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s) if main else None
     _, held_out = task_rows(cfg, log=lambda *_: None)
+    code = code_grader_for(held_out, cfg.sandbox) if main else None
     server = link = None
     t_run = time.monotonic()
     try:
@@ -154,7 +156,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 save_policy(model, tokenizer, rd.version_path(start), state_dict=sd)
             link.publish(start)
         if start == 0 and main:
-            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
+            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code)
             extra["accuracy_before"] = before["eval/accuracy"]
             _log_metrics(rd, {"step": 0, **before})
             print(f"held-out accuracy before: {before['eval/accuracy']:.3f}", flush=True)
@@ -183,7 +185,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(t3 - t0, 1e-9)
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.trainer.steps and main:
-                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool))
+                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code))
             if done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps:
                 save_checkpoint(trainer, rd.root / "checkpoints", done, extra)
             if main:
@@ -194,7 +196,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
         if main:
             rd.request_stop()  # first: the launcher must know workers leaving now are done, not dead
             link._call(link.client.finish, "finish")
-            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool)
+            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
             summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
                        "steps": cfg.trainer.steps, "trainer_seconds": time.monotonic() - t_run}
@@ -206,5 +208,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             server.close()
         if pool is not None:
             pool.close()
+        if code is not None:
+            code.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,312 @@
+"""Code rewards (``task_type = "prime_rl_code"``): run the completion's program against tests.
+
+The program is the last fenced ```` ```python ```` block (also ```` ```py ```` and
+```` ```python3 ````) after the final ``</think>``; a completion that opens ``<think>`` and never
+closes it has no program. ``verification_info["test_cases"]`` is a JSON string (or object)
+``{"inputs": [...], "outputs": [...], "fn_name": optional}``:
+
+- without ``fn_name`` each input is the program's whole stdin (a list of lines is joined with
+  newlines) and the output its expected stdout;
+- with ``fn_name`` each input is the list of positional arguments of the function (or of the
+  method of that name on ``Solution()``), and the output its expected return value.
+
+How outputs are compared (``stdout_matches``, ``value_matches``):
+
+- stdout: line endings are normalised, trailing whitespace on each line and trailing blank
+  lines are ignored. Otherwise the whitespace-separated tokens must be equal, except that
+  where the expected token is a float (has a ``.`` or an exponent) the printed number may
+  differ by 1e-6 absolute or relative ("0.5" matches "0.50000001" and ".5", not "0.51");
+- return values: compared as JSON values. Numbers are equal within 1e-6 absolute or relative
+  when either is a float; a bool never equals a number; tuples are lists. As in the APPS-style
+  data that the public dataset draws on, an expected value written as a one-element list
+  ``[x]`` also accepts ``x``.
+
+Reward 1.0 when every test passes (``partial_credit``: the fraction passed); tests run in
+order and stop at the first failure unless partial credit is on. Every test has a time limit,
+and the completion as a whole has one (tests that no longer fit fail as timed out).
+
+Each test is its own sandboxed process that sees only its own input, never an expected
+output, and the comparison runs here on the host: a program cannot fake success by patching
+the comparison or builtins, by exiting early, or by printing another test's answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from swarmrl.config import SandboxConfig
+from swarmrl.data.schema import CODE
+from swarmrl.rewards.answer import THINK_CLOSE, answer_region
+from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxSettings
+
+# ```python / ```py / ```python3 (any case) up to the closing fence.
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FLOAT_TOKEN = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)$")
+FLOAT_TOLERANCE = 1e-6
+_MAX_QUOTED = 60
+
+
+@dataclass(frozen=True)
+class CodeLimits:
+    """Per-completion grading settings (see ``SandboxConfig``)."""
+
+    test_timeout_s: float = 5.0
+    total_timeout_s: float = 30.0
+    partial_credit: bool = False
+
+
+@dataclass(frozen=True)
+class TestCases:
+    inputs: list
+    outputs: list
+    fn_name: str | None
+
+
+def parse_test_cases(verification_info: dict) -> TestCases:
+    """The tests of a code row; ValueError naming the problem for a malformed row."""
+    if "test_cases" not in verification_info:
+        raise ValueError("verification_info has no 'test_cases'; code rows need "
+                         "{\"test_cases\": \"{\\\"inputs\\\": [...], \\\"outputs\\\": [...]}\"}")
+    raw = verification_info["test_cases"]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"test_cases is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"test_cases must hold a JSON object, got {type(raw).__name__}")
+    inputs, outputs, fn_name = raw.get("inputs"), raw.get("outputs"), raw.get("fn_name")
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        raise ValueError("test_cases needs 'inputs' and 'outputs' lists")
+    if len(inputs) != len(outputs):
+        raise ValueError(f"test_cases has {len(inputs)} inputs but {len(outputs)} outputs")
+    if not inputs:
+        raise ValueError("test_cases has no tests")
+    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name.isidentifier()):
+        raise ValueError(f"test_cases fn_name must be a Python identifier, got {fn_name!r}")
+    if fn_name is None:
+        for index, (given, wanted) in enumerate(zip(inputs, outputs)):
+            for what, value in (("input", given), ("output", wanted)):
+                if not isinstance(value, str) and not (
+                    isinstance(value, list) and all(isinstance(v, str) for v in value)
+                ):
+                    raise ValueError(f"test {index + 1}'s {what} must be a string or a list of lines "
+                                     f"for a stdin/stdout test, got {type(value).__name__}")
+    return TestCases(inputs, outputs, fn_name or None)
+
+
+def extract_program(completion: str) -> str | None:
+    """The last fenced python block after the final ``</think>``, or None."""
+    region = answer_region(completion)
+    if region is None:
+        return None
+    blocks = _FENCE.findall(region)
+    if not blocks or not blocks[-1].strip():
+        return None
+    return blocks[-1]
+
+
+def _as_text(value: str | list[str]) -> str:
+    return value if isinstance(value, str) else "\n".join(value) + "\n"
+
+
+def _normalise_lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _close(got: float, wanted: float) -> bool:
+    return math.isclose(got, wanted, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+
+
+def stdout_matches(got: str, expected: str) -> bool:
+    """Whether a program's stdout matches the expected output (see the module docstring)."""
+    if _normalise_lines(got) == _normalise_lines(expected):
+        return True
+    got_tokens, wanted_tokens = got.split(), expected.split()
+    if len(got_tokens) != len(wanted_tokens):
+        return False
+    for g, w in zip(got_tokens, wanted_tokens):
+        if g == w:
+            continue
+        if not _FLOAT_TOKEN.match(w):
+            return False
+        try:
+            if not _close(float(g), float(w)):
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _values_equal(got: Any, wanted: Any) -> bool:
+    if _is_number(got) and _is_number(wanted):
+        if isinstance(got, float) or isinstance(wanted, float):
+            return math.isfinite(got) and math.isfinite(wanted) and _close(float(got), float(wanted))
+        return got == wanted
+    if isinstance(got, list) and isinstance(wanted, list):
+        return len(got) == len(wanted) and all(_values_equal(g, w) for g, w in zip(got, wanted))
+    if isinstance(got, dict) and isinstance(wanted, dict):
+        return got.keys() == wanted.keys() and all(_values_equal(got[k], wanted[k]) for k in got)
+    return type(got) is type(wanted) and got == wanted
+
+
+def value_matches(got: Any, expected: Any) -> bool:
+    """Whether a returned JSON value matches the expected one (see the module docstring)."""
+    if _values_equal(got, expected):
+        return True
+    return isinstance(expected, list) and len(expected) == 1 and _values_equal(got, expected[0])
+
+
+def _quote(data: bytes | str) -> str:
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    text = text.strip()
+    return repr(text if len(text) <= _MAX_QUOTED else text[:_MAX_QUOTED] + "...")
+
+
+def _failure(result: ExecResult, timeout_s: float) -> str | None:
+    """Why an execution failed before its output could be compared; None if it ran to the end."""
+    if result.status == "timeout":
+        return f"time limit exceeded ({timeout_s:g} s)"
+    if result.status == "output_limit":
+        return "output limit exceeded"
+    if result.status == "sandbox_error":
+        return f"the sandbox failed to start: {result.last_error_line()}"
+    if result.status == "signal":
+        return f"killed by signal {-result.exit_code} (a resource limit)"
+    if result.status == "exit":
+        detail = result.last_error_line()
+        return f"runtime error (exit code {result.exit_code})" + (f": {detail}" if detail else "")
+    return None
+
+
+def run_test(sandbox: Sandbox, program: str, tests: TestCases, index: int, timeout_s: float) -> str | None:
+    """Run test ``index``; None if it passed, else the reason it failed."""
+    given, wanted = tests.inputs[index], tests.outputs[index]
+    if tests.fn_name is None:
+        result = sandbox.run(program, mode="stdio", stdin=_as_text(given).encode("utf-8"), timeout_s=timeout_s)
+    else:
+        args = given if isinstance(given, list) else [given]
+        request = json.dumps({"fn_name": tests.fn_name, "args": args}).encode("utf-8")
+        result = sandbox.run(program, mode="call", stdin=request, timeout_s=timeout_s)
+    failure = _failure(result, timeout_s)
+    if failure is not None:
+        return failure
+    if tests.fn_name is None:
+        got = result.stdout.decode("utf-8", "replace")
+        if stdout_matches(got, _as_text(wanted)):
+            return None
+        return f"wrong answer: expected {_quote(_as_text(wanted))}, got {_quote(got)}"
+    try:
+        value = json.loads(result.stdout)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"no return value came back (stdout {_quote(result.stdout)})"
+    if value_matches(value, wanted):
+        return None
+    return f"wrong answer: expected {_quote(json.dumps(wanted))}, got {_quote(json.dumps(value))}"
+
+
+def grade_code(sandbox: Sandbox, verification_info: dict, completion: str,
+               limits: CodeLimits = CodeLimits()) -> tuple[float, str | None]:
+    """Reward for a ``prime_rl_code`` row and, below 1, the reason.
+
+    Malformed test cases raise ValueError (a data bug, not a wrong answer).
+    """
+    tests = parse_test_cases(verification_info)
+    if answer_region(completion) is None:
+        return 0.0, "completion opens <think> but never closes it"
+    program = extract_program(completion)
+    if program is None:
+        where = " after </think>" if THINK_CLOSE in completion else ""
+        return 0.0, f"no ```python code block{where}"
+    deadline = time.monotonic() + limits.total_timeout_s
+    passed, first_failure = 0, None
+    for index in range(len(tests.inputs)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            failure = f"total time limit exceeded ({limits.total_timeout_s:g} s)"
+        else:
+            failure = run_test(sandbox, program, tests, index, min(limits.test_timeout_s, left))
+        if failure is None:
+            passed += 1
+            continue
+        first_failure = first_failure or f"test {index + 1} of {len(tests.inputs)}: {failure}"
+        if not limits.partial_credit:
+            return 0.0, first_failure
+    if limits.partial_credit:
+        return passed / len(tests.inputs), first_failure
+    return 1.0, None
+
+
+class CodeGrader:
+    """Grades code rows on a :class:`Sandbox`, one completion per slot at a time.
+
+    ``grade_many`` runs up to ``sandbox.settings.workers`` completions at once (each one's
+    tests in order), which is also the number of sandboxes alive at any moment.
+    """
+
+    def __init__(self, sandbox: Sandbox, limits: CodeLimits = CodeLimits()):
+        self.sandbox = sandbox
+        self.limits = limits
+        self._executor = ThreadPoolExecutor(max_workers=sandbox.settings.workers,
+                                            thread_name_prefix="swarmrl-code")
+
+    def grade_many(self, jobs: list[tuple[dict, str]]) -> list[tuple[float, str | None] | ValueError]:
+        """``(verification_info, completion)`` -> ``(reward, reason)``, or the ValueError of a
+        malformed row, in order."""
+        def one(job):
+            try:
+                return grade_code(self.sandbox, job[0], job[1], self.limits)
+            except ValueError as exc:
+                return exc
+        return list(self._executor.map(one, jobs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.sandbox.close()
+
+
+def sandbox_settings(cfg: SandboxConfig) -> SandboxSettings:
+    """The sandbox's settings from the `[sandbox]` config section."""
+    return SandboxSettings(
+        workers=cfg.workers or os.cpu_count() or 1,
+        memory_bytes=cfg.memory_mb << 20,
+        max_procs=cfg.max_procs,
+        max_file_bytes=cfg.max_file_mb << 20,
+        max_open_files=cfg.max_open_files,
+        max_output_bytes=cfg.max_output_kb << 10,
+        tmp_bytes=cfg.tmp_mb << 20,
+        startup_grace_s=cfg.startup_grace_s,
+        uid_base=cfg.uid_base,
+        cgroups=cfg.cgroups,
+        bwrap=cfg.bwrap,
+        python=cfg.python,
+        unsafe_no_sandbox=cfg.unsafe_no_sandbox,
+    )
+
+
+def open_code_grader(cfg: SandboxConfig, log=None) -> CodeGrader:
+    """Start the sandbox pool for code rows; raises SandboxUnavailable with the fix."""
+    sandbox = Sandbox(sandbox_settings(cfg), log=log)
+    limits = CodeLimits(cfg.test_timeout_s, cfg.total_timeout_s, cfg.partial_credit)
+    return CodeGrader(sandbox, limits)
+
+
+def code_grader_for(rows: list[dict], cfg: SandboxConfig, log=None) -> CodeGrader | None:
+    """A CodeGrader when ``rows`` hold code tasks, else None (no sandbox is started)."""
+    if not any(row.get("task_type") == CODE for row in rows):
+        return None
+    return open_code_grader(cfg, log=log)
