@@ -287,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.command == "orchestrator":
         from swarmrl.orchestrator.server import serve
+        from swarmrl.sandbox.runner import SandboxUnavailable
 
         try:
             serve(args.run_dir, host=args.host, port=args.port, resume=args.resume)
-        except (FileNotFoundError, OSError) as e:
+        except (FileNotFoundError, OSError, SandboxUnavailable) as e:
             _fail(str(e))
         return
 

@@ -185,6 +185,8 @@ def _failure(result: ExecResult, timeout_s: float) -> str | None:
         return "output limit exceeded"
     if result.status == "sandbox_error":
         return f"the sandbox failed to start: {result.last_error_line()}"
+    if result.status == "memory_limit":
+        return "memory limit exceeded (a process was killed by the sandbox's cgroup)"
     if result.status == "signal":
         return f"killed by signal {-result.exit_code} (a resource limit)"
     if result.status == "exit":

@@ -91,6 +91,19 @@ class SlotCgroup:
                 pass
         return found
 
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed here for going over the memory limit."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):  # v2, v1
+                try:
+                    for line in (d / name).read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value)
+                except (OSError, ValueError):
+                    continue
+        return 0
+
     def kill_all(self, rounds: int = 50) -> bool:
         """SIGKILL everything in the slot; True once it is empty.
 

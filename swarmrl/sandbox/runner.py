@@ -84,7 +84,8 @@ class SandboxSettings:
 @dataclass(frozen=True)
 class ExecResult:
     """What one execution did. ``status``: "ok" (exit 0), "exit" (non-zero exit code),
-    "signal" (killed by a signal it got inside, e.g. SIGXCPU/SIGKILL at a limit), "timeout"
+    "signal" (killed by a signal, e.g. SIGXCPU at the CPU limit; ``exit_code`` is minus the
+    signal), "memory_limit" (the kernel killed a process over the cgroup's memory), "timeout"
     (the host killed it at the wall-clock limit), "output_limit" (the host killed it for
     writing more than the cap), "sandbox_error" (the sandbox itself failed to start)."""
 
@@ -327,17 +328,23 @@ class Sandbox:
             if cgroup is not None:
                 cgroup.remove()
             return ExecResult("sandbox_error", None, b"", str(exc).encode(), 0.0)
+        oom_kills = 0
         try:
             status, stdout, stderr = self._pump(process, stdin, started + timeout_s + settings.startup_grace_s)
         finally:
             self._kill(process)
             if cgroup is not None:
+                oom_kills = cgroup.oom_kills()
                 self._release(cgroup)
         seconds = time.monotonic() - started
         code = process.returncode
+        if code is not None and code > 128 and not settings.unsafe_no_sandbox:
+            code = -(code - 128)  # bwrap exits with 128 + N when the program died of signal N
         if status is None:
             if code == 0:
                 status = "ok"
+            elif oom_kills:
+                status = "memory_limit"
             elif code == _EXIT_NO_CGROUP and not stdout:
                 status = "sandbox_error"
             elif code is not None and code < 0:

@@ -1,0 +1,172 @@
+"""The pure parts of code rewards, checked by hand: finding the program, reading the tests,
+comparing outputs; and the cgroup discovery on v1 and (a fake) v2 tree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swarmrl.rewards.code import extract_program, parse_test_cases, stdout_matches, value_matches
+from swarmrl.sandbox.cgroups import open_slot_cgroup, read_mounts, read_own_cgroups
+
+# -- finding the program -------------------------------------------------------------------
+
+
+def test_the_program_is_the_last_python_block_after_the_final_think():
+    text = ("<think>```python\nprint('draft')\n```</think>\n"
+            "```python\nprint(1)\n```\nbetter:\n```py\nprint(2)\n```\nand\n```\nnot python\n```\n")
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("```Python3\nx = 1\n```") == "x = 1\n"  # no think block at all
+
+
+@pytest.mark.parametrize("text", [
+    "<think>```python\nprint(1)\n```",  # opened, never closed
+    "<think>```python\nprint(1)\n```</think> so the answer is above",  # only inside the thought
+    "</think>```python\n   \n```",  # empty block
+    "</think>```javascript\nconsole.log(1)\n```",
+    "</think>```python\nprint(1)\n",  # unclosed fence
+])
+def test_no_program(text):
+    assert extract_program(text) is None
+
+
+# -- reading the tests ---------------------------------------------------------------------
+
+
+def test_test_cases_as_string_or_object_with_and_without_fn_name():
+    tests = parse_test_cases({"test_cases": json.dumps({"inputs": ["1\n"], "outputs": ["2\n"]})})
+    assert (tests.inputs, tests.outputs, tests.fn_name) == (["1\n"], ["2\n"], None)
+    tests = parse_test_cases({"test_cases": {"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}})
+    assert tests.fn_name == "f" and tests.inputs == [[1, 2]]
+    lines = parse_test_cases({"test_cases": {"inputs": [["1", "2"]], "outputs": [["3"]]}})
+    assert lines.inputs == [["1", "2"]]
+
+
+@pytest.mark.parametrize("info, says", [
+    ({}, "has no 'test_cases'"),
+    ({"test_cases": "{nope"}, "not valid JSON"),
+    ({"test_cases": "[1]"}, "must hold a JSON object"),
+    ({"test_cases": {"inputs": ["1"]}}, "needs 'inputs' and 'outputs' lists"),
+    ({"test_cases": {"inputs": ["1"], "outputs": []}}, "1 inputs but 0 outputs"),
+    ({"test_cases": {"inputs": [], "outputs": []}}, "no tests"),
+    ({"test_cases": {"fn_name": "no such", "inputs": [[1]], "outputs": [1]}}, "identifier"),
+    ({"test_cases": {"inputs": [5], "outputs": ["5"]}}, "test 1's input must be a string"),
+])
+def test_malformed_test_cases_name_the_problem(info, says):
+    with pytest.raises(ValueError, match=says):
+        parse_test_cases(info)
+
+
+# -- comparing stdout ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("got, expected", [
+    ("3\n", "3\n"),
+    ("3", "3\n"),  # missing final newline
+    ("1 2  \r\n3\r\n\r\n", "1 2\n3\n"),  # CRLF, trailing spaces, trailing blank lines
+    ("0.5\n", "0.50\n"),  # the expected token is a float: compared as numbers
+    ("0.3333333\n", "0.333333333\n"),  # within 1e-6
+    ("1e3\n", "1000.0\n"),
+    ("1 2\n3\n", "1 2 3\n"),  # same tokens, other line breaks
+])
+def test_stdout_matches(got, expected):
+    assert stdout_matches(got, expected)
+
+
+@pytest.mark.parametrize("got, expected", [
+    ("4\n", "3\n"),
+    ("3.0\n", "3\n"),  # the expected token is an integer: no float tolerance
+    ("0.51\n", "0.50\n"),
+    ("0.333\n", "0.333333333\n"),  # off by 3.3e-4
+    ("", "3\n"),
+    ("3 3\n", "3\n"),
+    ("nan\n", "0.5\n"),
+    ("YES\n", "yes\n"),
+])
+def test_stdout_does_not_match(got, expected):
+    assert not stdout_matches(got, expected)
+
+
+# -- comparing return values ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("got, expected", [
+    (3, 3),
+    (0.1 + 0.2, 0.3),
+    (2, 2.0),
+    ([1, [2, "a"]], [1, [2, "a"]]),
+    ({"k": 1.0000001}, {"k": 1}),
+    (5, [5]),  # APPS-style data wraps a return value in a one-element list
+    ([5], [5]),
+    (None, None),
+])
+def test_value_matches(got, expected):
+    assert value_matches(got, expected)
+
+
+@pytest.mark.parametrize("got, expected", [
+    (True, 1),  # a bool is not a number
+    (1, True),
+    ("3", 3),
+    ([1, 2], [2, 1]),
+    ([1, 2], [[1, 2, 3]]),
+    ({"a": 1}, {"a": 1, "b": 2}),
+    (0.31, 0.3),
+    (None, [None, None]),
+])
+def test_value_does_not_match(got, expected):
+    assert not value_matches(got, expected)
+
+
+# -- cgroups: discovery ----------------------------------------------------------------------
+
+MOUNTS_V1 = """\
+tmpfs /sys/fs/cgroup tmpfs rw,relatime,mode=755 0 0
+cgroup /sys/fs/cgroup/pids cgroup rw,relatime,pids 0 0
+cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
+cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
+"""
+CGROUP_V1 = "8:pids:/\n4:memory:/process_api/abc\n0::/\n"
+
+
+def test_reading_mounts_and_own_cgroups():
+    mounts = read_mounts(MOUNTS_V1)
+    assert [(str(m.path), m.kind) for m in mounts] == [
+        ("/sys/fs/cgroup/pids", "cgroup"), ("/sys/fs/cgroup/memory", "cgroup"), ("/sys/fs/cgroup/unified", "cgroup2")]
+    assert "pids" in mounts[0].controllers and "memory" in mounts[1].controllers
+    assert read_own_cgroups(CGROUP_V1) == {"pids": "/", "memory": "/process_api/abc", "": "/"}
+
+
+def _fake_v2(root: Path, own: str, controllers: str, enabled: str) -> Path:
+    parent = root / own.lstrip("/")
+    parent.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text(controllers)
+    (parent / "cgroup.controllers").write_text(controllers)
+    (parent / "cgroup.subtree_control").write_text(enabled)
+    return parent
+
+
+def test_v2_slot_in_a_delegated_cgroup(tmp_path):
+    parent = _fake_v2(tmp_path, "/user.slice/me", "cpu memory pids", "")
+    slot, why = open_slot_cgroup("run1", max_procs=10, memory_bytes=1 << 20,
+                                 mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n",
+                                 cgroup_text="0::/user.slice/me\n")
+    assert why == "" and slot.version == 2 and slot.dirs == [parent / "run1"]
+    assert (parent / "cgroup.subtree_control").read_text() == "+pids +memory"
+    assert (parent / "run1" / "pids.max").read_text() == "14"  # 10 + bwrap's own processes
+    assert (parent / "run1" / "memory.max").read_text() == str((1 << 20) + (64 << 20))
+
+
+def test_v2_without_delegated_controllers_says_why(tmp_path):
+    _fake_v2(tmp_path, "/me", "cpu memory pids", "")
+    (tmp_path / "me" / "cgroup.controllers").write_text("cpu")
+    slot, why = open_slot_cgroup("run1", max_procs=10, memory_bytes=1,
+                                 mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n", cgroup_text="0::/me\n")
+    assert slot is None and "not delegated" in why and "memory" in why
+
+
+def test_no_cgroup_filesystem():
+    slot, why = open_slot_cgroup("x", max_procs=1, memory_bytes=1, mounts_text="", cgroup_text="")
+    assert slot is None and "no cgroup filesystem" in why
