@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install sandbox demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,19 +20,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Code rewards run untrusted programs in bubblewrap (Debian package `bubblewrap`); the tests
+# need it. Installed with apt-get when run as root, otherwise it says what to run.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
+	  else echo "code tasks and their tests need bubblewrap: run 'sudo apt-get install bubblewrap'"; exit 1; fi; }
+
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
-test: $(STAMP)
+test: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sampler.py
 	$(BIN)/python benchmarks/bench_async.py
 	$(BIN)/python benchmarks/bench_orchestrator.py
+	$(BIN)/python benchmarks/bench_sandbox.py
 
 clean:
 	rm -rf $(VENV) .cache runs

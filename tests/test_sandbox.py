@@ -216,16 +216,10 @@ def test_gigabytes_of_output(grader, intact):
 
 def test_writing_outside_the_sandbox(grader, intact, tmp_path):
     target = tmp_path / "pwned"
-    program = (
-        "import os\n"
-        f"for path in [{str(target)!r}, '/usr/pwned', '/box/prog.py', '/pwned', '/proc/sys/kernel/hostname']:\n"
-        "    with open(path, 'w') as f:\n"
-        "        f.write('x')\n"
-        "a, b = map(int, input().split())\n"
-        "print(a + b)\n"
-    )
-    reward, reason = grade(grader, program)
-    assert reward == 0.0 and "runtime error" in reason, reason
+    for path in (str(target), "/usr/pwned", "/box/prog.py", "/pwned", "/proc/sys/kernel/hostname"):
+        program = f"with open({path!r}, 'w') as f:\n    f.write('x')\n" + SUM_OK
+        reward, reason = grade(grader, program)
+        assert reward == 0.0 and "runtime error" in reason, (path, reason)
     assert not target.exists() and not Path("/usr/pwned").exists() and not Path("/pwned").exists()
     # Its private /tmp is writable (programs may need scratch space) but goes with it.
     scratch = "open('/tmp/scratch', 'w').write('x')\n" + SUM_OK
@@ -297,15 +291,10 @@ def test_killing_the_parent_and_other_processes(grader, intact):
     ]
     pids = [p.pid for p in sentinels] + [os.getpid(), os.getppid()]
     try:
-        program = (
-            "import os, signal\n"
-            f"for pid in {pids!r}:\n"
-            "    os.kill(pid, signal.SIGKILL)\n"
-            "a, b = map(int, input().split())\n"
-            "print(a + b)\n"
-        )
-        reward, reason = grade(grader, program)
-        assert reward == 0.0 and "ProcessLookupError" in reason, reason
+        for pid in pids:
+            program = f"import os, signal\nos.kill({pid}, signal.SIGKILL)\n" + SUM_OK
+            reward, reason = grade(grader, program)
+            assert reward == 0.0 and "ProcessLookupError" in reason, (pid, reason)
         for program in ("import os, signal\nos.kill(-1, signal.SIGKILL)\n",
                         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + SUM_OK,
                         "import os, signal\nos.killpg(0, signal.SIGKILL)\n"):

@@ -1,15 +1,16 @@
 """Score completions for rows in the INTELLECT-2 task schema.
 
 A row has ``problem_id``, ``task_type``, ``prompt``, ``verification_info`` (a
-JSON string, for math ``{"ground_truth": ...}``), the model's ``completion``,
+JSON string: for math ``{"ground_truth": ...}``, for code ``{"test_cases": ...}``,
+see :mod:`swarmrl.rewards.code`), the model's ``completion``,
 and optionally ``target_length`` (a thinking budget in tokens) and
 ``completion_length`` (its length in tokens, if already known).
 
 Two kinds of failure are kept apart on purpose:
 
 - ``Score.error`` means the row could not be scored: a missing or
-  wrong-typed field, ``verification_info`` that is not JSON, an unknown or
-  not-yet-supported ``task_type``, a verifier that timed out or crashed. Such
+  wrong-typed field, ``verification_info`` that is not JSON, an unknown ``task_type``, a
+  code row given no sandbox, a verifier that timed out or crashed. Such
   rows get reward 0 and should be fixed or dropped, not learned from.
 - A well-formed row whose answer is simply wrong (or missing, or written in
   an unclosed ``<think>``) gets ``error=None`` and reward 0; ``Score.reason``

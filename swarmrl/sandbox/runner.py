@@ -24,7 +24,6 @@ free, so any number of threads may call it without oversubscribing the machine.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import queue
 import selectors
@@ -113,6 +112,11 @@ def sandbox_python(configured: str | None) -> str:
 def _python_prefix(python: str) -> Path:
     """The directory to bind for the interpreter: its prefix, unless it lives under /usr."""
     return Path(python).resolve().parent.parent
+
+
+def _limits_arg(limits: dict) -> str:
+    """The harness's LIMITS argument: ``name=value,...`` for the limits that are set."""
+    return ",".join(f"{name}={int(value)}" for name, value in limits.items() if value is not None)
 
 
 def _system_binds() -> list[str]:
@@ -252,8 +256,8 @@ class Sandbox:
         box = self._root / f"slot{slot}"
         inner = [self.python, "-I", "-S", "-B", "-X", "utf8"]
         if self.settings.unsafe_no_sandbox:
-            return inner + [str(box / "harness.py"), mode, json.dumps(limits)]
-        inner += ["/box/harness.py", mode, json.dumps(limits)]
+            return inner + [str(box / "harness.py"), mode, _limits_arg(limits)]
+        inner += ["/box/harness.py", mode, _limits_arg(limits)]
         prefix = _python_prefix(self.python)
         args = [
             self.settings.bwrap,
