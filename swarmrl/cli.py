@@ -18,6 +18,8 @@ COMMANDS = {
     "worker": "An untrusted inference worker: joins an orchestrator over HTTP with its own ed25519 key.",
     "validator": "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, seeded sampling, logprobs.",
     "relay": "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them.",
+    "serve": "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint.",
+    "eval": "Evaluate a checkpoint or an OpenAI-compatible endpoint on a benchmark: avg@k, pass@k, lengths.",
 }
 
 CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -52,6 +54,50 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--config", help="TOML config file; its [sandbox] section sets how code rows run")
     sc.epilog = ("Code rows (task_type prime_rl_code) run in bubblewrap; set its fields as --sandbox.FIELD "
                  "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md.")
+
+    sv = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"] + " Requests "
+                        "arriving together are batched by the seeded sampler. CUDA serving is untested (CPU only here).")
+    sv.add_argument("--model", required=True, help="local HF checkpoint folder (a swarmrl policy or any causal LM)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    sv.add_argument("--served-model-name", help="the model id clients ask for (default: the folder's name)")
+    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sv.add_argument("--max-batch", type=int, default=32, help="completions generated together at most")
+    sv.add_argument("--batch-window-ms", type=float, default=5.0,
+                    help="how long the first request of a batch waits for others to join")
+    sv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    sv.add_argument("--max-request-kb", type=int, default=1024, help="larger request bodies get a 413")
+    sv.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when the request has none")
+    sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    sv.add_argument("--url-file", help="write {url, model} here as JSON once listening (for scripts and tests)")
+
+    ev = sub.add_parser("eval", help=COMMANDS["eval"], description=COMMANDS["eval"],
+                        epilog="Built-in sets take --tasks.FIELD overrides (e.g. --tasks.digits 3), code rows "
+                               "--sandbox.FIELD ones. See docs/eval.md.")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="local HF checkpoint folder, sampled with the project's seeded sampler")
+    source.add_argument("--endpoint", help="OpenAI-compatible server URL, e.g. http://127.0.0.1:8080/v1 "
+                                           "(swarmrl serve, vLLM, SGLang)")
+    ev.add_argument("--served-model", help="model id at the endpoint (default: the first in /v1/models)")
+    ev.add_argument("--api-key", help="bearer token for the endpoint (default: $OPENAI_API_KEY if set)")
+    ev.add_argument("--benchmark", required=True,
+                    help="a JSONL/parquet file, or a built-in set: 'arithmetic' (the held-out split) or 'code'")
+    ev.add_argument("--format", default="auto", choices=["auto", "schema", "math", "code", "mcq"],
+                    help="the file's format (auto: decided from the first row's fields)")
+    ev.add_argument("--limit", type=int, help="only the first N problems")
+    ev.add_argument("--k", type=int, default=4, help="samples per problem (avg@k, pass@1..k)")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--max-tokens", type=int, default=512, help="generated tokens per sample at most")
+    ev.add_argument("--length-target", type=int,
+                    help="append ' Think for N tokens before giving a response.' and report adherence")
+    ev.add_argument("--seed", type=int, default=0, help="sample j of problem i uses seed seed*1000003 + i*1000 + j")
+    ev.add_argument("--output-dir", required=True, help="writes results.jsonl (per problem) and summary.json")
+    ev.add_argument("--concurrency", type=int, default=8, help="endpoint requests in flight")
+    ev.add_argument("--device", default="cpu", help="--model only")
+    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--model only")
+    ev.add_argument("--workers", type=int, default=2, help="math grading processes")
+    ev.add_argument("--config", help="TOML config file: its [tasks] and [sandbox] sections are used")
 
     tk = sub.add_parser("tasks", help=COMMANDS["tasks"], description=COMMANDS["tasks"])
     tk.add_argument("--output", required=True)
@@ -171,6 +217,81 @@ def _peek_task_types(path: str) -> list[dict]:
     return found
 
 
+def _run_eval(args, cfg) -> None:
+    """`swarmrl eval`: load the benchmark, pick the backend, run, write results and summary."""
+    from pathlib import Path
+
+    from swarmrl.eval.formats import load_benchmark
+    from swarmrl.eval.runner import EndpointBackend, EvalSettings, ModelBackend, evaluate_rows, progress_bar
+    from swarmrl.rewards.code import code_grader_for
+    from swarmrl.rewards.pool import VerifierPool
+    from swarmrl.sandbox.runner import SandboxUnavailable
+
+    for name, value, low in (("--k", args.k, 1), ("--max-tokens", args.max_tokens, 1), ("--concurrency", args.concurrency, 1)):
+        if value < low:
+            _fail(f"{name} must be at least {low}, got {value}")
+    if args.length_target is not None and args.length_target < 1:
+        _fail(f"--length-target must be a positive number of tokens, got {args.length_target}")
+    if args.temperature < 0:
+        _fail(f"--temperature must be >= 0, got {args.temperature}")
+    try:
+        if args.benchmark == "arithmetic":  # the held-out split `swarmrl rl` evaluates on
+            from swarmrl.tasks import arithmetic
+
+            t = cfg.tasks
+            rows = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
+        elif args.benchmark == "code":
+            from swarmrl.tasks import code as code_tasks
+
+            rows = code_tasks.generate()
+        else:
+            rows = load_benchmark(args.benchmark, args.format)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    if not rows:
+        _fail(f"{args.benchmark} has no problems")
+    settings = EvalSettings(k=args.k, temperature=args.temperature, max_tokens=args.max_tokens,
+                            length_target=args.length_target, seed=args.seed)
+    try:
+        if args.model:
+            if not os.path.isdir(args.model):
+                _fail(f"--model {args.model} is not a folder; pass a local Hugging Face checkpoint folder")
+            backend = ModelBackend.from_path(args.model, device=args.device, dtype=args.dtype)
+        else:
+            backend = EndpointBackend(args.endpoint, model=args.served_model,
+                                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                                      concurrency=args.concurrency)
+        code = code_grader_for(rows, cfg.sandbox)
+    except (ValueError, OSError, SandboxUnavailable) as e:
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - e.g. an unreachable endpoint (httpx errors)
+        _fail(f"{type(e).__name__}: {e}")
+    print(f"evaluating {len(rows)} problems x {args.k} samples on {backend.describe()}", file=sys.stderr)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with VerifierPool(args.workers, 5.0) as pool:
+            results, summary = evaluate_rows(rows, backend, settings, pool=pool, code=code,
+                                             progress=progress_bar(len(rows), "eval"))
+    except ValueError as e:
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - a failing endpoint mid-run: say so, no traceback
+        _fail(f"evaluation stopped: {type(e).__name__}: {e}")
+    finally:
+        if code is not None:
+            code.close()
+    with open(out / "results.jsonl", "w", encoding="utf-8") as handle:
+        for r in results:
+            handle.write(json.dumps(r, ensure_ascii=False) + "\n")
+    summary = {**summary, "benchmark": args.benchmark, "backend": backend.describe(),
+               "settings": {"k": args.k, "temperature": args.temperature, "max_tokens": args.max_tokens,
+                            "length_target": args.length_target, "seed": args.seed}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
 def _quiet_libraries() -> None:
     import logging
 
@@ -190,10 +311,13 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("rl", "sft", "score"):
+    if extra and args.command not in ("rl", "sft", "score", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "score" and any(a.startswith("--") and not a.startswith("--sandbox.") for a in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (score takes --sandbox.FIELD VALUE overrides only)")
+    if args.command == "eval" and any(a.startswith("--") and not a.startswith(("--sandbox.", "--tasks.")) for a in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (eval takes --tasks.FIELD and --sandbox.FIELD "
+                     "overrides only)")
     _quiet_libraries()
     # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -283,6 +407,24 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             _fail(str(e))
         print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")
+        return
+
+    if args.command == "eval":
+        _run_eval(args, _config(args, extra))
+        return
+
+    if args.command == "serve":
+        from swarmrl.serve.app import serve
+
+        if not os.path.isdir(args.model):
+            _fail(f"--model {args.model} is not a folder; pass a local Hugging Face checkpoint folder")
+        try:
+            serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                  model_name=args.served_model_name, max_batch_rows=args.max_batch,
+                  batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
+                  default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads)
+        except (OSError, ValueError) as e:
+            _fail(str(e))
         return
 
     if args.command == "orchestrator":

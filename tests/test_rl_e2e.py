@@ -18,28 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-EASY = ["--tasks.digits", "1", "--tasks.ops", "+-", "--tasks.train_size", "40", "--tasks.eval_size", "8",
-        "--sft.examples", "40", "--sft.batch_size", "32", "--sft.slip_rate", "0.5",
-        "--sampling.max_new_tokens", "32", "--sampling.prompts_per_step", "4", "--sampling.group_size", "4",
-        "--sampling.worker_batch_prompts", "4", "--trainer.micro_batch_size", "16",
-        "--eval.samples", "1", "--eval.every", "0", "--logging.progress", "false"]
-
-
-def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"swarmrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-@pytest.fixture(scope="session")
-def easy_base(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("base") / "model"
-    swarmrl("sft", "--output", str(out), "--sft.steps", "150", *EASY)
-    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
-    return out
+from conftest import EASY, swarmrl  # noqa: E402  (the shared easy base and CLI runner)
 
 
 def metrics(run: Path) -> list[dict]:

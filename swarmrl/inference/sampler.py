@@ -14,6 +14,7 @@ Conventions (the validator relies on them):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,8 @@ class Completion:
     logprobs: list[float]  # log p(token) under softmax(logits / temperature)
     finish_reason: Literal["stop", "length"]
     hidden: Tensor | None = None  # [len(token_ids), hidden_size], model dtype, on CPU
+    # Per token, the `top_logprobs` most likely (token id, logprob) under the same distribution.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Sampler:
@@ -60,7 +63,15 @@ class Sampler:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False) -> list[Completion]:
+                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
+                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]:
+        """Sample one completion per prompt (see the module docstring for the conventions).
+
+        ``on_step(t, tokens)`` is called after every step with each row's token t (the pad id
+        for rows already finished); it may return one bool per row to end those rows now, as
+        if they had stopped (serving uses it for stop strings, per-request token limits and
+        streaming). ``top_logprobs`` > 0 also records each step's most likely tokens.
+        """
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per completion")
         if not prompts:
@@ -86,18 +97,26 @@ class Sampler:
         tokens = torch.empty((B, max_new_tokens), dtype=torch.long, device=dev)
         logps = torch.empty((B, max_new_tokens), dtype=torch.float32, device=dev)
         hiddens = [] if return_hidden else None
+        tops = [] if top_logprobs > 0 else None
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
         for t in range(max_new_tokens):
             steps = torch.full((B,), t, dtype=torch.int64, device=dev)
             tok = seeded_choice(logits, seed_t, steps, temperature)  # [B]
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
-            logp = scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]  # [B]
+            all_logp = scaled.log_softmax(-1)
+            logp = all_logp.gather(-1, tok[:, None])[:, 0]  # [B]
+            if tops is not None:
+                tops.append(all_logp.topk(top_logprobs, -1))
             tok = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             tokens[:, t], logps[:, t] = tok, logp
             if return_hidden:
                 hiddens.append(hidden.to("cpu"))
             is_stop = torch.isin(tok, stop) & ~done
+            if on_step is not None:
+                ended = on_step(t, tok.tolist())
+                if ended is not None:
+                    is_stop = is_stop | (torch.tensor(list(ended), dtype=torch.bool, device=dev) & ~done)
             lengths = torch.where(is_stop, torch.full_like(lengths, t + 1), lengths)
             done = done | is_stop
             # One host sync per token; cheap next to the forward pass, and it lets a batch
@@ -110,6 +129,9 @@ class Sampler:
 
         tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.cpu()
         stacked = torch.stack(hiddens, 1) if return_hidden else None  # [B, steps, H]
+        if tops is not None:
+            top_ids = torch.stack([t.indices for t in tops], 1).cpu().tolist()  # [B, steps, k]
+            top_vals = torch.stack([t.values for t in tops], 1).cpu().tolist()
         out = []
         for i in range(B):
             n = int(lengths[i])
@@ -119,5 +141,6 @@ class Sampler:
                 logprobs=logps[i, :n].tolist(),
                 finish_reason="stop" if ids and ids[-1] in self.stop_token_ids else "length",
                 hidden=stacked[i, :n].clone() if return_hidden else None,
+                top_logprobs=[list(zip(top_ids[i][j], top_vals[i][j])) for j in range(n)] if tops is not None else None,
             ))
         return out

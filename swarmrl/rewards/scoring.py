@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
 from swarmrl.rewards.code import CodeGrader, parse_test_cases
 from swarmrl.rewards.length import LENGTH_MODES, length_reward
 from swarmrl.rewards.math import ground_truth_text, math_task_reward
@@ -99,6 +100,7 @@ def _check_code(verification_info: dict) -> str | None:
 TASK_GRADERS: dict[str, TaskGrader] = {
     "verifiable_math": TaskGrader(check=_check_math, grade=math_task_reward),
     "prime_rl_code": TaskGrader(check=_check_code, grade=None),
+    MULTIPLE_CHOICE: TaskGrader(check=check_choice, grade=choice_task_reward),
 }
 
 

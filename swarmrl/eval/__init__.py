@@ -1,0 +1,1 @@
+"""Evaluation: benchmark formats, pass@k, and the eval runner."""

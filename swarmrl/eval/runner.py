@@ -1,0 +1,239 @@
+"""Run a benchmark: k samples per problem from a local checkpoint or an OpenAI-compatible
+endpoint, graded by the same reward code as training, summarised as avg@k and pass@k.
+
+Both backends see the same thing: the problem's prompt (with the seed run's "Think for N tokens
+before giving a response." suffix when a length target is set) as one user message under the
+checkpoint's chat template. Sample j of problem i uses seed ``base_i + j`` with ``base_i =
+seed * 1_000_003 + i * 1_000``: the local sampler gets those seeds directly, and an endpoint
+gets ``seed = base_i`` with ``n = k``, which `swarmrl serve` expands to the same seeds. So
+`swarmrl eval --model` and `swarmrl eval --endpoint` against `swarmrl serve` on the same
+checkpoint sample the same tokens and give the same scores (other servers, vLLM included,
+derive per-sample seeds their own way: their scores are comparable, not identical).
+
+A completion's text keeps special tokens (``</think>`` decides where an answer may be) and
+drops its final end-of-turn token; its length counts that token, as training does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from swarmrl.eval.metrics import ks_for, length_adherence, pass_at_k
+from swarmrl.rewards.code import CodeGrader
+from swarmrl.rewards.length import with_length_target
+from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.scoring import score_rows
+from swarmrl.serve.engine import decode_completion
+
+SEED_STRIDE = 1_000  # samples per problem are at most this many
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 512
+    length_target: int | None = None
+    seed: int = 0
+    batch_problems: int = 16  # problems generated (and scored) per round; the progress unit
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str
+    tokens: int
+
+
+def sample_seeds(seed: int, index: int, k: int) -> list[int]:
+    base = seed * 1_000_003 + index * SEED_STRIDE
+    return [base + j for j in range(k)]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as one user message under the checkpoint's chat template."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class ModelBackend:
+    """A local checkpoint through the project's batched, seeded sampler."""
+
+    def __init__(self, model, tokenizer, *, batch_rows: int = 64):
+        from swarmrl.inference.sampler import Sampler
+
+        self.tokenizer = tokenizer
+        self.stop_ids = [tokenizer.eos_token_id]
+        self.sampler = Sampler(model, stop_token_ids=self.stop_ids, pad_token_id=tokenizer.pad_token_id)
+        self.batch_rows = batch_rows
+        self.model = model
+
+    @classmethod
+    def from_path(cls, path: str, *, device: str = "cpu", dtype: str = "float32") -> ModelBackend:
+        import torch
+
+        from swarmrl.model.checkpoint import load_policy
+
+        model, tokenizer = load_policy(path, device=device, dtype=getattr(torch, dtype))
+        return cls(model.eval(), tokenizer)
+
+    def describe(self) -> str:
+        return f"local model ({type(self.model).__name__})"
+
+    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int,
+                 temperature: float) -> list[list[Sample]]:
+        was_training = self.model.training
+        self.model.eval()
+        rows = [(i, chat_ids(self.tokenizer, p), s) for i, p in enumerate(prompts) for s in seeds[i]]
+        out: list[list[Sample]] = [[] for _ in prompts]
+        try:
+            for start in range(0, len(rows), self.batch_rows):
+                chunk = rows[start : start + self.batch_rows]
+                done = self.sampler.generate([ids for _, ids, _ in chunk], [s for _, _, s in chunk],
+                                             max_new_tokens=max_tokens, temperature=temperature)
+                for (i, _, _), c in zip(chunk, done):
+                    out[i].append(Sample(decode_completion(self.tokenizer, c.token_ids, self.stop_ids),
+                                         len(c.token_ids)))
+        finally:
+            self.model.train(was_training)
+        return out
+
+
+class EndpointBackend:
+    """Any OpenAI-compatible server, through /v1/chat/completions (``n = k`` per problem)."""
+
+    def __init__(self, url: str, *, model: str | None = None, concurrency: int = 8, timeout_s: float = 600.0,
+                 api_key: str | None = None):
+        import httpx
+
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/v1"):
+            self.url += "/v1"
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.concurrency = concurrency
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        response = self._checked(self.client.get(f"{self.url}/models"))
+        data = response.get("data") or []
+        if not data:
+            raise ValueError(f"{self.url}/models lists no model; pass --served-model")
+        return data[0]["id"]
+
+    @staticmethod
+    def _checked(response) -> dict:
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            message = (body or {}).get("error", {}).get("message") if isinstance(body, dict) else None
+            raise ValueError(f"the endpoint answered {response.status_code}: {message or response.text[:200]}")
+        return body
+
+    def describe(self) -> str:
+        return f"endpoint {self.url} (model {self.model})"
+
+    def _one(self, prompt: str, seeds: list[int], max_tokens: int, temperature: float) -> list[Sample]:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "n": len(seeds),
+                "seed": seeds[0], "max_tokens": max_tokens, "temperature": temperature, "logprobs": True}
+        reply = self._checked(self.client.post(f"{self.url}/chat/completions", json=body))
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        samples = []
+        for c in choices:
+            content = (c.get("logprobs") or {}).get("content")
+            tokens = len(content) if content is not None else reply.get("usage", {}).get("completion_tokens", 0)
+            samples.append(Sample(c["message"]["content"] or "", tokens))
+        return samples
+
+    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int,
+                 temperature: float) -> list[list[Sample]]:
+        for s in seeds:
+            if s != list(range(s[0], s[0] + len(s))):
+                raise ValueError("an endpoint takes one seed per request: sample seeds must be consecutive")
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(lambda a: self._one(a[0], a[1], max_tokens, temperature), zip(prompts, seeds)))
+
+
+def progress_bar(total: int, label: str):
+    """A rich progress bar on a terminal; plain lines otherwise. Returns advance(n)."""
+    if sys.stderr.isatty():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), transient=True)
+        bar.start()
+        task = bar.add_task(label, total=total)
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+            if bar.tasks[0].finished:
+                bar.stop()
+        return advance
+    done = [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        print(f"{label}: {done[0]}/{total} problems", file=sys.stderr, flush=True)
+    return advance
+
+
+def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: VerifierPool,
+                  code: CodeGrader | None = None, progress: Callable[[int], None] | None = None
+                  ) -> tuple[list[dict], dict]:
+    """Per-problem results and the summary (see the module docstring)."""
+    if not 1 <= settings.k <= SEED_STRIDE:
+        raise ValueError(f"k must be between 1 and {SEED_STRIDE}, got {settings.k}")
+    started = time.monotonic()
+    results: list[dict] = []
+    for start in range(0, len(rows), settings.batch_problems):
+        chunk = rows[start : start + settings.batch_problems]
+        prompts = [with_length_target(r["prompt"], settings.length_target) if settings.length_target else r["prompt"]
+                   for r in chunk]
+        seeds = [sample_seeds(settings.seed, start + i, settings.k) for i in range(len(chunk))]
+        samples = backend.generate(prompts, seeds, max_tokens=settings.max_tokens, temperature=settings.temperature)
+        graded = [{"problem_id": r["problem_id"], "task_type": r["task_type"], "prompt": r["prompt"],
+                   "verification_info": r["verification_info"], "completion": s.text}
+                  for r, group in zip(chunk, samples) for s in group]
+        scores = iter(score_rows(graded, pool=pool, count_tokens=lambda text: 0, code=code))
+        for r, group in zip(chunk, samples):
+            mine = [next(scores) for _ in group]
+            rewards = [s.task_reward for s in mine]
+            correct = sum(1 for s in mine if s.error is None and s.task_reward >= 1.0)
+            result = {
+                "problem_id": r["problem_id"], "task_type": r["task_type"], "rewards": rewards,
+                "correct": correct, "lengths": [s.tokens for s in group],
+                **{f"pass@{k}": pass_at_k(len(group), correct, k) for k in ks_for(len(group))},
+                "reasons": [s.reason for s in mine], "errors": [s.error for s in mine],
+                "completions": [s.text for s in group],
+            }
+            results.append(result)
+        if progress is not None:
+            progress(len(chunk))
+    return results, summarize(results, settings, time.monotonic() - started)
+
+
+def summarize(results: list[dict], settings: EvalSettings, seconds: float) -> dict:
+    rewards = [x for r in results for x in r["rewards"]]
+    lengths = [x for r in results for x in r["lengths"]]
+    summary: dict = {
+        "problems": len(results),
+        "samples_per_problem": settings.k,
+        f"avg@{settings.k}": statistics.fmean(rewards) if rewards else 0.0,
+    }
+    for k in ks_for(settings.k):
+        summary[f"pass@{k}"] = statistics.fmean(r[f"pass@{k}"] for r in results) if results else 0.0
+    summary["length/mean"] = statistics.fmean(lengths) if lengths else 0.0
+    if settings.length_target and lengths:
+        summary["length/target"] = settings.length_target
+        summary.update({f"length/{key}": value for key, value in length_adherence(lengths, settings.length_target).items()})
+        summary["length/within_target"] = statistics.fmean(float(n <= settings.length_target) for n in lengths)
+    summary["errors"] = sum(1 for r in results for e in r["errors"] if e is not None)
+    summary["seconds"] = round(seconds, 3)
+    return summary

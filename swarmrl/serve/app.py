@@ -1,0 +1,371 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+What is supported, and how it differs from OpenAI's API (docs/eval.md has the table):
+- ``max_tokens`` (``max_completion_tokens`` for chat too), ``temperature`` (0 is greedy),
+  ``seed``, ``n``, ``stop`` (up to 4 strings), ``stream`` (server-sent events, with
+  ``stream_options.include_usage``), ``logprobs`` (completions: an int 0-20; chat: a bool with
+  ``top_logprobs`` 0-20). Logprobs are under the *sampling* distribution, softmax(logits / T)
+  (raw logits at temperature 0), which is what the trainer uses.
+- ``seed`` makes a request reproducible: completion j is sampled with seed ``seed + j``
+  whatever else is in its batch. Without one, a random seed is drawn.
+- ``top_p`` other than 1, penalties other than 0, ``logit_bias``, ``echo``, ``suffix``,
+  ``best_of`` > n, tools, and ``logprobs`` together with ``stream`` are refused with a 400
+  naming the parameter, never silently ignored. Unknown fields are refused the same way.
+- Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
+  status: a request is validated and measured (body size, prompt + max_tokens against the
+  model's context, n) before anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swarmrl.serve.engine import Choice, Engine, GenRequest
+
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# Fields each endpoint reads; anything else gets a 400 rather than being silently ignored.
+_COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options",
+           "logprobs", "top_p", "frequency_penalty", "presence_penalty", "user", "logit_bias", "best_of"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be a number between {lo:g} and {hi:g}, got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be an integer between {lo} and {hi}, got {value!r}", name)
+    return value
+
+
+class Settings:
+    """Limits of one server (the `swarmrl serve` flags)."""
+
+    def __init__(self, *, model_name: str, context: int, max_n: int = 16, max_request_bytes: int = 1 << 20,
+                 default_max_tokens: int = 256):
+        self.model_name, self.context, self.max_n = model_name, context, max_n
+        self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
+
+
+def build_app(engine: Engine, settings: Settings) -> FastAPI:
+    app = FastAPI(title="swarmrl serve", docs_url=None, redoc_url=None)
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError):
+        return _error(exc.status, exc.message, exc.param, exc.kind, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                      else "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError):
+        return _error(400, f"invalid request: {exc.errors()[0].get('msg', 'bad value')}")
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):  # a bug of ours: no traceback to the client
+        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+    async def read_body(request: Request, fields: set[str]) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+            raise ApiError(413, f"request body of {length} bytes is over the limit of "
+                                f"{settings.max_request_bytes} bytes", kind="invalid_request_error")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > settings.max_request_bytes:
+                raise ApiError(413, f"request body is over the limit of {settings.max_request_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        model = body.get("model")
+        if model != settings.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
+                           "model_not_found")
+        for name, neutral in (("top_p", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
+            if body.get(name) not in (None, neutral):
+                raise ApiError(400, f"'{name}' is not supported (only {neutral}); sampling here is "
+                                    "plain temperature sampling, which validators replay", name)
+        if body.get("logit_bias"):
+            raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
+        return body
+
+    def gen_request(body: dict, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        room = settings.context - len(prompt_ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+                                f"{settings.context} tokens", "messages" if "messages" in body else "prompt",
+                           code="context_length_exceeded")
+        default = min(settings.default_max_tokens, room) if "messages" in body else min(16, room)
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _integer(body, name, default, 1, 1 << 30)
+        if len(prompt_ids) + max_tokens > settings.context:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
+                                f"model's context of {settings.context} tokens; lower {name}", name,
+                           code="context_length_exceeded")
+        n = _integer(body, "n", 1, 1, settings.max_n)
+        best_of = _integer(body, "best_of", None, 1, settings.max_n)
+        if best_of is not None and best_of != n:
+            raise ApiError(400, "'best_of' other than n is not supported", "best_of")
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        seed = body.get("seed")
+        if seed is None:
+            seed = secrets.randbelow(1 << 62)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << 62):
+            raise ApiError(400, f"'seed' must be a non-negative integer below 2**62, got {seed!r}", "seed")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
+        if body.get("stream") and top_logprobs >= 0:
+            raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming",
+                           "logprobs")
+        return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop,
+                          max(top_logprobs, 0))
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(request: GenRequest, choices: list[Choice]) -> dict:
+        completion = sum(len(c.token_ids) for c in choices)
+        prompt = len(request.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def run(request: GenRequest) -> list[Choice]:
+        return await asyncio.wrap_future(engine.submit(request))
+
+    def stream(request: GenRequest, make_chunk, finish_chunk, include_usage: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request.on_delta = lambda index, text, _tok: loop.call_soon_threadsafe(events.put_nowait, (index, text))
+        future = engine.submit(request)
+
+        async def body():
+            for chunk in make_chunk(None):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            open_choices = request.n
+            while open_choices:
+                index, text = await events.get()
+                if text is None:
+                    open_choices -= 1
+                    continue
+                for chunk in make_chunk((index, text)):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            choices = await asyncio.wrap_future(future)
+            for index, choice in enumerate(choices):
+                yield f"data: {json.dumps(finish_chunk(index, choice))}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps({**finish_chunk(None, None), 'choices': [], 'usage': usage(request, choices)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
+                                            "owned_by": "swarmrl", "max_model_len": settings.context}]}
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    @app.get("/stats")
+    async def stats():
+        return dict(engine.stats)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request, _COMPLETION_FIELDS)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (one prompt per request)", "prompt")
+        if body.get("echo"):
+            raise ApiError(400, "'echo' is not supported", "echo")
+        if body.get("suffix"):
+            raise ApiError(400, "'suffix' is not supported", "suffix")
+        top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        gen = gen_request(body, ids, top_logprobs=-1 if top is None else top)
+        cid, model = f"cmpl-{secrets.token_hex(12)}", settings.model_name
+
+        def logprobs_of(choice: Choice) -> dict | None:
+            if top is None:
+                return None
+            tokens = [token_text(t) for t in choice.token_ids]
+            offsets, at = [], 0
+            for text in tokens:
+                offsets.append(at)
+                at += len(text)
+            tops = None
+            if top > 0:
+                tops = [{token_text(t): lp for t, lp in entry} for entry in choice.top_logprobs]
+            return {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+        def base(choices: list) -> dict:
+            return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": choices}
+
+        if body.get("stream"):
+            include = bool((body.get("stream_options") or {}).get("include_usage"))
+            return stream(
+                gen,
+                lambda ev: [] if ev is None else [base([{"index": ev[0], "text": ev[1], "logprobs": None,
+                                                          "finish_reason": None}])],
+                lambda i, c: base([] if c is None else [{"index": i, "text": "", "logprobs": None,
+                                                          "finish_reason": c.finish_reason}]),
+                include)
+        choices = await run(gen)
+        return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)]), "usage": usage(gen, choices)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await read_body(request, _CHAT_FIELDS)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content}", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise ApiError(400, f"messages[{i}] must be {{'role': system|user|assistant, 'content': "
+                                    "a string}", "messages")
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, True, False):
+            raise ApiError(400, "'logprobs' must be true or false for chat", "logprobs")
+        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if top is not None and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        gen = gen_request(body, ids, top_logprobs=(top or 0) if logprobs else -1)
+        cid, model = f"chatcmpl-{secrets.token_hex(12)}", settings.model_name
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        def logprobs_of(choice: Choice) -> dict | None:
+            if not logprobs:
+                return None
+            content = []
+            for j, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
+                tops = [entry(a, b) for a, b in choice.top_logprobs[j]] if top else []
+                content.append({**entry(t, lp), "top_logprobs": tops})
+            return {"content": content}
+
+        def base(choices: list, kind: str = "chat.completion") -> dict:
+            return {"id": cid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+
+        if body.get("stream"):
+            include = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            def make_chunk(ev):
+                if ev is None:  # the opening chunk of every choice names the role
+                    return [base([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}], "chat.completion.chunk") for j in range(gen.n)]
+                return [base([{"index": ev[0], "delta": {"content": ev[1]}, "logprobs": None,
+                               "finish_reason": None}], "chat.completion.chunk")]
+
+            def finish_chunk(i, c):
+                if c is None:
+                    return base([], "chat.completion.chunk")
+                return base([{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}],
+                            "chat.completion.chunk")
+
+            return stream(gen, make_chunk, finish_chunk, include)
+        choices = await run(gen)
+        return {**base([{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)]), "usage": usage(gen, choices)}
+
+    return app
+
+
+def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device: str = "cpu",
+          dtype: str = "float32", model_name: str | None = None, max_batch_rows: int = 32,
+          batch_window_ms: float = 5.0, max_n: int = 16, max_request_kb: int = 1024,
+          default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None) -> None:
+    """Load the checkpoint, start the engine and serve until interrupted."""
+    import socket
+    from pathlib import Path
+
+    import torch
+    import uvicorn
+
+    from swarmrl.model.checkpoint import load_policy
+    from swarmrl.transport.filesystem import atomic_write_text
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_policy(model_path, device=device, dtype=getattr(torch, dtype))
+    model.eval()
+    context = int(getattr(model.config, "max_position_embeddings", 2048))
+    name = model_name or Path(model_path).resolve().name
+    engine = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000)
+    app = build_app(engine, Settings(model_name=name, context=context, max_n=max_n,
+                                     max_request_bytes=max_request_kb << 10, default_max_tokens=default_max_tokens))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    print(f"serving {name} ({context}-token context) at {url}/v1", flush=True)
+    if url_file:
+        atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.close()
