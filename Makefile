@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py
 	$(BIN)/python benchmarks/bench_orchestrator.py
 	$(BIN)/python benchmarks/bench_sandbox.py
+	$(BIN)/python benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="sample j of problem i uses seed seed*1000003 + i*1000 + j")
     ev.add_argument("--output-dir", required=True, help="writes results.jsonl (per problem) and summary.json")
     ev.add_argument("--concurrency", type=int, default=8, help="endpoint requests in flight")
-    ev.add_argument("--device", default="cpu", help="--model only")
+    ev.add_argument("--device", default="cpu", help="--model only (cuda is untested: no GPU here)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--model only")
     ev.add_argument("--workers", type=int, default=2, help="math grading processes")
     ev.add_argument("--config", help="TOML config file: its [tasks] and [sandbox] sections are used")

@@ -41,7 +41,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code:
 def test_help_lists_every_command(tmp_path):
     proc = swarmrl("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "orchestrator", "trainer", "worker", "validator", "relay"}
+    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "orchestrator", "trainer", "worker", "validator", "relay", "serve", "eval"}
     for name, text in COMMANDS.items():
         assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
         assert " ".join(text.split()[:3]) in " ".join(proc.stdout.split())

@@ -46,7 +46,7 @@ def test_tasks_and_score_commands_grade_reference_and_wrong_programs(tmp_path):
     assert [r["reward"] for r in results[:n]] == [1.0] * n
     assert all(r["reward"] == 0.0 and "wrong answer" in r["reason"] for r in results[n : 2 * n])
     assert results[2 * n]["reward"] == 1.0
-    assert "test_cases is not valid JSON" in results[-1]["error"]
+    assert "'test_cases' is not valid JSON" in results[-1]["error"]
 
 
 def test_score_refuses_code_rows_when_bubblewrap_cannot_run(tmp_path):

@@ -45,12 +45,12 @@ def test_test_cases_as_string_or_object_with_and_without_fn_name():
 
 
 @pytest.mark.parametrize("info, says", [
-    ({}, "has no 'test_cases'"),
-    ({"test_cases": "{nope"}, "not valid JSON"),
-    ({"test_cases": "[1]"}, "must hold a JSON object"),
-    ({"test_cases": {"inputs": ["1"]}}, "needs 'inputs' and 'outputs' lists"),
+    ({}, "needs a 'test_cases' key"),
+    ({"test_cases": "{nope"}, "'test_cases' is not valid JSON"),
+    ({"test_cases": "[1]"}, "must be a JSON object"),
+    ({"test_cases": {"inputs": ["1"]}}, "'test_cases.outputs' must be a list"),
     ({"test_cases": {"inputs": ["1"], "outputs": []}}, "1 inputs but 0 outputs"),
-    ({"test_cases": {"inputs": [], "outputs": []}}, "no tests"),
+    ({"test_cases": {"inputs": [], "outputs": []}}, "no test cases"),
     ({"test_cases": {"fn_name": "no such", "inputs": [[1]], "outputs": [1]}}, "identifier"),
     ({"test_cases": {"inputs": [5], "outputs": ["5"]}}, "test 1's input must be a string"),
 ])

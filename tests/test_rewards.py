@@ -220,7 +220,7 @@ def test_score_rows_mixes_good_and_malformed_rows(pool):
     assert "'verification_info' is not valid JSON" in by_id["bad-json"].error
     assert by_id["no-completion"].error == "missing field 'completion'"
     assert "'task_type' has unknown value 'poetry'" in by_id["unknown-task"].error
-    assert "has no 'test_cases'" in by_id["code-no-tests"].error
+    assert "needs a 'test_cases' key" in by_id["code-no-tests"].error
     assert by_id["code"].error == CODE_NEEDS_SANDBOX  # no sandbox was given to score_rows
     assert "ground_truth" in by_id["no-ground-truth"].error
     assert "'target_length' must be a positive integer" in by_id["bad-target"].error

@@ -46,6 +46,10 @@ def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
     assert all(r["off_policy/max"] <= 1 for r in steps)
     for name in ("reward/mean", "time/step", "time/wait_for_batch", "loss/policy", "grad_norm"):
         assert all(name in r for r in steps), name
+    # Held-out evaluation (step 0 and final) goes through `swarmrl eval`'s runner: avg@k and pass@k.
+    evals = [r for r in metrics(run) if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 4]
+    assert all(r["eval/pass@1"] == r["eval/accuracy"] and r["eval/problems"] == 8 for r in evals)  # k = 1
     # Every policy version is a complete HF folder; the newest one is the final policy.
     assert (run / "policies" / "v000004" / "config.json").exists()
     assert sorted(p.name for p in (run / "plots").glob("*.png")) == [

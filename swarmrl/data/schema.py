@@ -123,7 +123,7 @@ def decode_test_cases(info: Mapping[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _check_code(info: Mapping[str, Any]) -> None:
+def check_code(info: Mapping[str, Any]) -> None:
     """Code rows pair each input with an expected output; a mismatch would misalign scoring."""
     cases = decode_test_cases(info)
     for key in ("inputs", "outputs"):
@@ -143,7 +143,7 @@ def _check_code(info: Mapping[str, Any]) -> None:
         raise ValueError("'test_cases.fn_name', when present, must be a non-empty string")
 
 
-_CHECKS = {MATH: _check_math, CODE: _check_code}
+_CHECKS = {MATH: _check_math, CODE: check_code}
 
 
 class TaskRow(BaseModel):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmrl.config import SandboxConfig
-from swarmrl.data.schema import CODE
+from swarmrl.data.schema import CODE, check_code, decode_test_cases
 from swarmrl.rewards.answer import THINK_CLOSE, answer_region
 from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxSettings
 
@@ -70,27 +70,16 @@ class TestCases:
 
 
 def parse_test_cases(verification_info: dict) -> TestCases:
-    """The tests of a code row; ValueError naming the problem for a malformed row."""
-    if "test_cases" not in verification_info:
-        raise ValueError("verification_info has no 'test_cases'; code rows need "
-                         "{\"test_cases\": \"{\\\"inputs\\\": [...], \\\"outputs\\\": [...]}\"}")
-    raw = verification_info["test_cases"]
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"test_cases is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"test_cases must hold a JSON object, got {type(raw).__name__}")
-    inputs, outputs, fn_name = raw.get("inputs"), raw.get("outputs"), raw.get("fn_name")
-    if not isinstance(inputs, list) or not isinstance(outputs, list):
-        raise ValueError("test_cases needs 'inputs' and 'outputs' lists")
-    if len(inputs) != len(outputs):
-        raise ValueError(f"test_cases has {len(inputs)} inputs but {len(outputs)} outputs")
-    if not inputs:
-        raise ValueError("test_cases has no tests")
-    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name.isidentifier()):
-        raise ValueError(f"test_cases fn_name must be a Python identifier, got {fn_name!r}")
+    """The tests of a code row; ValueError naming the problem for a malformed row.
+
+    The shape checks are the loader's (``swarmrl.data.schema.check_code``); running them also
+    needs ``fn_name`` to be a Python identifier and stdin tests to be text.
+    """
+    check_code(verification_info)
+    raw = decode_test_cases(verification_info)
+    inputs, outputs, fn_name = raw["inputs"], raw["outputs"], raw.get("fn_name")
+    if fn_name is not None and not fn_name.isidentifier():
+        raise ValueError(f"'test_cases.fn_name' must be a Python identifier, got {fn_name!r}")
     if fn_name is None:
         for index, (given, wanted) in enumerate(zip(inputs, outputs)):
             for what, value in (("input", given), ("output", wanted)):
