@@ -20,3 +20,12 @@ def answer_region(completion: str) -> str | None:
     if THINK_OPEN in completion:
         return None
     return completion
+
+
+def missing_answer_reason(completion: str, what: str) -> str:
+    """Why a completion has nothing to grade: an unclosed ``<think>``, or no ``what`` (e.g.
+    "\\boxed{} answer") in its answer region."""
+    if answer_region(completion) is None:
+        return "completion opens <think> but never closes it"
+    where = " after </think>" if THINK_CLOSE in completion else ""
+    return f"no {what}{where}"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 import string
 
-from swarmrl.rewards.answer import THINK_CLOSE, answer_region
+from swarmrl.rewards.answer import answer_region, missing_answer_reason
 
 # Reused from the math grader so both read \boxed{} the same way (escaped
 # braces, nesting, unclosed boxes skipped).
@@ -161,12 +161,9 @@ def choice_task_reward(verification_info: dict, completion: str) -> tuple[float,
     expected = verification_info["answer"]
     num_choices = verification_info["num_choices"]
     region = answer_region(completion)
-    if region is None:
-        return 0.0, "completion opens <think> but never closes it"
-    letter = _final_letter(region)
+    letter = None if region is None else _final_letter(region)
     if letter is None:
-        where = " after </think>" if THINK_CLOSE in completion else ""
-        return 0.0, f"no answer letter (\\boxed{{X}} or 'answer is X'){where}"
+        return 0.0, missing_answer_reason(completion, "answer letter (\\boxed{X} or 'answer is X')")
     if _LETTERS.index(letter) >= num_choices:
         return 0.0, (f"answered {letter}, which is not a choice "
                      f"(A-{_LETTERS[num_choices - 1]}); expected {expected}")

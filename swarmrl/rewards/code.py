@@ -43,7 +43,7 @@ from typing import Any
 
 from swarmrl.config import SandboxConfig
 from swarmrl.data.schema import CODE, check_code, decode_test_cases
-from swarmrl.rewards.answer import THINK_CLOSE, answer_region
+from swarmrl.rewards.answer import answer_region, missing_answer_reason
 from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxSettings
 
 # ```python / ```py / ```python3 (any case) up to the closing fence.
@@ -217,12 +217,9 @@ def grade_code(sandbox: Sandbox, verification_info: dict, completion: str,
     Malformed test cases raise ValueError (a data bug, not a wrong answer).
     """
     tests = parse_test_cases(verification_info)
-    if answer_region(completion) is None:
-        return 0.0, "completion opens <think> but never closes it"
     program = extract_program(completion)
     if program is None:
-        where = " after </think>" if THINK_CLOSE in completion else ""
-        return 0.0, f"no ```python code block{where}"
+        return 0.0, missing_answer_reason(completion, "```python code block")
     deadline = time.monotonic() + limits.total_timeout_s
     passed, first_failure = 0, None
     for index in range(len(tests.inputs)):

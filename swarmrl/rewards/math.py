@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from math_verify import parse, verify
 
-from swarmrl.rewards.answer import THINK_CLOSE, answer_region
+from swarmrl.rewards.answer import answer_region, missing_answer_reason
 
 # ``\boxed`` optionally followed by whitespace, then the opening brace.
 _BOXED_START = re.compile(r"\\boxed\s*\{")
@@ -184,10 +184,7 @@ def math_task_reward(verification_info: dict, completion: str) -> tuple[float, s
     wrong answer.
     """
     ground_truth = ground_truth_text(verification_info)
-    if answer_region(completion) is None:
-        return 0.0, "completion opens <think> but never closes it"
     answer = extract_answer(completion)
     if answer is None:
-        where = " after </think>" if THINK_CLOSE in completion else ""
-        return 0.0, f"no \\boxed{{}} answer{where}"
+        return 0.0, missing_answer_reason(completion, "\\boxed{} answer")
     return _grade(ground_truth, answer)
