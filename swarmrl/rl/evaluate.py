@@ -19,7 +19,9 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, pool: VerifierPool
     settings = EvalSettings(k=cfg.eval.samples, temperature=cfg.eval.temperature,
                             max_tokens=cfg.sampling.max_new_tokens, length_target=target, seed=cfg.seed,
                             batch_problems=64)
-    _, summary = evaluate_rows(rows, ModelBackend(model, tokenizer), settings, pool=pool, code=code)
+    # 64 problems x k samples per sampler call, as before this went through the eval runner.
+    backend = ModelBackend(model, tokenizer, batch_rows=64 * settings.k)
+    _, summary = evaluate_rows(rows, backend, settings, pool=pool, code=code)
     metrics = {
         "eval/accuracy": summary[f"avg@{settings.k}"],
         "eval/length_mean": summary["length/mean"],
