@@ -97,7 +97,7 @@ def test_stdout_does_not_match(got, expected):
     (0.1 + 0.2, 0.3),
     (2, 2.0),
     ([1, [2, "a"]], [1, [2, "a"]]),
-    ({"k": 1.0000001}, {"k": 1}),
+    ({"k": 1.0000001}, {"k": 1.0}),
     (5, [5]),  # APPS-style data wraps a return value in a one-element list
     ([5], [5]),
     (None, None),
@@ -115,6 +115,10 @@ def test_value_matches(got, expected):
     ({"a": 1}, {"a": 1, "b": 2}),
     (0.31, 0.3),
     (None, [None, None]),
+    (1e9, 999999999),  # an expected integer is exact: a float approximation of a count is wrong
+    (1e18, 10**18 + 12345),
+    (10**400, 1.5),  # too large for a float: not close to anything (and no OverflowError)
+    (float("inf"), 1.5),
 ])
 def test_value_does_not_match(got, expected):
     assert not value_matches(got, expected)
@@ -154,7 +158,8 @@ def test_v2_slot_in_a_delegated_cgroup(tmp_path):
                                  mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n",
                                  cgroup_text="0::/user.slice/me\n")
     assert why == "" and slot.version == 2 and slot.dirs == [parent / "run1"]
-    assert (parent / "cgroup.subtree_control").read_text() == "+pids +memory"
+    assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (parent / "run1" / "cpu.max").read_text() == "100000 100000"  # one core
     assert (parent / "run1" / "pids.max").read_text() == "14"  # 10 + bwrap's own processes
     assert (parent / "run1" / "memory.max").read_text() == str((1 << 20) + (64 << 20))
 

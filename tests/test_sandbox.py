@@ -194,6 +194,30 @@ def test_fork_bomb(grader, intact):
     assert subprocess.run(["true"]).returncode == 0
 
 
+def test_each_execution_gets_one_core_of_cpu(grader, intact):
+    """RLIMIT_CPU is per process; the execution's cgroup caps all of its processes together
+    at one core. Checked on the live cgroup while a program runs in it (how much CPU busy
+    children get on a shared 2-core machine says little about the cap)."""
+    cpu_root = Path("/sys/fs/cgroup/cpu")
+    if not (cpu_root / "cpu.cfs_quota_us").exists():
+        pytest.skip("no cgroup v1 cpu controller on this machine")
+    prefix = f"swarmrl-{os.getpid()}-{id(grader.sandbox):x}-"
+    runner = threading.Thread(target=grader.sandbox.run, args=("import time\ntime.sleep(2)\n",),
+                              kwargs=dict(mode="stdio", stdin=b"", timeout_s=5))
+    runner.start()
+    seen = None
+    deadline = time.monotonic() + 3
+    while seen is None and time.monotonic() < deadline:
+        for d in cpu_root.glob(f"{prefix}*"):
+            if (d / "cgroup.procs").read_text().strip():  # the one holding the running program
+                seen = (d, (d / "cpu.cfs_quota_us").read_text().strip(), (d / "cpu.cfs_period_us").read_text().strip())
+        time.sleep(0.05)
+    runner.join()
+    assert seen is not None, "no cpu cgroup held the running program"
+    assert seen[1:] == ("100000", "100000")
+    assert not seen[0].exists()  # removed once the execution ended
+
+
 @pytest.mark.parametrize("program", [
     "x = bytearray(8 * 1024 ** 3)\nprint(3)\n",
     "hoard = []\nwhile True:\n    hoard.append(' ' * 10 ** 7)\n",
@@ -341,11 +365,22 @@ class_always_equal = (
     ("import json\njson.dumps = lambda *a, **k: '3'\ndef add(a, b):\n    return 0\n", "test 2 of 3: wrong answer"),
     ("def add(a, b):\n    print(a + b)\n", "wrong answer: expected '3', got 'null'"),
     ("def plus(a, b):\n    return a + b\n", "defines no function 'add'"),
+    # Garbage on the answer channel must not crash the host's parser.
+    ("import os\nos.write(3, b'[' * 200000)\nos._exit(0)\n", "no return value came back"),
+    ("import os\nos.write(3, b'7' * 5000)\nos._exit(0)\n", "no return value came back"),
+    ("def add(a, b):\n    return 10 ** 400\n", "wrong answer"),
 ])
 def test_faking_success_on_function_tests(grader, intact, program, says):
     reward, reason = grade(grader, program, ADD_INFO)
     assert reward == 0.0 and says in reason, reason
     assert grade(grader, "def add(a, b):\n    return a + b\n", ADD_INFO) == (1.0, "")
+
+
+def test_a_float_answer_is_not_crashed_by_a_huge_integer(grader, intact):
+    info = {"test_cases": json.dumps({"fn_name": "half", "inputs": [[5]], "outputs": [2.5]})}
+    reward, reason = grade(grader, "def half(x):\n    return 10 ** 400\n", info)
+    assert reward == 0.0 and "wrong answer" in reason
+    assert grade(grader, "def half(x):\n    return x / 2\n", info) == (1.0, "")
 
 
 def test_many_hostile_completions_at_once_then_the_next_request(grader, intact):

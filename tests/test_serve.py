@@ -210,3 +210,36 @@ def test_serve_refuses_a_missing_checkpoint(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a folder" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", None),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}', "stream"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": 1}',
+     "stream_options"),
+])
+def test_hostile_bodies_get_a_400_not_a_500(server, body, param):
+    reply = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_a_request_cancelled_before_its_batch_runs_is_dropped_and_the_rest_served(model_dir):
+    from swarmrl.serve.engine import Engine, GenRequest
+
+    model, tokenizer = load_policy(model_dir)
+    engine = Engine(model.eval(), tokenizer, batch_window_s=0.2)
+    try:
+        gone = GenRequest(chat_ids(tokenizer, "a"), [1], 8, 1.0)
+        kept = GenRequest(chat_ids(tokenizer, "b"), [2, 3], 8, 1.0, stop=["x"])
+        engine.submit(gone)
+        engine.submit(kept)
+        assert gone.future.cancel()  # its client went away while the batch was still forming
+        choices = kept.future.result(timeout=60)
+        assert len(choices) == 2 and all(c.finish_reason in ("stop", "length") for c in choices)
+        assert engine.stats["requests"] == 1  # only the kept request ran
+        later = GenRequest(chat_ids(tokenizer, "c"), [4], 4, 0.0)
+        assert len(engine.submit(later).result(timeout=60)) == 1  # the engine thread is alive
+    finally:
+        engine.close()

@@ -145,6 +145,9 @@ class EndpointBackend:
                 "seed": seeds[0], "max_tokens": max_tokens, "temperature": temperature, "logprobs": True}
         reply = self._checked(self.client.post(f"{self.url}/chat/completions", json=body))
         choices = sorted(reply["choices"], key=lambda c: c["index"])
+        if len(choices) != len(seeds):
+            raise ValueError(f"the endpoint returned {len(choices)} choices for n={len(seeds)}; "
+                             "it must support n (vLLM, SGLang and swarmrl serve do)")
         samples = []
         for c in choices:
             content = (c.get("logprobs") or {}).get("content")
@@ -190,6 +193,8 @@ def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: Ve
     """Per-problem results and the summary (see the module docstring)."""
     if not 1 <= settings.k <= SEED_STRIDE:
         raise ValueError(f"k must be between 1 and {SEED_STRIDE}, got {settings.k}")
+    if settings.seed < 0 or sample_seeds(settings.seed, len(rows), settings.k)[-1] >= 1 << 62:
+        raise ValueError(f"seed must be between 0 and about 2**42, got {settings.seed}")
     started = time.monotonic()
     results: list[dict] = []
     for start in range(0, len(rows), settings.batch_problems):

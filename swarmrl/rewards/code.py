@@ -16,8 +16,9 @@ How outputs are compared (``stdout_matches``, ``value_matches``):
   lines are ignored. Otherwise the whitespace-separated tokens must be equal, except that
   where the expected token is a float (has a ``.`` or an exponent) the printed number may
   differ by 1e-6 absolute or relative ("0.5" matches "0.50000001" and ".5", not "0.51");
-- return values: compared as JSON values. Numbers are equal within 1e-6 absolute or relative
-  when either is a float; a bool never equals a number; tuples are lists. As in the APPS-style
+- return values: compared as JSON values. Where the expected number is a float, the returned
+  one may differ by 1e-6 absolute or relative; an expected integer must be met exactly (a
+  float approximation of a count is wrong); a bool never equals a number; tuples are lists. As in the APPS-style
   data that the public dataset draws on, an expected value written as a one-element list
   ``[x]`` also accepts ``x``.
 
@@ -44,7 +45,7 @@ from typing import Any
 from swarmrl.config import SandboxConfig
 from swarmrl.data.schema import CODE, check_code, decode_test_cases
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
-from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxSettings
+from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxFailure, SandboxSettings
 
 # ```python / ```py / ```python3 (any case) up to the closing fence.
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -143,9 +144,12 @@ def _is_number(value: Any) -> bool:
 
 def _values_equal(got: Any, wanted: Any) -> bool:
     if _is_number(got) and _is_number(wanted):
-        if isinstance(got, float) or isinstance(wanted, float):
-            return math.isfinite(got) and math.isfinite(wanted) and _close(float(got), float(wanted))
-        return got == wanted
+        if isinstance(wanted, float):
+            try:
+                return math.isfinite(wanted) and _close(float(got), wanted)
+            except OverflowError:  # an int too large for a float is not close to any float
+                return False
+        return got == wanted  # an expected integer is exact (2.0 still equals 2)
     if isinstance(got, list) and isinstance(wanted, list):
         return len(got) == len(wanted) and all(_values_equal(g, w) for g, w in zip(got, wanted))
     if isinstance(got, dict) and isinstance(wanted, dict):
@@ -172,8 +176,8 @@ def _failure(result: ExecResult, timeout_s: float) -> str | None:
         return f"time limit exceeded ({timeout_s:g} s)"
     if result.status == "output_limit":
         return "output limit exceeded"
-    if result.status == "sandbox_error":
-        return f"the sandbox failed to start: {result.last_error_line()}"
+    if result.status == "sandbox_error":  # not the program's fault: the row errors, it does not score 0
+        raise SandboxFailure(f"the sandbox failed to start: {result.last_error_line()}")
     if result.status == "memory_limit":
         return "memory limit exceeded (a process was killed by the sandbox's cgroup)"
     if result.status == "signal":
@@ -201,10 +205,10 @@ def run_test(sandbox: Sandbox, program: str, tests: TestCases, index: int, timeo
         if stdout_matches(got, _as_text(wanted)):
             return None
         return f"wrong answer: expected {_quote(_as_text(wanted))}, got {_quote(got)}"
-    try:
+    try:  # the program can write anything here: nesting too deep, a 5000-digit number...
         value = json.loads(result.stdout)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return f"no return value came back (stdout {_quote(result.stdout)})"
+    except (ValueError, RecursionError):
+        return f"no return value came back (stdout {_quote(result.stdout[:200])})"
     if value_matches(value, wanted):
         return None
     return f"wrong answer: expected {_quote(json.dumps(wanted))}, got {_quote(json.dumps(value))}"
@@ -252,14 +256,17 @@ class CodeGrader:
         self._executor = ThreadPoolExecutor(max_workers=sandbox.settings.workers,
                                             thread_name_prefix="swarmrl-code")
 
-    def grade_many(self, jobs: list[tuple[dict, str]]) -> list[tuple[float, str | None] | ValueError]:
-        """``(verification_info, completion)`` -> ``(reward, reason)``, or the ValueError of a
-        malformed row, in order."""
+    def grade_many(self, jobs: list[tuple[dict, str]]) -> list[tuple[float, str | None] | Exception]:
+        """``(verification_info, completion)`` -> ``(reward, reason)``, in order; or, for a row
+        that could not be graded (malformed tests, a sandbox that failed to start, a bug of
+        ours), the exception, which the caller turns into the row's error."""
         def one(job):
             try:
                 return grade_code(self.sandbox, job[0], job[1], self.limits)
-            except ValueError as exc:
+            except (ValueError, SandboxFailure) as exc:
                 return exc
+            except Exception as exc:  # noqa: BLE001 - never let one row take the scorer down
+                return RuntimeError(f"grading failed: {type(exc).__name__}: {exc}")
         return list(self._executor.map(one, jobs))
 
     def close(self) -> None:

@@ -211,7 +211,7 @@ def score_rows(
         elif code is None:
             outcomes = [(None, CODE_NEEDS_SANDBOX)] * len(calls)
         else:
-            outcomes = [(None, str(r)) if isinstance(r, ValueError) else (r, None) for r in code.grade_many(calls)]
+            outcomes = [(None, str(r)) if isinstance(r, Exception) else (r, None) for r in code.grade_many(calls)]
         for index, (value, error) in zip(indices, outcomes):
             if error is not None:
                 scores[index] = _failed(error)

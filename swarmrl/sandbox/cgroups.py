@@ -34,6 +34,11 @@ from pathlib import Path
 OVERHEAD_PROCS = 4
 # Page cache and kernel structures of the sandbox itself, on top of the program's memory.
 OVERHEAD_BYTES = 64 << 20
+# CPU bandwidth of one execution, where the cpu controller is there: one core. RLIMIT_CPU is
+# per process, so without this a program forking max_procs busy children would take every
+# core for the whole wall-clock limit and starve the other slots and the trainer.
+CPU_PERIOD_US = 100_000
+CPU_QUOTA_US = 100_000
 
 
 @dataclass(frozen=True)
@@ -151,15 +156,20 @@ def _make_v1(mounts: list[Mount], own: dict[str, str], name: str, max_procs: int
              memory_bytes: int) -> tuple[SlotCgroup | None, str]:
     dirs = []
     try:
-        for controller in ("pids", "memory"):
+        for controller in ("pids", "memory", "cpu"):
             mount = next((m for m in mounts if m.kind == "cgroup" and controller in m.controllers), None)
             if mount is None:
+                if controller == "cpu":  # optional: a bound on CPU share, not on safety
+                    continue
                 raise OSError(f"no cgroup v1 mount has the {controller} controller")
             d = mount.path / own.get(controller, "/").lstrip("/") / name
             d.mkdir(exist_ok=True)
             dirs.append(d)
             if controller == "pids":
                 _write(d / "pids.max", str(max_procs + OVERHEAD_PROCS))
+            elif controller == "cpu":
+                _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                _write(d / "cpu.cfs_quota_us", str(CPU_QUOTA_US))
             else:
                 _write(d / "memory.limit_in_bytes", str(memory_bytes + OVERHEAD_BYTES))
                 swap = d / "memory.memsw.limit_in_bytes"
@@ -180,12 +190,15 @@ def _make_v2(mount: Mount, own: dict[str, str], name: str, max_procs: int,
         missing = {"pids", "memory"} - available
         if missing:
             return None, f"cgroup v2 at {parent}: controllers {sorted(missing)} are not delegated"
+        wanted = {"pids", "memory"} | ({"cpu"} & available)
         enabled = set((parent / "cgroup.subtree_control").read_text().split())
-        if not {"pids", "memory"} <= enabled:
-            _write(parent / "cgroup.subtree_control", "+pids +memory")
+        if not wanted <= enabled:
+            _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(wanted - enabled)))
         d.mkdir(exist_ok=True)
         _write(d / "pids.max", str(max_procs + OVERHEAD_PROCS))
         _write(d / "memory.max", str(memory_bytes + OVERHEAD_BYTES))
+        if "cpu" in wanted:
+            _write(d / "cpu.max", f"{CPU_QUOTA_US} {CPU_PERIOD_US}")
         if (d / "memory.swap.max").exists():
             _write(d / "memory.swap.max", "0")
     except OSError as exc:

@@ -61,6 +61,11 @@ class SandboxUnavailable(RuntimeError):
     """Bubblewrap cannot run here; the message says why and how to fix it."""
 
 
+class SandboxFailure(RuntimeError):
+    """One execution could not be started (no cgroup, no process): the host's problem, not the
+    program's, so the row is reported as an error rather than scored 0."""
+
+
 @dataclass(frozen=True)
 class SandboxSettings:
     """What one sandboxed execution may use. See ``SandboxConfig`` for each field's meaning."""
@@ -110,8 +115,19 @@ def sandbox_python(configured: str | None) -> str:
 
 
 def _python_prefix(python: str) -> Path:
-    """The directory to bind for the interpreter: its prefix, unless it lives under /usr."""
-    return Path(python).resolve().parent.parent
+    """The directory to bind for the interpreter: its prefix (bound read-only unless under /usr).
+
+    Refuses a prefix that would expose much of the host: ``/`` (an interpreter in ``/bin`` on a
+    system without merged /usr) or a top-level directory such as ``/home`` or ``/work``, where
+    datasets with the expected outputs may live.
+    """
+    prefix = Path(python).resolve().parent.parent
+    if len(prefix.parts) < 3 and prefix != Path("/usr"):
+        raise SandboxUnavailable(
+            f"the sandbox's interpreter {python} lives under {prefix}, and binding that into the "
+            "sandbox would expose too much of the host; set sandbox.python to an interpreter in "
+            "/usr/bin or in its own prefix (e.g. /opt/python3.11/bin/python3)")
+    return prefix
 
 
 def _limits_arg(limits: dict) -> str:
@@ -161,6 +177,7 @@ class Sandbox:
                 )
             else:
                 self._check_bwrap()
+                self._prefix = _python_prefix(self.python)
             for slot in range(settings.workers):
                 self._open_slot(slot)
             self._check_cgroups()
@@ -258,7 +275,7 @@ class Sandbox:
         if self.settings.unsafe_no_sandbox:
             return inner + [str(box / "harness.py"), mode, _limits_arg(limits)]
         inner += ["/box/harness.py", mode, _limits_arg(limits)]
-        prefix = _python_prefix(self.python)
+        prefix = self._prefix
         args = [
             self.settings.bwrap,
             "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -331,7 +348,7 @@ class Sandbox:
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()
-            return ExecResult("sandbox_error", None, b"", str(exc).encode(), 0.0)
+            return ExecResult("sandbox_error", None, b"", f"could not start the sandbox: {exc}".encode(), 0.0)
         oom_kills = 0
         try:
             status, stdout, stderr = self._pump(process, stdin, started + timeout_s + settings.startup_grace_s)
@@ -342,7 +359,7 @@ class Sandbox:
                 self._release(cgroup)
         seconds = time.monotonic() - started
         code = process.returncode
-        if code is not None and code > 128 and not settings.unsafe_no_sandbox:
+        if code is not None and 128 < code <= 128 + 64 and not settings.unsafe_no_sandbox:
             code = -(code - 128)  # bwrap exits with 128 + N when the program died of signal N
         if status is None:
             if code == 0:

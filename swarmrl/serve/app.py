@@ -113,12 +113,19 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
             raw += chunk
             if len(raw) > settings.max_request_bytes:
                 raise ApiError(413, f"request body is over the limit of {settings.max_request_bytes} bytes")
-        try:
+        try:  # ValueError covers bad JSON, bad UTF-8 and integers of thousands of digits
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        for name in ("stream", "echo"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise ApiError(400, f"'{name}' must be true or false, got {body[name]!r}", name)
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                    or not isinstance(options.get("include_usage", False), bool)):
+            raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options")
         unknown = sorted(set(body) - fields)
         if unknown:
             raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
@@ -201,7 +208,14 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
                     continue
                 for chunk in make_chunk((index, text)):
                     yield f"data: {json.dumps(chunk)}\n\n"
-            choices = await asyncio.wrap_future(future)
+            try:
+                choices = await asyncio.wrap_future(future)
+            except Exception as exc:  # noqa: BLE001 - the batch failed: end the stream with an error
+                error = {"error": {"message": f"generation failed: {type(exc).__name__}", "type": "server_error",
+                                   "param": None, "code": None}}
+                yield f"data: {json.dumps(error)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             for index, choice in enumerate(choices):
                 yield f"data: {json.dumps(finish_chunk(index, choice))}\n\n"
             if include_usage:

@@ -69,6 +69,7 @@ class _Row:
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters already streamed
+        self.decoded = 0  # tokens already in `text`
         self.finish: str | None = None
         self.cut: int | None = None  # text length once a stop string was found
 
@@ -123,12 +124,20 @@ class Engine:
             batch = self._next_batch()
             if batch is None:
                 return
+            # A request whose client went away (its future cancelled) is dropped; the others
+            # are marked running, so a disconnect from now on cannot cancel them under us.
+            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
             try:
                 self._run(batch)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
                 for request in batch:
                     if not request.future.done():
                         request.future.set_exception(exc)
+                    if request.on_delta is not None:  # let waiting streams end
+                        for index in range(request.n):
+                            request.on_delta(index, None, None)
 
     # -- one batch -------------------------------------------------------------------------
 
@@ -177,12 +186,25 @@ class Engine:
             request.future.set_result(results[id(request)])
 
     def _update_text(self, row: _Row) -> None:
-        """Decode the row's text so far and end it at the first stop string."""
+        """Extend the row's text with its new token and end it at the first stop string.
+
+        Decoding is incremental (only the tokens not yet in the text), so a long completion
+        costs O(length), not O(length^2). Tokens are held back while they decode to an
+        incomplete UTF-8 character (a byte-level token can end mid-character).
+        """
         if row.cut is not None:
             return
-        row.text = decode_completion(self.tokenizer, row.ids, self.stop_token_ids)
-        for stop in row.request.stop:
-            at = row.text.find(stop, max(0, row.sent - len(stop)))
+        tail = row.ids[row.decoded:]
+        if tail and tail[-1] in self.stop_token_ids:
+            tail = tail[:-1]
+        piece = self.tokenizer.decode(tail, skip_special_tokens=False)
+        if piece.endswith("\ufffd") and row.finish is None:
+            return
+        before = len(row.text)
+        row.text += piece
+        row.decoded = len(row.ids)
+        for stop in row.request.stop:  # only where the new piece could complete a match
+            at = row.text.find(stop, max(0, before - len(stop) + 1))
             if at >= 0 and (row.cut is None or at < row.cut):
                 row.cut = at
         if row.cut is not None:
@@ -197,8 +219,6 @@ class Engine:
             return
         hold = 0 if final else max((len(s) - 1 for s in row.request.stop), default=0)
         text = row.text
-        if not final and text.endswith("\ufffd"):
-            hold = max(hold, 1)
         upto = max(row.sent, len(text) - hold)
         if upto > row.sent:
             callback(row.index, text[row.sent : upto], len(row.ids) - 1)
