@@ -221,7 +221,9 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
 @pytest.mark.parametrize("program", [
     "x = bytearray(8 * 1024 ** 3)\nprint(3)\n",
     "hoard = []\nwhile True:\n    hoard.append(' ' * 10 ** 7)\n",
-    "import os\nfor _ in range(16):\n    if os.fork() == 0:\n        break\nhoard = [bytearray(200 * 1024 ** 2)]\nwhile True:\n    hoard.append(bytearray(10 ** 7))\n",
+    # 16 forks, each writing (not just reserving) 200 MB: the cgroup's memory limit, not
+    # RLIMIT_AS, is what stops these.
+    "import os\nfor _ in range(16):\n    if os.fork() == 0:\n        break\nhoard = [b'x' * (200 * 1024 ** 2)]\nwhile True:\n    hoard.append(b'x' * 10 ** 7)\n",
 ])
 def test_memory_bomb(grader, intact, program):
     reward, reason = grade(grader, program)
