@@ -187,7 +187,8 @@ def test_fork_bomb(grader, intact):
         "        pass\n"
     )
     reward, reason = grade(grader, bomb)
-    assert reward == 0.0 and ("time limit exceeded" in reason or "resource limit" in reason), reason
+    # Which limit stops it first depends on the machine's load: time, processes or memory.
+    assert reward == 0.0 and any(s in reason for s in ("time limit exceeded", "resource limit", "memory limit")), reason
     assert leftover_cgroups(grader) == [] or not any((p / "cgroup.procs").read_text().strip()
                                                      for p in leftover_cgroups(grader))
     # The host can still start processes.
@@ -209,8 +210,12 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
     deadline = time.monotonic() + 3
     while seen is None and time.monotonic() < deadline:
         for d in cpu_root.glob(f"{prefix}*"):
-            if (d / "cgroup.procs").read_text().strip():  # the one holding the running program
-                seen = (d, (d / "cpu.cfs_quota_us").read_text().strip(), (d / "cpu.cfs_period_us").read_text().strip())
+            try:
+                if (d / "cgroup.procs").read_text().strip():  # the one holding the running program
+                    seen = (d, (d / "cpu.cfs_quota_us").read_text().strip(),
+                            (d / "cpu.cfs_period_us").read_text().strip())
+            except FileNotFoundError:  # an earlier execution's cgroup, removed as we looked
+                continue
         time.sleep(0.05)
     runner.join()
     assert seen is not None, "no cpu cgroup held the running program"
