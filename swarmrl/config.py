@@ -168,9 +168,18 @@ class AlgorithmConfig(_Section):
     """Where logp_old comes from. "recompute": a no-grad forward of the trainer's current policy
     at the start of each rollout step (the seed run). "inference": the worker's logprobs, saving a
     forward pass; the two-sided clip then also bounds the off-policy ratio."""
-    tis_cap: float | None = None
-    """With "recompute": weight each token by min(p_old / p_inference, tis_cap), the truncated
-    importance-sampling correction for inference/trainer mismatch (Yao et al. 2025). None: off."""
+    tis_cap: float | None = Field(None, gt=0)
+    """With "recompute": weight each token's loss by min(p_old / p_inference, tis_cap). p_old is
+    the proximal policy (the trainer's weights at the start of the step) and p_inference the
+    policy that sampled the token, so this is decoupled PPO (Fu et al. 2025, AReaL) for stale
+    async rollouts, and the truncated importance-sampling fix for inference/trainer mismatch
+    (Yao et al. 2025) on fresh ones. None: off (the seed run). Needs old_logprobs = "recompute"."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """With tis_cap: "token" weighs each token by its own ratio; "sequence" by the geometric
+    mean of its sequence's token ratios (lower variance; see algorithm/offpolicy.py)."""
+    tis_mask_band: float | None = Field(None, gt=1.0)
+    """With tis_cap: tokens (or, at sequence level, sequences) whose ratio p_old / p_inference is
+    outside [1/band, band] get weight 0: too off-policy to learn from. None: no masking."""
 
 
 class TrainerConfig(_Section):
@@ -349,6 +358,14 @@ class SFTConfig(_Section):
     run's difficulty band, and gives RL a consistent, verifiable behaviour to unlearn."""
     seed: int = 0
     """Initialisation and shuffling seed."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """Precision of the warm start's arithmetic (the saved base is float32 either way). The
+    float32 base depends on the CPU: the same seed gave 0.166 held-out with AVX-512 kernels and
+    0.274 with AVX2 ones on one machine (docs/learning.md). float64 shrinks that rounding noise by
+    ~1e9 at about twice the cost; whether it removes the divergence is measured there."""
+    threads: int | None = Field(None, ge=1)
+    """torch threads for the warm start. None: torch's default (the core count). Reduction order
+    can depend on the thread count, so a base meant to match across machines pins it."""
 
 
 class LoggingConfig(_Section):
@@ -395,6 +412,14 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.optimizer_steps={self.trainer.optimizer_steps} must divide the "
                 f"{samples} samples per step (sampling.prompts_per_step x sampling.group_size)")
+        alg = self.algorithm
+        if alg.old_logprobs == "inference" and (alg.tis_cap is not None or alg.tis_mask_band is not None):
+            raise ValueError("algorithm.tis_cap and algorithm.tis_mask_band weigh tokens by p_old / p_inference, "
+                             "which is 1 when old_logprobs = \"inference\": set algorithm.old_logprobs = "
+                             "\"recompute\" (decoupled PPO) or drop them")
+        if alg.tis_mask_band is not None and alg.tis_cap is None:
+            raise ValueError("algorithm.tis_mask_band needs algorithm.tis_cap (the importance weights it masks); "
+                             "set e.g. --algorithm.tis_cap 2.0")
         if self.tasks.solve_rate_range is not None:
             lo, hi = self.tasks.solve_rate_range
             if not 0.0 <= lo <= hi <= 1.0:

@@ -267,3 +267,77 @@ def test_token_entropy():
     z = torch.randn(2, 3, 9, generator=g)
     p = (z / 1.3).softmax(-1)
     torch.testing.assert_close(token_entropy(z, 1.3), -(p * p.log()).sum(-1))
+
+
+# ---------------------------------------------------------------- off-policy corrections
+
+from swarmrl.algorithm.offpolicy import behaviour_weights  # noqa: E402
+
+LN2 = math.log(2.0)
+# Two sequences of three positions; the last position of row 1 is padding.
+OP_MASK = torch.tensor([[True, True, True], [True, True, False]])
+# Proximal minus behaviour log-probabilities: row 0 ratios 2, 1/2, 8; row 1 ratios 1, 4.
+PROX = torch.tensor([[LN2, -LN2, 3 * LN2], [0.0, 2 * LN2, 99.0]])
+BEHAV = torch.zeros(2, 3)
+
+
+def test_behaviour_weights_token_truncated():
+    w, m = behaviour_weights(PROX, BEHAV, OP_MASK, cap=3.0)
+    # min(ratio, 3) per token; padding gets 0 whatever its garbage says.
+    expected = torch.tensor([[2.0, 0.5, 3.0], [1.0, 3.0, 0.0]])
+    torch.testing.assert_close(w, expected)
+    assert m["off_policy/is_weight_mean"] == pytest.approx((2 + 0.5 + 3 + 1 + 3) / 5)
+    assert m["off_policy/is_truncated_frac"] == pytest.approx(2 / 5)  # the 8 and the 4
+    assert m["off_policy/is_masked_frac"] == 0.0
+
+
+def test_behaviour_weights_sequence_geometric_mean():
+    w, _ = behaviour_weights(PROX, BEHAV, OP_MASK, cap=10.0, level="sequence")
+    # Row 0: exp((ln2 - ln2 + 3 ln2) / 3) = 2. Row 1: exp((0 + 2 ln2) / 2) = 2 (padding not counted).
+    expected = torch.tensor([[2.0, 2.0, 2.0], [2.0, 2.0, 0.0]])
+    torch.testing.assert_close(w, expected)
+    w_cap, _ = behaviour_weights(PROX, BEHAV, OP_MASK, cap=1.5, level="sequence")
+    torch.testing.assert_close(w_cap, torch.tensor([[1.5, 1.5, 1.5], [1.5, 1.5, 0.0]]))
+
+
+def test_behaviour_weights_mask_band():
+    w, m = behaviour_weights(PROX, BEHAV, OP_MASK, cap=3.0, mask_band=2.5)
+    # Band [0.4, 2.5]: 2, 1/2 and 1 stay (2 and 1/2 untruncated), 8 and 4 are dropped.
+    expected = torch.tensor([[2.0, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(w, expected)
+    assert m["off_policy/is_masked_frac"] == pytest.approx(2 / 5)
+    # At sequence level a whole row leaves the band together: both rows have ratio 2.
+    w_seq, _ = behaviour_weights(PROX, BEHAV, OP_MASK, cap=3.0, level="sequence", mask_band=1.5)
+    assert float(w_seq.abs().sum()) == 0.0
+
+
+def test_behaviour_weights_on_policy_is_identity():
+    lp = torch.randn(4, 5)
+    mask = torch.rand(4, 5) > 0.3
+    for level in ("token", "sequence"):
+        w, _ = behaviour_weights(lp, lp.clone(), mask, cap=2.0, level=level, mask_band=1.2)
+        torch.testing.assert_close(w, mask.float())
+
+
+def test_behaviour_weights_scale_the_loss():
+    # The weights multiply each token's clipped term: halving a token's weight halves its loss.
+    lp = torch.zeros(1, 2, requires_grad=True)
+    x = LossInputs(logprobs=lp, old_logprobs=torch.zeros(1, 2), advantages=torch.tensor([1.0]),
+                   loss_mask=torch.tensor([[True, True]]))
+    base, _ = grpo_loss(x, normalizer=2.0)
+    w, _ = behaviour_weights(torch.tensor([[0.0, -LN2]]), torch.zeros(1, 2), x.loss_mask, cap=2.0)
+    weighted, _ = grpo_loss(LossInputs(**{**x.__dict__, "importance_weights": w}), normalizer=2.0)
+    # Each token's loss is -r * A = -1; unweighted mean -1, weighted (-1 - 0.5) / 2 = -0.75.
+    assert float(base.detach()) == pytest.approx(-1.0)
+    assert float(weighted.detach()) == pytest.approx(-0.75)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cap": 0.0}, "cap must be > 0"),
+    ({"cap": -1.0}, "cap must be > 0"),
+    ({"cap": 2.0, "level": "group"}, "unknown importance-weight level"),
+    ({"cap": 2.0, "mask_band": 1.0}, "mask_band must be > 1"),
+])
+def test_behaviour_weights_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        behaviour_weights(PROX, BEHAV, OP_MASK, **kwargs)

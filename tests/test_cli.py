@@ -83,6 +83,10 @@ def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):
     (["--trainer.lr", "fast"], ["trainer.lr", "valid number"]),
     (["--length.mode", "sometimes"], ["length.mode", "'exact', 'max' or 'clip'"]),
     (["--trainer.lrr", "1"], ["trainer.lrr", "allowed", "warmup_steps"]),
+    (["--algorithm.tis_cap", "0"], ["algorithm.tis_cap", "greater than 0"]),
+    (["--algorithm.tis_level", "group"], ["algorithm.tis_level", "'token' or 'sequence'"]),
+    (["--algorithm.tis_cap", "2", "--algorithm.old_logprobs", "inference"], ["tis_cap", "recompute"]),
+    (["--algorithm.tis_mask_band", "2"], ["tis_mask_band", "needs algorithm.tis_cap"]),
 ])
 def test_bad_override_exits_2_without_traceback(tmp_path, args, needles):
     proc = swarmrl("rl", "--dry-run", *args, cwd=tmp_path)

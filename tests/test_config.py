@@ -274,3 +274,15 @@ def test_every_field_is_documented():
     assert len(leaves) > 50
     undocumented = [name for name, field in leaves if not (field.description or "").strip()]
     assert not undocumented, f"config fields without a docstring: {undocumented}"
+
+
+def test_off_policy_correction_settings_are_checked():
+    cfg = load_config(None, ["--algorithm.tis_cap", "2", "--algorithm.tis_level", "sequence",
+                             "--algorithm.tis_mask_band", "4"])
+    assert (cfg.algorithm.tis_cap, cfg.algorithm.tis_level, cfg.algorithm.tis_mask_band) == (2.0, "sequence", 4.0)
+    for bad, needle in ((["--algorithm.tis_cap", "-1"], "tis_cap"),
+                        (["--algorithm.tis_cap", "2", "--algorithm.tis_mask_band", "0.5"], "tis_mask_band"),
+                        (["--algorithm.tis_mask_band", "3"], "needs algorithm.tis_cap"),
+                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_cap", "2"], "recompute")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, bad)

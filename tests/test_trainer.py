@@ -453,6 +453,27 @@ def test_tis_cap():
     assert m2["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-3, abs=1e-6)
     assert m2["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-3)
 
+def test_decoupled_ppo_masks_and_sequence_weights():
+    # A sampler 1 nat per token less confident than the trainer: every ratio p_old / p_inf is e.
+    cfg, model, _, _, batch = prepare("--algorithm.tis_cap", "2.0", "--algorithm.tis_mask_band", "2.0",
+                                      "--trainer.weight_decay", "0")  # so a zero gradient moves nothing
+    skewed = batch.slice(slice(None))
+    skewed.inference_logprobs = torch.where(batch.loss_mask, batch.inference_logprobs - 1.0, 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = GRPOTrainer(model, cfg).train_step(skewed)
+    # e > 2 is outside the band [1/2, 2]: every token is masked, so nothing is learned.
+    assert m["off_policy/is_masked_frac"] == pytest.approx(1.0)
+    assert m["off_policy/is_weight_mean"] == 0.0 and m["grad_norm"] == 0.0
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    # Sequence level, no band: the geometric mean of e per token is e, capped at 2: the
+    # same doubling as token-level truncation.
+    seq_cfg, *_ = prepare("--algorithm.tis_cap", "2.0", "--algorithm.tis_level", "sequence")
+    m_seq = GRPOTrainer(make_model()[0], seq_cfg).train_step(skewed)
+    plain = GRPOTrainer(make_model()[0], make_cfg()).train_step(batch)
+    assert m_seq["off_policy/is_weight_mean"] == pytest.approx(2.0, rel=1e-4)
+    assert m_seq["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-3, abs=1e-6)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--fsdp-run":
         _fsdp_run(sys.argv[2])

@@ -44,13 +44,23 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[to
 def base_cache_key(cfg: Config) -> str:
     """The cached base is reused only when everything that shaped it is the same."""
     s, t = cfg.sft, cfg.tasks
-    return f"d{t.digits}-{t.ops.replace('+', 'p').replace('-', 'm')}-s{s.steps}-b{s.batch_size}-lr{s.lr:g}-n{s.examples}-slip{s.slip_rate:g}-seed{s.seed}"
+    key = f"d{t.digits}-{t.ops.replace('+', 'p').replace('-', 'm')}-s{s.steps}-b{s.batch_size}-lr{s.lr:g}-n{s.examples}-slip{s.slip_rate:g}-seed{s.seed}"
+    # Suffixes only for non-default settings, so bases cached before these fields existed stay valid.
+    if s.dtype != "float32":
+        key += f"-{s.dtype}"
+    if s.threads is not None:
+        key += f"-t{s.threads}"
+    return key
 
 
 def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
     """Train the tiny base from scratch on arithmetic traces and save it to `out_dir`."""
+    if cfg.sft.threads is not None:
+        torch.set_num_threads(cfg.sft.threads)
     torch.manual_seed(cfg.sft.seed)
     model, tokenizer = build_tiny_policy(seed=cfg.sft.seed)
+    # Initialised in float32 (the same starting weights), then trained in the chosen precision.
+    model = model.to(getattr(torch, cfg.sft.dtype))
     model.train()
     rows = arithmetic.generate(cfg.sft.examples, digits=cfg.tasks.digits, ops=cfg.tasks.ops,
                                split="train", seed=cfg.sft.seed + 1000, with_trace=True,
@@ -81,8 +91,9 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
         sched.step()
         if step % 50 == 0 or step == cfg.sft.steps - 1:
             log(f"sft step {step + 1}/{cfg.sft.steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    model.eval()
-    meta = {"sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate, "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
+    model = model.float().eval()
+    meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),"sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate, "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
             "seconds": round(time.time() - t0, 1)}
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from swarmrl.algorithm.loss import LossInputs, grpo_loss, loss_normalizer, token_entropy, token_logprobs
+from swarmrl.algorithm.offpolicy import behaviour_weights
 from swarmrl.config import Config
 from swarmrl.trainer.batch import TrainBatch
 
@@ -128,7 +129,11 @@ class GRPOTrainer:
             old_lp = inf_lp
         tis = None
         if alg.old_logprobs == "recompute" and alg.tis_cap is not None:
-            tis = torch.exp(old_lp - inf_lp).clamp(max=alg.tis_cap)  # [N, L-1]
+            # Decoupled PPO: the clip anchors on the proximal (recomputed) policy, and each token
+            # is re-weighted from the stale policy that sampled it to that proximal one.
+            tis, is_metrics = behaviour_weights(old_lp, inf_lp, mask, cap=alg.tis_cap, level=alg.tis_level,
+                                                mask_band=alg.tis_mask_band)  # [N, L-1]
+            metrics.update(is_metrics)
         ref_lp = self._logprobs(self.reference, batch) if self.reference is not None else None
 
         n_opt = cfg.trainer.optimizer_steps
