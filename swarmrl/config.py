@@ -344,15 +344,19 @@ class EvalConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(400, ge=1)
-    """Optimizer steps of supervised warm start on worked traces."""
+    steps: int = Field(600, ge=1)
+    """Optimizer steps of supervised warm start on worked traces. 600 takes the model past
+    learning column arithmetic itself, so its accuracy is set by the slips in the data rather
+    than by how far a noise-sensitive transition got: at 400 steps the same seed gave 0.166 or
+    0.274 depending on the CPU's vector kernels, at 600 (slip rate 0.7) 0.309 and 0.310
+    (docs/learning.md)."""
     batch_size: int = Field(64, ge=1)
     """Traces per step."""
     lr: float = Field(3e-3, gt=0)
     """Peak learning rate (cosine decay to 10%)."""
     examples: int = Field(5000, ge=1)
     """Distinct training traces generated."""
-    slip_rate: float = Field(0.6, ge=0.0, le=1.0)
+    slip_rate: float = Field(0.7, ge=0.0, le=1.0)
     """Share of traces (among problems where it changes the answer) that show a slip: a dropped
     carry, or the answer digits read off in reverse, with the wrong answer it leads to. The base policy then slips about as often, which puts it in the seed
     run's difficulty band, and gives RL a consistent, verifiable behaviour to unlearn."""
