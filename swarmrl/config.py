@@ -366,7 +366,8 @@ class SFTConfig(_Section):
     """Precision of the warm start's arithmetic (the saved base is float32 either way). The
     float32 base depends on the CPU: the same seed gave 0.166 held-out with AVX-512 kernels and
     0.274 with AVX2 ones on one machine (docs/learning.md). float64 shrinks that rounding noise by
-    ~1e9 at about twice the cost; whether it removes the divergence is measured there."""
+    ~1e9 at about twice the cost, but the training is chaotic: it only delays the divergence
+    (same loss at step 51, different by step 101), so the default recipe is made robust instead."""
     threads: int | None = Field(None, ge=1)
     """torch threads for the warm start. None: torch's default (the core count). Reduction order
     can depend on the thread count, so a base meant to match across machines pins it."""

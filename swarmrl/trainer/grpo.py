@@ -128,7 +128,7 @@ class GRPOTrainer:
         else:
             old_lp = inf_lp
         tis = None
-        if alg.old_logprobs == "recompute" and alg.tis_cap is not None:
+        if alg.tis_cap is not None:  # the config allows it only with old_logprobs = "recompute"
             # Decoupled PPO: the clip anchors on the proximal (recomputed) policy, and each token
             # is re-weighted from the stale policy that sampled it to that proximal one.
             tis, is_metrics = behaviour_weights(old_lp, inf_lp, mask, cap=alg.tis_cap, level=alg.tis_level,
