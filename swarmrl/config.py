@@ -183,8 +183,9 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: int = Field(120, ge=1)
-    """Rollout steps (policy versions) to train."""
+    steps: int = Field(60, ge=1)
+    """Rollout steps (policy versions) to train. 60 takes the default base from ~0.31 to ~0.85
+    held-out (docs/learning.md); 120 reached 0.91 in one run, at twice the time."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
@@ -371,6 +372,20 @@ class SFTConfig(_Section):
     threads: int | None = Field(None, ge=1)
     """torch threads for the warm start. None: torch's default (the core count). Reduction order
     can depend on the thread count, so a base meant to match across machines pins it."""
+    verbosity: list[int] = Field(default_factory=lambda: [0])
+    """Verbosity levels of the worked traces, one drawn uniformly per trace: 0 one terse line per
+    column (`6+7=13`, ~34 tokens for 2 digits), 1 with the digit written (`6+7=13, write 3`,
+    ~52), 2 each column named with its carry (`ones: 6+7=13, write 3, carry 1`, ~80). Several
+    levels give a base that can think at different lengths. With `length.enabled`, each trace's
+    prompt carries a target drawn independently of its level, so the base does not follow
+    targets and RL has to learn it (configs/length-control.toml)."""
+
+    @field_validator("verbosity")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if not v or any(level not in (0, 1, 2) for level in v) or len(set(v)) != len(v):
+            raise ValueError(f"must be distinct levels from 0, 1, 2 (e.g. [0, 1, 2]), got {v}")
+        return v
 
 
 class LoggingConfig(_Section):

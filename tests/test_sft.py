@@ -7,8 +7,12 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from swarmrl.config import load_config
-from swarmrl.sft.warmstart import base_cache_key, train_sft
+import pytest
+
+from swarmrl.config import ConfigError, load_config
+from swarmrl.model.checkpoint import build_tiny_policy
+from swarmrl.sft.warmstart import base_cache_key, encode_example, train_sft
+from swarmrl.tasks import arithmetic
 
 
 def test_cache_key_keeps_old_bases_and_separates_new_settings():
@@ -16,6 +20,35 @@ def test_cache_key_keeps_old_bases_and_separates_new_settings():
     assert default.endswith("-seed0")  # bases cached before dtype/threads existed stay valid
     assert base_cache_key(load_config(None, ["--sft.dtype", "float64"])) == default + "-float64"
     assert base_cache_key(load_config(None, ["--sft.threads", "1"])) == default + "-t1"
+    lc = load_config("configs/length-control.toml", [])
+    assert base_cache_key(lc).endswith("-v012-len32-52-80")
+
+
+def test_bad_verbosity_is_refused_with_the_field_named():
+    for bad in ("[3]", "[]", "[1, 1]"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["--sft.verbosity", bad])
+        assert "sft.verbosity" in str(err.value)
+
+
+def test_length_control_warm_start_puts_targets_in_prompts_independently_of_verbosity(tmp_path):
+    torch_threads = torch.get_num_threads()
+    try:
+        cfg = load_config("configs/length-control.toml", ["--sft.steps", "2", "--sft.batch_size", "4",
+                                                          "--sft.examples", "60", "--sft.threads", "1"])
+        out = train_sft(cfg, tmp_path / "lc", log=lambda msg: None)
+        meta = json.loads((out / "swarmrl_sft.json").read_text())
+        assert meta["verbosity"] == [0, 1, 2] and meta["length_targets"] == [32, 52, 80]
+    finally:
+        torch.set_num_threads(torch_threads)
+    # An example as the warm start encodes it: the instruction in the prompt, only the trace learned.
+    _, tokenizer = build_tiny_policy(seed=0)
+    rows = arithmetic.generate(60, digits=2, ops="+-", split="train", seed=1000, with_trace=True,
+                               slip_rate=0.5, verbosity=(0, 1, 2))
+    ids, mask = encode_example(tokenizer, rows[0]["prompt"], rows[0]["trace"], 52)
+    text = tokenizer.decode(ids)
+    assert "Think for 52 tokens before giving a response." in text
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]).startswith(rows[0]["trace"])
 
 
 def test_float64_warm_start_saves_float32_and_records_how(tmp_path):

@@ -182,3 +182,32 @@ def test_bad_arguments_raise():
         generate(10, digits=2, ops="")
     with pytest.raises(ValueError, match="digits"):
         generate(1, digits=0)
+
+
+def test_verbosity_levels_say_the_same_computation_at_growing_length():
+    # By hand: 36+47 at each level, and the subtraction that goes negative.
+    p = Problem(36, 47, "+")
+    assert trace_for(p, verbosity=0) == "<think>6+7=13\n3+4+1=8</think>\n\\boxed{83}"
+    assert trace_for(p, verbosity=1) == "<think>6+7=13, write 3\n3+4+1=8, write 8</think>\n\\boxed{83}"
+    assert trace_for(p, verbosity=2) == ("<think>ones: 6+7=13, write 3, carry 1\ntens: 3+4+1=8, write 8"
+                                         "</think>\n\\boxed{83}")
+    assert trace_for(Problem(52, 87, "-"), verbosity=2).startswith(
+        "<think>52 is less than 87, so compute -(87-52)\nones: 7-2=5, write 5\n")
+    assert "borrow 1" in trace_for(Problem(52, 17, "-"), verbosity=2)
+    # Every level, with or without a slip, boxes the same answer as level 0 and is longer.
+    for p in _random_problems(400, seed=5):
+        for slip in (None, *possible_slips(p)):
+            traces = [trace_for(p, slip=slip, verbosity=v) for v in (0, 1, 2)]
+            assert len({_boxed(t) for t in traces}) == 1, traces
+            assert len(traces[0]) < len(traces[1]) < len(traces[2]), traces
+    with pytest.raises(ValueError, match="verbosity"):
+        trace_for(p, verbosity=3)
+
+
+def test_verbosity_draw_leaves_the_default_stream_alone():
+    terse = generate(50, digits=2, ops="+-", with_trace=True, slip_rate=0.5, seed=3)
+    assert terse == generate(50, digits=2, ops="+-", with_trace=True, slip_rate=0.5, seed=3, verbosity=(0,))
+    mixed = generate(300, digits=2, ops="+-", with_trace=True, slip_rate=0.5, seed=3, verbosity=(0, 1, 2))
+    assert any("write" not in r["trace"] for r in mixed)
+    assert any("ones:" in r["trace"] for r in mixed)
+    assert any("write" in r["trace"] and "ones:" not in r["trace"] for r in mixed)

@@ -22,9 +22,10 @@ from swarmrl.rl.tasks import model_input
 from swarmrl.tasks import arithmetic
 
 
-def encode_example(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+def encode_example(tokenizer, prompt: str, completion: str,
+                   target_length: int | None = None) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion + eos, and a 0/1 mask marking what is learned."""
-    _, p = model_input(tokenizer, prompt, None)  # exactly what the sampler will see in RL
+    _, p = model_input(tokenizer, prompt, target_length)  # exactly what the sampler sees in RL
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return p + c, [0] * len(p) + [1] * len(c)
 
@@ -50,6 +51,10 @@ def base_cache_key(cfg: Config) -> str:
         key += f"-{s.dtype}"
     if s.threads is not None:
         key += f"-t{s.threads}"
+    if s.verbosity != [0]:
+        key += "-v" + "".join(str(level) for level in s.verbosity)
+    if cfg.length.enabled:
+        key += "-len" + "-".join(str(n) for n in cfg.length.targets)
     return key
 
 
@@ -64,8 +69,12 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
     model.train()
     rows = arithmetic.generate(cfg.sft.examples, digits=cfg.tasks.digits, ops=cfg.tasks.ops,
                                split="train", seed=cfg.sft.seed + 1000, with_trace=True,
-                               slip_rate=cfg.sft.slip_rate)
-    examples = [encode_example(tokenizer, r["prompt"], r["trace"]) for r in rows]
+                               slip_rate=cfg.sft.slip_rate, verbosity=tuple(cfg.sft.verbosity))
+    # With length control, each prompt names a target drawn independently of how verbose its
+    # trace is: the base sees the instruction but does not follow it (RL's job to learn).
+    target_rng = random.Random(cfg.sft.seed + 2000)
+    lengths = [target_rng.choice(cfg.length.targets) if cfg.length.enabled else None for _ in rows]
+    examples = [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.99), weight_decay=0.01)
     warmup = max(1, cfg.sft.steps // 20)
 
@@ -93,7 +102,9 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
             log(f"sft step {step + 1}/{cfg.sft.steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     model = model.float().eval()
     meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),"sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate, "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate,
+            "verbosity": cfg.sft.verbosity, "length_targets": cfg.length.targets if cfg.length.enabled else None,
+            "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
             "seconds": round(time.time() - t0, 1)}
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})
 

@@ -51,7 +51,11 @@ def prompt_for(problem: Problem) -> str:
 SLIPS = ("carry", "order")
 
 
-def trace_for(problem: Problem, *, slip: str | None = None) -> str:
+VERBOSITY_LEVELS = (0, 1, 2)
+_PLACES = ("ones", "tens", "hundreds", "thousands")
+
+
+def trace_for(problem: Problem, *, slip: str | None = None, verbosity: int = 0) -> str:
     """Column arithmetic right to left, one digit per line, then the boxed answer.
 
     Addition: `d1+d2=s`, or `d1+d2+1=s` with a carry, per column. Subtraction of a larger number
@@ -61,13 +65,23 @@ def trace_for(problem: Problem, *, slip: str | None = None) -> str:
     digits off in the order they were computed, so the answer comes out reversed. The SFT warm
     start mixes such traces in, so the base policy sometimes slips and RL has consistent,
     checkable behaviours to fix (see docs/default-run.md).
+
+    `verbosity` says the same computation at more length, so that a policy can think for longer
+    or shorter without changing what it computes (length control, docs/learning.md):
+    0 one terse line per column (the default run's format): `6+7=13`;
+    1 the digit written down as well: `6+7=13, write 3`;
+    2 each column named, with its carry or borrow: `ones: 6+7=13, write 3, carry 1`.
+    For two digits that is about 40, 55 and 80 tokens (docs/learning.md has the distribution).
     """
+    if verbosity not in VERBOSITY_LEVELS:
+        raise ValueError(f"verbosity must be one of {VERBOSITY_LEVELS}, got {verbosity!r}")
     a, b, op = problem.a, problem.b, problem.op
     lines = []
     negative = False
     if op == "-" and a < b:
         a, b, negative = b, a, True
-        lines.append(f"{problem.a}<{problem.b} so -({a}-{b})")
+        lines.append(f"{problem.a}<{problem.b} so -({a}-{b})" if verbosity < 2 else
+                     f"{problem.a} is less than {problem.b}, so compute -({a}-{b})")
     da, db = str(a)[::-1], str(b)[::-1]
     carry = 0
     digits = []
@@ -76,21 +90,30 @@ def trace_for(problem: Problem, *, slip: str | None = None) -> str:
         y = int(db[i]) if i < len(db) else 0
         if op == "+":
             s = x + y + carry
-            lines.append(f"{x}+{y}{'+1' if carry else ''}={s}")
+            step = f"{x}+{y}{'+1' if carry else ''}={s}"
             carry, digit = s // 10, s % 10
+            note = ", carry 1" if carry else ""
         else:
             s = x - y - carry
             if s < 0:
-                lines.append(f"{x}-{y}{'-1' if carry else ''}={s}+10={s + 10}")
+                step = f"{x}-{y}{'-1' if carry else ''}={s}+10={s + 10}"
                 carry, digit = 1, s + 10
             else:
-                lines.append(f"{x}-{y}{'-1' if carry else ''}={s}")
+                step = f"{x}-{y}{'-1' if carry else ''}={s}"
                 carry, digit = 0, s
+            note = ", borrow 1" if carry else ""
+        if verbosity == 0:
+            lines.append(step)
+        elif verbosity == 1:
+            lines.append(f"{step}, write {digit}")
+        else:
+            place = _PLACES[i] if i < len(_PLACES) else f"column {i + 1}"
+            lines.append(f"{place}: {step}, write {digit}{note}")
         digits.append(digit)
         if slip == "carry" and i + 1 < max(len(da), len(db)):
             carry = 0  # the mistake: the carry is dropped before the next column
     if op == "+" and carry:
-        lines.append(f"carry {carry}")
+        lines.append(f"carry {carry}" if verbosity < 2 else f"carry {carry} goes in front")
         digits.append(carry)
     if slip == "order":
         digits.reverse()
@@ -120,10 +143,10 @@ def sample_problem(rng: random.Random, digits: int, ops: str) -> Problem:
 
 def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
              held_out_fraction: float = 0.1, seed: int = 0, with_trace: bool = False,
-             slip_rate: float = 0.0) -> list[dict]:
+             slip_rate: float = 0.0, verbosity: tuple[int, ...] = (0,)) -> list[dict]:
     """`n` distinct rows of one split. `with_trace` adds a `trace` column for SFT, in which a
     problem that admits a slip gets a slipped trace (a random one of its slips) with
-    probability `slip_rate`."""
+    probability `slip_rate`, written at a verbosity level drawn uniformly from `verbosity`."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if digits < 1 or not ops or set(ops) - {"+", "-"}:
@@ -152,6 +175,8 @@ def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
         if with_trace:
             slips = possible_slips(p) if slip_rate > 0 else []
             slip = rng.choice(slips) if slips and rng.random() < slip_rate else None
-            row["trace"] = trace_for(p, slip=slip)
+            # Drawn only when there is a choice, so the default's random stream is unchanged.
+            level = rng.choice(verbosity) if len(verbosity) > 1 else verbosity[0]
+            row["trace"] = trace_for(p, slip=slip, verbosity=level)
         rows.append(row)
     return rows
