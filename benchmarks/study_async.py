@@ -60,16 +60,17 @@ def run_cell(k: int, objective: str, seed: int, args, extra: list[str], root: Pa
         raise SystemExit(f"run {run_dir.name} failed (exit {proc.returncode}); its logs are in {run_dir}/logs\n"
                          + proc.stderr[-2000:])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    wall, curve, gaps, stale = 0.0, [], [], []
+    wall, curve, gaps, stale, gap_curve = 0.0, [], [], [], []
     for r in records:
         wall += r.get("time/step", 0.0)
         if "eval/accuracy" in r:
             curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
         if "off_policy/logprob_abs_diff" in r:
             gaps.append(r["off_policy/logprob_abs_diff"])
+            gap_curve.append([r.get("step", 0), r["off_policy/logprob_abs_diff"]])
         if "off_policy/mean" in r:
             stale.append(r["off_policy/mean"])
-    return {"k": k, "objective": objective, "seed": seed, "curve": curve,
+    return {"k": k, "objective": objective, "seed": seed, "curve": curve, "gap_curve": gap_curve,
             "staleness_mean": statistics.fmean(stale) if stale else 0.0,
             "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
             "seconds": round(time.monotonic() - started, 1)}
@@ -103,21 +104,50 @@ def table(results: list[dict], gain: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mean_curves(runs: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
+    """Steps, mean trainer wall time and mean accuracy over a cell's seeds (common eval steps)."""
+    n = min(len(r["curve"]) for r in runs)
+    steps = [runs[0]["curve"][i]["step"] for i in range(n)]
+    wall = [statistics.fmean(r["curve"][i]["wall_s"] for r in runs) for i in range(n)]
+    acc = [statistics.fmean(r["curve"][i][key] for r in runs) for i in range(n)]
+    return steps, wall, acc
+
+
 def plots(results: list[dict], out: Path) -> None:
+    """Accuracy vs step and vs wall time (mean over seeds; colour = k, line style = objective),
+    and the per-token off-policy gap the trainer measured at each step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    cells: dict[tuple[int, str], list[dict]] = {}
     for r in results:
-        label = f"k={r['k']} {r['objective']} s{r['seed']}"
-        axes[0].plot([c["step"] for c in r["curve"]], [c["accuracy"] for c in r["curve"]], marker=".", label=label)
-        axes[1].plot([c["wall_s"] for c in r["curve"]], [c["accuracy"] for c in r["curve"]], marker=".", label=label)
+        cells.setdefault((r["k"], r["objective"]), []).append(r)
+    ks = sorted({k for k, _ in cells})
+    colours = dict(zip(ks, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]))
+    styles = dict(zip(OBJECTIVES, ["-", "--", ":", "-.", (0, (5, 1))]))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for (k, obj), runs in sorted(cells.items()):
+        label = f"k={k} {obj} ({len(runs)} seeds)"
+        kw = {"color": colours[k], "linestyle": styles[obj], "marker": "."}
+        steps, wall, acc = _mean_curves(runs, "accuracy")
+        axes[0].plot(steps, acc, label=label, **kw)
+        axes[1].plot(wall, acc, label=label, **kw)
+        gap_runs = [r.get("gap_curve") for r in runs if r.get("gap_curve")]
+        if gap_runs:
+            n = min(len(g) for g in gap_runs)
+            axes[2].plot([gap_runs[0][i][0] for i in range(n)],
+                         [statistics.fmean(g[i][1] for g in gap_runs) for i in range(n)],
+                         color=colours[k], linestyle=styles[obj], label=label)
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("trainer wall time (s)")
+    for ax in axes[:2]:
+        ax.set_ylabel("held-out avg@4 (T=1), mean over seeds")
+    axes[2].set_xlabel("trainer step")
+    axes[2].set_ylabel("mean |log p_trainer - log p_worker| per token")
+    axes[2].set_title("off-policy gap (objectives that recompute)", fontsize=10)
     for ax in axes:
-        ax.set_ylabel("held-out avg@4 (T=1)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.tight_layout()

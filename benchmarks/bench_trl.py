@@ -1,0 +1,300 @@
+"""Benchmark (not a test): swarmrl's GRPO loop against Hugging Face TRL's `GRPOTrainer` on the
+same problem, from the same base checkpoint, in the same sitting.
+
+Matched (both sides read swarmrl's default config, `load_config(None)`):
+  model      the --model HF folder, fp32 on CPU; no reference model, no KL (beta 0)
+  data       `task_rows(cfg)` train split; prompts rendered by the chat template with the generation
+             prompt, the token ids checked equal to `model_input`'s for every row (TRL gets
+             conversational prompts; the check runs TRL's own prompt tokenizer)
+  reward     `math_task_reward` on the completion decoded with special tokens kept (as swarmrl's
+             scorer does: `</think>` decides where the answer may be), in-process
+  batch      16 prompts x group 8 = 128 completions per generation, 2 optimizer steps of 64 each:
+             per_device_train_batch_size 64, gradient_accumulation_steps 1, steps_per_generation 2,
+             num_iterations 1; TRL then recomputes old logprobs once per generation, as swarmrl does
+  loss       two-sided clipped ratio (epsilon = epsilon_high = 0.2, delta 4), loss_type "bnpo" with
+             one 64-completion micro-batch per optimizer step: the step's token-sum over its own
+             tokens, swarmrl's "token" normaliser ("dapo" divides by the generation's mean instead)
+  optimizer  the same AdamW (lr 1e-4, betas (0.9, 0.99), weight decay 0.01 on every parameter) and
+             swarmrl's own LambdaLR (`lr_lambda`: 5 warmup optimizer steps, cosine to 0 at the last),
+             passed to TRL as `optimizers=`; grad clip 1.0; T = 1, max 64 new tokens, top-k/top-p off
+  steps      --steps counts generations (swarmrl's rollout steps): TRL runs 2x that optimizer steps
+  eval       avg@4 at T = 1 on the same 200 held-out problems, seed 0: swarmrl's in-run evaluation
+             (metrics.jsonl) and `swarmrl eval` on TRL's checkpoints (same runner, same seeds)
+
+Differs (by design of each, not matched):
+  - swarmrl is asynchronous by one step (workers sample step n+1 with policy n while the trainer
+    trains step n) and fills each batch with 16 *informative* groups (all-equal rewards dropped
+    and replaced); TRL is synchronous and trains on all 16 groups, whose zero-advantage tokens
+    still count in the token normaliser (a smaller update when many groups are solved or failed).
+  - Advantages: TRL divides by the Bessel-corrected group std (+1e-4), swarmrl by the population
+    std (+1e-6): every advantage differs by the same factor sqrt(7/8) for groups of 8.
+  - Sampling: TRL uses `model.generate` in the trainer process (--threads torch threads); swarmrl
+    samples in 2 worker processes (1 thread each) beside a 1-thread trainer, with seeded sampling,
+    TOPLOC proofs and validation, and it writes a policy version every step (counted in its time).
+  - Prompt order: each shuffles the train split with its own seed.
+Wall time is trainer time: swarmrl's summed `time/step` (as study_async.py); TRL's from the start
+of `train()` to each checkpoint, less the time spent saving it. Evaluations are never counted.
+
+Usage: python benchmarks/bench_trl.py --model /path/to/base [--steps 60 --eval-every 20 --threads 2]
+The default comparison runs two 60-step trainings plus ~8 evaluations: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from swarmrl.config import load_config
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:
+    """avg@k of one HF folder through `swarmrl eval`: the runner swarmrl's in-run eval uses."""
+    cmd = [sys.executable, "-m", "swarmrl.cli", "eval", "--model", str(model), "--benchmark", "arithmetic",
+           "--k", str(cfg.eval.samples), "--temperature", str(cfg.eval.temperature),
+           "--max-tokens", str(cfg.sampling.max_new_tokens), "--seed", str(cfg.seed),
+           "--workers", "1", "--output-dir", str(out_dir)]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"swarmrl eval of {model} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads((out_dir / "summary.json").read_text())[f"avg@{cfg.eval.samples}"]
+
+
+# ---- swarmrl ------------------------------------------------------------------------------------
+def run_swarmrl(args, cfg, out: Path) -> dict:
+    run_dir = out / "swarmrl-run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
+    cmd = [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run_dir), "--model.path", args.model,
+           "--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every),
+           "--logging.progress", "false", "--logging.plots", "false"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"swarmrl rl failed (exit {proc.returncode}); logs in {run_dir}/logs\n{proc.stderr[-2000:]}")
+    process_wall = time.monotonic() - started
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall, curve, steps = 0.0, [], 0
+    for r in records:
+        if "time/step" in r:
+            wall += r["time/step"]
+            steps += 1
+        if "eval/accuracy" in r:
+            curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
+    a = cfg.async_
+    return {"side": "swarmrl", "curve": curve, "trainer_wall_s": round(wall, 1), "s_per_step": wall / max(steps, 1),
+            "process_wall_s": round(process_wall, 1),
+            "threads": f"trainer {a.trainer_threads} + {a.workers} workers x {a.worker_threads}"}
+
+
+# ---- TRL ----------------------------------------------------------------------------------------
+def trl_config(args, cfg, out: Path):
+    from trl import GRPOConfig
+
+    s, t, alg = cfg.sampling, cfg.trainer, cfg.algorithm
+    samples = s.prompts_per_step * s.group_size
+    per_opt = samples // t.optimizer_steps
+    grpo = GRPOConfig(
+        output_dir=str(out / "trl-trainer"), use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
+        seed=cfg.seed, report_to="none", push_to_hub=False, save_strategy="no", use_vllm=False,
+        disable_tqdm=True, logging_steps=t.optimizer_steps, dataloader_num_workers=0,
+        # One generation of 128 = 2 optimizer steps x one 64-completion micro-batch, used once each.
+        per_device_train_batch_size=per_opt, gradient_accumulation_steps=1,
+        steps_per_generation=t.optimizer_steps, num_iterations=1, num_generations=s.group_size,
+        max_steps=args.steps * t.optimizer_steps,
+        max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
+        beta=alg.kl_coef, epsilon=alg.eps_low, epsilon_high=alg.eps_high, delta=alg.delta,
+        loss_type="bnpo", scale_rewards="group", mask_truncated_completions=False,
+        # Informational only: the optimizer and schedule passed to the trainer are what runs.
+        learning_rate=t.lr, adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay,
+        max_grad_norm=t.grad_clip,
+    )
+    if grpo.generation_batch_size != samples or grpo.steps_per_generation != t.optimizer_steps:
+        raise SystemExit(f"GRPOConfig resolved generation_batch_size={grpo.generation_batch_size}, "
+                         f"steps_per_generation={grpo.steps_per_generation}; expected {samples}, {t.optimizer_steps}")
+    return grpo
+
+
+def make_reward(tokenizer):
+    from swarmrl.rewards.math import math_task_reward
+
+    eos = tokenizer.eos_token_id
+
+    def swarmrl_math(prompts, completions, completion_ids, verification_info, **_):
+        rewards = []
+        for ids, info in zip(completion_ids, verification_info):
+            ids = list(ids)
+            ids = ids[: ids.index(eos) + 1] if eos in ids else ids  # nothing after the stop token
+            # Special tokens kept, as swarmrl's scorer decodes: TRL's `completions` strip `</think>`.
+            rewards.append(math_task_reward(json.loads(info), tokenizer.decode(ids, skip_special_tokens=False))[0])
+        return rewards
+
+    return swarmrl_math
+
+
+def check_prompts(trainer, tokenizer, rows: list[dict]) -> str:
+    """Every train prompt must reach the model as exactly the ids swarmrl's sampler sees."""
+    from swarmrl.rl.tasks import model_input
+
+    want = [model_input(tokenizer, r["prompt"], None)[1] for r in rows]
+    got, _, _ = trainer._tokenize_prompts([[{"role": "user", "content": r["prompt"]}] for r in rows])
+    bad = sum(list(a) != b for a, b in zip(got, want))
+    if bad:
+        raise SystemExit(f"{bad}/{len(rows)} prompts tokenise differently in TRL than in swarmrl's model_input")
+    return f"conversational prompts, ids identical to model_input for all {len(rows)} rows"
+
+
+def run_trl(args, cfg, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOTrainer
+
+    from swarmrl.model.checkpoint import load_policy, save_policy
+    from swarmrl.rl.tasks import task_rows
+    from swarmrl.trainer.grpo import lr_lambda
+
+    hf_logging.disable_progress_bar()  # no bar per checkpoint write or model load
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_policy(args.model)
+    _, save_tokenizer = load_policy(args.model)  # a copy TRL never touches, for the checkpoints
+    train, _ = task_rows(cfg, log=lambda *_: None)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                  "verification_info": r["verification_info"]} for r in train])
+    t, per_gen = cfg.trainer, cfg.trainer.optimizer_steps
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ckpt_dir = out / "trl-checkpoints"
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    class SaveAndTime(TrainerCallback):
+        """Checkpoint every --eval-every generations and at the end; the wall time excludes saving."""
+
+        def __init__(self):
+            self.saves, self.t0, self.paused = [], 0.0, 0.0
+
+        def on_train_begin(self, args_, state, control, **kw):
+            self.t0 = time.monotonic()
+
+        def on_step_end(self, args_, state, control, model=None, **kw):
+            step = state.global_step
+            if step % (args.eval_every * per_gen) and step != state.max_steps:
+                return
+            wall = time.monotonic() - self.t0 - self.paused
+            started = time.monotonic()
+            path = save_policy(model, save_tokenizer, ckpt_dir / f"step-{step // per_gen:06d}")
+            self.paused += time.monotonic() - started
+            self.saves.append({"step": step // per_gen, "wall_s": round(wall, 1), "path": str(path)})
+
+        def on_log(self, args_, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "reward" in logs:
+                print(f"trl step {state.global_step / per_gen:g} reward {logs['reward']:.3f} zero-std groups "
+                      f"{logs.get('frac_reward_zero_std', float('nan')):.2f} lr {logs.get('learning_rate', 0):.2e}",
+                      flush=True)
+
+    timer = SaveAndTime()
+    trainer = GRPOTrainer(model=model, reward_funcs=make_reward(tokenizer), args=trl_config(args, cfg, out),
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[timer],
+                          optimizers=(optimizer, scheduler))
+    trainer.remove_callback(PrinterCallback)  # our on_log line instead of every raw log dict
+    prompts = check_prompts(trainer, tokenizer, train)
+    print(f"trl: {prompts}", flush=True)
+    started = time.monotonic()
+    trainer.train()
+    train_wall = time.monotonic() - started
+    curve = [{"step": 0, "wall_s": 0.0, "accuracy": eval_checkpoint(args.model, out / "trl-eval" / "step-000000", cfg)}]
+    for s in timer.saves:
+        acc = eval_checkpoint(s["path"], out / "trl-eval" / Path(s["path"]).name, cfg)
+        curve.append({"step": s["step"], "wall_s": s["wall_s"], "accuracy": acc})
+    final_wall = timer.saves[-1]["wall_s"] if timer.saves else train_wall
+    return {"side": "trl", "curve": curve, "trainer_wall_s": final_wall, "s_per_step": final_wall / args.steps,
+            "process_wall_s": round(train_wall, 1), "threads": f"{torch.get_num_threads()} (one process)",
+            "prompts": prompts}
+
+
+# ---- report -------------------------------------------------------------------------------------
+def time_to_gain(curve: list[dict], gain: float) -> float | None:
+    base = curve[0]["accuracy"]
+    return next((c["wall_s"] for c in curve if c["accuracy"] - base >= gain - 1e-9), None)
+
+
+def table(results: list[dict], gain: float) -> str:
+    pts = round(gain * 100)
+    lines = [f"| side | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts | process wall (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        reach = r["time_to_gain_s"]
+        lines.append(f"| {r['side']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} | {r['curve'][-1]['accuracy']:.3f} "
+                     f"| {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
+                     f"{f'{reach:.0f} s' if reach is not None else 'not reached'} | {r['process_wall_s']:.0f} |")
+    lines += ["", "| side | step | trainer wall (s) | held-out avg@4 (T=1) |", "|---|---|---|---|"]
+    for r in results:
+        lines += [f"| {r['side']} | {c['step']} | {c['wall_s']:.1f} | {c['accuracy']:.3f} |" for c in r["curve"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="base HF folder both sides start from (e.g. `swarmrl sft --output`)")
+    p.add_argument("--steps", type=int, default=60, help="generations (swarmrl rollout steps) per side")
+    p.add_argument("--eval-every", type=int, default=20, help="evaluate every N generations (and at the end)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
+    p.add_argument("--gain", type=float, default=0.20, help="the held-out gain whose wall time is reported")
+    p.add_argument("--out", default="/tmp/bench_trl")
+    p.add_argument("--skip-swarmrl", action="store_true")
+    p.add_argument("--skip-trl", action="store_true")
+    args = p.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        p.error(f"--model {args.model} is not a Hugging Face model folder")
+    if not args.skip_trl:
+        try:
+            import trl
+        except ImportError:
+            raise SystemExit('TRL is not installed; from the repository root: pip install -e ".[trl]"') from None
+    cfg = load_config(None, ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every),
+                             "--model.path", args.model])
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"cpu: {cpu_name()}; torch {torch.__version__}, default threads {torch.get_num_threads()}; "
+          f"trl {'skipped' if args.skip_trl else trl.__version__}", flush=True)
+    results = []
+    if not args.skip_swarmrl:
+        results.append(run_swarmrl(args, cfg, out))
+        print(f"swarmrl done: {results[-1]['trainer_wall_s']:.0f} s trainer wall", flush=True)
+    if not args.skip_trl:
+        results.append(run_trl(args, cfg, out))
+    for r in results:
+        r["time_to_gain_s"] = time_to_gain(r["curve"], args.gain)
+    times = {r["side"]: r["time_to_gain_s"] for r in results}
+    ratio = times["trl"] / times["swarmrl"] if times.get("trl") and times.get("swarmrl") else None
+    summary = {"cpu": cpu_name(), "torch": torch.__version__, "trl": None if args.skip_trl else trl.__version__,
+               "steps": args.steps, "eval_every": args.eval_every, "gain": args.gain,
+               "ratio_trl_over_swarmrl": ratio, "sides": results}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    text = table(results, args.gain)
+    text += (f"\nTRL / swarmrl time to +{round(args.gain * 100)} pts: "
+             f"{f'{ratio:.2f}' if ratio is not None else 'n/a (a side skipped or not reached)'}\n")
+    (out / "table.md").write_text(text)
+    print(f"cpu: {cpu_name()}\n" + text)
+
+
+if __name__ == "__main__":
+    main()
