@@ -9,10 +9,11 @@ cell of async bound k x objective x seed, and reads each run's metrics.jsonl:
              per token where the objective recomputes (the off-policy gap the correction sees)
 
 Objectives (see swarmrl/algorithm/offpolicy.py):
-  seed        old logprobs recomputed by the trainer, no correction (INTELLECT-2; today's default)
+  seed        old logprobs recomputed by the trainer, no correction (INTELLECT-2; the default
+              before this study)
   behaviour   old logprobs = the worker's: the PPO clip itself bounds the off-policy ratio
   decoupled   decoupled PPO (AReaL): clip against the recomputed policy, weight each token by
-              min(p_prox / p_behav, 2)
+              min(p_prox / p_behav, 2) (the default since this study)
   masked      decoupled, and tokens whose ratio leaves [1/4, 4] are dropped
   sequence    decoupled with the geometric mean of a sequence's ratios, capped at 2
 
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 OBJECTIVES = {
-    "seed": [],
+    "seed": ["--algorithm.tis_cap", "off"],
     "behaviour": ["--algorithm.old_logprobs", "inference"],
     "decoupled": ["--algorithm.tis_cap", "2.0"],
     "masked": ["--algorithm.tis_cap", "2.0", "--algorithm.tis_mask_band", "4.0"],

@@ -86,7 +86,7 @@ def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):
     (["--algorithm.tis_cap", "0"], ["algorithm.tis_cap", "greater than 0"]),
     (["--algorithm.tis_level", "group"], ["algorithm.tis_level", "'token' or 'sequence'"]),
     (["--algorithm.tis_cap", "2", "--algorithm.old_logprobs", "inference"], ["tis_cap", "recompute"]),
-    (["--algorithm.tis_mask_band", "2"], ["tis_mask_band", "needs algorithm.tis_cap"]),
+    (["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "2"], ["tis_mask_band", "needs algorithm.tis_cap"]),
 ])
 def test_bad_override_exits_2_without_traceback(tmp_path, args, needles):
     proc = swarmrl("rl", "--dry-run", *args, cwd=tmp_path)

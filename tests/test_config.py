@@ -282,7 +282,25 @@ def test_off_policy_correction_settings_are_checked():
     assert (cfg.algorithm.tis_cap, cfg.algorithm.tis_level, cfg.algorithm.tis_mask_band) == (2.0, "sequence", 4.0)
     for bad, needle in ((["--algorithm.tis_cap", "-1"], "tis_cap"),
                         (["--algorithm.tis_cap", "2", "--algorithm.tis_mask_band", "0.5"], "tis_mask_band"),
-                        (["--algorithm.tis_mask_band", "3"], "needs algorithm.tis_cap"),
-                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_cap", "2"], "recompute")):
+                        (["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "3"], "needs algorithm.tis_cap"),
+                        (["--algorithm.tis_cap", "0"], "greater than 0"),
+                        (["--algorithm.tis_cap", "sometimes"], "tis_cap"),
+                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_cap", "2"], "recompute"),
+                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_mask_band", "3"], "recompute")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, bad)
+
+
+def test_decoupled_ppo_is_the_default_and_off_survives_a_round_trip(tmp_path):
+    assert load_config(None, []).algorithm.tis_cap == 2.0  # chosen by the async study
+    for text in ("off", "none", "OFF"):
+        assert load_config(None, ["--algorithm.tis_cap", text]).algorithm.tis_cap == "off"
+    # Behaviour PPO alone is valid: the default cap does not apply there (its ratio is 1).
+    behaviour = load_config(None, ["--algorithm.old_logprobs", "inference"])
+    assert behaviour.algorithm.tis_cap == "off"
+    # A run's config.toml is what its trainer reloads: "off" must not come back as the default.
+    for cfg in (behaviour, load_config(None, ["--algorithm.tis_cap", "off"])):
+        path = tmp_path / "config.toml"
+        path.write_text(cfg.to_toml())
+        assert load_config(path, []).algorithm.tis_cap == "off"
+        assert load_config(path, []) == cfg

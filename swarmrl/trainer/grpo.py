@@ -128,7 +128,7 @@ class GRPOTrainer:
         else:
             old_lp = inf_lp
         tis = None
-        if alg.tis_cap is not None:  # the config allows it only with old_logprobs = "recompute"
+        if alg.tis_cap != "off":  # the config turns it off with old_logprobs = "inference"
             # Decoupled PPO: the clip anchors on the proximal (recomputed) policy, and each token
             # is re-weighted from the stale policy that sampled it to that proximal one.
             tis, is_metrics = behaviour_weights(old_lp, inf_lp, mask, cap=alg.tis_cap, level=alg.tis_level,
