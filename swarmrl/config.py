@@ -174,7 +174,8 @@ class AlgorithmConfig(_Section):
     policy that sampled the token, so this is decoupled PPO (Fu et al. 2025, AReaL) for stale
     async rollouts, and the truncated importance-sampling fix for inference/trainer mismatch
     (Yao et al. 2025) on fresh ones. The default since the async study (docs/learning.md): at
-    k = 4 it kept held-out accuracy within 2 points of k = 0 where the seed run's objective lost 9.
+    k = 4 it kept held-out accuracy within 1.8-3.6 points of k = 0 where the seed run's objective
+    lost 7-9.
     "off": no weights (the seed run's objective). Ignored (off) with old_logprobs = "inference",
     where the ratio is 1 by construction; setting it explicitly there is an error."""
 
@@ -202,8 +203,9 @@ class AlgorithmConfig(_Section):
 
 class TrainerConfig(_Section):
     steps: int = Field(60, ge=1)
-    """Rollout steps (policy versions) to train. 60 takes the default base from ~0.31 to ~0.85
-    held-out (docs/learning.md); 120 reached 0.91 in one run, at twice the time."""
+    """Rollout steps (policy versions) to train. 60 took the default bases from 0.23-0.31 to
+    0.74-0.83 held-out over 3 seeds (docs/learning.md); 120 reached 0.91 in one run, at twice the
+    time."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
