@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmrl.orchestrator.auth import public_key_hex
+from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import ShardServer, fetch_version, publish_version, read_versions
 from swarmrl.transport.relay import Relay
 

@@ -45,7 +45,7 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarmrl.model.tokenizer import build_char_tokenizer
-    from swarmrl.orchestrator.client import WorkerClient
+    from swarmrl.protocol.client import WorkerClient
     from swarmrl.proofs.toploc import chunk_count, encode, to_bytes
 
     tok = build_char_tokenizer()
@@ -104,8 +104,8 @@ def main() -> None:
 
     from swarmrl.config import load_config
     from swarmrl.model.checkpoint import build_tiny_policy, save_policy
-    from swarmrl.orchestrator.client import TrainerClient
-    from swarmrl.rl.tasks import task_rows
+    from swarmrl.protocol.client import TrainerClient
+    from swarmrl.tasks.source import task_rows
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarmrl.transport.broadcast import publish_version

@@ -147,7 +147,7 @@ def make_reward(tokenizer):
 
 def check_prompts(trainer, tokenizer, rows: list[dict]) -> str:
     """Every train prompt must reach the model as exactly the ids swarmrl's sampler sees."""
-    from swarmrl.rl.tasks import model_input
+    from swarmrl.tasks.source import model_input
 
     want = [model_input(tokenizer, r["prompt"], None)[1] for r in rows]
     got, _, _ = trainer._tokenize_prompts([[{"role": "user", "content": r["prompt"]}] for r in rows])
@@ -165,7 +165,7 @@ def run_trl(args, cfg, out: Path) -> dict:
     from trl import GRPOTrainer
 
     from swarmrl.model.checkpoint import load_policy, save_policy
-    from swarmrl.rl.tasks import task_rows
+    from swarmrl.tasks.source import task_rows
     from swarmrl.trainer.grpo import lr_lambda
 
     hf_logging.disable_progress_bar()  # no bar per checkpoint write or model load

@@ -30,8 +30,8 @@ from swarmrl.config import load_config
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import build_tiny_policy, load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
-from swarmrl.rl.tasks import model_input, task_rows
 from swarmrl.sft.warmstart import base_cache_key
+from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.validator.core import Validator
 
 

@@ -30,7 +30,7 @@ from swarmrl.config import ValidatorConfig, load_config
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
-from swarmrl.rl.tasks import model_input, task_rows
+from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.validator.core import Validator
 
 

@@ -27,7 +27,7 @@ from swarmrl.config import load_config
 from swarmrl.inference.sampler import Sampler
 from swarmrl.inference.seeded import seeded_choice, stream_keys, uniform_noise
 from swarmrl.model.checkpoint import build_tiny_policy
-from swarmrl.rl.rollouts import Group, Sample
+from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.grpo import GRPOTrainer
 

@@ -29,7 +29,13 @@ CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarmrl", description="Asynchronous GRPO over verifiable rewards.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_local_commands(sub)
+    _add_role_commands(sub)
+    return p
 
+
+def _add_local_commands(sub) -> None:
+    """Commands that run on this machine alone: rl, sft, score, serve, eval, tasks."""
     rl = sub.add_parser("rl", help=COMMANDS["rl"], description=COMMANDS["rl"], epilog=CONFIG_EPILOG)
     rl.add_argument("--config", help="TOML config file (default: the embedded default)")
     rl.add_argument("--run-dir", help="run directory (default: a new folder under runs/)")
@@ -112,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     tk.add_argument("--split", default="train", choices=["train", "test"])
     tk.add_argument("--seed", type=int, default=0)
 
+
+def _add_role_commands(sub) -> None:
+    """The roles of a run started by hand: orchestrator, trainer, worker, validator, relay."""
     orc = sub.add_parser("orchestrator", help=COMMANDS["orchestrator"], description=COMMANDS["orchestrator"])
     orc.add_argument("--run-dir", required=True, help="run directory with config.toml and policies/v000000")
     orc.add_argument("--host", help="bind address (default: orchestrator.host from the config)")
@@ -138,11 +147,11 @@ def _parser() -> argparse.ArgumentParser:
                                                   "(the origin the orchestrator names is tried last)")
     wk.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it "
                                           "(<run-dir>/trainer.pub); versions it did not sign are refused")
-    from swarmrl.inference.adversary import KINDS
+    from swarmrl.config import ADVERSARY_KINDS
 
-    wk.add_argument("--adversary", choices=list(KINDS), metavar="KIND",
+    wk.add_argument("--adversary", choices=list(ADVERSARY_KINDS), metavar="KIND",
                     help="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator bans the key). "
-                         + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
+                         + "; ".join(f"{k}: {v}" for k, v in ADVERSARY_KINDS.items()))
 
     va = sub.add_parser("validator", help=COMMANDS["validator"], description=COMMANDS["validator"] + (
         " Claims groups from the orchestrator with the validator token, fetches the claimed policy versions "
@@ -174,7 +183,6 @@ def _parser() -> argparse.ArgumentParser:
                      help="tries to reach an upstream at start before giving up with an error")
     rel.add_argument("--url-file", help="write {\"url\": ...} here once listening (for launchers)")
     rel.add_argument("--max-bytes-per-s", type=float, help="cap on the bytes per second this relay serves in all")
-    return p
 
 
 def _key_arg(value: str | None) -> str | None:
@@ -194,12 +202,15 @@ def _fail(msg: str) -> None:
 def _config(args, overrides):
     from swarmrl.config import ConfigError, load_config
 
+    from swarmrl.rewards import registry
+
     try:
         cfg = load_config(args.config, overrides)
         if getattr(args, "run_dir", None):
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        registry.load(cfg.tasks.types)
         return cfg
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         _fail(str(e))
 
 
@@ -223,8 +234,8 @@ def _run_eval(args, cfg) -> None:
 
     from swarmrl.eval.formats import load_benchmark
     from swarmrl.eval.runner import EndpointBackend, EvalSettings, ModelBackend, evaluate_rows, progress_bar
-    from swarmrl.rewards.code import code_grader_for
     from swarmrl.rewards.pool import VerifierPool
+    from swarmrl.rewards.registry import open_graders
     from swarmrl.sandbox.runner import SandboxUnavailable
 
     for name, value, low in (("--k", args.k, 1), ("--max-tokens", args.max_tokens, 1), ("--concurrency", args.concurrency, 1)):
@@ -263,7 +274,7 @@ def _run_eval(args, cfg) -> None:
             backend = EndpointBackend(args.endpoint, model=args.served_model,
                                       api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                                       concurrency=args.concurrency)
-        code = code_grader_for(rows, cfg.sandbox)
+        graders = open_graders(rows, cfg.sandbox)
     except (ValueError, OSError, SandboxUnavailable) as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - e.g. an unreachable endpoint (httpx errors)
@@ -273,15 +284,14 @@ def _run_eval(args, cfg) -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         with VerifierPool(args.workers, 5.0) as pool:
-            results, summary = evaluate_rows(rows, backend, settings, pool=pool, code=code,
+            results, summary = evaluate_rows(rows, backend, settings, pool=pool, graders=graders,
                                              progress=progress_bar(len(rows), "eval"))
     except ValueError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - a failing endpoint mid-run: say so, no traceback
         _fail(f"evaluation stopped: {type(e).__name__}: {e}")
     finally:
-        if code is not None:
-            code.close()
+        graders.close()
     with open(out / "results.jsonl", "w", encoding="utf-8") as handle:
         for r in results:
             handle.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -308,13 +318,202 @@ def _quiet_libraries() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _cmd_sft(args, extra: list[str]) -> None:
+    from pathlib import Path
+
+    from swarmrl.sft.warmstart import base_cache_key, train_sft
+
+    cfg = _config(args, extra)
+    if args.dry_run:
+        print(cfg.to_toml())
+        return
+    out = Path(args.output) if args.output else Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
+    print(f"wrote {train_sft(cfg, out)}")
+
+
+def _cmd_rl(args, extra: list[str]) -> None:
+    cfg = _config(args, extra)
+    if args.dry_run:
+        print(cfg.to_toml())
+        return
+    if args.resume and not args.run_dir:
+        _fail("--resume needs --run-dir: the run to continue")
+    from swarmrl.launch.launcher import ChildDied, run_rl
+    from swarmrl.sandbox.runner import SandboxUnavailable
+
+    # Ctrl-C must reach the launcher even when it was started from a shell that ignores
+    # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    if args.resume:
+        from pathlib import Path
+
+        from swarmrl.config import load_config
+
+        if not (Path(args.run_dir) / "config.toml").exists():
+            _fail(f"{args.run_dir} has no config.toml: it is not a swarmrl run directory")
+        cfg = load_config(Path(args.run_dir) / "config.toml")
+    try:
+        summary = run_rl(cfg, resume=args.resume, prepare_only=args.prepare)
+    except (ChildDied, FileExistsError, ValueError, FileNotFoundError, SandboxUnavailable) as e:
+        _fail(str(e))
+    print(json.dumps(summary, indent=1))
+
+
+def _cmd_score(args, extra: list[str]) -> None:
+    from swarmrl.rewards.pool import VerifierPool
+    from swarmrl.rewards.scoring import score_file
+
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    else:
+        from swarmrl.model.tokenizer import build_char_tokenizer
+
+        tok = build_char_tokenizer()
+    from swarmrl.rewards.registry import open_graders
+    from swarmrl.sandbox.runner import SandboxUnavailable
+
+    cfg = _config(args, extra)
+    if not os.path.exists(args.input):
+        _fail(f"--input {args.input} does not exist")
+    try:
+        graders = open_graders(_peek_task_types(args.input), cfg.sandbox)
+    except SandboxUnavailable as e:
+        _fail(str(e))
+    try:
+        with VerifierPool(args.workers, args.timeout) as pool:
+            counts = score_file(args.input, args.output, pool=pool,
+                                count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]),
+                                length_mode=args.length_mode, length_coef=args.length_coef, graders=graders)
+    finally:
+        graders.close()
+    print(json.dumps(counts))
+
+
+def _cmd_tasks(args, extra: list[str]) -> None:
+    from swarmrl.data.loading import write_jsonl
+    from swarmrl.tasks import arithmetic
+    from swarmrl.tasks import code as code_tasks
+
+    if args.completions and args.kind != "code":
+        _fail("--completions is for --kind code (arithmetic rows have no reference programs)")
+    try:
+        if args.kind == "code":
+            rows = code_tasks.generate(completions=args.completions)
+        else:
+            rows = arithmetic.generate(args.n, digits=args.digits, ops=args.ops, split=args.split, seed=args.seed)
+    except ValueError as e:
+        _fail(str(e))
+    print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")
+
+
+def _cmd_eval(args, extra: list[str]) -> None:
+    _run_eval(args, _config(args, extra))
+
+
+def _cmd_serve(args, extra: list[str]) -> None:
+    from swarmrl.serve.app import serve
+
+    if not os.path.isdir(args.model):
+        _fail(f"--model {args.model} is not a folder; pass a local Hugging Face checkpoint folder")
+    try:
+        serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+              model_name=args.served_model_name, max_batch_rows=args.max_batch,
+              batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
+              default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+
+
+def _cmd_orchestrator(args, extra: list[str]) -> None:
+    from swarmrl.orchestrator.server import serve
+    from swarmrl.sandbox.runner import SandboxUnavailable
+    from swarmrl.validator.runner import start_in_process
+
+    try:
+        serve(args.run_dir, host=args.host, port=args.port, resume=args.resume, start_validator=start_in_process)
+    except (FileNotFoundError, OSError, SandboxUnavailable) as e:
+        _fail(str(e))
+
+
+def _cmd_trainer(args, extra: list[str]) -> None:
+    from swarmrl.trainer.loop import run_trainer
+
+    try:
+        run_trainer(args.run_dir, resume=args.resume, orchestrator=args.orchestrator, token_file=args.token_file)
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+def _cmd_worker(args, extra: list[str]) -> None:
+    from swarmrl.inference.worker import Worker, run_worker
+    from swarmrl.protocol.signing import AuthError
+
+    worker_class = Worker
+    if args.adversary:  # test-only cheats live outside the production inference package
+        from swarmrl.adversary.workers import adversary_class
+
+        worker_class = adversary_class(args.adversary)
+    try:
+        run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
+                   threads=args.threads, device=args.device, dtype=args.dtype, worker_class=worker_class,
+                   relays=[u.strip() for u in args.relays.split(",") if u.strip()],
+                   trainer_key=_key_arg(args.trainer_key))
+    except AuthError as e:
+        _fail(str(e))
+
+
+def _cmd_relay(args, extra: list[str]) -> None:
+    from swarmrl.transport.broadcast import BroadcastError
+    from swarmrl.transport.relay import run_relay
+
+    key = _key_arg(args.trainer_key)
+    try:
+        run_relay([u.strip() for u in args.upstream.split(",") if u.strip()], args.cache_dir, host=args.host,
+                  port=args.port, keep=args.keep, public_key=key, startup_tries=args.startup_tries,
+                  url_file=args.url_file, max_bytes_per_s=args.max_bytes_per_s)
+    except BroadcastError as e:
+        print(f"swarmrl relay: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _cmd_validator(args, extra: list[str]) -> None:
+    from swarmrl.validator.runner import run_external
+
+    try:
+        run_external(args.orchestrator, token_file=args.token_file, cache_dir=args.cache_dir,
+                     threads=args.threads, device=args.device, dtype=args.dtype,
+                     relays=[u.strip() for u in args.relays.split(",") if u.strip()],
+                     trainer_key=_key_arg(args.trainer_key))
+    except FileNotFoundError as e:
+        _fail(str(e))
+
+
+COMMAND_FUNCTIONS = {
+    "rl": _cmd_rl,
+    "sft": _cmd_sft,
+    "score": _cmd_score,
+    "tasks": _cmd_tasks,
+    "eval": _cmd_eval,
+    "serve": _cmd_serve,
+    "orchestrator": _cmd_orchestrator,
+    "trainer": _cmd_trainer,
+    "worker": _cmd_worker,
+    "relay": _cmd_relay,
+    "validator": _cmd_validator,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("rl", "sft", "score", "eval"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "score" and any(a.startswith("--") and not a.startswith("--sandbox.") for a in extra):
-        parser.error(f"unrecognized arguments: {' '.join(extra)} (score takes --sandbox.FIELD VALUE overrides only)")
+    if args.command == "score" and any(a.startswith("--") and not a.startswith(("--sandbox.", "--tasks.")) for a in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (score takes --sandbox.FIELD and --tasks.types "
+                     "overrides only)")
     if args.command == "eval" and any(a.startswith("--") and not a.startswith(("--sandbox.", "--tasks.")) for a in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (eval takes --tasks.FIELD and --sandbox.FIELD "
                      "overrides only)")
@@ -322,168 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    if args.command in ("rl", "sft"):
-        cfg = _config(args, extra)
-        if args.dry_run:
-            print(cfg.to_toml())
-            return
-        if args.command == "sft":
-            from pathlib import Path
-
-            from swarmrl.sft.warmstart import base_cache_key, train_sft
-
-            out = Path(args.output) if args.output else Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
-            print(f"wrote {train_sft(cfg, out)}")
-            return
-        if args.resume and not args.run_dir:
-            _fail("--resume needs --run-dir: the run to continue")
-        from swarmrl.rl.launcher import ChildDied, run_rl
-        from swarmrl.sandbox.runner import SandboxUnavailable
-
-        # Ctrl-C must reach the launcher even when it was started from a shell that ignores
-        # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-        if args.resume:
-            from pathlib import Path
-
-            from swarmrl.config import load_config
-
-            if not (Path(args.run_dir) / "config.toml").exists():
-                _fail(f"{args.run_dir} has no config.toml: it is not a swarmrl run directory")
-            cfg = load_config(Path(args.run_dir) / "config.toml")
-        try:
-            summary = run_rl(cfg, resume=args.resume, prepare_only=args.prepare)
-        except (ChildDied, FileExistsError, ValueError, FileNotFoundError, SandboxUnavailable) as e:
-            _fail(str(e))
-        print(json.dumps(summary, indent=1))
-        return
-
-    if args.command == "score":
-        from swarmrl.rewards.pool import VerifierPool
-        from swarmrl.rewards.scoring import score_file
-
-        if args.tokenizer:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-        else:
-            from swarmrl.model.tokenizer import build_char_tokenizer
-
-            tok = build_char_tokenizer()
-        from swarmrl.rewards.code import code_grader_for
-        from swarmrl.sandbox.runner import SandboxUnavailable
-
-        cfg = _config(args, extra)
-        if not os.path.exists(args.input):
-            _fail(f"--input {args.input} does not exist")
-        try:
-            code = code_grader_for(_peek_task_types(args.input), cfg.sandbox)
-        except SandboxUnavailable as e:
-            _fail(str(e))
-        try:
-            with VerifierPool(args.workers, args.timeout) as pool:
-                counts = score_file(args.input, args.output, pool=pool,
-                                    count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]),
-                                    length_mode=args.length_mode, length_coef=args.length_coef, code=code)
-        finally:
-            if code is not None:
-                code.close()
-        print(json.dumps(counts))
-        return
-
-    if args.command == "tasks":
-        from swarmrl.data.loading import write_jsonl
-        from swarmrl.tasks import arithmetic
-        from swarmrl.tasks import code as code_tasks
-
-        if args.completions and args.kind != "code":
-            _fail("--completions is for --kind code (arithmetic rows have no reference programs)")
-        try:
-            if args.kind == "code":
-                rows = code_tasks.generate(completions=args.completions)
-            else:
-                rows = arithmetic.generate(args.n, digits=args.digits, ops=args.ops, split=args.split, seed=args.seed)
-        except ValueError as e:
-            _fail(str(e))
-        print(f"wrote {write_jsonl(rows, args.output)} rows to {args.output}")
-        return
-
-    if args.command == "eval":
-        _run_eval(args, _config(args, extra))
-        return
-
-    if args.command == "serve":
-        from swarmrl.serve.app import serve
-
-        if not os.path.isdir(args.model):
-            _fail(f"--model {args.model} is not a folder; pass a local Hugging Face checkpoint folder")
-        try:
-            serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-                  model_name=args.served_model_name, max_batch_rows=args.max_batch,
-                  batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
-                  default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads)
-        except (OSError, ValueError) as e:
-            _fail(str(e))
-        return
-
-    if args.command == "orchestrator":
-        from swarmrl.orchestrator.server import serve
-        from swarmrl.sandbox.runner import SandboxUnavailable
-
-        try:
-            serve(args.run_dir, host=args.host, port=args.port, resume=args.resume)
-        except (FileNotFoundError, OSError, SandboxUnavailable) as e:
-            _fail(str(e))
-        return
-
-    if args.command == "trainer":
-        from swarmrl.trainer.loop import run_trainer
-
-        try:
-            run_trainer(args.run_dir, resume=args.resume, orchestrator=args.orchestrator, token_file=args.token_file)
-        except FileNotFoundError as e:
-            _fail(str(e))
-        return
-
-    if args.command == "worker":
-        from swarmrl.inference.worker import run_worker
-        from swarmrl.orchestrator.auth import AuthError
-
-        try:
-            run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
-                       threads=args.threads, device=args.device, dtype=args.dtype, adversary=args.adversary,
-                       relays=[u.strip() for u in args.relays.split(",") if u.strip()],
-                       trainer_key=_key_arg(args.trainer_key))
-        except AuthError as e:
-            _fail(str(e))
-        return
-
-    if args.command == "relay":
-        from swarmrl.transport.broadcast import BroadcastError
-        from swarmrl.transport.relay import run_relay
-
-        key = _key_arg(args.trainer_key)
-        try:
-            run_relay([u.strip() for u in args.upstream.split(",") if u.strip()], args.cache_dir, host=args.host,
-                      port=args.port, keep=args.keep, public_key=key, startup_tries=args.startup_tries,
-                      url_file=args.url_file, max_bytes_per_s=args.max_bytes_per_s)
-        except BroadcastError as e:
-            print(f"swarmrl relay: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
-        return
-
-    if args.command == "validator":
-        from swarmrl.validator.runner import run_external
-
-        try:
-            run_external(args.orchestrator, token_file=args.token_file, cache_dir=args.cache_dir,
-                         threads=args.threads, device=args.device, dtype=args.dtype,
-                         relays=[u.strip() for u in args.relays.split(",") if u.strip()],
-                         trainer_key=_key_arg(args.trainer_key))
-        except FileNotFoundError as e:
-            _fail(str(e))
-        return
+    COMMAND_FUNCTIONS[args.command](args, extra)
 
 
 if __name__ == "__main__":

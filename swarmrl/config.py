@@ -21,6 +21,24 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+
+# The scripted cheats `swarmrl worker --adversary` and `async.adversaries` can run (implemented in
+# swarmrl/adversary/workers.py; named here so that validating a config imports nothing above it).
+ADVERSARY_KINDS = {
+    "other_model": "samples with another model of the same architecture (re-initialised weights)",
+    "old_version": "keeps sampling with the first policy version it loaded, claiming each newer one",
+    "edit_tokens": "changes one token of every completion; proofs and logprobs rebuilt for the edit",
+    "edit_logprobs": "reports every logprob as more confident than it was",
+    "cherry_pick": "best of 4 samples with its own seeds (by total logprob), proofs and logprobs honest",
+    "claim_reward": "attaches a reward of 1.0 to every completion",
+    "replay": "answers each lease with the completions (and proofs) of its previous lease",
+    "garbage_proofs": "sends well-formed proofs of random polynomials",
+    "truncated_proofs": "sends its proofs cut short",
+    "missing_proofs": "sends no proofs",
+    "wrong_group_size": "drops one completion from every group",
+}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -42,6 +60,10 @@ class TasksConfig(_Section):
     source: str = "arithmetic"
     """"arithmetic" for the built-in procedural task, or a path to tasks in the INTELLECT-2 RL
     dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    types: list[str] = Field(default_factory=list)
+    """Task types beyond the built-in ones (verifiable_math, prime_rl_code, multiple_choice), as
+    "module:ATTRIBUTE" naming a swarmrl.rewards.registry.TaskType in a module on the Python path;
+    every process of the run registers them (docs/architecture.md, "Adding a task type")."""
     eval_source: str | None = None
     """Held-out tasks for a file `source` (same formats). None with "arithmetic": its held-out split."""
     digits: int = Field(2, ge=1, le=9)
@@ -444,11 +466,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        from swarmrl.inference.adversary import KINDS
-
         for kind in self.async_.adversaries:
-            if kind not in KINDS:
-                raise ValueError(f"async.adversaries: unknown kind {kind!r}; one of: {', '.join(KINDS)}")
+            if kind not in ADVERSARY_KINDS:
+                raise ValueError(f"async.adversaries: unknown kind {kind!r}; one of: {', '.join(ADVERSARY_KINDS)}")
         samples = self.sampling.prompts_per_step * self.sampling.group_size
         if samples % self.trainer.optimizer_steps:
             raise ValueError(

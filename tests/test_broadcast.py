@@ -16,26 +16,23 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmrl.orchestrator.auth import public_key_hex
+from swarmrl.protocol.signing import public_key_hex
+from swarmrl.protocol.manifest import FORMAT, canonical, manifest_digest, verify_manifest
 from swarmrl.transport.broadcast import (
-    FORMAT,
     INSTALLED_MANIFEST,
     BroadcastError,
     ShardRequestHandler,
     ShardServer,
     SourceScores,
-    canonical,
     download_shards,
     fetch_manifest,
     fetch_version,
     list_versions,
-    manifest_digest,
     mirror_version,
     prune_versions,
     publish_version,
     read_versions,
     unpublish_version,
-    verify_manifest,
 )
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,9 +8,10 @@ import sqlite3
 import torch
 
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice
-from swarmrl.validator.reasons import FRAUD_REASONS
 from swarmrl.orchestrator.store import Store
-from swarmrl.validator.checks import sampling_margins, termination_problem, token_logprobs
+from swarmrl.protocol.reasons import FRAUD_REASONS
+from swarmrl.protocol.rules import termination_problem
+from swarmrl.validator.checks import sampling_margins, token_logprobs
 
 STOP = [0]
 

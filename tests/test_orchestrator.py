@@ -28,9 +28,9 @@ from orchestrator_harness import (
 )
 
 from swarmrl.model.tokenizer import build_char_tokenizer
-from swarmrl.orchestrator.auth import sign_headers
-from swarmrl.orchestrator.client import Refused, TrainerClient, Unavailable, WorkerClient
-from swarmrl.rl.tasks import model_input
+from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
+from swarmrl.protocol.signing import sign_headers
+from swarmrl.tasks.source import model_input
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -376,7 +376,7 @@ def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
 
 
 def test_worker_key_file_is_private_and_stable(tmp_path):
-    from swarmrl.orchestrator.auth import AuthError, load_or_create_key, public_key_hex
+    from swarmrl.protocol.signing import AuthError, load_or_create_key, public_key_hex
 
     path = tmp_path / "keys" / "w.pem"
     a = load_or_create_key(path)

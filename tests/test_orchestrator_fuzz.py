@@ -19,8 +19,8 @@ from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_versi
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from swarmrl.orchestrator.auth import sign_headers
-from swarmrl.orchestrator.client import TrainerClient, WorkerClient
+from swarmrl.protocol.client import TrainerClient, WorkerClient
+from swarmrl.protocol.signing import sign_headers
 
 pytestmark = pytest.mark.timeout(600)
 

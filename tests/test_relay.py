@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmrl.orchestrator.auth import public_key_hex
+from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import (
     BroadcastError,
     ShardServer,

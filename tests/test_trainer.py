@@ -24,7 +24,7 @@ import torch
 from swarmrl.algorithm.advantages import group_advantages
 from swarmrl.config import load_config
 from swarmrl.model.checkpoint import build_tiny_policy
-from swarmrl.rl.rollouts import Group, Sample
+from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.trainer.batch import TrainBatch, build_train_batch
 from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed

@@ -30,12 +30,12 @@ from orchestrator_harness import (
     signed_version,
 )
 
-from swarmrl.inference.adversary import AdversarialWorker
+from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
-from swarmrl.orchestrator.auth import public_key_hex, sign_headers
-from swarmrl.orchestrator.client import Refused, TrainerClient
-from swarmrl.rl.tasks import model_input
+from swarmrl.protocol.client import Refused, TrainerClient
+from swarmrl.protocol.signing import public_key_hex, sign_headers
+from swarmrl.tasks.source import model_input
 from swarmrl.transport.broadcast import ShardServer
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from swarmrl.eval.metrics import ks_for, length_adherence, pass_at_k
-from swarmrl.rewards.code import CodeGrader
+from swarmrl.model.tokenizer import decode_completion
 from swarmrl.rewards.length import with_length_target
 from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.registry import Graders
 from swarmrl.rewards.scoring import score_rows
-from swarmrl.serve.engine import decode_completion
 
 SEED_STRIDE = 1_000  # samples per problem are at most this many
 
@@ -65,11 +65,11 @@ class ModelBackend:
     """A local checkpoint through the project's batched, seeded sampler."""
 
     def __init__(self, model, tokenizer, *, batch_rows: int = 64):
-        from swarmrl.inference.sampler import Sampler
+        from swarmrl.inference.engine import build_engine
 
         self.tokenizer = tokenizer
         self.stop_ids = [tokenizer.eos_token_id]
-        self.sampler = Sampler(model, stop_token_ids=self.stop_ids, pad_token_id=tokenizer.pad_token_id)
+        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids)
         self.batch_rows = batch_rows
         self.model = model
 
@@ -188,7 +188,7 @@ def progress_bar(total: int, label: str):
 
 
 def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: VerifierPool,
-                  code: CodeGrader | None = None, progress: Callable[[int], None] | None = None
+                  graders: Graders | None = None, progress: Callable[[int], None] | None = None
                   ) -> tuple[list[dict], dict]:
     """Per-problem results and the summary (see the module docstring)."""
     if not 1 <= settings.k <= SEED_STRIDE:
@@ -206,7 +206,7 @@ def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: Ve
         graded = [{"problem_id": r["problem_id"], "task_type": r["task_type"], "prompt": r["prompt"],
                    "verification_info": r["verification_info"], "completion": s.text}
                   for r, group in zip(chunk, samples) for s in group]
-        scores = iter(score_rows(graded, pool=pool, count_tokens=lambda text: 0, code=code))
+        scores = iter(score_rows(graded, pool=pool, count_tokens=lambda text: 0, graders=graders))
         for r, group in zip(chunk, samples):
             mine = [next(scores) for _ in group]
             rewards = [s.task_reward for s in mine]

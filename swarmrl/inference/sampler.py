@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-from torch import Tensor
 import inspect
 
+import torch
+from torch import Tensor
 from transformers import DynamicCache
 
 from swarmrl.inference.seeded import seeded_choice
@@ -38,6 +38,11 @@ class Completion:
 
 
 class Sampler:
+    """The built-in rollout engine (swarmrl.inference.engine)."""
+
+    provides_hidden = True
+    seeded = True
+
     def __init__(self, model, *, stop_token_ids: list[int], pad_token_id: int):
         if not stop_token_ids:
             raise ValueError("the sampler needs at least one stop token id (the tokenizer's eos)")

@@ -22,14 +22,17 @@ import time
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
-from swarmrl.inference.sampler import Sampler
+from swarmrl.inference.engine import RolloutEngine, build_engine
 from swarmrl.model.checkpoint import load_policy
-from swarmrl.orchestrator.auth import load_or_create_key
-from swarmrl.orchestrator.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
+from swarmrl.protocol.messages import Lease, LeaseReply
+from swarmrl.protocol.signing import load_or_create_key
+from swarmrl.protocol.manifest import manifest_digest
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
 from swarmrl.transport.filesystem import atomic_write_text
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version, manifest_digest
 
 
 def _log(msg: str) -> None:
@@ -55,7 +58,7 @@ class Worker:
         self.parallel, self.timeout_s, self.scores = parallel, timeout_s, SourceScores()
         self.version: int | None = None
         self.digest: str | None = None
-        self.sampler: Sampler | None = None
+        self.sampler: RolloutEngine | None = None
         launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
         self.parent = int(launcher) if launcher else None
 
@@ -92,7 +95,7 @@ class Worker:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
-        self.sampler = Sampler(model.eval(), stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+        self.sampler = build_engine(model.eval(), tok)
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
         self.log(f"policy v{version} loaded in {time.monotonic() - t0:.2f} s; shards from "
                  + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
@@ -100,23 +103,23 @@ class Worker:
         return True
 
     # ---- work --------------------------------------------------------------------------------
-    def generate(self, lease: dict) -> dict:
+    def generate(self, lease: Lease | dict) -> dict:
         """Sample every prompt of a lease with the lease's seeds and settings; the submission body."""
-        g = lease["group_size"]
-        prompts = [p["prompt_ids"] for p in lease["prompts"] for _ in range(g)]
-        seeds = [s for p in lease["prompts"] for s in p["seeds"]]
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease["max_new_tokens"],
-                                     temperature=lease["temperature"], return_hidden=True)
-        proof = lease["proof"]
-        proofs = build_proofs_many([o.hidden for o in outs], chunk_size=proof["chunk_size"], topk=proof["topk"])
+        lease = Lease.model_validate(lease)
+        g = lease.group_size
+        prompts = [p.prompt_ids for p in lease.prompts for _ in range(g)]
+        seeds = [s for p in lease.prompts for s in p.seeds]
+        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease.max_new_tokens,
+                                     temperature=lease.temperature, return_hidden=True)
+        proofs = build_proofs_many([o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)
         groups = []
-        for i, p in enumerate(lease["prompts"]):
+        for i, p in enumerate(lease.prompts):
             block = range(i * g, (i + 1) * g)
-            groups.append({"slot": p["slot"], "policy_version": self.version,
+            groups.append({"slot": p.slot, "policy_version": self.version,
                            "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs,
                                         "finish_reason": outs[j].finish_reason, "proofs": encode(proofs[j])}
                                        for j in block]})
-        return {"lease_id": lease["lease_id"], "groups": groups}
+        return {"lease_id": lease.lease_id, "groups": groups}
 
     def deliver(self, path: Path) -> dict | None:
         """Send one outbox entry until it is accepted, refused, or its lease has expired."""
@@ -190,32 +193,30 @@ class Worker:
                 time.sleep(0.05)  # our version fell out of the bound: the status says which to get
                 continue
             received = time.time()
-            lease = resp.get("lease")
+            try:
+                lease = LeaseReply.model_validate(resp).lease
+            except ValidationError as e:
+                raise Refused(502, "bad_lease", f"the orchestrator sent a lease this worker cannot read: {e}") from None
             if lease is None:
                 time.sleep(resp.get("retry_after_s", 0.2))
                 continue
             submission = self.generate(lease)
-            path = self.outbox / f"{lease['lease_id']}.json"
+            path = self.outbox / f"{lease.lease_id}.json"
             # Expiry on this machine's clock (receipt + lifetime), not the orchestrator's timestamp.
-            expires = received + lease["expires_in_s"]
+            expires = received + lease.expires_in_s
             atomic_write_text(path, json.dumps({"expires_at": expires, "submission": submission}))
             self.deliver(path)
 
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
-               device: str = "cpu", dtype: str = "float32", adversary: str | None = None,
+               device: str = "cpu", dtype: str = "float32", worker_class=None,
                relays: list[str] = (), trainer_key: str | None = None) -> None:
+    """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
+    arguments (the CLI passes a scripted adversary's class for `--adversary`)."""
     if threads:
         torch.set_num_threads(threads)
-    if adversary:
-        from swarmrl.inference.adversary import AdversarialWorker
-
-        worker = AdversarialWorker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
-                                   dtype=dtype, kind=adversary, relays=relays, trainer_key=trainer_key)
-        worker.log(f"ADVERSARIAL worker ({adversary}: {worker.kind_help}); for testing the validator")
-    else:
-        worker = Worker(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device, dtype=dtype,
-                        relays=relays, trainer_key=trainer_key)
+    worker = (worker_class or Worker)(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
+                                      dtype=dtype, relays=relays, trainer_key=trainer_key)
     try:
         worker.run()
     except (Unavailable, Refused) as e:

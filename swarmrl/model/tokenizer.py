@@ -58,3 +58,10 @@ def _byte_of(symbol: str) -> int:
     if cp in printable:
         return cp
     return [b for b in range(256) if b not in printable][cp - 256]
+
+
+def decode_completion(tokenizer, token_ids: list[int], stop_token_ids: list[int]) -> str:
+    """A completion's text: special tokens kept, the stop token that ended it dropped."""
+    if token_ids and token_ids[-1] in stop_token_ids:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -24,96 +24,18 @@ from __future__ import annotations
 import hmac
 import time
 import traceback
-from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swarmrl.orchestrator.auth import AuthError, ClockSkew, verify_request
 from swarmrl.orchestrator.service import ApiError, Orchestrator
-
-# Hard ceilings on request shapes, whatever the config says; the config's own limits (group
-# size, token limit) are checked by the service with a message that names them.
-MAX_TOKENS = 1 << 17
-MAX_SAMPLES = 1024
-MAX_GROUPS = 1024
-MAX_PROOF_CHARS = 4 * (2 + 2 * 4096) // 3 + 4  # base64 of a top-4096 proof, the largest topk allowed
-
-_LEASE_ID = r"^[0-9a-f]{32}$"
-
-
-class _In(BaseModel):
-    # Unknown fields are ignored, not refused: a worker may send a claimed reward, and it is
-    # simply never read.
-    model_config = ConfigDict(extra="ignore")
-
-
-class RegisterIn(_In):
-    name: str = Field("worker", pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="display name, not an identity")
-
-
-class LeaseIn(_In):
-    policy_version: int = Field(ge=0, le=10**9, description="the policy version this worker has loaded")
-
-
-class _Claims(BaseModel):
-    # Extra fields are kept (not refused at parse time) so that a claimed reward is rejected by
-    # the service with its own reason and counted against the worker.
-    model_config = ConfigDict(extra="allow")
-
-
-class SampleIn(_Claims):
-    token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_TOKENS)
-    logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
-    finish_reason: Literal["stop", "length"]
-    proofs: list[Annotated[str, Field(max_length=MAX_PROOF_CHARS)]] = Field(
-        default_factory=list, max_length=MAX_TOKENS,
-        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)")
-
-
-class GroupIn(_Claims):
-    slot: int = Field(ge=0, le=MAX_GROUPS)
-    policy_version: int = Field(ge=0, le=10**9)
-    samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
-
-
-class SubmitIn(_In):
-    lease_id: str = Field(pattern=_LEASE_ID)
-    groups: list[GroupIn] = Field(min_length=1, max_length=MAX_GROUPS)
-
-
-class PublishIn(_In):
-    version: int = Field(ge=0, le=10**9)
-    url: str = Field(max_length=2048, pattern=r"^https?://[^\s]+$")
-    manifest: dict = Field(description="the version's signed broadcast manifest (publish_version())")
-
-
-class ClaimIn(_In):
-    max_groups: int = Field(16, ge=1, le=1024)
-
-
-class VerdictIn(_In):
-    id: int = Field(ge=0, le=1 << 62)
-    ok: bool
-    reason: str | None = Field(None, pattern=r"^[a-z_]{1,40}$")
-    detail: str = Field("", max_length=2000)
-    stats: dict[str, float] = Field(default_factory=dict, max_length=32)
-
-
-class VerdictsIn(_In):
-    verdicts: list[VerdictIn] = Field(default_factory=list, max_length=4096)
-    retry: list[Annotated[int, Field(ge=0, le=1 << 62)]] = Field(default_factory=list, max_length=4096)
-
-
-class ErrorOut(BaseModel):
-    error: str
-    detail: str
-
+from swarmrl.protocol.manifest import BroadcastError, verify_manifest
+from swarmrl.protocol.messages import ClaimIn, ErrorOut, LeaseIn, PublishIn, RegisterIn, SubmitIn, VerdictsIn
+from swarmrl.protocol.signing import AuthError, ClockSkew, verify_request
 
 class SizeLimit:
     """Refuse bodies over the limit before the app parses them. Pure ASGI, so it also covers a
@@ -172,19 +94,15 @@ def _describe_validation(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def create_app(orch: Orchestrator) -> SizeLimit:
-    """The ASGI app (size limit around FastAPI; the FastAPI object is `.fastapi`)."""
-    app = FastAPI(title="swarmrl orchestrator", version="1",
-                  description="Leases, rollouts and batches for asynchronous GRPO with untrusted workers.")
+def _observe(app: FastAPI, orch: Orchestrator) -> None:
+    """Prometheus metrics: request counts and latency per route, and the run's totals and gauges
+    at GET /metrics."""
     registry = CollectorRegistry()
     requests = Counter("swarmrl_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
     latency = Histogram("swarmrl_request_seconds", "Request latency", ["endpoint"], registry=registry,
                         buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10))
     totals = Gauge("swarmrl_total", "Totals since this orchestrator process started", ["what"], registry=registry)
     state = Gauge("swarmrl_state", "Run state (step, versions, group counts)", ["what"], registry=registry)
-    responses = {400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
-                 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut},
-                 413: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}}
 
     @app.middleware("http")
     async def observe(request: Request, call_next):
@@ -195,6 +113,18 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         requests.labels(endpoint, str(response.status_code)).inc()
         latency.labels(endpoint).observe(time.perf_counter() - t0)
         return response
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        for name, value in orch.totals().items():
+            totals.labels(name).set(value)
+        for name, value in orch.gauges().items():
+            state.labels(name).set(value)
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_handlers(app: FastAPI, orch: Orchestrator) -> None:
+    """Every refusal as {"error", "detail"} with a 4xx; a bug of ours as a 500 without a traceback."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -215,6 +145,17 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         # A bug, never the client's fault: log it here, never send the traceback out.
         orch.log("orchestrator: internal error\n" + "".join(traceback.format_exception(exc)))
         return _error(500, "internal", "internal error; it has been logged on the orchestrator")
+
+
+def create_app(orch: Orchestrator) -> SizeLimit:
+    """The ASGI app (size limit around FastAPI; the FastAPI object is `.fastapi`)."""
+    app = FastAPI(title="swarmrl orchestrator", version="1",
+                  description="Leases, rollouts and batches for asynchronous GRPO with untrusted workers.")
+    _observe(app, orch)
+    _error_handlers(app, orch)
+    responses = {400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
+                 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut},
+                 413: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}}
 
     async def signed(request: Request) -> tuple[str, dict]:
         body = await request.body()
@@ -243,14 +184,6 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     @app.get("/healthz")
     def healthz() -> dict:
         return {"ok": True}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def metrics() -> PlainTextResponse:
-        for name, value in orch.totals().items():
-            totals.labels(name).set(value)
-        for name, value in orch.gauges().items():
-            state.labels(name).set(value)
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status")
     def status() -> dict:
@@ -294,8 +227,6 @@ def create_app(orch: Orchestrator) -> SizeLimit:
 
     @app.post("/v1/trainer/policies", responses=responses, dependencies=[Depends(trainer_only)])
     def publish(body: PublishIn) -> dict:
-        from swarmrl.transport.broadcast import BroadcastError, verify_manifest
-
         try:
             # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before
             # that, by the key the manifest names: the bearer token already says who sent it).

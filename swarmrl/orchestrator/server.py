@@ -41,6 +41,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
 
     from swarmrl.config import load_config
     from swarmrl.orchestrator.service import Orchestrator
+    from swarmrl.rewards import registry
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").exists():
@@ -49,6 +50,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     if not (base / "config.json").exists():
         raise FileNotFoundError(f"{base} is missing: the orchestrator needs the starting policy's tokenizer")
     cfg = load_config(run_dir / "config.toml")
+    registry.load(cfg.tasks.types)  # the run's own task types, before any row is checked
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
     return Orchestrator(cfg, run_dir, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
@@ -56,7 +58,12 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
                         validator_token=trainer_token(run_dir, "validator"), log=log)
 
 
-def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False) -> None:
+def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False,
+          start_validator=None) -> None:
+    """Serve until stopped. With `validator.mode = "in-process"`, `start_validator(orch, run_dir)`
+    starts the validator thread and returns (thread, stop event): passed in by the caller (the CLI
+    passes `swarmrl.validator.runner.start_in_process`) because the validator is a client of the
+    orchestrator and sits above it."""
     import uvicorn
 
     from swarmrl.orchestrator.app import create_app
@@ -83,9 +90,9 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     server = uvicorn.Server(config)
     thread = stop = None
     if orch.cfg.validator.mode == "in-process":
-        from swarmrl.validator.runner import start_in_process
-
-        thread, stop = start_in_process(orch, run_dir)
+        if start_validator is None:
+            raise ValueError("validator.mode is \"in-process\" but no validator was given to run in this process")
+        thread, stop = start_validator(orch, run_dir)
     atomic_write_text(run_dir / "orchestrator.json", json.dumps({"url": url, "pid": os.getpid()}))
     print(f"orchestrator listening on {url} (validator: {orch.cfg.validator.mode})", flush=True)
     try:

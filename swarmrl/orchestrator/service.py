@@ -34,15 +34,17 @@ import torch
 
 from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
+from swarmrl.orchestrator.scoring import score_groups
 from swarmrl.orchestrator.store import Store
 from swarmrl.proofs.toploc import check_format
-from swarmrl.rewards.code import code_grader_for
+from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
+from swarmrl.protocol.reasons import FRAUD_REASONS
+from swarmrl.protocol.rollouts import Group, Sample
+from swarmrl.protocol.rules import termination_problem
 from swarmrl.rewards.pool import VerifierPool
-from swarmrl.rl.rollouts import Group, Sample
-from swarmrl.rl.scoring import score_groups
-from swarmrl.rl.tasks import model_input, task_rows
-from swarmrl.validator.checks import termination_problem
-from swarmrl.validator.reasons import FRAUD_REASONS
+from swarmrl.rewards.registry import open_graders
+from swarmrl.tasks.source import model_input, task_rows
 
 
 # Group states that will (most likely) become queued: back-pressure counts them as queued.
@@ -149,7 +151,7 @@ class Orchestrator:
         self.store = Store(self.rd / "orchestrator.sqlite")
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
         # Code tasks need the sandbox: refuse to start (with the fix) rather than score them 0.
-        self.code = code_grader_for(self.rows, cfg.sandbox, log=log)
+        self.graders = open_graders(self.rows, cfg.sandbox, log=log)
         self.pool = pool or VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
         self.score_lock = threading.Lock()  # the verifier pool serves one caller at a time
         o = cfg.orchestrator
@@ -161,8 +163,7 @@ class Orchestrator:
 
     def close(self) -> None:
         self.pool.close()
-        if self.code is not None:
-            self.code.close()
+        self.graders.close()
         self.store.close()
 
     def _count(self, name: str, by: float = 1.0) -> None:
@@ -196,7 +197,7 @@ class Orchestrator:
         k = self.cfg.async_.bound
         return {"next_step": next_step, "latest_version": latest, "async_bound": k,
                 "min_version": max(0, next_step - k), "finished": finished, "policy": policy,
-                "total_steps": self.cfg.trainer.steps}
+                "total_steps": self.cfg.trainer.steps, "protocol_version": PROTOCOL_VERSION}
 
     # ---- workers -----------------------------------------------------------------------------
     def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
@@ -318,11 +319,12 @@ class Orchestrator:
                 prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
                                 "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})
         self._count("leases_issued")
-        return {"lease": {"lease_id": lease_id, "expires_at": expires, "expires_in_s": expires - now,
-                          "min_version": lo, "max_version": latest, "group_size": s.group_size,
-                          "temperature": s.temperature, "max_new_tokens": s.max_new_tokens,
-                          "proof": {"kind": "toploc", "chunk_size": cfg.validator.chunk_size, "topk": cfg.validator.topk},
-                          "prompts": prompts}}
+        lease = Lease(lease_id=lease_id, expires_at=expires, expires_in_s=expires - now, min_version=lo,
+                      max_version=latest, group_size=s.group_size, temperature=s.temperature,
+                      max_new_tokens=s.max_new_tokens,
+                      proof=ProofSpec(chunk_size=cfg.validator.chunk_size, topk=cfg.validator.topk),
+                      prompts=[LeasedPrompt(**p) for p in prompts])
+        return {"lease": lease.model_dump()}
 
     # ---- submissions -------------------------------------------------------------------------
     def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int) -> SlotCheck:
@@ -427,7 +429,7 @@ class Orchestrator:
         try:
             if good:
                 with self.score_lock:
-                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg, code=self.code)
+                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg, graders=self.graders)
         except BaseException:
             with self.store.tx() as db:  # give the slots back: the worker may retry
                 for c in checks:

@@ -256,6 +256,9 @@ class CodeGrader:
         self._executor = ThreadPoolExecutor(max_workers=sandbox.settings.workers,
                                             thread_name_prefix="swarmrl-code")
 
+    def describe(self) -> str:
+        return self.sandbox.describe()
+
     def grade_many(self, jobs: list[tuple[dict, str]]) -> list[tuple[float, str | None] | Exception]:
         """``(verification_info, completion)`` -> ``(reward, reason)``, in order; or, for a row
         that could not be graded (malformed tests, a sandbox that failed to start, a bug of
@@ -300,8 +303,10 @@ def open_code_grader(cfg: SandboxConfig, log=None) -> CodeGrader:
     return CodeGrader(sandbox, limits)
 
 
-def code_grader_for(rows: list[dict], cfg: SandboxConfig, log=None) -> CodeGrader | None:
-    """A CodeGrader when ``rows`` hold code tasks, else None (no sandbox is started)."""
-    if not any(row.get("task_type") == CODE for row in rows):
-        return None
-    return open_code_grader(cfg, log=log)
+def check_code_row(verification_info: dict) -> str | None:
+    """None if a prime_rl_code row can be graded, else what is wrong (its task-type check)."""
+    try:
+        parse_test_cases(verification_info)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
-from swarmrl.rewards.code import CodeGrader, parse_test_cases
+from swarmrl.rewards import registry
 from swarmrl.rewards.length import LENGTH_MODES, length_reward
-from swarmrl.rewards.math import ground_truth_text, math_task_reward
 from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.registry import Graders
 
 CODE_NEEDS_SANDBOX = ("code rows are graded in the bubblewrap sandbox, and this scorer was started "
-                      "without one; pass a CodeGrader (swarmrl.rewards.code.open_code_grader)")
+                      "without one; pass graders=open_graders(rows, sandbox config) (swarmrl.rewards.registry)")
 
 # Fields every row must have, with the types they may take.
 _REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
@@ -64,44 +63,6 @@ class Score:
 
 def _failed(error: str) -> Score:
     return Score(task_reward=0.0, length_penalty=0.0, reward=0.0, error=error)
-
-
-class TaskGrader(NamedTuple):
-    """How one task_type is graded.
-
-    ``check`` runs in this process on the decoded verification_info and
-    returns an error for rows that cannot be graded, before any pool work.
-    ``grade(verification_info, completion) -> (reward, reason)`` runs in a
-    pool worker, so it must be a module-level function. ``grade=None`` means
-    the rows run in the sandbox through a :class:`CodeGrader` instead.
-    """
-
-    check: Callable[[dict], str | None]
-    grade: Callable[[dict, str], tuple[float, str | None]] | None
-
-
-def _check_math(verification_info: dict) -> str | None:
-    try:
-        ground_truth_text(verification_info)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def _check_code(verification_info: dict) -> str | None:
-    try:
-        parse_test_cases(verification_info)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-# The one place that maps a task_type to its verifier.
-TASK_GRADERS: dict[str, TaskGrader] = {
-    "verifiable_math": TaskGrader(check=_check_math, grade=math_task_reward),
-    "prime_rl_code": TaskGrader(check=_check_code, grade=None),
-    MULTIPLE_CHOICE: TaskGrader(check=check_choice, grade=choice_task_reward),
-}
 
 
 def _is_instance(value: object, types: tuple[type, ...]) -> bool:
@@ -149,10 +110,11 @@ def _validate_row(row: Any) -> tuple[_Job | None, str | None]:
     if not isinstance(info, dict):
         return None, f"field 'verification_info' must hold a JSON object, got {type(info).__name__}"
     task_type = row["task_type"]
-    grader = TASK_GRADERS.get(task_type)
+    grader = registry.get(task_type)
     if grader is None:
-        known = ", ".join(sorted(TASK_GRADERS))
-        return None, f"field 'task_type' has unknown value {task_type!r}; known task types: {known}"
+        known = ", ".join(registry.names())
+        return None, (f"field 'task_type' has unknown value {task_type!r}; known task types: {known} "
+                      "(others can be added: swarmrl/rewards/registry.py)")
     problem = grader.check(info)
     if problem is not None:
         return None, problem
@@ -180,14 +142,14 @@ def score_rows(
     count_tokens: Callable[[str], int],
     length_mode: str = "max",
     length_coef: float = 0.001,
-    code: CodeGrader | None = None,
+    graders: Graders | None = None,
 ) -> list[Score]:
     """Score each row; one Score per row, in order.
 
     Rows that cannot be scored get reward 0 and an ``error`` naming the field
     and the problem; the others are still scored. Grading runs in ``pool``,
-    grouped by task type; code rows run in ``code``'s sandbox (without one
-    they get an error). When a row has ``target_length`` the task reward is
+    grouped by task type; a task type whose grader owns a resource (code rows:
+    the sandbox) is graded by its grader in ``graders`` (without one its rows get an error). When a row has ``target_length`` the task reward is
     shaped by :func:`~swarmrl.rewards.length.length_reward`; the length is the
     row's ``completion_length`` if given, else ``count_tokens(completion)``
     (which is only called for rows with a target).
@@ -201,17 +163,20 @@ def score_rows(
             scores[index] = _failed(error)
         else:
             jobs[index] = job
-    for task_type, grader in TASK_GRADERS.items():
-        indices = [index for index, job in jobs.items() if job.task_type == task_type]
+    for task in registry.types():
+        indices = [index for index, job in jobs.items() if job.task_type == task.name]
         if not indices:
             continue
         calls = [(jobs[i].verification_info, jobs[i].completion) for i in indices]
-        if grader.grade is not None:
-            outcomes = [(o.value, o.error) for o in pool.map(grader.grade, calls)]
-        elif code is None:
-            outcomes = [(None, CODE_NEEDS_SANDBOX)] * len(calls)
+        resource = graders.get(task.name) if graders is not None else None
+        if task.grade is not None:
+            outcomes = [(o.value, o.error) for o in pool.map(task.grade, calls)]
+        elif resource is None:
+            missing = CODE_NEEDS_SANDBOX if task.name == "prime_rl_code" else (
+                f"{task.name} rows need their grader opened; pass graders=open_graders(...)")
+            outcomes = [(None, missing)] * len(calls)
         else:
-            outcomes = [(None, str(r)) if isinstance(r, Exception) else (r, None) for r in code.grade_many(calls)]
+            outcomes = [(None, str(r)) if isinstance(r, Exception) else (r, None) for r in resource.grade_many(calls)]
         for index, (value, error) in zip(indices, outcomes):
             if error is not None:
                 scores[index] = _failed(error)
@@ -269,7 +234,7 @@ def score_file(
     count_tokens: Callable[[str], int],
     length_mode: str = "max",
     length_coef: float = 0.001,
-    code: CodeGrader | None = None,
+    graders: Graders | None = None,
 ) -> dict:
     """Score a JSONL file of rows into another JSONL file; return summary counts.
 
@@ -285,7 +250,7 @@ def score_file(
     good = [row for _, row, _ in entries if row is not None]
     scores = score_rows(
         good, pool=pool, count_tokens=count_tokens, length_mode=length_mode, length_coef=length_coef,
-        code=code,
+        graders=graders,
     )
     good_scores = iter(scores)
     output_rows = []

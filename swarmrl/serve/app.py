@@ -81,10 +81,8 @@ class Settings:
         self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
 
 
-def build_app(engine: Engine, settings: Settings) -> FastAPI:
-    app = FastAPI(title="swarmrl serve", docs_url=None, redoc_url=None)
-    tokenizer = engine.tokenizer
-    created = int(time.time())
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; a bug of ours as a 500 without a traceback."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
@@ -103,16 +101,24 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
     async def _internal(_request: Request, exc: Exception):  # a bug of ours: no traceback to the client
         return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
-    async def read_body(request: Request, fields: set[str]) -> dict:
+
+class _Routes:
+    """The request handling of one server: parsing and checking a request against the server's
+    limits, running it on the engine, and shaping OpenAI's reply (plain or streamed)."""
+
+    def __init__(self, engine: Engine, settings: Settings):
+        self.engine, self.settings, self.tokenizer = engine, settings, engine.tokenizer
+
+    async def read_body(self, request: Request, fields: set[str]) -> dict:
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+        if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
             raise ApiError(413, f"request body of {length} bytes is over the limit of "
-                                f"{settings.max_request_bytes} bytes", kind="invalid_request_error")
+                                f"{self.settings.max_request_bytes} bytes", kind="invalid_request_error")
         raw = b""
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > settings.max_request_bytes:
-                raise ApiError(413, f"request body is over the limit of {settings.max_request_bytes} bytes")
+            if len(raw) > self.settings.max_request_bytes:
+                raise ApiError(413, f"request body is over the limit of {self.settings.max_request_bytes} bytes")
         try:  # ValueError covers bad JSON, bad UTF-8 and integers of thousands of digits
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -130,9 +136,9 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
         if unknown:
             raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
         model = body.get("model")
-        if model != settings.model_name:
+        if model != self.settings.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
+                                f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
                            "model_not_found")
         for name, neutral in (("top_p", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
             if body.get(name) not in (None, neutral):
@@ -142,23 +148,23 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
             raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
         return body
 
-    def gen_request(body: dict, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
+    def gen_request(self, body: dict, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", "prompt")
-        room = settings.context - len(prompt_ids)
+        room = self.settings.context - len(prompt_ids)
         if room < 1:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
-                                f"{settings.context} tokens", "messages" if "messages" in body else "prompt",
+                                f"{self.settings.context} tokens", "messages" if "messages" in body else "prompt",
                            code="context_length_exceeded")
-        default = min(settings.default_max_tokens, room) if "messages" in body else min(16, room)
+        default = min(self.settings.default_max_tokens, room) if "messages" in body else min(16, room)
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _integer(body, name, default, 1, 1 << 30)
-        if len(prompt_ids) + max_tokens > settings.context:
+        if len(prompt_ids) + max_tokens > self.settings.context:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
-                                f"model's context of {settings.context} tokens; lower {name}", name,
+                                f"model's context of {self.settings.context} tokens; lower {name}", name,
                            code="context_length_exceeded")
-        n = _integer(body, "n", 1, 1, settings.max_n)
-        best_of = _integer(body, "best_of", None, 1, settings.max_n)
+        n = _integer(body, "n", 1, 1, self.settings.max_n)
+        best_of = _integer(body, "best_of", None, 1, self.settings.max_n)
         if best_of is not None and best_of != n:
             raise ApiError(400, "'best_of' other than n is not supported", "best_of")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -180,22 +186,22 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
         return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop,
                           max(top_logprobs, 0))
 
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def usage(request: GenRequest, choices: list[Choice]) -> dict:
+    def usage(self, request: GenRequest, choices: list[Choice]) -> dict:
         completion = sum(len(c.token_ids) for c in choices)
         prompt = len(request.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def run(request: GenRequest) -> list[Choice]:
-        return await asyncio.wrap_future(engine.submit(request))
+    async def run(self, request: GenRequest) -> list[Choice]:
+        return await asyncio.wrap_future(self.engine.submit(request))
 
-    def stream(request: GenRequest, make_chunk, finish_chunk, include_usage: bool):
+    def stream(self, request: GenRequest, make_chunk, finish_chunk, include_usage: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request.on_delta = lambda index, text, _tok: loop.call_soon_threadsafe(events.put_nowait, (index, text))
-        future = engine.submit(request)
+        future = self.engine.submit(request)
 
         async def body():
             for chunk in make_chunk(None):
@@ -219,27 +225,13 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
             for index, choice in enumerate(choices):
                 yield f"data: {json.dumps(finish_chunk(index, choice))}\n\n"
             if include_usage:
-                yield f"data: {json.dumps({**finish_chunk(None, None), 'choices': [], 'usage': usage(request, choices)})}\n\n"
+                yield f"data: {json.dumps({**finish_chunk(None, None), 'choices': [], 'usage': self.usage(request, choices)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "swarmrl", "max_model_len": settings.context}]}
-
-    @app.get("/health")
-    async def health():
-        return {"ok": True}
-
-    @app.get("/stats")
-    async def stats():
-        return dict(engine.stats)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_body(request, _COMPLETION_FIELDS)
+    async def completions(self, request: Request):
+        body = await self.read_body(request, _COMPLETION_FIELDS)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -250,21 +242,21 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
         if body.get("suffix"):
             raise ApiError(400, "'suffix' is not supported", "suffix")
         top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        gen = gen_request(body, ids, top_logprobs=-1 if top is None else top)
-        cid, model = f"cmpl-{secrets.token_hex(12)}", settings.model_name
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        gen = self.gen_request(body, ids, top_logprobs=-1 if top is None else top)
+        cid, model = f"cmpl-{secrets.token_hex(12)}", self.settings.model_name
 
         def logprobs_of(choice: Choice) -> dict | None:
             if top is None:
                 return None
-            tokens = [token_text(t) for t in choice.token_ids]
+            tokens = [self.token_text(t) for t in choice.token_ids]
             offsets, at = [], 0
             for text in tokens:
                 offsets.append(at)
                 at += len(text)
             tops = None
             if top > 0:
-                tops = [{token_text(t): lp for t, lp in entry} for entry in choice.top_logprobs]
+                tops = [{self.token_text(t): lp for t, lp in entry} for entry in choice.top_logprobs]
             return {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": tops, "text_offset": offsets}
 
         def base(choices: list) -> dict:
@@ -273,20 +265,19 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
 
         if body.get("stream"):
             include = bool((body.get("stream_options") or {}).get("include_usage"))
-            return stream(
+            return self.stream(
                 gen,
                 lambda ev: [] if ev is None else [base([{"index": ev[0], "text": ev[1], "logprobs": None,
                                                           "finish_reason": None}])],
                 lambda i, c: base([] if c is None else [{"index": i, "text": "", "logprobs": None,
                                                           "finish_reason": c.finish_reason}]),
                 include)
-        choices = await run(gen)
+        choices = await self.run(gen)
         return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)]), "usage": usage(gen, choices)}
+                        for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await read_body(request, _CHAT_FIELDS)
+    async def chat(self, request: Request):
+        body = await self.read_body(request, _CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content}", "messages")
@@ -301,14 +292,14 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
         top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
         if top is not None and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                              tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        gen = gen_request(body, ids, top_logprobs=(top or 0) if logprobs else -1)
-        cid, model = f"chatcmpl-{secrets.token_hex(12)}", settings.model_name
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        gen = self.gen_request(body, ids, top_logprobs=(top or 0) if logprobs else -1)
+        cid, model = f"chatcmpl-{secrets.token_hex(12)}", self.settings.model_name
 
         def entry(token_id: int, logprob: float) -> dict:
-            text = token_text(token_id)
+            text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         def logprobs_of(choice: Choice) -> dict | None:
@@ -339,12 +330,34 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
                 return base([{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}],
                             "chat.completion.chunk")
 
-            return stream(gen, make_chunk, finish_chunk, include)
-        choices = await run(gen)
+            return self.stream(gen, make_chunk, finish_chunk, include)
+        choices = await self.run(gen)
         return {**base([{"index": i, "message": {"role": "assistant", "content": c.text},
                          "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)]), "usage": usage(gen, choices)}
+                        for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
+
+def build_app(engine: Engine, settings: Settings) -> FastAPI:
+    app = FastAPI(title="swarmrl serve", docs_url=None, redoc_url=None)
+    created = int(time.time())
+    _error_handlers(app)
+    routes = _Routes(engine, settings)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
+                                            "owned_by": "swarmrl", "max_model_len": settings.context}]}
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    @app.get("/stats")
+    async def stats():
+        return dict(engine.stats)
+
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat)
     return app
 
 

@@ -20,14 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from swarmrl.inference.sampler import Sampler
-
-
-def decode_completion(tokenizer, token_ids: list[int], stop_token_ids: list[int]) -> str:
-    """A completion's text: special tokens kept, the stop token that ended it dropped."""
-    if token_ids and token_ids[-1] in stop_token_ids:
-        token_ids = token_ids[:-1]
-    return tokenizer.decode(token_ids, skip_special_tokens=False)
+from swarmrl.inference.engine import build_engine
+from swarmrl.model.tokenizer import decode_completion
 
 
 @dataclass
@@ -78,7 +72,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch_rows: int = 32, batch_window_s: float = 0.005):
         self.tokenizer = tokenizer
         self.stop_token_ids = [tokenizer.eos_token_id]
-        self.sampler = Sampler(model, stop_token_ids=self.stop_token_ids, pad_token_id=tokenizer.pad_token_id)
+        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_token_ids)
         self.max_batch_rows = max_batch_rows
         self.batch_window_s = batch_window_s
         self.stats = {"requests": 0, "batches": 0, "max_batch_rows": 0, "generated_tokens": 0}

@@ -18,8 +18,8 @@ import torch
 
 from swarmrl.config import Config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
-from swarmrl.rl.tasks import model_input
 from swarmrl.tasks import arithmetic
+from swarmrl.tasks.source import model_input
 
 
 def encode_example(tokenizer, prompt: str, completion: str,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from swarmrl.algorithm.advantages import group_advantages
-from swarmrl.rl.rollouts import Group
+from swarmrl.protocol.rollouts import Group
 
 
 @dataclass

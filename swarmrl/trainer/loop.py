@@ -24,19 +24,20 @@ import torch
 import torch.distributed as dist
 
 from swarmrl.config import load_config
+from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import load_policy, save_policy
-from swarmrl.orchestrator.client import Refused, TrainerClient, retrying
-from swarmrl.rewards.code import code_grader_for
+from swarmrl.protocol.client import Refused, TrainerClient, retrying
+from swarmrl.protocol.rollouts import Group
+from swarmrl.protocol.signing import load_or_create_key, public_key_hex
+from swarmrl.rewards import registry
 from swarmrl.rewards.pool import VerifierPool
-from swarmrl.rl.evaluate import evaluate
-from swarmrl.rl.rollouts import Group
-from swarmrl.rl.tasks import task_rows
+from swarmrl.rewards.registry import Graders, open_graders
+from swarmrl.tasks.source import task_rows
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
-from swarmrl.transport.filesystem import RunDir, atomic_write_text
-from swarmrl.orchestrator.auth import load_or_create_key, public_key_hex
 from swarmrl.transport.broadcast import ShardServer, prune_versions, publish_version, unpublish_version
+from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
 
 def _log_metrics(rd: RunDir, record: dict) -> None:
@@ -122,6 +123,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 token_file: str | None = None) -> dict:
     rd = RunDir(run_dir)
     cfg = load_config(rd.root / "config.toml")
+    registry.load(cfg.tasks.types)  # the run's own task types, for held-out grading
     dinfo = init_distributed()
     torch.set_num_threads(cfg.async_.trainer_threads)
     torch.manual_seed(cfg.seed)
@@ -136,7 +138,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             print(f"resumed from checkpoint at step {start}", flush=True)
     pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s) if main else None
     _, held_out = task_rows(cfg, log=lambda *_: None)
-    code = code_grader_for(held_out, cfg.sandbox) if main else None
+    graders = open_graders(held_out, cfg.sandbox) if main else Graders()
     server = link = None
     t_run = time.monotonic()
     try:
@@ -156,7 +158,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 save_policy(model, tokenizer, rd.version_path(start), state_dict=sd)
             link.publish(start)
         if start == 0 and main:
-            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code)
+            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders)
             extra["accuracy_before"] = before["eval/accuracy"]
             _log_metrics(rd, {"step": 0, **before})
             print(f"held-out accuracy before: {before['eval/accuracy']:.3f}", flush=True)
@@ -185,7 +187,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(t3 - t0, 1e-9)
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.trainer.steps and main:
-                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code))
+                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders))
             if done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps:
                 save_checkpoint(trainer, rd.root / "checkpoints", done, extra)
             if main:
@@ -196,7 +198,7 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
         if main:
             rd.request_stop()  # first: the launcher must know workers leaving now are done, not dead
             link._call(link.client.finish, "finish")
-            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool, code=code)
+            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
             summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
                        "steps": cfg.trainer.steps, "trainer_seconds": time.monotonic() - t_run}
@@ -208,7 +210,6 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             server.close()
         if pool is not None:
             pool.close()
-        if code is not None:
-            code.close()
+        graders.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -29,7 +29,8 @@ from transformers import DynamicCache
 from swarmrl.config import ValidatorConfig
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version, manifest_digest
+from swarmrl.protocol.manifest import manifest_digest
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
 

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from swarmrl.config import ValidatorConfig
-from swarmrl.orchestrator.client import Refused, Unavailable, ValidatorClient, retrying
+from swarmrl.protocol.client import Refused, Unavailable, ValidatorClient, retrying
 from swarmrl.validator.core import Validator
 
 

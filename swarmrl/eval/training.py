@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from swarmrl.config import Config
 from swarmrl.eval.runner import EvalSettings, ModelBackend, evaluate_rows
-from swarmrl.rewards.code import CodeGrader
 from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.registry import Graders
 
 
 def evaluate(model, tokenizer, rows: list[dict], cfg: Config, pool: VerifierPool, *,
-             code: CodeGrader | None = None) -> dict[str, float]:
+             graders: Graders | None = None) -> dict[str, float]:
     """`eval/accuracy` is avg@k: the mean task reward over `eval.samples` samples per held-out
     problem at `eval.temperature`; `eval/pass@j` the unbiased pass@j. With length control on,
     prompts carry the middle target and the length metrics say how well it was kept."""
@@ -21,7 +21,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: Config, pool: VerifierPool
                             batch_problems=64)
     # 64 problems x k samples per sampler call, as before this went through the eval runner.
     backend = ModelBackend(model, tokenizer, batch_rows=64 * settings.k)
-    _, summary = evaluate_rows(rows, backend, settings, pool=pool, code=code)
+    _, summary = evaluate_rows(rows, backend, settings, pool=pool, graders=graders)
     metrics = {
         "eval/accuracy": summary[f"avg@{settings.k}"],
         "eval/length_mean": summary["length/mean"],

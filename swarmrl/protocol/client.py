@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from swarmrl.orchestrator.auth import public_key_hex, sign_headers
+from swarmrl.protocol.signing import public_key_hex, sign_headers
 
 
 class Unavailable(RuntimeError):

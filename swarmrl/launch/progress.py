@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from swarmrl.config import Config
-from swarmrl.validator.reasons import FRAUD_REASONS
+from swarmrl.protocol.reasons import FRAUD_REASONS
 
 
 class Progress:

@@ -14,24 +14,12 @@ import secrets
 
 import torch
 
+from swarmrl.config import ADVERSARY_KINDS as KINDS
 from swarmrl.inference.worker import Worker
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
-from swarmrl.transport.broadcast import manifest_digest
+from swarmrl.protocol.messages import Lease
+from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.validator.checks import token_logprobs
-
-KINDS = {
-    "other_model": "samples with another model of the same architecture (re-initialised weights)",
-    "old_version": "keeps sampling with the first policy version it loaded, claiming each newer one",
-    "edit_tokens": "changes one token of every completion; proofs and logprobs rebuilt for the edit",
-    "edit_logprobs": "reports every logprob as more confident than it was",
-    "cherry_pick": "best of 4 samples with its own seeds (by total logprob), proofs and logprobs honest",
-    "claim_reward": "attaches a reward of 1.0 to every completion",
-    "replay": "answers each lease with the completions (and proofs) of its previous lease",
-    "garbage_proofs": "sends well-formed proofs of random polynomials",
-    "truncated_proofs": "sends its proofs cut short",
-    "missing_proofs": "sends no proofs",
-    "wrong_group_size": "drops one completion from every group",
-}
 
 
 def _prefill(model, prompt: list[int], completions: list[list[int]]):
@@ -70,14 +58,15 @@ class AdversarialWorker(Worker):
             self.sampler.model = model.eval()
         return True
 
-    def generate(self, lease: dict) -> dict:
+    def generate(self, lease: Lease | dict) -> dict:
+        lease = Lease.model_validate(lease)
         if self.kind == "cherry_pick":
             return self._cherry_pick(lease)
         if self.kind == "replay" and self.previous is not None:
             # Old completions under the new prompts, with proofs and logprobs made for them.
-            sub = {"lease_id": lease["lease_id"], "groups": []}
-            for p, g in zip(lease["prompts"], self.previous["groups"]):
-                sub["groups"].append({**g, "slot": p["slot"], "policy_version": self.version})
+            sub = {"lease_id": lease.lease_id, "groups": []}
+            for p, g in zip(lease.prompts, self.previous["groups"]):
+                sub["groups"].append({**g, "slot": p.slot, "policy_version": self.version})
             self._rebuild(lease, sub)
             return sub
         sub = super().generate(lease)
@@ -101,7 +90,7 @@ class AdversarialWorker(Worker):
                     s["proofs"] = []
         return sub
 
-    def _edit_tokens(self, lease: dict, sub: dict) -> None:
+    def _edit_tokens(self, lease: Lease, sub: dict) -> None:
         """Change the middle token of each completion to another non-stop token, then make the
         proofs and logprobs those of the edited text (what a careful cheater would do)."""
         stop = set(self.sampler.stop_token_ids)
@@ -119,37 +108,37 @@ class AdversarialWorker(Worker):
                 s["token_ids"] = ids
         self._rebuild(lease, sub)
 
-    def _rebuild(self, lease: dict, sub: dict) -> None:
+    def _rebuild(self, lease: Lease, sub: dict) -> None:
         """Honest proofs and logprobs for whatever tokens the submission now holds."""
-        for p, g in zip(lease["prompts"], sub["groups"]):
-            outs = _prefill(self.sampler.model, p["prompt_ids"], [s["token_ids"] for s in g["samples"]])
-            proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease["proof"]["chunk_size"],
-                                       topk=lease["proof"]["topk"])
+        for p, g in zip(lease.prompts, sub["groups"]):
+            outs = _prefill(self.sampler.model, p.prompt_ids, [s["token_ids"] for s in g["samples"]])
+            proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease.proof.chunk_size,
+                                       topk=lease.proof.topk)
             for s, (_, logits), pr in zip(g["samples"], outs, proofs):
                 tokens = torch.tensor(s["token_ids"])
-                s["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), lease["temperature"])).tolist()
+                s["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), lease.temperature)).tolist()
                 s["proofs"] = encode(pr)
 
-    def _cherry_pick(self, lease: dict, n: int = 4) -> dict:
+    def _cherry_pick(self, lease: Lease, n: int = 4) -> dict:
         """Sample n candidates per completion with seeds of its own; submit the most likely."""
-        g = lease["group_size"]
-        prompts = [p["prompt_ids"] for p in lease["prompts"] for _ in range(g * n)]
+        g = lease.group_size
+        prompts = [p.prompt_ids for p in lease.prompts for _ in range(g * n)]
         seeds = [secrets.randbits(63) for _ in prompts]
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease["max_new_tokens"],
-                                     temperature=lease["temperature"], return_hidden=True)
+        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease.max_new_tokens,
+                                     temperature=lease.temperature, return_hidden=True)
         groups = []
-        for i, p in enumerate(lease["prompts"]):
+        for i, p in enumerate(lease.prompts):
             picked = []
             for j in range(g):
                 cands = outs[(i * g + j) * n: (i * g + j + 1) * n]
                 picked.append(max(cands, key=lambda o: sum(o.logprobs)))
-            proofs = build_proofs_many([o.hidden for o in picked], chunk_size=lease["proof"]["chunk_size"],
-                                       topk=lease["proof"]["topk"])
-            groups.append({"slot": p["slot"], "policy_version": self.version,
+            proofs = build_proofs_many([o.hidden for o in picked], chunk_size=lease.proof.chunk_size,
+                                       topk=lease.proof.topk)
+            groups.append({"slot": p.slot, "policy_version": self.version,
                            "samples": [{"token_ids": o.token_ids, "logprobs": o.logprobs,
                                         "finish_reason": o.finish_reason, "proofs": encode(pr)}
                                        for o, pr in zip(picked, proofs)]})
-        return {"lease_id": lease["lease_id"], "groups": groups}
+        return {"lease_id": lease.lease_id, "groups": groups}
 
 
 def _garbage(size: int) -> bytes:
@@ -158,3 +147,14 @@ def _garbage(size: int) -> bytes:
     return to_bytes(rng.randrange(2**15, PRIME + 1), [rng.randrange(PRIME) for _ in range((size - 2) // 2)])
 
 
+def adversary_class(kind: str):
+    """A `Worker`-compatible class that cheats as `kind` does (for `run_worker(worker_class=...)`)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown adversary {kind!r}; one of: {', '.join(KINDS)}")
+
+    class Adversary(AdversarialWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, kind=kind, **kwargs)
+            self.log(f"ADVERSARIAL worker ({kind}: {self.kind_help}); for testing the validator")
+
+    return Adversary

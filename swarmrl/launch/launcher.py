@@ -21,10 +21,10 @@ from datetime import datetime
 from pathlib import Path
 
 from swarmrl.config import Config
-from swarmrl.rl.progress import Progress
-from swarmrl.rewards.code import code_grader_for
-from swarmrl.rl.tasks import task_rows
+from swarmrl.launch.progress import Progress
+from swarmrl.rewards.registry import open_graders
 from swarmrl.sft.warmstart import ensure_base_model
+from swarmrl.tasks.source import task_rows
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
 
@@ -177,10 +177,9 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
         # Fail here, with the config's own words, rather than in a child process later.
         train, held_out = task_rows(cfg, log=log)
-        code = code_grader_for(train + held_out, cfg.sandbox, log=log)  # SandboxUnavailable: the fix
-        if code is not None:
-            log(f"code tasks run in {code.sandbox.describe()}")
-            code.close()
+        with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
+            for name, grader in graders.items():
+                log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         _install_base(rd, ensure_base_model(cfg, log=log))
     if prepare_only:
@@ -254,7 +253,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         raise SystemExit(130)
     summary = write_summary(rd, cfg, time.monotonic() - t0)
     if cfg.logging.plots:
-        from swarmrl.rl.plots import write_plots
+        from swarmrl.launch.plots import write_plots
 
         write_plots(read_metrics(rd), rd.root / "plots", cfg)
     return summary

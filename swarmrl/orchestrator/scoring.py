@@ -4,16 +4,16 @@ a worker."""
 from __future__ import annotations
 
 from swarmrl.config import Config
-from swarmrl.rewards.code import CodeGrader
+from swarmrl.protocol.rollouts import Group
 from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.registry import Graders
 from swarmrl.rewards.scoring import Score, score_rows
-from swarmrl.rl.rollouts import Group
 
 
 def score_groups(groups: list[Group], *, tokenizer, pool: VerifierPool, cfg: Config,
-                 code: CodeGrader | None = None) -> list[list[Score]]:
+                 graders: Graders | None = None) -> list[list[Score]]:
     """Fill `rewards` and `task_rewards` of each group in place; return the Scores per group.
-    Code groups run in `code`'s sandbox."""
+    Task types whose grader owns a resource (code: the sandbox) are graded by `graders`."""
     rows = []
     for g in groups:
         for s in g.samples:
@@ -28,7 +28,7 @@ def score_groups(groups: list[Group], *, tokenizer, pool: VerifierPool, cfg: Con
                 "target_length": g.target_length,
             })
     scores = score_rows(rows, pool=pool, count_tokens=lambda text: len(tokenizer(text)["input_ids"]),
-                        length_mode=cfg.length.mode, length_coef=cfg.length.coef, code=code)
+                        length_mode=cfg.length.mode, length_coef=cfg.length.coef, graders=graders)
     out, i = [], 0
     for g in groups:
         mine = scores[i : i + len(g.samples)]

@@ -1,0 +1,43 @@
+"""The rollout-engine seam: what a worker, the validator's callers, eval and serve need from
+whatever generates completions, and the one place an engine is built.
+
+An engine turns prompts (token ids) and one seed per row into `Completion`s: token ids, the
+logprob of each token under softmax(logits / T), how the completion ended, and, when asked, the
+final-layer hidden state behind each token (TOPLOC proofs are built from it) and the top
+logprobs per step (serving). `on_step(t, tokens)` is called after each step and may end rows
+early (serving's stop strings). The conventions the validator relies on (seeded Gumbel-max
+choice keyed by (seed, t), positions of hidden states, the same completion for the same
+(policy, prompt, seed) whatever else is in the batch) are the built-in sampler's docstring.
+
+Engines that cannot provide hidden states or replayable seeds (an OpenAI-compatible server, for
+trusted fleets: issue 16) say so with `provides_hidden` and `seeded`, and a worker that needs
+proofs refuses them. Today there is one engine, "builtin" (`inference/sampler.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from swarmrl.inference.sampler import Completion, Sampler
+
+ENGINES = ("builtin",)
+
+
+class RolloutEngine(Protocol):
+    model: object  # the policy (the validator's prefill and the adversaries need it)
+    stop_token_ids: list[int]
+    provides_hidden: bool  # can return final-layer hidden states (needed for TOPLOC proofs)
+    seeded: bool  # follows the seeded Gumbel-max scheme, so a validator can replay every token
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
+                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
+                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]: ...
+
+
+def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: list[int] | None = None) -> RolloutEngine:
+    """The engine for a loaded policy; stops at the tokenizer's end of sequence unless told otherwise."""
+    stop = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
+    if kind == "builtin":
+        return Sampler(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id)
+    raise ValueError(f"unknown rollout engine {kind!r}; one of: {', '.join(ENGINES)}")

@@ -1,0 +1,13 @@
+"""What the processes of a run agree on: the wire protocol between the orchestrator and its
+workers, validators and trainer (docs/protocol.md).
+
+    messages   request and reply bodies (pydantic), shared by server and clients
+    rollouts   the group of completions a worker produces, as the trainer receives it
+    reasons    why a submission is refused, and which refusals count as fraud
+    rules      what a completion must look like (how it terminates)
+    signing    worker identity (ed25519) and the signed-request scheme
+    client     the HTTP clients of the orchestrator (worker, trainer, validator)
+"""
+
+PROTOCOL_VERSION = 1
+"""Bumped when a message changes in a way an existing worker would misread (GET /v1/status says it)."""

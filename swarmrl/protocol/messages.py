@@ -1,0 +1,135 @@
+"""The messages of the worker protocol, as pydantic models shared by the orchestrator (which
+validates every request body with them) and its clients (which validate what they receive).
+
+docs/protocol.md is the prose version: endpoints, signing, the order of calls, and what each
+field means. `PROTOCOL_VERSION` (swarmrl/protocol/__init__.py) changes when a message changes
+in a way an existing worker would misread.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Hard ceilings on request shapes, whatever the config says; the config's own limits (group
+# size, token limit) are checked by the service with a message that names them.
+MAX_TOKENS = 1 << 17
+MAX_SAMPLES = 1024
+MAX_GROUPS = 1024
+MAX_PROOF_CHARS = 4 * (2 + 2 * 4096) // 3 + 4  # base64 of a top-4096 proof, the largest topk allowed
+
+_LEASE_ID = r"^[0-9a-f]{32}$"
+
+
+class _In(BaseModel):
+    # Unknown fields are ignored, not refused: a worker may send a claimed reward, and it is
+    # simply never read.
+    model_config = ConfigDict(extra="ignore")
+
+
+class RegisterIn(_In):
+    name: str = Field("worker", pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="display name, not an identity")
+
+
+class LeaseIn(_In):
+    policy_version: int = Field(ge=0, le=10**9, description="the policy version this worker has loaded")
+
+
+class _Claims(BaseModel):
+    # Extra fields are kept (not refused at parse time) so that a claimed reward is rejected by
+    # the service with its own reason and counted against the worker.
+    model_config = ConfigDict(extra="allow")
+
+
+class SampleIn(_Claims):
+    token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_TOKENS)
+    logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
+    finish_reason: Literal["stop", "length"]
+    proofs: list[Annotated[str, Field(max_length=MAX_PROOF_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_TOKENS,
+        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)")
+
+
+class GroupIn(_Claims):
+    slot: int = Field(ge=0, le=MAX_GROUPS)
+    policy_version: int = Field(ge=0, le=10**9)
+    samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
+
+
+class SubmitIn(_In):
+    lease_id: str = Field(pattern=_LEASE_ID)
+    groups: list[GroupIn] = Field(min_length=1, max_length=MAX_GROUPS)
+
+
+class PublishIn(_In):
+    version: int = Field(ge=0, le=10**9)
+    url: str = Field(max_length=2048, pattern=r"^https?://[^\s]+$")
+    manifest: dict = Field(description="the version's signed broadcast manifest (publish_version())")
+
+
+class ClaimIn(_In):
+    max_groups: int = Field(16, ge=1, le=1024)
+
+
+class VerdictIn(_In):
+    id: int = Field(ge=0, le=1 << 62)
+    ok: bool
+    reason: str | None = Field(None, pattern=r"^[a-z_]{1,40}$")
+    detail: str = Field("", max_length=2000)
+    stats: dict[str, float] = Field(default_factory=dict, max_length=32)
+
+
+class VerdictsIn(_In):
+    verdicts: list[VerdictIn] = Field(default_factory=list, max_length=4096)
+    retry: list[Annotated[int, Field(ge=0, le=1 << 62)]] = Field(default_factory=list, max_length=4096)
+
+
+class ErrorOut(BaseModel):
+    error: str
+    detail: str
+
+
+# ---- replies a worker reads ------------------------------------------------------------------
+class _Out(BaseModel):
+    # Replies may grow fields in a compatible version; an older client ignores them.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ProofSpec(_Out):
+    kind: Literal["toploc"] = "toploc"
+    chunk_size: int = Field(ge=1, description="tokens per TOPLOC proof (the last chunk may be shorter)")
+    topk: int = Field(ge=1, description="hidden-state entries each proof commits to")
+
+
+class LeasedPrompt(_Out):
+    slot: int = Field(ge=0, description="this prompt's index in the lease; the submitted group names it")
+    problem_id: str
+    task_type: str
+    prompt: str = Field(description="the task prompt as the model sees it (length instruction included)")
+    prompt_ids: list[int] = Field(description="the chat-templated prompt's token ids: sample after exactly these")
+    target_length: int | None = Field(None, description="N of 'Think for N tokens', when length control is on")
+    seeds: list[int] = Field(description="one Gumbel-max seed per completion of the group, in order")
+
+
+class Lease(_Out):
+    """Work for one worker: sample `group_size` completions of each prompt with its seeds."""
+
+    lease_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    expires_at: float = Field(description="orchestrator clock; a worker should use its own receipt time + expires_in_s")
+    expires_in_s: float
+    min_version: int = Field(ge=0, description="the oldest policy version the groups may be sampled with")
+    max_version: int = Field(ge=0, description="the newest (the one published when the lease was issued)")
+    group_size: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    max_new_tokens: int = Field(ge=1)
+    proof: ProofSpec
+    prompts: list[LeasedPrompt]
+
+
+class LeaseReply(_Out):
+    """POST /v1/leases: a lease, or none with how long to wait and why."""
+
+    lease: Lease | None = None
+    retry_after_s: float | None = None
+    reason: str | None = None

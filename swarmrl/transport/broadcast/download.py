@@ -1,0 +1,393 @@
+"""The client: measure sources (`SourceScores`), fetch and verify a version's manifest from the
+first source that has it, and download its shards in parallel from the fastest sources, checking
+each shard's sha256 as it arrives."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from swarmrl.protocol.manifest import (
+    BroadcastError,
+    _check_public_key,
+    _check_shape,
+    _check_version,
+    _is_int,
+    _vname,
+    _where,
+    manifest_digest,
+    verify_manifest,
+)
+from swarmrl.transport.broadcast.common import (
+    CHUNK,
+    MAX_MANIFEST_BYTES,
+    MIN_RATE,
+    _CONTENT_RANGE,
+    _SourceFailure,
+    _check_sources,
+    _hash_file,
+    _sha256_file,
+)
+
+
+# ---- source scores ------------------------------------------------------------------------------
+
+
+class SourceScores:
+    """Thread-safe memory of each source's bandwidth (EMA of bytes/s) and recent failures.
+
+    score: +inf for a source never measured (so it is tried early), its EMA bytes/s otherwise;
+    after a failure the source is *penalized* for penalty_s * 2**(strikes-1) seconds (at most 32x),
+    and while penalized its score is -(1 + strikes): behind every source that is not. A bad shard
+    (data contradicting the signed manifest) costs 3 strikes, any other failure 1; each success
+    takes one away. `order` sorts best first, ties in the given order."""
+
+    def __init__(self, *, alpha: float = 0.3, penalty_s: float = 30.0):
+        self.alpha, self.penalty_s = alpha, penalty_s
+        self._lock = threading.Lock()
+        self._s: dict[str, dict] = {}
+
+    def _entry(self, url: str) -> dict:
+        url = url.rstrip("/")
+        if url not in self._s:
+            self._s[url] = {"ema_bps": None, "successes": 0, "failures": 0, "bad_shards": 0, "strikes": 0,
+                            "penalized_until": 0.0, "last_error": None}
+        return self._s[url]
+
+    def good(self, url: str, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-6)
+        with self._lock:
+            e = self._entry(url)
+            e["ema_bps"] = rate if e["ema_bps"] is None else self.alpha * rate + (1 - self.alpha) * e["ema_bps"]
+            e["successes"] += 1
+            e["strikes"] = max(0, e["strikes"] - 1)
+
+    def bad(self, url: str, reason: str, *, corrupt: bool = False) -> None:
+        with self._lock:
+            e = self._entry(url)
+            e["failures"] += 1
+            e["bad_shards"] += int(corrupt)
+            e["strikes"] += 3 if corrupt else 1
+            e["last_error"] = reason
+            e["penalized_until"] = time.monotonic() + self.penalty_s * min(2 ** (e["strikes"] - 1), 32)
+
+    def _score(self, e: dict | None, now: float) -> float:
+        if e is None:
+            return math.inf
+        if now < e["penalized_until"]:
+            return -1.0 - e["strikes"]
+        return math.inf if e["ema_bps"] is None else e["ema_bps"]
+
+    def order(self, sources: list[str]) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            scored = [(-self._score(self._s.get(s.rstrip("/")), now), i, s) for i, s in enumerate(sources)]
+        return [s for _, _, s in sorted(scored)]
+
+    def snapshot(self) -> dict[str, dict]:
+        now = time.monotonic()
+        with self._lock:
+            return {url: {**{k: v for k, v in e.items() if k != "penalized_until"},
+                          "score": self._score(e, now), "penalized_for_s": max(0.0, e["penalized_until"] - now)}
+                    for url, e in self._s.items()}
+
+
+# ---- client -------------------------------------------------------------------------------------
+
+
+def _connect(source: str, timeout_s: float) -> tuple[http.client.HTTPConnection, str]:
+    u = urlsplit(source)
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    return cls(u.hostname, u.port, timeout=timeout_s), u.path.rstrip("/")
+
+
+def _get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
+    """GET source+path, 200 only, body at most `limit` bytes; _SourceFailure otherwise."""
+    conn, prefix = _connect(source, timeout_s)
+    try:
+        t0 = time.monotonic()
+        try:
+            conn.request("GET", prefix + path)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            raise _SourceFailure(f"no answer ({e!r})") from e
+        if resp.status != 200:
+            hint = " (not published there yet, or pruned)" if resp.status == 404 else ""
+            raise _SourceFailure(f"HTTP {resp.status} {resp.reason}{hint}")
+        cl = resp.getheader("Content-Length")
+        announced = int(cl) if cl and cl.isdigit() else None
+        if announced is not None and announced > limit:
+            raise _SourceFailure(f"answer of {announced} bytes is larger than the {limit} allowed")
+        deadline = t0 + timeout_s + (announced or limit) / MIN_RATE
+        body = bytearray()
+        while True:
+            try:
+                chunk = resp.read(min(CHUNK, limit + 1 - len(body)))
+            except (OSError, http.client.HTTPException) as e:
+                raise _SourceFailure(f"connection lost after {len(body)} bytes ({e!r})") from e
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > limit:
+                raise _SourceFailure(f"answer larger than the {limit} bytes allowed")
+            if time.monotonic() > deadline:
+                raise _SourceFailure(f"too slow: {len(body)} bytes in {time.monotonic() - t0:.1f} s")
+        if announced is not None and len(body) != announced:
+            raise _SourceFailure(f"transfer ended after {len(body)} of {announced} bytes")
+        return bytes(body)
+    finally:
+        conn.close()
+
+
+def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
+    """GET {source}/versions: the complete versions a ShardServer holds."""
+    (source,) = _check_sources([source], "list_versions")
+    try:
+        data = json.loads(_get_small(source, "/versions", timeout_s, 16 << 20))
+    except _SourceFailure as e:
+        raise BroadcastError(f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
+                             "there and reachable from this machine?") from None
+    except ValueError:
+        raise BroadcastError(f"cannot list versions at {source}: the answer is not JSON; is that URL a swarmrl "
+                             "broadcast server?") from None
+    versions = data.get("versions") if isinstance(data, dict) else None
+    if not isinstance(versions, list) or not all(_is_int(v) and 0 <= v <= 999_999 for v in versions):
+        raise BroadcastError(f"cannot list versions at {source}: expected {{\"versions\": [ints]}}; is that URL a "
+                             "swarmrl broadcast server?")
+    return sorted(versions)
+
+
+def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, timeout_s: float = 10.0,
+                   expected_digest: str | None = None) -> dict:
+    """The manifest of `version` from the first source (in order) whose answer verifies: signed by
+    `public_key` when given, well formed and for `version` otherwise; and with manifest digest
+    `expected_digest` when given (to skip copies of a version number that was republished)."""
+    _check_version(version)
+    vname = _vname(version)
+    sources = _check_sources(sources, f"fetching the manifest of {vname}")
+    if public_key is not None:
+        _check_public_key(public_key, f"fetching {vname}")
+    errors = []
+    for src in sources:
+        try:
+            raw = _get_small(src, f"/{vname}/manifest.json", timeout_s, MAX_MANIFEST_BYTES)
+            try:
+                manifest = json.loads(raw)
+            except ValueError:
+                raise _SourceFailure("the manifest is not JSON") from None
+            if public_key is not None:
+                verify_manifest(manifest, public_key, version)
+            else:
+                _check_shape(manifest, f"manifest of policy {vname}")
+                if manifest["version"] != version:
+                    raise _SourceFailure(f"the manifest is for {_vname(manifest['version'])}")
+            if expected_digest is not None and manifest_digest(manifest) != expected_digest:
+                raise _SourceFailure(f"it holds another {vname} (manifest digest {manifest_digest(manifest)[:16]}..., "
+                                     f"expected {expected_digest[:16]}...): a stale copy from before the trainer "
+                                     "republished it")
+            return manifest
+        except (_SourceFailure, BroadcastError) as e:
+            errors.append(f"{src}: {e}")
+    raise BroadcastError(
+        f"cannot get a valid manifest of policy {vname} from any source: " + "; ".join(errors)
+        + ". Check that the sources are running and hold this version (GET <source>/versions), and that the "
+        "configured trainer key is right")
+
+
+def _download_shard(src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path,
+                    timeout_s: float) -> int:
+    """One attempt at one shard from one source, resuming `part` with a Range request.
+    Returns the bytes transferred; _SourceFailure (source's fault) or BroadcastError (local)."""
+    have, h = 0, hashlib.sha256()
+    if part.exists():
+        try:
+            have, h = _hash_file(part)
+        except OSError:
+            have, h = 0, hashlib.sha256()
+        if have > size:
+            part.unlink(missing_ok=True)
+            have, h = 0, hashlib.sha256()
+        elif have == size:
+            if h.hexdigest() == digest:
+                os.replace(part, final)
+                return 0
+            part.unlink(missing_ok=True)
+            have, h = 0, hashlib.sha256()
+    what = f"shard {index:05d}"
+    conn, prefix = _connect(src, timeout_s)
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s + size / MIN_RATE
+    try:
+        try:
+            conn.request("GET", f"{prefix}/{vname}/shards/{index:05d}",
+                         headers={"Range": f"bytes={have}-"} if have else {})
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            raise _SourceFailure(f"no answer for {what} ({e!r})") from e
+        if resp.status == 206 and have:
+            cr = resp.getheader("Content-Range", "")
+            m = _CONTENT_RANGE.fullmatch(cr.strip())
+            if m is None or tuple(map(int, m.groups())) != (have, size - 1, size):
+                raise _SourceFailure(f"{what}: Content-Range {cr!r} for bytes={have}-, expected "
+                                     f"'bytes {have}-{size - 1}/{size}'", corrupt=True)
+            mode = "ab"
+        elif resp.status == 200:
+            have, h, mode = 0, hashlib.sha256(), "wb"  # no Range, or the source ignored it: start over
+            cl = resp.getheader("Content-Length")
+            if cl and cl.isdigit() and int(cl) != size:
+                raise _SourceFailure(f"{what} is {cl} bytes there, the signed manifest says {size}", corrupt=True)
+        elif resp.status == 416:
+            raise _SourceFailure(f"{what}: 416 for bytes={have}-: its copy is shorter than the signed manifest says",
+                                 corrupt=True)
+        elif resp.status == 404:
+            raise _SourceFailure(f"{what}: 404 (the source does not hold {vname}: not mirrored yet, or pruned)")
+        else:
+            raise _SourceFailure(f"{what}: HTTP {resp.status} {resp.reason}")
+        got, too_long = 0, False
+        try:
+            f = open(part, mode)
+        except OSError as e:
+            raise BroadcastError(f"fetching {vname} {what}: cannot write {part}: {e}; check free space and "
+                                 "permissions of the destination") from e
+        with f:
+            while True:
+                try:
+                    chunk = resp.read(min(CHUNK, size - have - got + 1))
+                except (OSError, http.client.HTTPException) as e:
+                    raise _SourceFailure(f"{what}: connection lost after {have + got} of {size} bytes ({e!r})") from e
+                if not chunk:
+                    break
+                if have + got + len(chunk) > size:
+                    too_long = True
+                    break
+                try:
+                    f.write(chunk)
+                except OSError as e:
+                    raise BroadcastError(f"fetching {vname} {what}: cannot write {part}: {e}; check free space") from e
+                h.update(chunk)
+                got += len(chunk)
+                if time.monotonic() > deadline:
+                    raise _SourceFailure(f"{what}: too slow ({have + got} of {size} bytes after "
+                                         f"{time.monotonic() - t0:.1f} s)")
+        if too_long:
+            part.unlink(missing_ok=True)
+            raise _SourceFailure(f"{what}: more than the {size} bytes the signed manifest says", corrupt=True)
+        if have + got < size:
+            raise _SourceFailure(f"{what}: transfer ended after {have + got} of {size} bytes")
+        if h.hexdigest() != digest:
+            part.unlink(missing_ok=True)
+            raise _SourceFailure(f"{what}: sha256 mismatch (got {h.hexdigest()[:16]}..., the signed manifest says "
+                                 f"{digest[:16]}...)", corrupt=True)
+        os.replace(part, final)
+        return got
+    finally:
+        conn.close()
+
+
+def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: SourceScores | None = None,
+                    parallel: int = 4, timeout_s: float = 10.0, tries_per_shard: int | None = None,
+                    log=lambda msg: None) -> None:
+    """Fetch every shard of `manifest` (verified by the caller) into shard_dir/NNNNN, each checked
+    against its sha256; see the module doc. BroadcastError after `tries_per_shard` failures of one shard."""
+    where = _where(manifest, None)
+    _check_shape(manifest, where)
+    vname = _vname(manifest["version"])
+    sources = _check_sources(sources, f"fetching {vname}")
+    if not _is_int(parallel) or parallel < 1:
+        raise BroadcastError(f"parallel must be a positive int, got {parallel!r}")
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise BroadcastError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    tries = 3 * len(sources) if tries_per_shard is None else tries_per_shard
+    if not _is_int(tries) or tries < 1:
+        raise BroadcastError(f"tries_per_shard must be a positive int, got {tries_per_shard!r}")
+    scores = SourceScores() if scores is None else scores
+    shard_dir = Path(shard_dir)
+    shard_dir.mkdir(parents=True, exist_ok=True)
+
+    todo = []
+    for i, s in enumerate(manifest["shards"]):
+        final = shard_dir / f"{i:05d}"
+        if final.is_file():
+            try:
+                if _sha256_file(final) == (s["size"], s["sha256"]):
+                    continue
+            except OSError:
+                pass
+            final.unlink(missing_ok=True)
+        todo.append(i)
+    if not todo:
+        return
+
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def fetch(i: int) -> None:
+        s = manifest["shards"][i]
+        part, final = shard_dir / f"{i:05d}.part", shard_dir / f"{i:05d}"
+        failed: dict[str, int] = {}
+        last_error: dict[str, str] = {}
+        rounds_waited = 0
+        for attempt in range(tries):
+            if stop.is_set():
+                return
+            # Every source failed this shard at least once more: back off a little before the next round.
+            rnd = min(failed.get(u, 0) for u in sources)
+            if rnd > rounds_waited:
+                rounds_waited = rnd
+                if stop.wait(min(0.05 * 2 ** (rnd - 1), 1.0)):
+                    return
+            ranked = scores.order(sources)
+            src = min(ranked, key=lambda u: (failed.get(u, 0), ranked.index(u)))
+            t0 = time.monotonic()
+            try:
+                n = _download_shard(src, vname, i, s["size"], s["sha256"], part, final, timeout_s)
+            except _SourceFailure as e:
+                failed[src] = failed.get(src, 0) + 1
+                last_error[src] = str(e)
+                scores.bad(src, str(e), corrupt=e.corrupt)
+                log(f"{vname}: {src}: {e}; trying {'another source' if len(sources) > 1 else 'again'}")
+                continue
+            if n:
+                scores.good(src, n, time.monotonic() - t0)
+            return
+        raise BroadcastError(
+            f"cannot fetch policy {vname} shard {i:05d} ({s['size']} bytes): {tries} tries failed; last error per "
+            "source: " + "; ".join(f"{u}: {last_error.get(u, 'not tried')}" for u in sources)
+            + ". Check that the sources are running, reachable and hold this version (GET <source>/versions); "
+            "drop sources that serve corrupt data")
+
+    queue = list(reversed(todo))
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop()
+            try:
+                fetch(i)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                with lock:
+                    errors.append(e)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=worker, name=f"fetch-{vname}-{k}", daemon=True)
+               for k in range(min(parallel, len(todo)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    missing = [i for i in todo if not (shard_dir / f"{i:05d}").is_file()]
+    if missing:  # cannot happen without an error above; never report success for a partial version
+        raise BroadcastError(f"fetching {vname}: shards {missing[:5]} missing after the download; try again")

@@ -1,0 +1,315 @@
+"""Putting a downloaded version in place: `mirror_version` (a relay keeps the shard layout and
+serves it on) and `fetch_version` (a worker or validator rebuilds the HF folder), both resumable
+and renamed into place whole."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from swarmrl.protocol.manifest import (
+    BroadcastError,
+    _check_public_key,
+    _check_shape,
+    _check_version,
+    _is_int,
+    _vname,
+    manifest_digest,
+    verify_manifest,
+)
+from swarmrl.transport.broadcast.common import (
+    CHUNK,
+    INSTALLED_MANIFEST,
+    _ACTIVE,
+    _ACTIVE_LOCK,
+    _TEMP_DIR,
+    _VERSION_DIR,
+    _atomic_write,
+    _check_sources,
+    _load_manifest_file,
+    _manifest_bytes,
+    _pid_alive,
+    _remove_dir,
+    _sha256_file,
+    _temp_name,
+)
+from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest
+from swarmrl.transport.broadcast.publish import _clean_temps, _prune
+
+
+def _claim_partial(root: Path, vname: str, digest: str) -> Path:
+    fresh = root / _temp_name("tmp", vname)
+    with _ACTIVE_LOCK:
+        for p in sorted(root.glob(f".tmp-{vname}-*")):
+            m = _TEMP_DIR.fullmatch(p.name)
+            if m is None or p in _ACTIVE or not (p / ".digest").is_file():
+                continue
+            pid = int(m.group(1))
+            if pid != os.getpid() and _pid_alive(pid):
+                continue  # another live process is working on it
+            try:
+                os.rename(p, fresh)  # only one claimer wins
+            except OSError:
+                continue
+            try:
+                same = (fresh / ".digest").read_text() == digest
+            except OSError:
+                same = False
+            if not same:  # a different publication of this version number
+                shutil.rmtree(fresh / "shards", ignore_errors=True)
+            break
+        (fresh / "shards").mkdir(parents=True, exist_ok=True)
+        (fresh / ".digest").write_text(digest)
+        _ACTIVE.add(fresh)
+    return fresh
+
+
+def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, scores, parallel: int,
+            timeout_s: float, log) -> dict:
+    vname = _vname(version)
+    vdir = root / vname
+    if (vdir / "manifest.json").is_file():
+        return _load_manifest_file(vdir / "manifest.json")
+    root.mkdir(parents=True, exist_ok=True)
+    digest = manifest_digest(manifest)
+    tmp = _claim_partial(root, vname, digest)
+    try:
+        download_shards(manifest, sources, tmp / "shards", scores=scores, parallel=parallel, timeout_s=timeout_s,
+                        log=log)
+        (tmp / ".digest").unlink(missing_ok=True)
+        for leftover in (tmp / "shards").glob("*.part"):
+            leftover.unlink(missing_ok=True)
+        (tmp / "manifest.json").write_bytes(_manifest_bytes(manifest))
+        # Other fetchers into the same root may finish first, and may remove their copy again
+        # (fetch_version deletes the shard copy once the files are rebuilt): a few rounds settle it.
+        for _ in range(5):
+            try:
+                os.rename(tmp, vdir)
+                return manifest
+            except OSError:
+                pass
+            try:
+                existing = _load_manifest_file(vdir / "manifest.json")
+            except (BroadcastError, OSError):
+                time.sleep(0.05)  # gone again, or still being moved: try the rename once more
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            if manifest_digest(existing) == digest:
+                return existing
+            raise BroadcastError(f"cannot mirror {vname} into {root}: it already holds another {vname} "
+                                 f"(digest {manifest_digest(existing)[:16]}...); delete {vdir} to replace it")
+        raise BroadcastError(f"cannot mirror {vname}: {vdir} exists but is not a complete version; delete it "
+                             "and try again")
+    except OSError as e:
+        raise BroadcastError(f"cannot mirror {vname} into {root}: {e}; check free space and permissions") from e
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+
+
+def mirror_version(version: int, sources: list[str], root, *, public_key: str | None, scores=None,
+                   parallel: int = 4, timeout_s: float = 10.0, log=lambda msg: None,
+                   expected_digest: str | None = None) -> dict:
+    """Mirror `version` from `sources` into root/vNNNNNN (the origin's layout, so a ShardServer on
+    `root` serves it: relays chain). The manifest is verified against `public_key` when given,
+    every shard against its sha256 always; a failed call leaves its partial shards for the next
+    call to resume. Returns the manifest; a complete copy already there is returned at once
+    (unless `expected_digest` is given and it differs: then it is replaced)."""
+    _check_version(version)
+    vname = _vname(version)
+    sources = _check_sources(sources, f"mirroring {vname}")
+    if public_key is not None:
+        _check_public_key(public_key, f"mirroring {vname}")
+    root = Path(root)
+    vdir = root / vname
+    if (vdir / "manifest.json").is_file():
+        held = _load_manifest_file(vdir / "manifest.json")
+        if expected_digest is None or manifest_digest(held) == expected_digest:
+            if public_key is not None:
+                verify_manifest(held, public_key, version)
+            else:
+                _check_shape(held, f"manifest of policy {vname} in {vdir}")
+            return held
+        _remove_dir(vdir)
+    scores = SourceScores() if scores is None else scores
+    manifest = fetch_manifest(version, scores.order(sources), public_key=public_key, timeout_s=timeout_s,
+                              expected_digest=expected_digest)
+    return _mirror(version, manifest, sources, root, scores=scores,
+                   parallel=parallel, timeout_s=timeout_s, log=log)
+
+
+def _listing(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()), key=lambda p: p.name)
+
+
+def _folder_matches(folder: Path, manifest: dict) -> bool:
+    """The folder holds exactly the manifest's files with their sizes and sha256 (re-hashed)."""
+    try:
+        paths = _listing(folder)
+        if [p.name for p in paths] != sorted(f["name"] for f in manifest["files"]):
+            return False
+        want = {f["name"]: (f["size"], f["sha256"]) for f in manifest["files"]}
+        return all(p.stat().st_size == want[p.name][0] and _sha256_file(p) == want[p.name] for p in paths)
+    except OSError:
+        return False
+
+
+def _assemble(manifest: dict, shard_dir: Path, out: Path) -> str | None:
+    """Rebuild the files from the shards into `out`; None, or the name of a file that could not be
+    rebuilt (a shard shorter than the manifest says).
+
+    The files are not hashed again here: every shard was checked against the signed manifest as
+    it arrived, and a file is the concatenation of its shards' bytes. (A cached folder is
+    re-checked against the files' sha256 before it is reused, in _folder_matches.) The bytes are
+    copied inside the kernel where the OS allows (copy_file_range), since on a fast link this
+    copy costs as much as the download.
+    """
+    shard_size = manifest["shard_size"]
+    for f in manifest["files"]:
+        pos, end = f["offset"], f["offset"] + f["size"]
+        with open(out / f["name"], "wb") as dst:
+            while pos < end:
+                i = pos // shard_size
+                n = min(end, (i + 1) * shard_size) - pos
+                with open(shard_dir / f"{i:05d}", "rb") as src:
+                    if os.fstat(src.fileno()).st_size < pos - i * shard_size + n:
+                        return f["name"]
+                    _copy_range(src, dst, pos - i * shard_size, n)
+                pos += n
+    return None
+
+
+def _copy_range(src, dst, offset: int, n: int) -> None:
+    """Append n bytes of src from offset to dst."""
+    copy = getattr(os, "copy_file_range", None)
+    if copy is not None:
+        dst.flush()
+        left, off = n, offset
+        try:
+            while left:
+                done = copy(src.fileno(), dst.fileno(), left, off)
+                if done <= 0:
+                    break
+                left -= done
+                off += done
+            if not left:
+                dst.seek(0, os.SEEK_END)
+                return
+        except OSError:
+            pass  # not supported between these files: fall back to a plain copy of what is left
+        offset, n = off, left
+        dst.seek(0, os.SEEK_END)
+    src.seek(offset)
+    while n:
+        chunk = src.read(min(CHUNK, n))
+        if not chunk:
+            raise OSError(f"shard {src.name} ended early")
+        dst.write(chunk)
+        n -= len(chunk)
+
+
+def fetch_version(version: int, sources: list[str], dest_root, *, public_key: str, scores=None,
+                  keep: int = 2, parallel: int = 4, timeout_s: float = 10.0, log=lambda msg: None,
+                  expected_digest: str | None = None) -> Path:
+    """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
+    HF folder ready for from_pretrained, and return that path.
+
+    The manifest must be signed by `public_key` (the trainer's; required). Shards are mirrored into
+    dest_root/.shards/ (a failed call leaves them there for the next call to resume), the files
+    rebuilt in a temp folder and checked against the manifest's sha256, the folder renamed into
+    place whole, the shard copy deleted, and only the newest `keep` versions (plus this one) kept.
+    A folder already there with the manifest's file hashes is returned without downloading.
+    `expected_digest` (manifest_digest of the manifest the orchestrator announced) skips sources
+    holding another publication of the same version number."""
+    _check_version(version)
+    vname = _vname(version)
+    if public_key is None:
+        raise BroadcastError(f"fetching {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
+                             "workers never accept unsigned versions")
+    _check_public_key(public_key, f"fetching {vname}")
+    sources = _check_sources(sources, f"fetching {vname}")
+    if not _is_int(keep) or keep < 0:
+        raise BroadcastError(f"keep must be a non-negative int, got {keep!r}")
+    scores = SourceScores() if scores is None else scores
+    dest_root = Path(dest_root)
+    dest = dest_root / vname
+
+    def finish() -> Path:
+        _clean_temps(dest_root)
+        _clean_temps(dest_root / ".shards", below=version)  # partials of older versions will not be resumed
+        versions = sorted(int(m.group(1)) for p in dest_root.iterdir()
+                          if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir())
+        _prune(dest_root, versions, keep, lambda v: v == version)
+        return dest
+
+    # A version number can be republished with other weights (a trainer resumed from an older
+    # checkpoint), so a folder already here is trusted without asking the sources only when the
+    # caller names the publication it wants (expected_digest) and the folder is that one.
+    if expected_digest is not None and (dest / INSTALLED_MANIFEST).is_file():
+        try:
+            held_manifest = _load_manifest_file(dest / INSTALLED_MANIFEST)
+            verify_manifest(held_manifest, public_key, version)
+            if manifest_digest(held_manifest) == expected_digest and _folder_matches(dest, held_manifest):
+                return finish()
+        except BroadcastError:
+            pass
+    # Otherwise the sources' current signed manifest says what the version is.
+    manifest = fetch_manifest(version, scores.order(sources), public_key=public_key, timeout_s=timeout_s,
+                              expected_digest=expected_digest)
+    if dest.is_dir() and _folder_matches(dest, manifest):
+        try:
+            _atomic_write(dest / INSTALLED_MANIFEST, _manifest_bytes(manifest))
+        except OSError:
+            pass
+        return finish()
+
+    shard_root = dest_root / ".shards"
+    held = shard_root / vname
+    if held.is_dir():  # a complete shard copy from an interrupted call: usable only if it is this publication
+        try:
+            same = manifest_digest(_load_manifest_file(held / "manifest.json")) == manifest_digest(manifest)
+        except BroadcastError:
+            same = False
+        if not same:
+            _remove_dir(held)
+    _mirror(version, manifest, sources, shard_root, scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
+
+    tmp = dest_root / _temp_name("tmp", vname)
+    tmp.mkdir()
+    try:
+        try:
+            bad = _assemble(manifest, held / "shards", tmp)
+        except FileNotFoundError:
+            # Another fetcher of this version in dest_root finished and deleted the shard copy.
+            if dest.is_dir() and _folder_matches(dest, manifest):
+                return finish()
+            raise BroadcastError(f"fetching {vname}: the shard copy in {held} vanished while rebuilding the files "
+                                 "(a concurrent fetch into the same dest_root?); try again") from None
+        except OSError as e:
+            raise BroadcastError(f"fetching {vname}: cannot rebuild the files in {dest_root}: {e}; check free space "
+                                 "and permissions") from e
+        if bad is not None:
+            _remove_dir(held)
+            raise BroadcastError(f"fetching {vname}: file {bad!r} rebuilt from verified shards has the wrong sha256 "
+                                 "(the shard copy was damaged on disk, or the trainer published an inconsistent "
+                                 "manifest); the shard copy was deleted, try again")
+        (tmp / INSTALLED_MANIFEST).write_bytes(_manifest_bytes(manifest))
+        if dest.is_dir() and _folder_matches(dest, manifest):
+            # A concurrent fetch installed it meanwhile: keep that one (its caller may be loading it).
+            _remove_dir(held)
+            return finish()
+        if dest.exists():
+            _remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest.is_dir() and _folder_matches(dest, manifest)):  # else: another fetcher won the race
+                raise BroadcastError(f"fetching {vname}: cannot rename the rebuilt folder to {dest}; "
+                                     "remove it and try again") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _remove_dir(held)
+    log(f"{vname}: installed in {dest}")
+    return finish()

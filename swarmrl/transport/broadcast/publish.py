@@ -1,0 +1,256 @@
+"""The origin's side: cut a saved HF folder into signed, hashed shards under a broadcast root
+(`publish_version`), list and prune the versions there."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmrl.protocol.manifest import (
+    BroadcastError,
+    FORMAT,
+    MAX_SHARDS,
+    _check_version,
+    _is_int,
+    _is_plain_name,
+    _same_content,
+    _vname,
+    canonical,
+    manifest_digest,
+)
+from swarmrl.transport.broadcast.common import (
+    CHUNK,
+    _ACTIVE,
+    _ACTIVE_LOCK,
+    _TEMP_DIR,
+    _VERSION_DIR,
+    _load_manifest_file,
+    _manifest_bytes,
+    _pid_alive,
+    _remove_dir,
+    _temp_name,
+)
+
+
+# ---- publishing ---------------------------------------------------------------------------------
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    if not model_dir.is_dir():
+        raise BroadcastError(f"cannot publish: {model_dir} is not a directory (expected a saved HF model folder)")
+    out = []
+    for p in sorted(model_dir.iterdir(), key=lambda p: p.name):
+        if p.name.startswith(".") or not p.is_file():
+            continue
+        if not _is_plain_name(p.name):
+            raise BroadcastError(f"cannot publish {p}: file names may only use letters, digits, '.', '_' and '-'; "
+                                 "rename the file")
+        out.append(p)
+    if not out:
+        raise BroadcastError(f"cannot publish: {model_dir} holds no files (expected a saved HF model folder)")
+    return out
+
+
+class _ShardWriter:
+    """Cuts a byte stream into shards; with `folder` None it only hashes (a dry run)."""
+
+    def __init__(self, folder: Path | None, shard_size: int):
+        self.folder, self.shard_size = folder, shard_size
+        self.shards: list[dict] = []
+        self._f = None
+        self._h = hashlib.sha256()
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.shard_size - self._size)
+            piece = view[:n]
+            if self.folder is not None:
+                if self._f is None:
+                    self._f = open(self.folder / f"{len(self.shards):05d}", "wb")
+                self._f.write(piece)
+            self._h.update(piece)
+            self._size += n
+            view = view[n:]
+            if self._size == self.shard_size:
+                self._finish()
+
+    def _finish(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.shards.append({"size": self._size, "sha256": self._h.hexdigest()})
+        self._h, self._size = hashlib.sha256(), 0
+
+    def close(self) -> None:
+        if self._size:
+            self._finish()
+        elif self._f is not None:
+            self._f.close()
+
+
+def _split(paths: list[Path], shard_dir: Path | None, shard_size: int) -> tuple[list[dict], list[dict], int]:
+    writer = _ShardWriter(shard_dir, shard_size)
+    files, offset = [], 0
+    try:
+        for p in paths:
+            h, size = hashlib.sha256(), 0
+            with open(p, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                    size += len(chunk)
+                    writer.write(chunk)
+            files.append({"name": p.name, "offset": offset, "size": size, "sha256": h.hexdigest()})
+            offset += size
+    finally:
+        writer.close()
+    return files, writer.shards, offset
+
+
+def publish_version(model_dir, root, version: int, *, key, parent: int | None = None,
+                    shard_size: int = 1 << 20) -> dict:
+    """Shard and sign HF folder `model_dir` as root/vNNNNNN (written whole, atomically); return the manifest.
+
+    Versions are immutable: an existing root/vNNNNNN with the same content (same files, shard size,
+    parent and key) is returned as is; with other content, BroadcastError (use unpublish_version
+    first to replace it on purpose)."""
+    _check_version(version)
+    if parent is not None:
+        _check_version(parent, "parent")
+    if not _is_int(shard_size) or shard_size <= 0:
+        raise BroadcastError(f"shard_size must be a positive int (bytes), got {shard_size!r}")
+    if not isinstance(key, Ed25519PrivateKey):
+        raise BroadcastError(f"key must be an Ed25519PrivateKey (auth.load_or_create_key), got {type(key).__name__}")
+    model_dir, root, vname = Path(model_dir), Path(root), _vname(version)
+    paths = _model_files(model_dir)
+    n = -(-sum(p.stat().st_size for p in paths) // shard_size)
+    if n > MAX_SHARDS:
+        raise BroadcastError(f"cannot publish {vname}: {n} shards of {shard_size} bytes, more than {MAX_SHARDS}; "
+                             "use a larger shard_size")
+    model_config: dict = {}
+    if (model_dir / "config.json").is_file():
+        try:
+            model_config = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise BroadcastError(f"cannot publish {vname}: {model_dir / 'config.json'} is not valid JSON ({e})") from e
+        if not isinstance(model_config, dict):
+            raise BroadcastError(f"cannot publish {vname}: {model_dir / 'config.json'} is not a JSON object")
+
+    def sign(files, shards, total) -> dict:
+        m = {"format": FORMAT, "version": version, "parent": parent, "created": time.time(),
+             "model_config": model_config, "files": files, "shard_size": shard_size, "total_size": total,
+             "shards": shards, "public_key": key.public_key().public_bytes_raw().hex()}
+        m["signature"] = key.sign(canonical(m)).hex()
+        return m
+
+    dest = root / vname
+
+    def existing_or_refuse(new: dict) -> dict:
+        if not (dest / "manifest.json").is_file():
+            raise BroadcastError(f"cannot publish {vname}: {dest} exists but holds no manifest.json (not a complete "
+                                 "version); delete it and publish again")
+        old = _load_manifest_file(dest / "manifest.json")
+        if _same_content(old, new):
+            return old
+        raise BroadcastError(
+            f"cannot publish {vname}: {dest} already holds a different {vname} (manifest digest "
+            f"{manifest_digest(old)[:16]}...); versions are immutable: publish under a new version number, or "
+            "call unpublish_version first to replace it")
+
+    if dest.exists():  # a dry run: hash only, write nothing
+        try:
+            return existing_or_refuse(sign(*_split(paths, None, shard_size)))
+        except OSError as e:
+            raise BroadcastError(f"cannot publish {vname}: cannot read {model_dir}: {e}") from e
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / _temp_name("tmp", vname)
+    (tmp / "shards").mkdir(parents=True)
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(tmp)
+    try:
+        try:
+            manifest = sign(*_split(paths, tmp / "shards", shard_size))
+            (tmp / "manifest.json").write_bytes(_manifest_bytes(manifest))
+        except OSError as e:
+            raise BroadcastError(f"cannot publish {vname} into {root}: {e}; check free space and permissions") from e
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if dest.exists():  # another publisher finished first
+                return existing_or_refuse(manifest)
+            raise
+        return manifest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+
+
+def unpublish_version(root, version: int) -> bool:
+    """Delete root/vNNNNNN (renamed aside first, so it vanishes whole); True if it was there.
+    For a trainer that redoes steps after a resume and must replace a version number."""
+    _check_version(version)
+    return _remove_dir(Path(root) / _vname(version))
+
+
+def read_versions(root) -> list[int]:
+    """The complete versions under `root` (vNNNNNN folders holding a manifest.json), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if (m := _VERSION_DIR.fullmatch(p.name)) and (p / "manifest.json").is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _clean_temps(root: Path, below: int | None = None) -> None:
+    """Remove temp folders of processes that are gone (a crash's leftovers) and, when `below` is
+    given, this process's idle ones (partial downloads kept for a resume) of versions below it."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        m = _TEMP_DIR.fullmatch(p.name)
+        if m is None or not p.is_dir():
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid():
+            if below is None or int(p.name[6:12]) >= below:
+                continue
+            with _ACTIVE_LOCK:  # claimed under the lock (a rename), deleted outside it
+                if p in _ACTIVE:
+                    continue
+                gone = p.parent / _temp_name("old", p.name[5:12])
+                try:
+                    os.rename(p, gone)
+                except OSError:
+                    continue
+            shutil.rmtree(gone, ignore_errors=True)
+        elif not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _prune(root: Path, versions: list[int], keep: int, in_use) -> None:
+    for v in versions[: max(len(versions) - keep, 0)]:
+        if in_use(v):
+            continue
+        _remove_dir(root / _vname(v))
+
+
+def prune_versions(root, keep: int, in_use=lambda version: False) -> None:
+    """Keep the newest `keep` complete versions under `root`; delete the older ones except those
+    `in_use(version)` says are being downloaded; remove temp folders of dead processes."""
+    if not _is_int(keep) or keep < 0:
+        raise BroadcastError(f"keep must be a non-negative int, got {keep!r}")
+    root = Path(root)
+    versions = read_versions(root)
+    _clean_temps(root, below=versions[-keep] if keep and len(versions) >= keep else None)
+    _prune(root, versions, keep, in_use)

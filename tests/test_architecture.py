@@ -1,0 +1,149 @@
+"""The package's shape, read from its source: imports point down the layers, no module imports
+itself through others, and no file or function grows past what one reader can hold.
+
+The layers are docs/architecture.md's; a new package gets a line here and there.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "swarmrl"
+
+# Lower layers never import higher ones; rooms in the same layer do not import each other.
+LAYERS = {
+    "config": 0, "protocol": 0,
+    "data": 1, "model": 1, "algorithm": 1, "proofs": 1, "sandbox": 1, "transport": 1,
+    "rewards": 2,
+    "tasks": 3, "inference": 3,
+    "eval": 4, "sft": 4, "validator": 4, "orchestrator": 4, "serve": 4,
+    "trainer": 5, "adversary": 5, "launch": 5,
+    "cli": 6,
+}
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 120
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """swarmrl modules imported anywhere in the file (inside functions too: lazy imports hide loops)."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        for name in names:
+            if name in known:
+                found.add(name)
+    return found - {module}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "swarmrl"
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(p, m, set(modules)) for m, p in modules.items()}
+
+
+def test_every_package_has_a_layer():
+    rooms = {_room(m) for m in _modules()} - {"swarmrl"}
+    assert rooms <= set(LAYERS), f"new package(s) {sorted(rooms - set(LAYERS))}: give them a layer here and in docs/architecture.md"
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    out = []
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = _room(module), _room(target)
+            if a != b and "swarmrl" not in (a, b) and layers[b] >= layers[a]:
+                out.append(f"{module} (layer {layers[a]}) imports {target} (layer {layers[b]})")
+    return sorted(out)
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[str]:
+    """Every back edge of a depth-first walk, as the loop it closes."""
+    state, loops = {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):
+                continue  # a package's __init__ importing its own submodules is not a loop
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return loops
+
+
+def test_imports_point_down_the_layers():
+    upward = upward_imports(_graph(), LAYERS)
+    assert not upward, "imports that do not point down:\n  " + "\n  ".join(upward)
+
+
+def test_no_import_loops():
+    loops = import_loops(_graph())
+    assert not loops, "import loops:\n  " + "\n  ".join(loops)
+
+
+def test_the_checkers_catch_what_they_look_for():
+    # The loop that existed before the protocol package (config -> adversary -> worker -> adversary).
+    graph = {"swarmrl.config": {"swarmrl.inference.adversary"},
+             "swarmrl.inference.adversary": {"swarmrl.inference.worker"},
+             "swarmrl.inference.worker": {"swarmrl.inference.adversary"}}
+    assert import_loops(graph) == ["swarmrl.inference.adversary -> swarmrl.inference.worker -> swarmrl.inference.adversary"]
+    assert upward_imports(graph, LAYERS) == ["swarmrl.config (layer 0) imports swarmrl.inference.adversary (layer 3)"]
+    assert import_loops({"swarmrl.a": {"swarmrl.a.b"}, "swarmrl.a.b": {"swarmrl.a"}}) == []
+    # The real graph is read, lazy imports inside functions included.
+    real = _graph()
+    assert "swarmrl.protocol.rollouts" in real["swarmrl.trainer.batch"]
+    assert "swarmrl.validator.runner" in real["swarmrl.cli"]  # imported inside main()
+
+
+def test_files_and_functions_stay_readable():
+    too_long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT.parent)}: {lines} lines (max {MAX_FILE_LINES}): split it by concern")
+        source = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                # A long function may stay long if the line above it says why ("long: ...").
+                said = node.lineno >= 2 and "long:" in source[node.lineno - 2 - len(node.decorator_list)]
+                if n > MAX_FUNCTION_LINES and not said:
+                    too_long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {n} lines "
+                                    f"(max {MAX_FUNCTION_LINES}, or a '# long: why' comment above it)")
+    assert not too_long, "\n  ".join(["too big:", *too_long])
+
+
+def test_layers_match_the_architecture_doc():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    missing = [room for room in LAYERS if f"`{room}`" not in doc]
+    assert not missing, f"docs/architecture.md does not describe {missing}"

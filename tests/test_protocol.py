@@ -1,0 +1,75 @@
+"""The protocol package is the one place the wire contract lives: the reason table covers every
+code the orchestrator and validator emit, the lease model is what the orchestrator sends, and
+docs/protocol.md documents all of it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.messages import Lease, LeaseReply, SubmitIn
+from swarmrl.protocol.reasons import FRAUD_REASONS, REASONS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _emitted_reasons() -> set[str]:
+    service = (ROOT / "swarmrl/orchestrator/service.py").read_text()
+    validator = (ROOT / "swarmrl/validator/core.py").read_text()
+    found = set(re.findall(r'reason="([a-z_]+)"', service))
+    found |= set(re.findall(r'count_rejection\(db, key, lease_id, None, "([a-z_]+)"', service))
+    found |= set(re.findall(r'ApiError\(410, "([a-z_]+)"', service))
+    found |= set(re.findall(r'Verdict\(item\["id"\], False, "([a-z_]+)"', validator))
+    return found
+
+
+def test_every_emitted_reason_is_in_the_table():
+    emitted = _emitted_reasons()
+    assert {"bad_slot", "foreign_lease", "lease_expired", "toploc", "sampling", "logprobs"} <= emitted  # the scan works
+    assert emitted <= set(REASONS), f"reasons with no entry in protocol.reasons: {sorted(emitted - set(REASONS))}"
+
+
+def test_fraud_is_exactly_what_an_honest_worker_cannot_get():
+    assert FRAUD_REASONS == {code for code, (fraud, _) in REASONS.items() if fraud}
+    for honest in ("duplicate", "in_progress", "slot_closed", "stale", "lease_expired"):
+        assert honest not in FRAUD_REASONS
+
+
+def test_protocol_doc_covers_the_reasons_and_version():
+    doc = (ROOT / "docs/protocol.md").read_text()
+    missing = [code for code in REASONS if f"`{code}`" not in doc]
+    assert not missing, f"docs/protocol.md does not list {missing}"
+    assert f"Protocol version: {PROTOCOL_VERSION}" in doc
+
+
+def _lease(**over) -> dict:
+    lease = {"lease_id": "ab" * 16, "expires_at": 1e9, "expires_in_s": 120.0, "min_version": 0, "max_version": 2,
+             "group_size": 2, "temperature": 1.0, "max_new_tokens": 8,
+             "proof": {"kind": "toploc", "chunk_size": 32, "topk": 128},
+             "prompts": [{"slot": 0, "problem_id": "p", "task_type": "verifiable_math", "prompt": "1+1",
+                          "prompt_ids": [1, 2], "target_length": None, "seeds": [5, 6]}]}
+    lease.update(over)
+    return lease
+
+
+def test_lease_model_reads_what_it_describes_and_refuses_garbage():
+    lease = Lease.model_validate(_lease(future_field="ignored"))  # newer orchestrators may add fields
+    assert lease.prompts[0].seeds == [5, 6] and lease.proof.topk == 128
+    assert LeaseReply.model_validate({"lease": None, "retry_after_s": 0.2, "reason": "wait"}).lease is None
+    for bad in ({"lease_id": "not-hex"}, {"group_size": 0}, {"proof": {"kind": "other", "chunk_size": 1, "topk": 1}}):
+        with pytest.raises(ValidationError):
+            Lease.model_validate(_lease(**bad))
+
+
+def test_submission_model_keeps_claims_for_the_service_to_refuse():
+    body = {"lease_id": "ab" * 16, "groups": [{"slot": 0, "policy_version": 1, "reward": 1.0,
+                                               "samples": [{"token_ids": [3], "logprobs": [-0.1],
+                                                            "finish_reason": "stop", "proofs": ["AA"]}]}]}
+    sub = SubmitIn.model_validate(body)
+    assert sub.groups[0].model_extra == {"reward": 1.0}  # refused later as claimed_reward, counted as fraud
+    with pytest.raises(ValidationError):
+        SubmitIn.model_validate({**body, "lease_id": "x"})
