@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 
 import pytest
 import torch
 
 from swarmrl.algorithm.advantages import group_advantages, is_informative
 from swarmrl.algorithm.loss import (
-    LossConfig,
     LossInputs,
     grpo_loss,
     loss_normalizer,
@@ -102,9 +100,17 @@ def test_asymmetric_eps():
     assert metrics["clip/high_frac"] == 0.0
 
 
-def test_loss_config_splat_matches_defaults():
+def test_loss_defaults_are_the_configs():
+    import inspect
+
+    from swarmrl.config import AlgorithmConfig
+
+    alg = AlgorithmConfig()
+    params = inspect.signature(grpo_loss).parameters
+    for name in ("delta", "eps_low", "eps_high", "entropy_coef", "kl_coef"):
+        assert params[name].default == getattr(alg, name), name
     x = make_inputs()
-    a, _ = grpo_loss(x, normalizer=7.0, **asdict(LossConfig()))
+    a, _ = grpo_loss(x, normalizer=7.0, delta=alg.delta, eps_low=alg.eps_low, eps_high=alg.eps_high)
     b, _ = grpo_loss(x, normalizer=7.0)
     torch.testing.assert_close(a, b)
 

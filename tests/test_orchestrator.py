@@ -397,7 +397,7 @@ def test_orchestrator_refuses_a_run_dir_without_config(tmp_path):
 
 
 def test_wants_more_work_hand_checked():
-    from swarmrl.orchestrator.service import wants_more_work
+    from swarmrl.orchestrator.leasing import wants_more_work
 
     # One batch of 16 still open: 10 queued + 8 leased x 0.75 = 16 expected -> enough.
     assert not wants_more_work(1, 16, 10, 8, 0.75)

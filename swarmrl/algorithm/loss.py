@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from swarmrl.config import AlgorithmConfig
+
 NORMALIZER_MODES = ("token", "constant")
 
 # exp() of a log-ratio above ~88 is inf in float32, and inf * 0 in exp's backward is NaN.
@@ -33,15 +35,8 @@ class LossInputs:
     ref_logprobs: Tensor | None = None  # [B, T] float, frozen reference policy
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Hyperparameters of ``grpo_loss``; ``grpo_loss(x, normalizer=n, **asdict(cfg))``."""
-
-    delta: float = 4.0
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
+# The defaults are the config's (swarmrl/config.py, AlgorithmConfig): one source of truth.
+_ALG = AlgorithmConfig()
 
 
 def loss_normalizer(mode: str, *, num_tokens: int, num_sequences: int, max_tokens: int) -> float:
@@ -63,11 +58,11 @@ def grpo_loss(
     inputs: LossInputs,
     *,
     normalizer: float,
-    delta: float = 4.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
+    delta: float = _ALG.delta,
+    eps_low: float = _ALG.eps_low,
+    eps_high: float = _ALG.eps_high,
+    entropy_coef: float = _ALG.entropy_coef,
+    kl_coef: float = _ALG.kl_coef,
 ) -> tuple[Tensor, dict[str, float]]:
     """Sum of masked per-token losses divided by ``normalizer``; returns (loss, metrics).
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from swarmrl.config import EvalConfig
 from swarmrl.eval.metrics import ks_for, length_adherence, pass_at_k
 from swarmrl.model.tokenizer import decode_completion
 from swarmrl.rewards.length import with_length_target
@@ -35,8 +36,8 @@ SEED_STRIDE = 1_000  # samples per problem are at most this many
 
 @dataclass(frozen=True)
 class EvalSettings:
-    k: int = 4
-    temperature: float = 1.0
+    k: int = EvalConfig().samples
+    temperature: float = EvalConfig().temperature
     max_tokens: int = 512
     length_target: int | None = None
     seed: int = 0

@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swarmrl.orchestrator.service import ApiError, Orchestrator
+from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.manifest import BroadcastError, verify_manifest
 from swarmrl.protocol.messages import ClaimIn, ErrorOut, LeaseIn, PublishIn, RegisterIn, SubmitIn, VerdictsIn
 from swarmrl.protocol.signing import AuthError, ClockSkew, verify_request

@@ -58,9 +58,9 @@ _MAX_QUOTED = 60
 class CodeLimits:
     """Per-completion grading settings (see ``SandboxConfig``)."""
 
-    test_timeout_s: float = 5.0
-    total_timeout_s: float = 30.0
-    partial_credit: bool = False
+    test_timeout_s: float = SandboxConfig().test_timeout_s
+    total_timeout_s: float = SandboxConfig().total_timeout_s
+    partial_credit: bool = SandboxConfig().partial_credit
 
 
 @dataclass(frozen=True)

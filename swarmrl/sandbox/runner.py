@@ -37,7 +37,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmrl.config import SandboxConfig
 from swarmrl.sandbox.cgroups import SlotCgroup, open_slot_cgroup
+
+# Defaults come from the config (swarmrl/config.py, SandboxConfig): one source of truth.
+_SB = SandboxConfig()
 
 HARNESS = Path(__file__).with_name("harness.py")
 
@@ -70,19 +74,19 @@ class SandboxFailure(RuntimeError):
 class SandboxSettings:
     """What one sandboxed execution may use. See ``SandboxConfig`` for each field's meaning."""
 
-    workers: int = 2
-    memory_bytes: int = 512 << 20
-    max_procs: int = 32
-    max_file_bytes: int = 16 << 20
-    max_open_files: int = 64
-    max_output_bytes: int = 1 << 20
-    tmp_bytes: int = 64 << 20
-    startup_grace_s: float = 1.0
-    uid_base: int = 61000
-    cgroups: str = "auto"  # "auto" | "required" | "off"
-    bwrap: str = "bwrap"
-    python: str | None = None
-    unsafe_no_sandbox: bool = False
+    workers: int = 2  # the config's None means "one per CPU"; a bare SandboxSettings takes 2
+    memory_bytes: int = _SB.memory_mb << 20
+    max_procs: int = _SB.max_procs
+    max_file_bytes: int = _SB.max_file_mb << 20
+    max_open_files: int = _SB.max_open_files
+    max_output_bytes: int = _SB.max_output_kb << 10
+    tmp_bytes: int = _SB.tmp_mb << 20
+    startup_grace_s: float = _SB.startup_grace_s
+    uid_base: int = _SB.uid_base
+    cgroups: str = _SB.cgroups  # "auto" | "required" | "off"
+    bwrap: str = _SB.bwrap
+    python: str | None = _SB.python
+    unsafe_no_sandbox: bool = _SB.unsafe_no_sandbox
 
 
 @dataclass(frozen=True)

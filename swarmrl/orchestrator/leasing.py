@@ -1,0 +1,135 @@
+"""Handing out work: which problems (a seeded permutation per epoch, reissues first), how much
+(back-pressure against the async bound and the informative rate), to whom (open-lease cap),
+and expiring leases nobody submitted."""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import time
+
+from swarmrl.config import Config
+from swarmrl.orchestrator.errors import ApiError, WAITING
+from swarmrl.orchestrator.store import Store
+from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
+from swarmrl.tasks.source import model_input
+
+
+def max_outstanding(cfg: Config) -> int:
+    """Groups leased or waiting unconsumed before leasing pauses. In steady state workers and
+    trainer run at the same rate, so a deeper queue adds staleness, not throughput: about one
+    batch ahead keeps both busy (two batches of groups, since online filtering drops some)."""
+    return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
+
+
+def wants_more_work(batches: int, prompts_per_step: int, queued: int, open_slots: int,
+                    informative_rate: float | None) -> bool:
+    """Whether one more lease for a policy version is useful. That version can still feed
+    `batches` batches of `prompts_per_step` informative groups; `queued` informative groups wait
+    already and `open_slots` are leased, of which `informative_rate` are expected to survive
+    online filtering (0.5 before anything was scored, floored at 0.2)."""
+    rate = 0.5 if informative_rate is None else max(0.2, informative_rate)
+    return queued + open_slots * rate < batches * prompts_per_step
+
+
+class Leasing:
+    """The Orchestrator's leasing (a mixin: state and helpers live on the Orchestrator)."""
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.cfg.seed}-tasks-{epoch}").shuffle(order)
+            self._perms = {epoch: order}
+        return self._perms[epoch]
+
+    def _next_problems(self, db, n: int) -> list[tuple[int, int | None]]:
+        out = [(r["problem"], r["target_length"]) for r in
+               db.execute("SELECT * FROM reissue ORDER BY id LIMIT ?", (n,)).fetchall()]
+        if out:
+            db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(out),))
+        cursor = Store.get_meta(db, "task_cursor", 0)
+        length = self.cfg.length
+        while len(out) < n:
+            epoch, i = divmod(cursor, len(self.rows))
+            target = random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets) if length.enabled else None
+            out.append((self._perm(epoch)[i], target))
+            cursor += 1
+        Store.set_meta(db, "task_cursor", cursor)
+        return out
+
+    def _expire(self, db, now: float) -> None:
+        expired = db.execute("SELECT id FROM leases WHERE state = 'open' AND expires < ?", (now,)).fetchall()
+        for (lease_id,) in expired:
+            for row in db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall():
+                db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
+                           (row["problem"], row["target_length"]))
+            db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
+            db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
+        if expired:
+            self._count("leases_expired", len(expired))
+
+    @staticmethod
+    def _informative_rate(db, window: int = 256) -> float | None:
+        row = db.execute("SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups "
+                         "ORDER BY id DESC LIMIT ?)", (window,)).fetchone()
+        return row[0] if row[1] >= 16 else None
+
+    def lease(self, key: str, policy_version: int) -> dict:
+        cfg, s = self.cfg, self.cfg.sampling
+        now = time.time()
+        with self.store.tx() as db:
+            self._expire(db, now)
+            next_step, latest, finished = self._progress(db)
+            if finished:
+                raise ApiError(409, "run_finished", "the run is finished; nothing more to sample")
+            lo = max(0, next_step - cfg.async_.bound)
+            if latest is None or lo > latest:
+                return {"lease": None, "retry_after_s": 0.2,
+                        "reason": f"waiting for policy version {lo} to be published"}
+            if not lo <= policy_version <= latest:
+                raise ApiError(409, "version_not_allowed",
+                               f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
+                               f"fetch version {latest} (GET /v1/status says where)")
+            queued = db.execute("SELECT COUNT(*) FROM groups WHERE state IN (?, ?, ?)", WAITING).fetchone()[0]
+            open_slots = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+                                    "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
+            n = s.worker_batch_prompts
+            # Lease while below the limit (not "if the lease fits"): with fewer informative groups
+            # queued than a batch needs and nothing leased, a lease must always be possible.
+            outstanding = queued + open_slots
+            if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
+                return {"lease": None, "retry_after_s": 0.1,
+                        "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}
+            # Work sampled with version v can only feed batches up to v + k. Once what is queued or
+            # leased covers those batches (at the informative rate seen lately), more work with v
+            # would be dropped as stale: wait for a newer version instead.
+            batches = policy_version + cfg.async_.bound - next_step + 1
+            if not wants_more_work(batches, s.prompts_per_step, queued, open_slots, self._informative_rate(db)):
+                return {"lease": None, "retry_after_s": 0.1,
+                        "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
+                                  f"version {policy_version} can still feed; waiting for a newer version"}
+            mine = db.execute("SELECT COUNT(*) FROM leases WHERE worker = ? AND state = 'open'", (key,)).fetchone()[0]
+            if mine >= cfg.orchestrator.max_open_leases:
+                return {"lease": None, "retry_after_s": 0.5,
+                        "reason": f"this worker holds {mine} open leases; submit them first"}
+            lease_id = secrets.token_hex(16)
+            expires = now + cfg.orchestrator.lease_timeout_s
+            db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')", (lease_id, key, now, expires, lo, latest, n))
+            prompts = []
+            for slot, (problem, target) in enumerate(self._next_problems(db, n)):
+                row = self.rows[problem]
+                seeds = [secrets.randbits(63) for _ in range(s.group_size)]
+                db.execute("INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) "
+                           "VALUES (?, ?, ?, ?, ?, 'open')", (lease_id, slot, problem, target, json.dumps(seeds)))
+                prompt, ids = model_input(self.tokenizer, row["prompt"], target)
+                prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
+                                "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})
+        self._count("leases_issued")
+        lease = Lease(lease_id=lease_id, expires_at=expires, expires_in_s=expires - now, min_version=lo,
+                      max_version=latest, group_size=s.group_size, temperature=s.temperature,
+                      max_new_tokens=s.max_new_tokens,
+                      proof=ProofSpec(chunk_size=cfg.validator.chunk_size, topk=cfg.validator.topk),
+                      prompts=[LeasedPrompt(**p) for p in prompts])
+        return {"lease": lease.model_dump()}

@@ -1,0 +1,194 @@
+"""Taking work back: each group's cheap checks (slot, version, sizes, token ids, logprobs,
+termination, proofs' format; refusal codes in swarmrl/protocol/reasons.py), trusted scoring, and
+recording accepted groups for validation."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from swarmrl.algorithm.advantages import is_informative
+from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.scoring import score_groups
+from swarmrl.proofs.toploc import check_format
+from swarmrl.protocol.reasons import FRAUD_REASONS
+from swarmrl.protocol.rollouts import Group, Sample
+from swarmrl.protocol.rules import termination_problem
+from swarmrl.tasks.source import model_input
+
+
+@dataclass
+class SlotCheck:
+    slot: int
+    group: Group | None = None
+    reason: str | None = None
+    detail: str = ""
+    proofs: list | None = None  # per completion, its TOPLOC proofs (base64), kept for the validator
+
+
+class Submissions:
+    """The Orchestrator's submissions (a mixin: state and helpers live on the Orchestrator)."""
+
+    def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int) -> SlotCheck:
+        s, k = self.cfg.sampling, self.cfg.async_.bound
+        if g.slot not in slot_rows:
+            return SlotCheck(g.slot, reason="bad_slot", detail=f"lease has slots 0..{len(slot_rows) - 1}, not {g.slot}")
+        state = slot_rows[g.slot]["state"]
+        if g.slot in seen or state == "submitted":
+            return SlotCheck(g.slot, reason="duplicate", detail=f"slot {g.slot} was already submitted")
+        if state == "scoring":
+            seen.add(g.slot)
+            return SlotCheck(g.slot, reason="in_progress", detail=f"slot {g.slot} is being scored from another request")
+        seen.add(g.slot)
+        if state != "open":
+            return SlotCheck(g.slot, reason="slot_closed", detail=f"slot {g.slot} is {state}")
+        if not lease["min_version"] <= g.policy_version <= lease["max_version"]:
+            return SlotCheck(g.slot, reason="version_not_in_lease",
+                             detail=f"policy version {g.policy_version} is outside this lease's "
+                                    f"[{lease['min_version']}, {lease['max_version']}]")
+        if g.policy_version < next_step - k:
+            return SlotCheck(g.slot, reason="stale", detail=f"policy version {g.policy_version} is older than "
+                                                            f"the async bound allows now ({next_step - k})")
+        if len(g.samples) != s.group_size:
+            return SlotCheck(g.slot, reason="group_size",
+                             detail=f"{len(g.samples)} completions, the lease asked for {s.group_size}")
+        for i, smp in enumerate(g.samples):
+            n = len(smp.token_ids)
+            if not 1 <= n <= s.max_new_tokens:
+                return SlotCheck(g.slot, reason="length",
+                                 detail=f"completion {i} has {n} tokens; allowed 1..{s.max_new_tokens}")
+            if len(smp.logprobs) != n:
+                return SlotCheck(g.slot, reason="logprobs_length",
+                                 detail=f"completion {i}: {len(smp.logprobs)} logprobs for {n} tokens")
+            if max(smp.token_ids) >= self.vocab_size:
+                return SlotCheck(g.slot, reason="token_out_of_range",
+                                 detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size {self.vocab_size}")
+            if max(smp.logprobs) > 1e-4 or min(smp.logprobs) < -1e4:
+                return SlotCheck(g.slot, reason="bad_logprob",
+                                 detail=f"completion {i} has a logprob outside [-1e4, 0]")
+            claims = [k for k in (smp.model_extra or {}) if "reward" in k.lower()]
+            if claims:
+                return SlotCheck(g.slot, reason="claimed_reward",
+                                 detail=f"completion {i} carries {claims[0]!r}: rewards are computed by the "
+                                        "orchestrator, a worker never sends one")
+            problem = termination_problem(list(smp.token_ids), smp.finish_reason, self.stop_ids, s.max_new_tokens)
+            if problem:
+                return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
+            v = self.cfg.validator
+            if not smp.proofs:
+                return SlotCheck(g.slot, reason="proofs_missing", detail=f"completion {i} has no TOPLOC proofs")
+            problem = check_format(smp.proofs, n, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
+            if problem:
+                return SlotCheck(g.slot, reason="proofs_malformed", detail=f"completion {i}: {problem}")
+        claims = [k for k in (g.model_extra or {}) if "reward" in k.lower()]
+        if claims:
+            return SlotCheck(g.slot, reason="claimed_reward",
+                             detail=f"the group carries {claims[0]!r}: rewards are computed by the orchestrator")
+        row = self.rows[slot_rows[g.slot]["problem"]]
+        seeds = json.loads(slot_rows[g.slot]["seeds"])
+        prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
+        samples = [Sample(list(x.token_ids), [float(v) for v in x.logprobs], x.finish_reason, seed)
+                   for x, seed in zip(g.samples, seeds)]
+        group = Group(row["problem_id"], row["task_type"], prompt, row["verification_info"], ids, samples,
+                      g.policy_version, lease["worker"], self.cfg.sampling.temperature,
+                      slot_rows[g.slot]["target_length"])
+        return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples])
+
+    def submit(self, key: str, lease_id: str, groups: list) -> dict:
+        now = time.time()
+        foreign = False
+        with self.store.tx() as db:
+            lease = db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
+            if lease is None:
+                raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
+            if lease["worker"] != key:
+                fraud = self.store.count_rejection(db, key, lease_id, None, "foreign_lease", "lease of another worker",
+                                                   fraud=True)
+                self._maybe_ban(db, key, fraud)
+                foreign = True
+            elif lease["state"] == "expired" or lease["expires"] < now:
+                self._count("rejected/late")
+                raise ApiError(410, "lease_expired",
+                               f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
+                               "reissued to other workers. Lease again.")
+            elif len(groups) > lease["slots"]:
+                raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
+            else:
+                slot_rows = {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
+                next_step, _, _ = self._progress(db)
+                seen: set[int] = set()
+                checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
+                # Claim the slots before the (slow) scoring, so a concurrent copy of this request is
+                # refused at once instead of being scored again.
+                for c in checks:
+                    if c.group is not None:
+                        db.execute("UPDATE slots SET state = 'scoring' WHERE lease_id = ? AND slot = ?",
+                                   (lease_id, c.slot))
+        if foreign:
+            self._count("rejected/foreign_lease")
+            raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
+        good = [c.group for c in checks if c.group is not None]
+        try:
+            if good:
+                with self.score_lock:
+                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg, graders=self.graders)
+        except BaseException:
+            with self.store.tx() as db:  # give the slots back: the worker may retry
+                for c in checks:
+                    if c.group is not None:
+                        db.execute("UPDATE slots SET state = 'open' WHERE lease_id = ? AND slot = ? AND "
+                                   "state = 'scoring'", (lease_id, c.slot))
+            raise
+        turnaround = (now - lease["created"]) / max(1, lease["slots"])
+        accepted, rejected = [], []
+        with self.store.tx() as db:
+            for c in checks:
+                if c.group is None and c.reason not in ("duplicate", "in_progress"):
+                    # A refused slot is closed and its problem goes back to the pool: it must not
+                    # hold back-pressure capacity until the lease expires.
+                    closed = db.execute("UPDATE slots SET state = 'rejected' WHERE lease_id = ? AND slot = ? "
+                                        "AND state = 'open'", (lease_id, c.slot)).rowcount
+                    if closed:
+                        db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
+                                   "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                if c.reason == "duplicate" and slot_rows[c.slot]["state"] == "submitted":
+                    # A resubmission after a lost reply (the lease is this worker's): answer with
+                    # what was stored, and do not count it against an honest worker.
+                    row = db.execute("SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?",
+                                     (lease_id, c.slot)).fetchone()
+                    if row is not None:
+                        accepted.append({"slot": c.slot, "rewards": json.loads(row[0])["rewards"],
+                                         "informative": bool(row[1]), "already_accepted": True})
+                        continue
+                if c.reason is not None:
+                    fraud = self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail,
+                                                       fraud=c.reason in FRAUD_REASONS)
+                    rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
+                    self._count(f"rejected/{c.reason}")
+                    if c.reason in FRAUD_REASONS:
+                        self._log_rejection(db, key, c.reason, c.detail)
+                        self._maybe_ban(db, key, fraud)
+                    continue
+                db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                g = c.group
+                g.created, g.gen_seconds = now, turnaround
+                informative = bool(is_informative(torch.tensor([g.rewards]))[0])
+                full = self.rng.random() < self.cfg.validator.rate
+                db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
+                           "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (lease_id, c.slot, key, g.policy_version, now, g.to_json(), int(informative),
+                            "pending" if full else "queued" if informative else "uninformative",
+                            json.dumps(c.proofs, separators=(",", ":"))))
+                if not full:
+                    self._settled(db, key, informative)
+                accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
+                                 "validation": "pending" if full else "cheap checks only"})
+            fresh = [a for a in accepted if not a.get("already_accepted")]
+            if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
+                              (lease_id,)).fetchone():
+                db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
+        self._count("groups_accepted", len(fresh))
+        return {"accepted": accepted, "rejected": rejected}
