@@ -24,14 +24,14 @@ import secrets
 import time
 
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.serve.engine import Choice, Engine, GenRequest
+from swarmrl.serve.requests import ChatRequest, CompletionRequest, describe
 
-MAX_STOP = 4
-MAX_TOP_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -45,31 +45,6 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
            code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
-
-
-# Fields each endpoint reads; anything else gets a 400 rather than being silently ignored.
-_COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options",
-           "logprobs", "top_p", "frequency_penalty", "presence_penalty", "user", "logit_bias", "best_of"}
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be a number between {lo:g} and {hi:g}, got {value!r}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be an integer between {lo} and {hi}, got {value!r}", name)
-    return value
 
 
 class Settings:
@@ -109,7 +84,9 @@ class _Routes:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.tokenizer = engine, settings, engine.tokenizer
 
-    async def read_body(self, request: Request, fields: set[str]) -> dict:
+    async def read_body(self, request: Request, model):
+        """The request parsed into `model` (CompletionRequest or ChatRequest), after the body's size
+        and JSON are checked; then the checks that depend on this server."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
             raise ApiError(413, f"request body of {length} bytes is over the limit of "
@@ -125,62 +102,50 @@ class _Routes:
             raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
-        for name in ("stream", "echo"):
-            if body.get(name) is not None and not isinstance(body[name], bool):
-                raise ApiError(400, f"'{name}' must be true or false, got {body[name]!r}", name)
-        options = body.get("stream_options")
-        if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                    or not isinstance(options.get("include_usage", False), bool)):
-            raise ApiError(400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options")
-        unknown = sorted(set(body) - fields)
-        if unknown:
-            raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
-        model = body.get("model")
-        if model != self.settings.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+        try:
+            req = model.model_validate(body)
+        except ValidationError as exc:
+            message, param = describe(exc, body)
+            raise ApiError(400, message, param) from None
+        if req.model != self.settings.model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
                            "model_not_found")
         for name, neutral in (("top_p", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
-            if body.get(name) not in (None, neutral):
+            if getattr(req, name) not in (None, neutral):
                 raise ApiError(400, f"'{name}' is not supported (only {neutral}); sampling here is "
                                     "plain temperature sampling, which validators replay", name)
-        if body.get("logit_bias"):
+        if req.logit_bias:
             raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
-        return body
+        return req
 
-    def gen_request(self, body: dict, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
+    def gen_request(self, req, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
+        chat = isinstance(req, ChatRequest)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = self.settings.context - len(prompt_ids)
         if room < 1:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
-                                f"{self.settings.context} tokens", "messages" if "messages" in body else "prompt",
+                                f"{self.settings.context} tokens", "messages" if chat else "prompt",
                            code="context_length_exceeded")
-        default = min(self.settings.default_max_tokens, room) if "messages" in body else min(16, room)
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _integer(body, name, default, 1, 1 << 30)
+        name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        asked = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
+        max_tokens = asked if asked is not None else min(self.settings.default_max_tokens if chat else 16, room)
         if len(prompt_ids) + max_tokens > self.settings.context:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
                                 f"model's context of {self.settings.context} tokens; lower {name}", name,
                            code="context_length_exceeded")
-        n = _integer(body, "n", 1, 1, self.settings.max_n)
-        best_of = _integer(body, "best_of", None, 1, self.settings.max_n)
-        if best_of is not None and best_of != n:
+        n = 1 if req.n is None else req.n
+        if n > self.settings.max_n:
+            raise ApiError(400, f"'n' must be an integer between 1 and {self.settings.max_n}, got {n}", "n")
+        if req.best_of is not None and req.best_of != n:
             raise ApiError(400, "'best_of' other than n is not supported", "best_of")
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        seed = body.get("seed")
-        if seed is None:
-            seed = secrets.randbelow(1 << 62)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << 62):
-            raise ApiError(400, f"'seed' must be a non-negative integer below 2**62, got {seed!r}", "seed")
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
-        if body.get("stream") and top_logprobs >= 0:
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        seed = secrets.randbelow(1 << 62) if req.seed is None else req.seed
+        stop = req.stops()
+        if not all(stop):
+            raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4", "stop")
+        if req.stream and top_logprobs >= 0:
             raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming",
                            "logprobs")
         return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop,
@@ -231,19 +196,19 @@ class _Routes:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     async def completions(self, request: Request):
-        body = await self.read_body(request, _COMPLETION_FIELDS)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        req = await self.read_body(request, CompletionRequest)
+        prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string (one prompt per request)", "prompt")
-        if body.get("echo"):
+        if req.echo:
             raise ApiError(400, "'echo' is not supported", "echo")
-        if body.get("suffix"):
+        if req.suffix:
             raise ApiError(400, "'suffix' is not supported", "suffix")
-        top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        top = req.logprobs
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        gen = self.gen_request(body, ids, top_logprobs=-1 if top is None else top)
+        gen = self.gen_request(req, ids, top_logprobs=-1 if top is None else top)
         cid, model = f"cmpl-{secrets.token_hex(12)}", self.settings.model_name
 
         def logprobs_of(choice: Choice) -> dict | None:
@@ -263,8 +228,8 @@ class _Routes:
             return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": choices}
 
-        if body.get("stream"):
-            include = bool((body.get("stream_options") or {}).get("include_usage"))
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream(
                 gen,
                 lambda ev: [] if ev is None else [base([{"index": ev[0], "text": ev[1], "logprobs": None,
@@ -277,25 +242,14 @@ class _Routes:
                         for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
     async def chat(self, request: Request):
-        body = await self.read_body(request, _CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content}", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise ApiError(400, f"messages[{i}] must be {{'role': system|user|assistant, 'content': "
-                                    "a string}", "messages")
-        logprobs = body.get("logprobs")
-        if logprobs not in (None, True, False):
-            raise ApiError(400, "'logprobs' must be true or false for chat", "logprobs")
-        top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        req = await self.read_body(request, ChatRequest)
+        logprobs, top = req.logprobs, req.top_logprobs
         if top is not None and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
+                                                  tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        gen = self.gen_request(body, ids, top_logprobs=(top or 0) if logprobs else -1)
+        gen = self.gen_request(req, ids, top_logprobs=(top or 0) if logprobs else -1)
         cid, model = f"chatcmpl-{secrets.token_hex(12)}", self.settings.model_name
 
         def entry(token_id: int, logprob: float) -> dict:
@@ -314,8 +268,8 @@ class _Routes:
         def base(choices: list, kind: str = "chat.completion") -> dict:
             return {"id": cid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
 
-        if body.get("stream"):
-            include = bool((body.get("stream_options") or {}).get("include_usage"))
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
 
             def make_chunk(ev):
                 if ev is None:  # the opening chunk of every choice names the role
