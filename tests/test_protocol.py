@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _emitted_reasons() -> set[str]:
-    service = (ROOT / "swarmrl/orchestrator/service.py").read_text()
+    service = "\n".join(f.read_text() for f in sorted((ROOT / "swarmrl/orchestrator").glob("*.py")))
     validator = (ROOT / "swarmrl/validator/core.py").read_text()
     found = set(re.findall(r'reason="([a-z_]+)"', service))
     found |= set(re.findall(r'count_rejection\(db, key, lease_id, None, "([a-z_]+)"', service))
