@@ -301,12 +301,3 @@ def open_code_grader(cfg: SandboxConfig, log=None) -> CodeGrader:
     sandbox = Sandbox(sandbox_settings(cfg), log=log)
     limits = CodeLimits(cfg.test_timeout_s, cfg.total_timeout_s, cfg.partial_credit)
     return CodeGrader(sandbox, limits)
-
-
-def check_code_row(verification_info: dict) -> str | None:
-    """None if a prime_rl_code row can be graded, else what is wrong (its task-type check)."""
-    try:
-        parse_test_cases(verification_info)
-    except ValueError as exc:
-        return str(exc)
-    return None

@@ -189,13 +189,3 @@ def math_task_reward(verification_info: dict, completion: str) -> tuple[float, s
     if answer is None:
         return 0.0, missing_answer_reason(completion, "\\boxed{} answer")
     return _grade(ground_truth, answer)
-
-
-def check_math(verification_info: dict) -> str | None:
-    """None if a verifiable_math row can be graded, else what is wrong (its task-type check)."""
-    try:
-        ground_truth_text(verification_info)
-    except ValueError as exc:
-        return str(exc)
-    return None
-

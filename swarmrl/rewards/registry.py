@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
-from swarmrl.rewards.code import CODE, check_code_row, open_code_grader
-from swarmrl.rewards.math import MATH, check_math, math_task_reward
+from swarmrl.rewards.code import CODE, open_code_grader, parse_test_cases
+from swarmrl.rewards.math import MATH, ground_truth_text, math_task_reward
 
 
 class ResourceGrader(Protocol):
@@ -45,9 +45,20 @@ class TaskType:
             raise ValueError(f"task type {self.name!r} needs exactly one of grade (pool) or open (resource)")
 
 
+def problem_of(parse: Callable[[dict], object]) -> Callable[[dict], str | None]:
+    """A check from a parser that raises ValueError naming the problem (as the built-in ones do)."""
+    def check(verification_info: dict) -> str | None:
+        try:
+            parse(verification_info)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    return check
+
+
 BUILTIN = (
-    TaskType(MATH, check=check_math, grade=math_task_reward),
-    TaskType(CODE, check=check_code_row, open=open_code_grader),
+    TaskType(MATH, check=problem_of(ground_truth_text), grade=math_task_reward),
+    TaskType(CODE, check=problem_of(parse_test_cases), open=open_code_grader),
     TaskType(MULTIPLE_CHOICE, check=check_choice, grade=choice_task_reward),
 )
 
