@@ -12,7 +12,7 @@ model) into --out.
 
 Usage (after `swarmrl rl --config configs/length-control.toml --run-dir runs/length`):
     python benchmarks/study_length.py --config configs/length-control.toml \\
-        --model base=.cache/swarmrl/base/<key> --model rl=runs/length/final --out /tmp/study_length
+        --model base=.cache/swarmrl/base/<key> --model rl=runs/length/policies/v000100 --out /tmp/study_length
 """
 
 from __future__ import annotations
