@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmrl.config import SandboxConfig
-from swarmrl.data.schema import CODE, check_code, decode_test_cases
+from swarmrl.data.schema import check_code, decode_test_cases
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
 from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxFailure, SandboxSettings
 

@@ -16,7 +16,6 @@ from decimal import Decimal
 
 from math_verify import parse, verify
 
-from swarmrl.data.schema import MATH
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
 
 # ``\boxed`` optionally followed by whitespace, then the opening brace.

@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from swarmrl.data.schema import CODE, MATH
 from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
-from swarmrl.rewards.code import CODE, open_code_grader, parse_test_cases
-from swarmrl.rewards.math import MATH, ground_truth_text, math_task_reward
+from swarmrl.rewards.code import open_code_grader, parse_test_cases
+from swarmrl.rewards.math import ground_truth_text, math_task_reward
 
 
 class ResourceGrader(Protocol):
