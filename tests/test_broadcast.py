@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmrl.protocol.signing import public_key_hex
 from swarmrl.protocol.manifest import FORMAT, canonical, manifest_digest, verify_manifest
+from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import (
     INSTALLED_MANIFEST,
     BroadcastError,

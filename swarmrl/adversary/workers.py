@@ -17,8 +17,8 @@ import torch
 from swarmrl.config import ADVERSARY_KINDS as KINDS
 from swarmrl.inference.worker import Worker
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
-from swarmrl.protocol.messages import Lease
 from swarmrl.protocol.manifest import manifest_digest
+from swarmrl.protocol.messages import Lease
 from swarmrl.validator.checks import token_logprobs
 
 

@@ -28,9 +28,9 @@ from swarmrl.inference.engine import RolloutEngine, build_engine
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
+from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import Lease, LeaseReply
 from swarmrl.protocol.signing import load_or_create_key
-from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
 from swarmrl.transport.filesystem import atomic_write_text
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from swarmrl.data.schema import CODE
 from swarmrl.rewards import registry
 from swarmrl.rewards.length import LENGTH_MODES, length_reward
 from swarmrl.rewards.pool import VerifierPool
@@ -172,7 +173,7 @@ def score_rows(
         if task.grade is not None:
             outcomes = [(o.value, o.error) for o in pool.map(task.grade, calls)]
         elif resource is None:
-            missing = CODE_NEEDS_SANDBOX if task.name == "prime_rl_code" else (
+            missing = CODE_NEEDS_SANDBOX if task.name == CODE else (
                 f"{task.name} rows need their grader opened; pass graders=open_graders(...)")
             outcomes = [(None, missing)] * len(calls)
         else:

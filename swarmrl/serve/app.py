@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.serve.engine import Choice, Engine, GenRequest
-from swarmrl.serve.requests import ChatRequest, CompletionRequest, describe
+from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, describe
 
 
 
@@ -144,7 +144,7 @@ class _Routes:
         seed = secrets.randbelow(1 << 62) if req.seed is None else req.seed
         stop = req.stops()
         if not all(stop):
-            raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4", "stop")
+            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
         if req.stream and top_logprobs >= 0:
             raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming",
                            "logprobs")
