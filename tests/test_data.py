@@ -10,8 +10,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from swarmrl.data.loading import LoadResult, load_tasks, write_jsonl
-from swarmrl.data.schema import TASK_TYPES, RowError, TaskRow, parse_row
+from swarmrl.data import loading, schema
+from swarmrl.data.loading import LoadResult, write_jsonl
+from swarmrl.data.schema import RowError, TaskRow
+from swarmrl.rewards import registry
+from swarmrl.rewards.code import parse_test_cases
+
+# The loaders as the project calls them: with the task-type registry's checks.
+CHECKS = registry.checks()
+
+
+def parse_row(record, row, source=None):
+    return schema.parse_row(record, row, source, checks=CHECKS)
+
+
+def load_tasks(source, **kwargs):
+    return loading.load_tasks(source, checks=CHECKS, **kwargs)
 
 SOLVE = "solve_rate_qwen_r1_distill_7b"
 
@@ -76,9 +90,21 @@ def test_taskrow_keeps_extra_columns_and_decodes_verification():
     assert row.column("source") == "synthetic"
     assert row.column("absent", "dflt") == "dflt"
     assert row.verification()["test_cases"]
-    assert row.test_cases()["inputs"] == ["0\n", "1\n"]
+    assert parse_test_cases(row.verification()).inputs == ["0\n", "1\n"]
     assert TaskRow.model_validate(math_row(3)).verification() == {"ground_truth": "6"}
-    assert {"verifiable_math", "prime_rl_code"} <= TASK_TYPES
+    assert {"verifiable_math", "prime_rl_code"} <= set(CHECKS)
+
+
+def test_type_checks_come_from_the_registry():
+    """The schema knows no task type: without checks only the common shape is checked, and a
+    registered type's check is what refuses its rows."""
+    no_truth = math_row(1, verification_info='{"answer": "2"}')
+    assert schema.parse_row(no_truth, 1)[0] is not None
+    assert schema.parse_row(no_truth, 1, checks=CHECKS)[0] is None
+    row = math_row(1, task_type="countdown", verification_info='{"target": 24}')
+    checks = {**CHECKS, "countdown": lambda info: None if "numbers" in info else "countdown needs 'numbers'"}
+    task, errors = schema.parse_row(row, 4, checks=checks)
+    assert task is None and errors[0].field == "verification_info" and "needs 'numbers'" in errors[0].message
 
 
 def test_numeric_ground_truth_and_inline_test_cases_are_accepted():

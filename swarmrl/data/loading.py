@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 
 from swarmrl.data.schema import (
     RECORD_FIELD,
-    TASK_TYPES,
+    Checks,
     RowError,
     TaskRow,
     describe_json_error,
@@ -305,6 +305,7 @@ def load_tasks(
     on_malformed: Literal["skip", "error"] = "skip",
     limit: int | None = None,
     split: str | None = None,
+    checks: Checks | None = None,
 ) -> LoadResult:
     """Read, validate and solve-rate-filter tasks from a local file or folder.
 
@@ -313,6 +314,9 @@ def load_tasks(
     without a range filters nothing but is still checked to exist, so a typo
     fails loudly. With ``on_malformed="error"`` the whole source is read first,
     then a ValueError lists the problems, so one run shows them all.
+    ``checks`` are the task types' checks of ``verification_info``
+    (``swarmrl.rewards.registry.checks()``); without them only the common shape
+    is checked.
     """
     _check_arguments(solve_rate_column, solve_rate_range, on_malformed, limit)
     path = Path(source)
@@ -343,7 +347,7 @@ def load_tasks(
                 if parse_error is not None:
                     refuse([RowError(row_no, RECORD_FIELD, parse_error, label)])
                     continue
-                task, row_errors = parse_row(record, row_no, label)
+                task, row_errors = parse_row(record, row_no, label, checks=checks)
                 if task is None:
                     refuse(row_errors)
                     continue
@@ -386,8 +390,8 @@ def load_tasks(
 
     result = LoadResult(rows=rows, errors=errors, counts=counts, source=str(path))
     logger.info(result.summary())
-    unknown = sorted(set(result.task_type_counts()) - TASK_TYPES)
-    if unknown:
+    unknown = sorted(set(result.task_type_counts()) - set(checks or ()))
+    if checks is not None and unknown:
         logger.warning(
             "kept rows with task types %s that have no known verifier shape; "
             "scoring will refuse them unless a verifier is registered",

@@ -7,8 +7,11 @@ struct columns suffer). Any other column (solve rates, sources, ...) is kept
 untouched as an extra, so filters and curricula can read it later.
 
 Validation here is the only gate between files on disk and the trainer: a row
-that passes can be scored without re-checking its shape. What is deliberately
-NOT checked here:
+that passes can be scored without re-checking its shape. The shape of each task
+type's ``verification_info`` is not known here: it is the task type's ``check``
+in the registry (``swarmrl.rewards.registry``), which loaders pass in
+(``parse_row(..., checks=registry.checks())``), so a task type is declared in
+one place. What is deliberately NOT checked here:
 
 * Unknown ``task_type`` values are accepted. Loading must not depend on which
   reward functions happen to be registered; the scoring stage refuses types it
@@ -21,18 +24,16 @@ NOT checked here:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MATH = "verifiable_math"
 CODE = "prime_rl_code"
 
-#: Task types whose ``verification_info`` shape this module knows and checks.
-#: Add new types here together with a ``_check_<type>`` function below.
-TASK_TYPES: frozenset[str] = frozenset({MATH, CODE})
+#: A task type's check of its decoded ``verification_info``: the problem, or None.
+Checks = Mapping[str, Callable[[dict], "str | None"]]
 
 #: ``RowError.field`` used when the problem is the record as a whole
 #: (a JSONL line that is not JSON, a list item that is not an object).
@@ -82,70 +83,6 @@ def _decode_object(text: str, what: str) -> dict[str, Any]:
     return decoded
 
 
-def _check_math(info: Mapping[str, Any]) -> None:
-    """Math rows are scored by comparing to ``ground_truth``; without it nothing can score."""
-    if "ground_truth" not in info:
-        raise ValueError(
-            f"verifiable_math needs a 'ground_truth' key; found keys {sorted(info)}"
-        )
-    truth = info["ground_truth"]
-    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
-        raise ValueError(
-            f"'ground_truth' must be a string or a number, got {type(truth).__name__}"
-        )
-    if isinstance(truth, str) and not truth.strip():
-        raise ValueError("'ground_truth' is an empty string")
-    if isinstance(truth, float) and not math.isfinite(truth):
-        raise ValueError(f"'ground_truth' must be finite, got {truth}")
-
-
-def decode_test_cases(info: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the code test cases as a dict, whether stored as a JSON string or inline.
-
-    The public dataset double-encodes them (a JSON string inside the JSON
-    string); hand-written files often do not. Both are accepted.
-    """
-    if "test_cases" not in info:
-        raise ValueError(
-            f"prime_rl_code needs a 'test_cases' key; found keys {sorted(info)}"
-        )
-    raw = info["test_cases"]
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"'test_cases' is {describe_json_error(err)}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(
-            "'test_cases' must be a JSON object (or a JSON string of one) with "
-            f"'inputs' and 'outputs' lists, got {type(raw).__name__}"
-        )
-    return raw
-
-
-def check_code(info: Mapping[str, Any]) -> None:
-    """Code rows pair each input with an expected output; a mismatch would misalign scoring."""
-    cases = decode_test_cases(info)
-    for key in ("inputs", "outputs"):
-        if not isinstance(cases.get(key), list):
-            got = type(cases[key]).__name__ if key in cases else "nothing"
-            raise ValueError(f"'test_cases.{key}' must be a list, got {got}")
-    n_in, n_out = len(cases["inputs"]), len(cases["outputs"])
-    if n_in != n_out:
-        raise ValueError(
-            f"'test_cases' has {n_in} inputs but {n_out} outputs; they must pair up"
-        )
-    if n_in == 0:
-        # Zero tests would make every program "pass": a free reward, not a task.
-        raise ValueError("'test_cases' has no test cases")
-    fn_name = cases.get("fn_name")
-    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name.strip()):
-        raise ValueError("'test_cases.fn_name', when present, must be a non-empty string")
-
-
-_CHECKS = {MATH: _check_math, CODE: check_code}
-
-
 class TaskRow(BaseModel):
     """One validated task. Extra columns are kept (``row.column(name)`` reads them).
 
@@ -172,18 +109,16 @@ class TaskRow(BaseModel):
     def _valid_verification(cls, value: str, info: ValidationInfo) -> str:
         decoded = _decode_object(value, "verification_info")
         task_type = info.data.get("task_type")  # absent if task_type itself failed
-        check = _CHECKS.get(task_type) if isinstance(task_type, str) else None
-        if check is not None:
-            check(decoded)
+        checks = (info.context or {}).get("checks") or {}
+        check = checks.get(task_type) if isinstance(task_type, str) else None
+        problem = check(decoded) if check is not None else None
+        if problem:
+            raise ValueError(problem)
         return value
 
     def verification(self) -> dict[str, Any]:
         """The decoded ``verification_info``; a fresh dict, so callers may mutate it."""
         return json.loads(self.verification_info)
-
-    def test_cases(self) -> dict[str, Any]:
-        """Decoded ``{"inputs", "outputs", "fn_name"?}`` of a code task."""
-        return decode_test_cases(self.verification())
 
     def column(self, name: str, default: Any = None) -> Any:
         """Any column by name, including extras such as solve rates."""
@@ -205,9 +140,13 @@ def _error_message(err: Mapping[str, Any]) -> str:
 
 
 def parse_row(
-    record: Any, row: int, source: str | None = None
+    record: Any, row: int, source: str | None = None, *, checks: Checks | None = None
 ) -> tuple[TaskRow | None, list[RowError]]:
     """Validate one raw record; return the row or the reasons it was refused.
+
+    ``checks`` maps a task type to its ``verification_info`` check (verification_info -> the
+    problem or None): the task-type registry's, ``swarmrl.rewards.registry.checks()``. Types
+    without a check only need a JSON object there.
 
     Returns errors instead of raising so a loader can collect every problem in
     a file in one pass rather than making the user fix them one run at a time.
@@ -216,7 +155,7 @@ def parse_row(
         problem = f"must be a JSON object, got {type(record).__name__}"
         return None, [RowError(row, RECORD_FIELD, problem, source)]
     try:
-        return TaskRow.model_validate(dict(record)), []
+        return TaskRow.model_validate(dict(record), context={"checks": checks}), []
     except ValidationError as exc:
         errors = [
             RowError(

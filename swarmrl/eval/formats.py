@@ -34,6 +34,7 @@ from swarmrl.data.schema import (
     describe_json_error,
     parse_row,
 )
+from swarmrl.rewards import registry
 from swarmrl.rewards.choice import (
     MAX_CHOICES,
     MIN_CHOICES,
@@ -445,7 +446,7 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
                     _check_choice_row(row["verification_info"])
             except _RowProblem as problem:
                 raise fail(row_no, problem.field, f"{problem.message} (format {chosen!r})") from None
-            _, errors = parse_row(row, row_no)
+            _, errors = parse_row(row, row_no, checks=registry.checks())
             if errors:
                 raise ValueError(f"{path}: " + "; ".join(str(e) for e in errors))
             if problem_id in first_row_of:

@@ -40,10 +40,10 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from swarmrl.config import SandboxConfig
-from swarmrl.data.schema import check_code, decode_test_cases
+from swarmrl.data.schema import describe_json_error
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
 from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxFailure, SandboxSettings
 
@@ -63,6 +63,50 @@ class CodeLimits:
     partial_credit: bool = SandboxConfig().partial_credit
 
 
+def decode_test_cases(info: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the code test cases as a dict, whether stored as a JSON string or inline.
+
+    The public dataset double-encodes them (a JSON string inside the JSON
+    string); hand-written files often do not. Both are accepted.
+    """
+    if "test_cases" not in info:
+        raise ValueError(
+            f"prime_rl_code needs a 'test_cases' key; found keys {sorted(info)}"
+        )
+    raw = info["test_cases"]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"'test_cases' is {describe_json_error(err)}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            "'test_cases' must be a JSON object (or a JSON string of one) with "
+            f"'inputs' and 'outputs' lists, got {type(raw).__name__}"
+        )
+    return raw
+
+
+def check_code(info: Mapping[str, Any]) -> None:
+    """Code rows pair each input with an expected output; a mismatch would misalign scoring."""
+    cases = decode_test_cases(info)
+    for key in ("inputs", "outputs"):
+        if not isinstance(cases.get(key), list):
+            got = type(cases[key]).__name__ if key in cases else "nothing"
+            raise ValueError(f"'test_cases.{key}' must be a list, got {got}")
+    n_in, n_out = len(cases["inputs"]), len(cases["outputs"])
+    if n_in != n_out:
+        raise ValueError(
+            f"'test_cases' has {n_in} inputs but {n_out} outputs; they must pair up"
+        )
+    if n_in == 0:
+        # Zero tests would make every program "pass": a free reward, not a task.
+        raise ValueError("'test_cases' has no test cases")
+    fn_name = cases.get("fn_name")
+    if fn_name is not None and (not isinstance(fn_name, str) or not fn_name.strip()):
+        raise ValueError("'test_cases.fn_name', when present, must be a non-empty string")
+
+
 @dataclass(frozen=True)
 class TestCases:
     inputs: list
@@ -73,8 +117,8 @@ class TestCases:
 def parse_test_cases(verification_info: dict) -> TestCases:
     """The tests of a code row; ValueError naming the problem for a malformed row.
 
-    The shape checks are the loader's (``swarmrl.data.schema.check_code``); running them also
-    needs ``fn_name`` to be a Python identifier and stdin tests to be text.
+    The shape checks (``check_code``, also the loader's check of a code row) come first; running
+    them also needs ``fn_name`` to be a Python identifier and stdin tests to be text.
     """
     check_code(verification_info)
     raw = decode_test_cases(verification_info)

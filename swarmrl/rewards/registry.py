@@ -86,6 +86,12 @@ def types() -> list[TaskType]:
     return list(_TYPES.values())
 
 
+def checks() -> dict[str, Callable[[dict], str | None]]:
+    """Each task type's check of its verification_info, for the loaders
+    (`swarmrl.data.schema.parse_row(..., checks=...)`)."""
+    return {name: task.check for name, task in _TYPES.items()}
+
+
 def load(specs: Iterable[str]) -> list[TaskType]:
     """Import and register task types named as "module:ATTRIBUTE" (a TaskType, or a list of them)."""
     loaded = []

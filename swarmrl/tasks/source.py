@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from swarmrl.config import Config
 from swarmrl.data.loading import load_tasks
+from swarmrl.rewards import registry
 from swarmrl.rewards.length import with_length_target
 from swarmrl.tasks import arithmetic
 
@@ -15,13 +16,14 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
         train = arithmetic.generate(t.train_size, digits=t.digits, ops=t.ops, split="train", seed=t.seed)
         held = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
         return train, held
-    result = load_tasks(t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range)
+    result = load_tasks(t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range,
+                        checks=registry.checks())
     log(result.summary())
     train = [r.model_dump() for r in result.rows]
     if not train:
         raise ValueError(f"no usable tasks in {t.source}: {result.summary()}")
     if t.eval_source:
-        held = [r.model_dump() for r in load_tasks(t.eval_source).rows][: t.eval_size]
+        held = [r.model_dump() for r in load_tasks(t.eval_source, checks=registry.checks()).rows][: t.eval_size]
     else:
         # No separate held-out file: hold out the tail of the file (deterministic) and say so.
         n = min(t.eval_size, max(1, len(train) // 10))
