@@ -73,3 +73,30 @@ def test_submission_model_keeps_claims_for_the_service_to_refuse():
     assert sub.groups[0].model_extra == {"reward": 1.0}  # refused later as claimed_reward, counted as fraud
     with pytest.raises(ValidationError):
         SubmitIn.model_validate({**body, "lease_id": "x"})
+
+
+def test_every_orchestrator_reply_has_a_protocol_model():
+    """Each JSON route answers through a protocol model (FastAPI validates the reply against it),
+    so the server cannot drift from what clients check."""
+    from swarmrl.orchestrator.app import create_app
+
+    class _Orch:  # create_app only reads the config and registers routes
+        from swarmrl.config import Config
+        cfg = Config()
+        trainer_token, validator_token = "t", "v"
+
+    app = create_app(_Orch()).fastapi
+    routes = {r.path: r for r in app.routes if getattr(r, "path", "").startswith("/v1/")}
+    assert len(routes) >= 10
+    missing = sorted(p for p, r in routes.items() if getattr(r, "response_model", None) is None)
+    assert not missing, f"routes without a response_model: {missing}"
+
+
+def test_client_refuses_a_reply_of_the_wrong_shape():
+    from swarmrl.protocol.client import ProtocolMismatch, _checked
+    from swarmrl.protocol.messages import Status, SubmitReply
+
+    ok = {"accepted": [{"slot": 0, "rewards": [1.0, 0.0], "informative": True}], "rejected": []}
+    assert _checked(SubmitReply, ok, "submit") is ok
+    with pytest.raises(ProtocolMismatch, match=r"status.*next_step.*same swarmrl version"):
+        _checked(Status, {"next_step": "soon"}, "status")

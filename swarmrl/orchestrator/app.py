@@ -35,7 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.manifest import BroadcastError, verify_manifest
-from swarmrl.protocol.messages import ClaimIn, ErrorOut, LeaseIn, PublishIn, RegisterIn, SubmitIn, VerdictsIn
+from swarmrl.protocol.messages import (Batch, Claim, ClaimIn, ErrorOut, Finished, LeaseIn, LeaseReply, PublishIn,
+                                       Published, Recorded, RegisterIn, Registered, Status, SubmitIn, SubmitReply,
+                                       VerdictsIn, WorkerRecord)
 from swarmrl.protocol.signing import AuthError, ClockSkew, verify_request
 
 class SizeLimit:
@@ -186,47 +188,48 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def healthz() -> dict:
         return {"ok": True}
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", response_model=Status)
     def status() -> dict:
         return orch.status()
 
-    @app.post("/v1/workers/register", responses=responses)
+    @app.post("/v1/workers/register", responses=responses, response_model=Registered)
     def register(body: RegisterIn, who: tuple = Depends(signed)) -> dict:
         key, auth = who
         orch.authenticate(key, auth["nonce"], auth["ts"], registering=True)
         return orch.register(key, body.name)
 
-    @app.post("/v1/leases", responses=responses)
+    @app.post("/v1/leases", responses=responses, response_model=LeaseReply)
     def lease(body: LeaseIn, who: tuple = Depends(signed)) -> dict:
         key, auth = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.lease(key, body.policy_version)
 
-    @app.post("/v1/rollouts", responses=responses)
+    @app.post("/v1/rollouts", responses=responses, response_model=SubmitReply, response_model_exclude_none=True)
     def rollouts(body: SubmitIn, who: tuple = Depends(signed)) -> dict:
         key, auth = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.submit(key, body.lease_id, body.groups)
 
-    @app.post("/v1/workers/me", responses=responses)
+    @app.post("/v1/workers/me", responses=responses, response_model=WorkerRecord)
     def me(who: tuple = Depends(signed)) -> dict:
         key, auth = who
         orch.authenticate(key, auth["nonce"], auth["ts"], allow_banned=True)
         return orch.worker_record(key)
 
-    @app.post("/v1/validator/claim", responses=responses, dependencies=[Depends(validator_only)])
+    @app.post("/v1/validator/claim", responses=responses, response_model=Claim, dependencies=[Depends(validator_only)])
     def claim(body: ClaimIn) -> dict:
         return orch.claim_validation(body.max_groups)
 
-    @app.post("/v1/validator/verdicts", responses=responses, dependencies=[Depends(validator_only)])
+    @app.post("/v1/validator/verdicts", responses=responses, response_model=Recorded, dependencies=[Depends(validator_only)])
     def verdicts(body: VerdictsIn) -> dict:
         return orch.record_verdicts([v.model_dump() for v in body.verdicts], body.retry)
 
-    @app.post("/v1/trainer/batches/{step}", responses=responses, dependencies=[Depends(trainer_only)])
+    @app.post("/v1/trainer/batches/{step}", responses=responses, response_model=Batch,
+              response_model_exclude_none=True, dependencies=[Depends(trainer_only)])
     def batch(step: int = Path(ge=0, le=10**9)) -> dict:
         return orch.build_batch(step)
 
-    @app.post("/v1/trainer/policies", responses=responses, dependencies=[Depends(trainer_only)])
+    @app.post("/v1/trainer/policies", responses=responses, response_model=Published, dependencies=[Depends(trainer_only)])
     def publish(body: PublishIn) -> dict:
         try:
             # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before
@@ -237,7 +240,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
             raise ApiError(422, "bad_manifest", str(e)) from None
         return orch.publish(body.version, body.url, body.manifest)
 
-    @app.post("/v1/trainer/finish", responses=responses, dependencies=[Depends(trainer_only)])
+    @app.post("/v1/trainer/finish", responses=responses, response_model=Finished, dependencies=[Depends(trainer_only)])
     def finish() -> dict:
         return orch.finish()
 

@@ -12,7 +12,11 @@ import socket
 import time
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
+from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.messages import (Batch, Claim, Finished, LeaseReply, Published, Recorded, Registered, Status,
+                                       SubmitReply, WorkerRecord)
 from swarmrl.protocol.signing import public_key_hex, sign_headers
 
 
@@ -28,6 +32,23 @@ class Refused(RuntimeError):
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"{status} {code}: {detail}")
         self.status, self.code, self.detail = status, code, detail
+
+
+class ProtocolMismatch(RuntimeError):
+    """A reply that does not have the shape protocol/messages.py says: not something to retry."""
+
+
+def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
+    """The reply, after checking it has `model`'s shape (callers keep reading it as a dict)."""
+    try:
+        model.model_validate(reply)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "<reply>"
+        raise ProtocolMismatch(f"the reply to {what} does not match swarmrl protocol v{PROTOCOL_VERSION} "
+                               f"({where}: {first.get('msg')}): run the same swarmrl version as the orchestrator "
+                               "(GET /v1/status says its protocol_version)") from None
+    return reply
 
 
 class _Client:
@@ -59,7 +80,7 @@ class _Client:
         return data
 
     def status(self) -> dict:
-        return self._send("GET", "/v1/status")
+        return _checked(Status, self._send("GET", "/v1/status"), "GET /v1/status")
 
 
 class WorkerClient(_Client):
@@ -76,16 +97,16 @@ class WorkerClient(_Client):
         return self._send("POST", path, body, headers)
 
     def register(self, name: str) -> dict:
-        return self._signed("/v1/workers/register", {"name": name})
+        return _checked(Registered, self._signed("/v1/workers/register", {"name": name}), "register")
 
     def lease(self, policy_version: int) -> dict:
-        return self._signed("/v1/leases", {"policy_version": policy_version})
+        return _checked(LeaseReply, self._signed("/v1/leases", {"policy_version": policy_version}), "lease")
 
     def submit(self, submission: dict) -> dict:
-        return self._signed("/v1/rollouts", submission)
+        return _checked(SubmitReply, self._signed("/v1/rollouts", submission), "submit")
 
     def me(self) -> dict:
-        return self._signed("/v1/workers/me", {})
+        return _checked(WorkerRecord, self._signed("/v1/workers/me", {}), "me")
 
 
 class TrainerClient(_Client):
@@ -97,23 +118,25 @@ class TrainerClient(_Client):
         return self._send("POST", path, json.dumps(payload or {}).encode(), self.auth)
 
     def batch(self, step: int) -> dict:
-        return self._post(f"/v1/trainer/batches/{step}")
+        return _checked(Batch, self._post(f"/v1/trainer/batches/{step}"), f"batch {step}")
 
     def publish(self, version: int, url: str, manifest: dict) -> dict:
-        return self._post("/v1/trainer/policies", {"version": version, "url": url, "manifest": manifest})
+        return _checked(Published, self._post("/v1/trainer/policies",
+                                              {"version": version, "url": url, "manifest": manifest}), "publish")
 
     def finish(self) -> dict:
-        return self._post("/v1/trainer/finish")
+        return _checked(Finished, self._post("/v1/trainer/finish"), "finish")
 
 
 class ValidatorClient(TrainerClient):
     """A trusted validator (bearer token from <run-dir>/validator.token)."""
 
     def claim(self, max_groups: int) -> dict:
-        return self._post("/v1/validator/claim", {"max_groups": max_groups})
+        return _checked(Claim, self._post("/v1/validator/claim", {"max_groups": max_groups}), "claim")
 
     def record(self, verdicts: list[dict], retry: list[int]) -> dict:
-        return self._post("/v1/validator/verdicts", {"verdicts": verdicts, "retry": retry})
+        return _checked(Recorded, self._post("/v1/validator/verdicts", {"verdicts": verdicts, "retry": retry}),
+                        "verdicts")
 
 
 def retrying(call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2,

@@ -133,3 +133,110 @@ class LeaseReply(_Out):
     lease: Lease | None = None
     retry_after_s: float | None = None
     reason: str | None = None
+
+
+class Registered(_Out):
+    """POST /v1/workers/register."""
+
+    worker: str = Field(description="the worker's public key (hex), its identity")
+    name: str
+    accepted: int = Field(description="groups of this key that passed every check they were given")
+    rejected: int
+
+
+class WorkerRecord(Registered):
+    """POST /v1/workers/me: what the orchestrator holds against (and for) this key."""
+
+    fraud: int = Field(description="rejections no honest worker can get (protocol/reasons.py); bans at validator.ban_after")
+    banned: bool
+    awaiting_validation: int = Field(description="accepted groups the validator has not checked yet")
+    rejections: dict[str, int] = Field(description="rejections by reason code")
+
+
+class SlotAccepted(_Out):
+    slot: int
+    rewards: list[float] = Field(description="the orchestrator's rewards for the group's completions")
+    informative: bool = Field(description="whether the rewards differ (a group with equal rewards teaches nothing)")
+    validation: str | None = Field(None, description='"pending" (the validator will check it) or "cheap checks only"')
+    already_accepted: bool = Field(False, description="a resubmission of a stored group (a lost reply)")
+
+
+class SlotRejected(_Out):
+    slot: int
+    reason: str = Field(description="a code of protocol/reasons.py")
+    detail: str
+
+
+class SubmitReply(_Out):
+    """POST /v1/rollouts: a verdict per submitted slot."""
+
+    accepted: list[SlotAccepted]
+    rejected: list[SlotRejected]
+
+
+# ---- what trusted roles read -----------------------------------------------------------------
+class PolicyRef(_Out):
+    url: str = Field(description="where the version's manifest and shards are served")
+    manifest: dict = Field(description="the signed broadcast manifest (protocol/manifest.py)")
+
+
+class Status(_Out):
+    """GET /v1/status (public)."""
+
+    next_step: int
+    latest_version: int | None
+    async_bound: int
+    min_version: int = Field(description="the oldest policy version a lease may be sampled with now")
+    finished: bool
+    policy: PolicyRef | None = Field(None, description="the newest version, once the trainer published one")
+    total_steps: int
+    protocol_version: int
+
+
+class ClaimedSample(_Out):
+    token_ids: list[int]
+    logprobs: list[float]
+    seed: int
+    proofs: list[str]
+
+
+class ClaimedGroup(_Out):
+    id: int
+    worker: str
+    policy_version: int
+    temperature: float
+    prompt_ids: list[int]
+    samples: list[ClaimedSample]
+
+
+class Claim(_Out):
+    """POST /v1/validator/claim: groups to check, the policies they claim, the validator settings."""
+
+    items: list[ClaimedGroup]
+    policies: dict[str, PolicyRef] = Field(description="by version (as a string)")
+    min_version: int
+    config: dict = Field(description="the run's validator section (thresholds, chunk size, ...)")
+
+
+class Recorded(_Out):
+    recorded: int = Field(description="verdicts applied (verdicts for already settled groups are ignored)")
+
+
+class Batch(_Out):
+    """POST /v1/trainer/batches/{step}: the frozen batch, or what is still missing."""
+
+    ready: bool
+    step: int
+    group_ids: list[int] = Field(default_factory=list)
+    groups: list[dict] = Field(default_factory=list, description="protocol/rollouts.py Group.to_json() payloads")
+    metrics: dict[str, float | None] = Field(default_factory=dict, description="NaN is sent as null")
+    queued: int | None = Field(None, description="when not ready: informative groups waiting")
+    needed: int | None = Field(None, description="when not ready: groups the batch needs")
+
+
+class Published(_Out):
+    latest_version: int
+
+
+class Finished(_Out):
+    finished: bool
