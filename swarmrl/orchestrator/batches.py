@@ -55,7 +55,7 @@ class Batches:
         cfg = self.cfg
         want, k = cfg.sampling.prompts_per_step, cfg.async_.bound
         with self.store.tx() as db:
-            row = db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
+            row = self.store.batch(db, step)
             if row is not None:
                 return self._batch_response(db, row)
             next_step, _, _ = self._progress(db)
@@ -63,9 +63,8 @@ class Batches:
                 raise ApiError(409, "wrong_step", f"batch {step} cannot be built: the next batch is {next_step}")
             streak = Store.get_meta(db, "uninformative_streak", 0)
             if streak >= cfg.sampling.uninformative_limit:
-                rows = db.execute("SELECT payload FROM groups WHERE state = 'uninformative' ORDER BY id DESC LIMIT ?",
-                                  (streak,)).fetchall()
-                rewards = [r for (p,) in rows for r in json.loads(p)["task_rewards"]]
+                payloads = self.store.latest_uninformative_payloads(db, streak)
+                rewards = [r for p in payloads for r in json.loads(p)["task_rewards"]]
                 mean = statistics.fmean(rewards) if rewards else float("nan")
                 raise ApiError(409, "no_signal",
                                f"the last {streak} groups all had equal rewards (mean task reward {mean:.2f}), "
@@ -73,64 +72,48 @@ class Batches:
                                "stronger base model (model.path, or more sft.steps), easier/harder tasks, or a "
                                "larger group_size.")
             oldest = step - k
-            stale = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state = 'queued' "
-                               "AND policy_version < ?", (step, oldest)).rowcount
+            stale = self.store.drop_older(db, ("queued",), oldest, step)
             if stale:
                 self._count("off_policy_dropped", stale)
-            ids = [r[0] for r in db.execute("SELECT id FROM groups WHERE state = 'queued' ORDER BY id LIMIT ?",
-                                            (want,)).fetchall()]
+            ids = self.store.queued_ids(db, want)
             if len(ids) < want:
                 return {"ready": False, "step": step, "queued": len(ids), "needed": want}
-            marks = ",".join("?" * len(ids))
-            db.execute(f"UPDATE groups SET state = 'consumed', step = ?, resolved_step = ? WHERE id IN ({marks})",
-                       (step, step, *ids))
-            db.execute("UPDATE groups SET resolved_step = ? WHERE state = 'uninformative' AND resolved_step IS NULL",
-                       (step,))
-            taken = [Group.from_json(p) for (p,) in db.execute(
-                f"SELECT payload FROM groups WHERE id IN ({marks}) ORDER BY id", ids).fetchall()]
-            resolved = [Group.from_json(p) for (p,) in db.execute(
-                "SELECT payload FROM groups WHERE resolved_step = ? AND state != 'stale'", (step,)).fetchall()]
-            n_stale = db.execute("SELECT COUNT(*) FROM groups WHERE resolved_step = ? AND state = 'stale'",
-                                 (step,)).fetchone()[0]
+            self.store.consume(db, ids, step)
+            self.store.resolve_uninformative(db, step)
+            taken = [Group.from_json(p) for p in self.store.payloads(db, ids)]
+            resolved = [Group.from_json(p) for p in self.store.resolved_payloads(db, step)]
+            n_stale = self.store.resolved_stale_count(db, step)
             metrics = batch_metrics(step, taken, resolved, n_stale, cfg)
-            metrics["off_policy/dropped_total"] = float(
-                db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0])
+            metrics["off_policy/dropped_total"] = float(self.store.count_groups(db, ("stale",)))
             metrics.update(self._validation_metrics(db))
-            db.execute("INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
-                       (step, json.dumps(ids), json.dumps(metrics), time.time()))
+            self.store.save_batch(db, step, json.dumps(ids), json.dumps(metrics), time.time())
             Store.set_meta(db, "next_step", step + 1)
-            row = db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
+            row = self.store.batch(db, step)
             self._count("batches_built")
             return self._batch_response(db, row)
 
-    @staticmethod
-    def _batch_response(db, row) -> dict:
+    def _batch_response(self, db, row) -> dict:
         ids = json.loads(row["group_ids"])
-        marks = ",".join("?" * len(ids))
-        payloads = db.execute(f"SELECT id, payload FROM groups WHERE id IN ({marks}) ORDER BY id", ids).fetchall()
         return {"ready": True, "step": row["step"], "group_ids": ids,
-                "groups": [json.loads(p) for _, p in payloads], "metrics": json.loads(row["metrics"])}
+                "groups": [json.loads(p) for p in self.store.payloads(db, ids)], "metrics": json.loads(row["metrics"])}
 
     def publish(self, version: int, url: str, manifest: dict) -> dict:
         """The trainer announces its current version. It is the authority: a trainer resumed from
         an older checkpoint moves `latest_version` back (its newer versions are being redone)."""
         with self.store.tx() as db:
-            db.execute("INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
-                       "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
-                       "published = excluded.published", (version, url, json.dumps(manifest), time.time()))
+            self.store.save_policy(db, version, url, json.dumps(manifest), time.time())
             latest = Store.get_meta(db, "latest_version")
             if latest is not None and version < latest:
                 # A trainer resumed from an older checkpoint: versions above `version` will be
                 # rebuilt with other weights, so work sampled with the old ones is dropped.
                 next_step = Store.get_meta(db, "next_step", 0)
-                dropped = db.execute("UPDATE groups SET state = 'stale', resolved_step = ? WHERE state IN (?, ?, ?) "
-                                     "AND policy_version > ?", (next_step, *WAITING, version)).rowcount
-                db.execute("UPDATE leases SET expires = ? WHERE state = 'open' AND max_version > ?", (0.0, version))
+                dropped = self.store.drop_newer(db, WAITING, version, next_step)
+                self.store.end_leases_above(db, version)
                 self._expire(db, time.time())
                 self.log(f"trainer went back to version {version} (was {latest}): {dropped} queued groups dropped")
             Store.set_meta(db, "latest_version", version)
             Store.set_meta(db, "finished", False)  # a trainer publishing means the run is live (resumed)
-            db.execute("DELETE FROM policies WHERE version < ?", (version - self.cfg.async_.bound - 8,))
+            self.store.forget_policies(db, version - self.cfg.async_.bound - 8)
         self._count("policies_published")
         return {"latest_version": version}
 

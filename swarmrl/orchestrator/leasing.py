@@ -44,10 +44,7 @@ class Leasing:
         return self._perms[epoch]
 
     def _next_problems(self, db, n: int) -> list[tuple[int, int | None]]:
-        out = [(r["problem"], r["target_length"]) for r in
-               db.execute("SELECT * FROM reissue ORDER BY id LIMIT ?", (n,)).fetchall()]
-        if out:
-            db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(out),))
+        out = self.store.take_reissued(db, n)
         cursor = Store.get_meta(db, "task_cursor", 0)
         length = self.cfg.length
         while len(out) < n:
@@ -59,21 +56,13 @@ class Leasing:
         return out
 
     def _expire(self, db, now: float) -> None:
-        expired = db.execute("SELECT id FROM leases WHERE state = 'open' AND expires < ?", (now,)).fetchall()
-        for (lease_id,) in expired:
-            for row in db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall():
-                db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
-                           (row["problem"], row["target_length"]))
-            db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
-            db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
+        expired = self.store.expire_leases(db, now)
         if expired:
             self._count("leases_expired", len(expired))
 
-    @staticmethod
-    def _informative_rate(db, window: int = 256) -> float | None:
-        row = db.execute("SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups "
-                         "ORDER BY id DESC LIMIT ?)", (window,)).fetchone()
-        return row[0] if row[1] >= 16 else None
+    def _informative_rate(self, db, window: int = 256) -> float | None:
+        rate, n = self.store.recent_informative(db, window)
+        return rate if n >= 16 else None
 
     def lease(self, key: str, policy_version: int) -> dict:
         cfg, s = self.cfg, self.cfg.sampling
@@ -91,9 +80,8 @@ class Leasing:
                 raise ApiError(409, "version_not_allowed",
                                f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
                                f"fetch version {latest} (GET /v1/status says where)")
-            queued = db.execute("SELECT COUNT(*) FROM groups WHERE state IN (?, ?, ?)", WAITING).fetchone()[0]
-            open_slots = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
-                                    "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
+            queued = self.store.count_groups(db, WAITING)
+            open_slots = self.store.open_slot_count(db)
             n = s.worker_batch_prompts
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
@@ -109,20 +97,18 @@ class Leasing:
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
                                   f"version {policy_version} can still feed; waiting for a newer version"}
-            mine = db.execute("SELECT COUNT(*) FROM leases WHERE worker = ? AND state = 'open'", (key,)).fetchone()[0]
+            mine = self.store.open_lease_count(db, key)
             if mine >= cfg.orchestrator.max_open_leases:
                 return {"lease": None, "retry_after_s": 0.5,
                         "reason": f"this worker holds {mine} open leases; submit them first"}
             lease_id = secrets.token_hex(16)
             expires = now + cfg.orchestrator.lease_timeout_s
-            db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')", (lease_id, key, now, expires, lo, latest, n))
+            self.store.create_lease(db, lease_id, key, now, expires, lo, latest, n)
             prompts = []
             for slot, (problem, target) in enumerate(self._next_problems(db, n)):
                 row = self.rows[problem]
                 seeds = [secrets.randbits(63) for _ in range(s.group_size)]
-                db.execute("INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) "
-                           "VALUES (?, ?, ?, ?, ?, 'open')", (lease_id, slot, problem, target, json.dumps(seeds)))
+                self.store.add_slot(db, lease_id, slot, problem, target, json.dumps(seeds))
                 prompt, ids = model_input(self.tokenizer, row["prompt"], target)
                 prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
                                 "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})

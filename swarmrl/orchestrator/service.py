@@ -116,12 +116,11 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                 Store.get_meta(db, "finished", False))
 
     def status(self) -> dict:
-        with self.store.lock:
-            db = self.store.db
+        with self.store.read() as db:
             next_step, latest, finished = self._progress(db)
             policy = None
             if latest is not None:
-                row = db.execute("SELECT * FROM policies WHERE version = ?", (latest,)).fetchone()
+                row = self.store.policy(db, latest)
                 policy = {"version": latest, "url": row["url"], "manifest": json.loads(row["manifest"])}
         k = self.cfg.async_.bound
         return {"next_step": next_step, "latest_version": latest, "async_bound": k,
@@ -158,25 +157,21 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
 
     def worker_record(self, key: str) -> dict:
         """What the orchestrator holds against (and for) a worker key."""
-        with self.store.lock:
-            db = self.store.db
-            w = db.execute("SELECT * FROM workers WHERE key = ?", (key,)).fetchone()
-            reasons = dict(db.execute("SELECT reason, COUNT(*) FROM rejections WHERE worker = ? GROUP BY reason",
-                                      (key,)).fetchall())
-            waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
-                                 (key,)).fetchone()[0]
+        with self.store.read() as db:
+            w = self.store.worker(key)
+            reasons = self.store.rejection_counts(db, key)
+            waiting = self.store.count_groups(db, ("pending", "validating"), worker=key)
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
                 "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
                 "rejections": reasons}
 
     def gauges(self) -> dict[str, float]:
-        with self.store.lock:
-            db = self.store.db
+        with self.store.read() as db:
             next_step, latest, _ = self._progress(db)
-            counts = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
-            open_leases = db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()[0]
-            workers = db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]
-            banned = db.execute("SELECT COUNT(*) FROM workers WHERE banned = 1").fetchone()[0]
+            counts = self.store.group_state_counts(db)
+            open_leases = self.store.open_lease_count(db)
+            workers = self.store.worker_count(db)
+            banned = self.store.worker_count(db, banned=True)
         return {"next_step": next_step, "latest_version": -1 if latest is None else latest,
                 "open_leases": open_leases, "workers": workers, "workers_banned": banned,
                 **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative",

@@ -2,8 +2,11 @@
 
 Everything the run cannot afford to lose or double-count lives here: registered workers, seen
 nonces, leases and their slots (one slot = one prompt = one group), accepted groups with their
-trusted rewards, and the frozen content of every batch. Each public method is one transaction,
-so a `kill -9` at any instant leaves either the state before a call or the state after it:
+trusted rewards, and the frozen content of every batch. All of the orchestrator's SQL is here; its
+logic (service.py and the mixins) calls the named methods below. One logical operation is one
+transaction: a method without a `db` argument is one by itself, and the methods taking `db` run
+inside their caller's `with store.tx() as db:`, which groups them. So a `kill -9` at any instant
+leaves either the state before an operation or the state after it:
 
   * a group is accepted by the same transaction that marks its slot submitted, so a worker that
     never saw the reply resubmits and is told "already submitted", and nothing is stored twice;
@@ -23,6 +26,8 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 SCHEMA = """
@@ -68,8 +73,16 @@ CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, wor
 """
 
 
+Db = sqlite3.Connection
+
+
+def _marks(n: int) -> str:
+    return ",".join("?" * n)
+
+
 class Store:
-    """Thread-safe (one connection behind a lock); every method is one transaction."""
+    """Thread-safe (one connection behind a lock). Methods without a `db` argument are one
+    transaction each; methods taking `db` run inside the caller's `tx()` (or `read()`)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -134,18 +147,25 @@ class Store:
     def tx(self) -> "Store._Tx":
         return Store._Tx(self)
 
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """The connection under the lock, for a few reads that belong together (no transaction:
+        anything that writes uses tx())."""
+        with self.lock:
+            yield self.db
+
     def query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self.lock:
             return self.db.execute(sql, args).fetchall()
 
     # ---- meta --------------------------------------------------------------------------------
     @staticmethod
-    def get_meta(db: sqlite3.Connection, key: str, default=None):
+    def get_meta(db: Db, key: str, default=None):
         row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return json.loads(row[0]) if row else default
 
     @staticmethod
-    def set_meta(db: sqlite3.Connection, key: str, value) -> None:
+    def set_meta(db: Db, key: str, value) -> None:
         db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                    (key, json.dumps(value)))
 
@@ -162,6 +182,10 @@ class Store:
         rows = self.query("SELECT * FROM workers WHERE key = ?", (key,))
         return dict(rows[0]) if rows else None
 
+    def worker_name(self, db: Db, key: str) -> str | None:
+        row = db.execute("SELECT name FROM workers WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
     def use_nonce(self, key: str, nonce: str, ts: float, *, forget_before: float) -> bool:
         """Record a nonce; False if this key already used it (a replay)."""
         with self.tx() as db:
@@ -173,7 +197,7 @@ class Store:
             db.execute("UPDATE workers SET last_seen = ? WHERE key = ?", (time.time(), key))
             return True
 
-    def count_rejection(self, db: sqlite3.Connection, worker: str, lease_id: str | None, slot: int | None,
+    def count_rejection(self, db: Db, worker: str, lease_id: str | None, slot: int | None,
                         reason: str, detail: str, *, fraud: bool = False) -> int:
         """Record a rejection against a worker; returns its fraud count afterwards."""
         db.execute("INSERT INTO rejections (worker, lease_id, slot, reason, detail, at) VALUES (?, ?, ?, ?, ?, ?)",
@@ -181,3 +205,249 @@ class Store:
         db.execute("UPDATE workers SET rejected = rejected + 1, fraud = fraud + ? WHERE key = ?", (int(fraud), worker))
         row = db.execute("SELECT fraud FROM workers WHERE key = ?", (worker,)).fetchone()
         return row[0] if row else 0
+
+    def add_accepted(self, db: Db, key: str, n: int = 1) -> None:
+        """Add `n` to the worker's count of accepted groups (negative: take them back)."""
+        db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (n, key))
+
+    def ban(self, db: Db, key: str) -> bool:
+        """Mark the worker banned; False if it already was (or is unknown)."""
+        return db.execute("UPDATE workers SET banned = 1 WHERE key = ? AND banned = 0", (key,)).rowcount > 0
+
+    # ---- leases and slots --------------------------------------------------------------------
+    def lease_row(self, db: Db, lease_id: str) -> sqlite3.Row | None:
+        return db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
+
+    def create_lease(self, db: Db, lease_id: str, worker: str, created: float, expires: float,
+                     min_version: int, max_version: int, slots: int) -> None:
+        db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')",
+                   (lease_id, worker, created, expires, min_version, max_version, slots))
+
+    def add_slot(self, db: Db, lease_id: str, slot: int, problem: int, target_length: int | None,
+                 seeds: str) -> None:
+        """An open slot; `seeds` is the JSON list of its completions' sampling seeds."""
+        db.execute("INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) "
+                   "VALUES (?, ?, ?, ?, ?, 'open')", (lease_id, slot, problem, target_length, seeds))
+
+    def lease_slots(self, db: Db, lease_id: str) -> dict[int, sqlite3.Row]:
+        """The lease's slot rows by slot number."""
+        return {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
+
+    def open_lease_count(self, db: Db, worker: str | None = None) -> int:
+        """Open leases: all of them, or those of one worker."""
+        if worker is None:
+            return db.execute("SELECT COUNT(*) FROM leases WHERE state = 'open'").fetchone()[0]
+        return db.execute("SELECT COUNT(*) FROM leases WHERE worker = ? AND state = 'open'", (worker,)).fetchone()[0]
+
+    def open_slot_count(self, db: Db) -> int:
+        """Slots still open in open leases: work out with the workers."""
+        return db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+                          "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
+
+    def mark_slot(self, db: Db, lease_id: str, slot: int, state: str, *, only_if: str | None = None) -> bool:
+        """Set a slot's state (only if it is in state `only_if`, when given); whether it changed."""
+        if only_if is None:
+            cur = db.execute("UPDATE slots SET state = ? WHERE lease_id = ? AND slot = ?", (state, lease_id, slot))
+        else:
+            cur = db.execute("UPDATE slots SET state = ? WHERE lease_id = ? AND slot = ? AND state = ?",
+                             (state, lease_id, slot, only_if))
+        return cur.rowcount > 0
+
+    def reissue_slot(self, db: Db, lease_id: str, slot: int) -> None:
+        """Put the slot's problem (with its target length) back in the pool for another lease."""
+        db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
+                   "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, slot))
+
+    def take_reissued(self, db: Db, n: int) -> list[tuple[int, int | None]]:
+        """Up to `n` problems given back to the pool, oldest first, as (problem, target_length);
+        they leave the pool."""
+        rows = db.execute("SELECT * FROM reissue ORDER BY id LIMIT ?", (n,)).fetchall()
+        if rows:
+            db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(rows),))
+        return [(r["problem"], r["target_length"]) for r in rows]
+
+    def expire_leases(self, db: Db, now: float) -> list[str]:
+        """Expire the open leases past their expiry: their open slots' problems go back to the
+        pool. Returns the expired leases' ids."""
+        expired = [r[0] for r in
+                   db.execute("SELECT id FROM leases WHERE state = 'open' AND expires < ?", (now,)).fetchall()]
+        for lease_id in expired:
+            for row in db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall():
+                db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
+                           (row["problem"], row["target_length"]))
+            db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
+            db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
+        return expired
+
+    def end_worker_leases(self, db: Db, worker: str) -> None:
+        """Make the worker's open leases due now (expire_leases then takes them back)."""
+        db.execute("UPDATE leases SET expires = 0 WHERE worker = ? AND state = 'open'", (worker,))
+
+    def end_leases_above(self, db: Db, version: int) -> None:
+        """Make open leases that allow a policy newer than `version` due now (expire_leases then
+        takes them back)."""
+        db.execute("UPDATE leases SET expires = ? WHERE state = 'open' AND max_version > ?", (0.0, version))
+
+    def close_lease_if_settled(self, db: Db, lease_id: str) -> None:
+        """An open lease with no slot left open or being scored is done."""
+        if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
+                          (lease_id,)).fetchone():
+            db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
+
+    # ---- groups ------------------------------------------------------------------------------
+    def add_group(self, db: Db, lease_id: str, slot: int, worker: str, policy_version: int, accepted: float,
+                  payload: str, informative: bool, state: str, proofs: str) -> None:
+        """An accepted group (`payload`: Group.to_json(); `proofs`: JSON, per completion)."""
+        db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
+                   "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   (lease_id, slot, worker, policy_version, accepted, payload, int(informative), state, proofs))
+
+    def stored_group(self, db: Db, lease_id: str, slot: int) -> sqlite3.Row | None:
+        """The group accepted for a slot: (payload, informative)."""
+        return db.execute("SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?",
+                          (lease_id, slot)).fetchone()
+
+    def count_groups(self, db: Db, states: Sequence[str], *, worker: str | None = None) -> int:
+        """Groups in any of `states` (of one worker, when given)."""
+        marks = _marks(len(states))
+        if worker is None:
+            return db.execute(f"SELECT COUNT(*) FROM groups WHERE state IN ({marks})", tuple(states)).fetchone()[0]
+        return db.execute(f"SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ({marks})",
+                          (worker, *states)).fetchone()[0]
+
+    def recent_informative(self, db: Db, window: int) -> tuple[float | None, int]:
+        """Over the last `window` accepted groups: (fraction informative, how many there are)."""
+        row = db.execute("SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups "
+                         "ORDER BY id DESC LIMIT ?)", (window,)).fetchone()
+        return row[0], row[1]
+
+    def payloads(self, db: Db, ids: Sequence[int]) -> list[str]:
+        """The groups' payloads, by id (ascending)."""
+        return [p for (p,) in db.execute(f"SELECT payload FROM groups WHERE id IN ({_marks(len(ids))}) ORDER BY id",
+                                         tuple(ids)).fetchall()]
+
+    def recheck_worker_groups(self, db: Db, worker: str) -> int:
+        """Send the worker's groups back to the validator (pending): everything not yet trained or
+        counted in a batch's metrics. Returns how many."""
+        return db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND "
+                          "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))",
+                          (worker,)).rowcount
+
+    def drop_older(self, db: Db, states: Sequence[str], version: int, step: int) -> int:
+        """Groups in `states` sampled with a policy older than `version` become stale, counted in
+        batch `step`'s metrics; returns how many."""
+        return self._mark_stale(db, states, "<", version, step)
+
+    def drop_newer(self, db: Db, states: Sequence[str], version: int, step: int) -> int:
+        """Groups in `states` sampled with a policy newer than `version` become stale, counted in
+        batch `step`'s metrics; returns how many."""
+        return self._mark_stale(db, states, ">", version, step)
+
+    @staticmethod
+    def _mark_stale(db: Db, states: Sequence[str], cmp: str, version: int, step: int) -> int:
+        return db.execute(f"UPDATE groups SET state = 'stale', resolved_step = ? "
+                          f"WHERE state IN ({_marks(len(states))}) AND policy_version {cmp} ?",
+                          (step, *states, version)).rowcount
+
+    # ---- validation --------------------------------------------------------------------------
+    def release_claims(self, db: Db, claimed_before: float) -> None:
+        """Claims older than `claimed_before` (their validator died) go back to pending."""
+        db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating' AND claimed < ?",
+                   (claimed_before,))
+
+    def claim_pending(self, db: Db, max_groups: int, now: float) -> list[sqlite3.Row]:
+        """Up to `max_groups` pending groups, oldest first, now `validating` (claimed at `now`):
+        rows of (id, worker, policy_version, payload, proofs)."""
+        rows = db.execute("SELECT id, worker, policy_version, payload, proofs FROM groups WHERE state = 'pending' "
+                          "ORDER BY id LIMIT ?", (max_groups,)).fetchall()
+        if rows:
+            db.execute(f"UPDATE groups SET state = 'validating', claimed = ? WHERE id IN ({_marks(len(rows))})",
+                       (now, *[r["id"] for r in rows]))
+        return rows
+
+    def group_for_verdict(self, db: Db, group_id: int) -> sqlite3.Row | None:
+        """(worker, lease_id, slot, informative, state) of a group."""
+        return db.execute("SELECT worker, lease_id, slot, informative, state FROM groups WHERE id = ?",
+                          (group_id,)).fetchone()
+
+    def set_verdict(self, db: Db, group_id: int, state: str, verdict: str) -> None:
+        """Settle a group: its new state and the validator's verdict (JSON)."""
+        db.execute("UPDATE groups SET state = ?, verdict = ? WHERE id = ?", (state, verdict, group_id))
+
+    def unclaim(self, db: Db, group_id: int) -> None:
+        """A group being validated goes back to pending."""
+        db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE id = ? AND state = 'validating'",
+                   (group_id,))
+
+    # ---- batches -----------------------------------------------------------------------------
+    def batch(self, db: Db, step: int) -> sqlite3.Row | None:
+        """The frozen batch `step`: (step, group_ids, metrics, created); group_ids and metrics are JSON."""
+        return db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
+
+    def save_batch(self, db: Db, step: int, group_ids: str, metrics: str, created: float) -> None:
+        db.execute("INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
+                   (step, group_ids, metrics, created))
+
+    def latest_uninformative_payloads(self, db: Db, n: int) -> list[str]:
+        """The payloads of the last `n` uninformative groups, newest first."""
+        return [p for (p,) in db.execute("SELECT payload FROM groups WHERE state = 'uninformative' "
+                                         "ORDER BY id DESC LIMIT ?", (n,)).fetchall()]
+
+    def queued_ids(self, db: Db, n: int) -> list[int]:
+        """Up to `n` queued groups' ids, first in first out."""
+        return [r[0] for r in db.execute("SELECT id FROM groups WHERE state = 'queued' ORDER BY id LIMIT ?",
+                                         (n,)).fetchall()]
+
+    def consume(self, db: Db, ids: Sequence[int], step: int) -> None:
+        """The groups feed batch `step` (and count in its metrics)."""
+        marks = _marks(len(ids))
+        db.execute(f"UPDATE groups SET state = 'consumed', step = ?, resolved_step = ? WHERE id IN ({marks})",
+                   (step, step, *ids))
+
+    def resolve_uninformative(self, db: Db, step: int) -> None:
+        """Uninformative groups not yet counted in a batch's metrics count in batch `step`'s."""
+        db.execute("UPDATE groups SET resolved_step = ? WHERE state = 'uninformative' AND resolved_step IS NULL",
+                   (step,))
+
+    def resolved_payloads(self, db: Db, step: int) -> list[str]:
+        """Payloads of the groups batch `step` settled, stale ones excepted."""
+        return [p for (p,) in db.execute("SELECT payload FROM groups WHERE resolved_step = ? AND state != 'stale'",
+                                         (step,)).fetchall()]
+
+    def resolved_stale_count(self, db: Db, step: int) -> int:
+        """Groups dropped as stale and counted in batch `step`'s metrics."""
+        return db.execute("SELECT COUNT(*) FROM groups WHERE resolved_step = ? AND state = 'stale'",
+                          (step,)).fetchone()[0]
+
+    # ---- policies ----------------------------------------------------------------------------
+    def save_policy(self, db: Db, version: int, url: str, manifest: str, published: float) -> None:
+        """Store (or replace) a published policy version; `manifest` is JSON."""
+        db.execute("INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
+                   "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
+                   "published = excluded.published", (version, url, manifest, published))
+
+    def policy(self, db: Db, version: int) -> sqlite3.Row | None:
+        """(url, manifest) of a policy version, manifest as JSON."""
+        return db.execute("SELECT url, manifest FROM policies WHERE version = ?", (version,)).fetchone()
+
+    def forget_policies(self, db: Db, below: int) -> None:
+        """Forget policy versions older than `below`."""
+        db.execute("DELETE FROM policies WHERE version < ?", (below,))
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def group_state_counts(self, db: Db) -> dict[str, int]:
+        return dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+
+    def rejection_counts(self, db: Db, worker: str | None = None) -> dict[str, int]:
+        """Rejections by reason: of all workers, or of one."""
+        if worker is None:
+            return dict(db.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall())
+        return dict(db.execute("SELECT reason, COUNT(*) FROM rejections WHERE worker = ? GROUP BY reason",
+                               (worker,)).fetchall())
+
+    def worker_count(self, db: Db, *, banned: bool = False) -> int:
+        """Registered workers (only the banned ones, if `banned`)."""
+        if banned:
+            return db.execute("SELECT COUNT(*) FROM workers WHERE banned = 1").fetchone()[0]
+        return db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]

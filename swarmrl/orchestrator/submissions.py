@@ -101,7 +101,7 @@ class Submissions:
         now = time.time()
         foreign = False
         with self.store.tx() as db:
-            lease = db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
+            lease = self.store.lease_row(db, lease_id)
             if lease is None:
                 raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
             if lease["worker"] != key:
@@ -117,7 +117,7 @@ class Submissions:
             elif len(groups) > lease["slots"]:
                 raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
             else:
-                slot_rows = {r["slot"]: r for r in db.execute("SELECT * FROM slots WHERE lease_id = ?", (lease_id,))}
+                slot_rows = self.store.lease_slots(db, lease_id)
                 next_step, _, _ = self._progress(db)
                 seen: set[int] = set()
                 checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
@@ -125,8 +125,7 @@ class Submissions:
                 # refused at once instead of being scored again.
                 for c in checks:
                     if c.group is not None:
-                        db.execute("UPDATE slots SET state = 'scoring' WHERE lease_id = ? AND slot = ?",
-                                   (lease_id, c.slot))
+                        self.store.mark_slot(db, lease_id, c.slot, "scoring")
         if foreign:
             self._count("rejected/foreign_lease")
             raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
@@ -139,8 +138,7 @@ class Submissions:
             with self.store.tx() as db:  # give the slots back: the worker may retry
                 for c in checks:
                     if c.group is not None:
-                        db.execute("UPDATE slots SET state = 'open' WHERE lease_id = ? AND slot = ? AND "
-                                   "state = 'scoring'", (lease_id, c.slot))
+                        self.store.mark_slot(db, lease_id, c.slot, "open", only_if="scoring")
             raise
         turnaround = (now - lease["created"]) / max(1, lease["slots"])
         accepted, rejected = [], []
@@ -149,16 +147,12 @@ class Submissions:
                 if c.group is None and c.reason not in ("duplicate", "in_progress"):
                     # A refused slot is closed and its problem goes back to the pool: it must not
                     # hold back-pressure capacity until the lease expires.
-                    closed = db.execute("UPDATE slots SET state = 'rejected' WHERE lease_id = ? AND slot = ? "
-                                        "AND state = 'open'", (lease_id, c.slot)).rowcount
-                    if closed:
-                        db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
-                                   "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                    if self.store.mark_slot(db, lease_id, c.slot, "rejected", only_if="open"):
+                        self.store.reissue_slot(db, lease_id, c.slot)
                 if c.reason == "duplicate" and slot_rows[c.slot]["state"] == "submitted":
                     # A resubmission after a lost reply (the lease is this worker's): answer with
                     # what was stored, and do not count it against an honest worker.
-                    row = db.execute("SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?",
-                                     (lease_id, c.slot)).fetchone()
+                    row = self.store.stored_group(db, lease_id, c.slot)
                     if row is not None:
                         accepted.append({"slot": c.slot, "rewards": json.loads(row[0])["rewards"],
                                          "informative": bool(row[1]), "already_accepted": True})
@@ -172,23 +166,19 @@ class Submissions:
                         self._log_rejection(db, key, c.reason, c.detail)
                         self._maybe_ban(db, key, fraud)
                     continue
-                db.execute("UPDATE slots SET state = 'submitted' WHERE lease_id = ? AND slot = ?", (lease_id, c.slot))
+                self.store.mark_slot(db, lease_id, c.slot, "submitted")
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
                 full = self.rng.random() < self.cfg.validator.rate
-                db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
-                           "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           (lease_id, c.slot, key, g.policy_version, now, g.to_json(), int(informative),
-                            "pending" if full else "queued" if informative else "uninformative",
-                            json.dumps(c.proofs, separators=(",", ":"))))
+                self.store.add_group(db, lease_id, c.slot, key, g.policy_version, now, g.to_json(), informative,
+                                     "pending" if full else "queued" if informative else "uninformative",
+                                     json.dumps(c.proofs, separators=(",", ":")))
                 if not full:
                     self._settled(db, key, informative)
                 accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
                                  "validation": "pending" if full else "cheap checks only"})
             fresh = [a for a in accepted if not a.get("already_accepted")]
-            if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
-                              (lease_id,)).fetchone():
-                db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
+            self.store.close_lease_if_settled(db, lease_id)
         self._count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}
