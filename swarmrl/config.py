@@ -317,8 +317,41 @@ class OrchestratorConfig(_Section):
     max_open_leases: int = Field(2, ge=1)
     """Open (unsubmitted, unexpired) leases one worker key may hold, so no worker can hoard the
     work that back-pressure allows."""
-    registrations_per_min: int = Field(600, ge=1)
-    """New worker keys accepted per minute across all clients (a flood of fresh keys gets 429)."""
+    registrations_per_min: int = Field(60, ge=1)
+    """New worker keys accepted per minute from one source address (a flood of fresh keys from
+    one place gets 429 without locking anyone else out)."""
+    registrations_per_min_total: int = Field(600, ge=1)
+    """New worker keys accepted per minute across all sources."""
+    requests_per_s_per_source: float = Field(200.0, gt=0)
+    """Requests per second from one source address to the signed endpoints, counted before any
+    signature is checked or body parsed (bursts of twice this pass)."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """A request body that has not fully arrived this long after its first byte is refused (408):
+    a slow upload must not hold a connection and a server thread."""
+    # Admission: what a key may hold is earned (docs/security.md). A key is free, so nothing it
+    # can do before it has done validated work may cost the run much.
+    new_key_slots: int = Field(8, ge=1)
+    """Prompts (slots) a key with no accepted work may hold leased at once. It grows by
+    `slots_per_accepted` per accepted group up to `max_open_leases` leases' worth, and shrinks by
+    every slot the key let expire and every rejection in the last `penalty_window_s`."""
+    slots_per_accepted: float = Field(0.5, ge=0)
+    """Lease allowance earned per accepted group."""
+    penalty_window_s: float = Field(600.0, gt=0)
+    """How long an expired slot or a rejection counts against a key's allowance. A key whose
+    allowance is used up is refused leases (429, `allowance_exhausted`) until this has passed."""
+    proven_after: int = Field(4, ge=0)
+    """Accepted groups after which a key is proven. Keys with fewer (new keys, attackers' keys)
+    together may hold at most `unproven_share` of the work leasing allows at once, and their
+    submissions are graded one at a time, so a flood of free keys cannot take a run's work or
+    its grading capacity."""
+    unproven_share: float = Field(0.5, gt=0, le=1)
+    """Share of the outstanding work (async.max_pending_groups) unproven keys may hold together."""
+    grading_lanes: int = Field(2, ge=1)
+    """Submissions graded at once (each lane is a process pool of rewards.verify_workers
+    processes); one lane at most serves unproven keys."""
+    grading_wait_s: float = Field(2.0, gt=0)
+    """A submission that finds no free grading lane for this long is refused with 429 and its
+    slots stay open, so waiting submissions never pile up on server threads."""
 
 
 class BroadcastConfig(_Section):

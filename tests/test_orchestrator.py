@@ -38,7 +38,9 @@ TOK = build_char_tokenizer()
 ANSWERS = answers()
 POLICY: Path = None  # policy v0 of the module's run, set by the fixture
 # Hand-written completions: cheap checks only, and no bans (many tests here send bad work on purpose).
-HAND_WRITTEN = ("--validator.rate", "0", "--validator.ban_after", "1000")
+# Leasing mechanics with hand-made workers: every key counts as proven (the new keys' shared cap
+# is tested in tests/test_admission.py), its own allowance still applies.
+HAND_WRITTEN = ("--validator.rate", "0", "--validator.ban_after", "1000", "--orchestrator.proven_after", "0")
 
 
 def hand_run_dir(root: Path, *overrides: str) -> Path:
@@ -87,8 +89,12 @@ def lease_and_submit(w: WorkerClient, version: int, right: int = 1) -> dict:
     return w.submit({"lease_id": lease["lease_id"], "groups": [group(p, version, right) for p in lease["prompts"]]})
 
 
+def run_of(o) -> str:
+    return httpx.get(o.url + "/v1/status").json()["run_id"]
+
+
 def signed_post(o, key, path: str, body: bytes, **overrides) -> httpx.Response:
-    headers = {"content-type": "application/json", **sign_headers(key, "POST", path, body), **overrides}
+    headers = {"content-type": "application/json", **sign_headers(key, run_of(o), "POST", path, body), **overrides}
     return httpx.post(o.url + path, content=body, headers=headers)
 
 
@@ -153,7 +159,7 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     assert r.status_code == 403 and r.json()["error"] == "not_registered"
     WorkerClient(orch.url, key).register("k")
     publish(orch, 0)
-    headers = {"content-type": "application/json", **sign_headers(key, "POST", "/v1/leases", body)}
+    headers = {"content-type": "application/json", **sign_headers(key, run_of(orch), "POST", "/v1/leases", body)}
     assert httpx.post(orch.url + "/v1/leases", content=body, headers=headers).status_code == 200
     replay = httpx.post(orch.url + "/v1/leases", content=body, headers=headers)
     assert replay.status_code == 401 and replay.json()["error"] == "replayed_nonce"
@@ -162,10 +168,10 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     assert tampered.status_code == 401 and "signature" in tampered.json()["detail"]
     # Signed for one path, sent to another.
     moved = httpx.post(orch.url + "/v1/leases", content=body, headers={
-        "content-type": "application/json", **sign_headers(key, "POST", "/v1/workers/register", body)})
+        "content-type": "application/json", **sign_headers(key, run_of(orch), "POST", "/v1/workers/register", body)})
     assert moved.status_code == 401
     old = {"content-type": "application/json",
-           **sign_headers(key, "POST", "/v1/leases", body, now=time.time() - 3600)}
+           **sign_headers(key, run_of(orch), "POST", "/v1/leases", body, now=time.time() - 3600)}
     r = httpx.post(orch.url + "/v1/leases", content=body, headers=old)
     assert r.status_code == 401 and r.json()["error"] == "clock_skew" and "clock" in r.json()["detail"]
     r = httpx.post(orch.url + "/v1/leases", content=body, headers={"content-type": "application/json"})
@@ -173,7 +179,7 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     r = signed_post(orch, key, "/v1/leases", body, **{"x-swarmrl-key": "zz"})
     assert r.status_code == 401 and "hex" in r.json()["detail"]
     # The same key spelled in upper case would be another identity (and another nonce space).
-    fresh = sign_headers(key, "POST", "/v1/leases", body)
+    fresh = sign_headers(key, run_of(orch), "POST", "/v1/leases", body)
     r = httpx.post(orch.url + "/v1/leases", content=body,
                    headers={**fresh, "content-type": "application/json", "x-swarmrl-key": fresh["x-swarmrl-key"].upper()})
     assert r.status_code == 401 and "lowercase" in r.json()["detail"]
@@ -203,6 +209,10 @@ def test_foreign_unknown_late_and_malformed_submissions(orch):
     long["samples"][1]["logprobs"] = [-1.0] * 17
     result = a.submit({"lease_id": lease["lease_id"], "groups": [long, group(p1, 3, 1)]})
     assert [r["reason"] for r in result["rejected"]] == ["length", "version_not_in_lease"]
+    # Four fraudulent groups used up a's lease allowance (docs/security.md).
+    with pytest.raises(Unavailable, match="allowance_exhausted"):
+        a.lease(0)
+    a = new_worker(orch, "a2")
     lease = a.lease(0)["lease"]
     first = a.submit({"lease_id": lease["lease_id"], "groups": [group(lease["prompts"][0], 0, 1)]})
     assert len(first["accepted"]) == 1
@@ -431,7 +441,7 @@ def test_one_worker_cannot_hoard_leases_or_overfill_one(orch):
     publish(orch, 0)
     first, second = w.lease(0)["lease"], w.lease(0)["lease"]
     third = w.lease(0)
-    assert first and second and third["lease"] is None and "open leases" in third["reason"]
+    assert first and second and third["lease"] is None and "2 leases" in third["reason"]
     too_many = [group(p, 0, 1) for p in first["prompts"]] * 2
     with pytest.raises(Refused) as e:
         w.submit({"lease_id": first["lease_id"], "groups": too_many})

@@ -26,14 +26,14 @@ pytestmark = pytest.mark.timeout(600)
 
 
 class Signer(requests.auth.AuthBase):
-    def __init__(self, key):
-        self.key = key
+    def __init__(self, key, run_id: str):
+        self.key, self.run_id = key, run_id
 
     def __call__(self, r):
         body = r.body or b""
         if isinstance(body, str):
             body = body.encode()
-        r.headers.update(sign_headers(self.key, r.method, r.path_url.split("?")[0], body))
+        r.headers.update(sign_headers(self.key, self.run_id, r.method, r.path_url.split("?")[0], body))
         return r
 
 
@@ -48,7 +48,8 @@ def live(tmp_path_factory):
     key = Ed25519PrivateKey.generate()
     WorkerClient(proc.url, key).register("fuzzer")
     validator = (run / "validator.token").read_text().strip()
-    yield {"proc": proc, "key": key, "token": token, "validator": validator}
+    run_id = WorkerClient(proc.url, key).run()
+    yield {"proc": proc, "key": key, "token": token, "validator": validator, "run_id": run_id}
     proc.stop()
     assert "internal error" not in proc.log(), proc.log()
 
@@ -69,7 +70,7 @@ def test_no_request_produces_a_server_error(live, mode):
             nonlocal calls
             with requests.Session() as session:
                 case.call_and_validate(session=session, checks=[not_a_server_error])
-                case.call_and_validate(session=session, checks=[not_a_server_error], auth=Signer(live["key"]))
+                case.call_and_validate(session=session, checks=[not_a_server_error], auth=Signer(live["key"], live["run_id"]))
                 for token in (live["token"], live["validator"]):
                     case.call_and_validate(session=session, checks=[not_a_server_error],
                                            headers={"authorization": f"Bearer {token}"})

@@ -21,8 +21,7 @@ def _emitted_reasons() -> set[str]:
     service = "\n".join(f.read_text() for f in sorted((ROOT / "swarmrl/orchestrator").glob("*.py")))
     validator = (ROOT / "swarmrl/validator/core.py").read_text()
     found = set(re.findall(r'reason="([a-z_]+)"', service))
-    found |= set(re.findall(r'count_rejection\(db, key, lease_id, None, "([a-z_]+)"', service))
-    found |= set(re.findall(r'ApiError\(410, "([a-z_]+)"', service))
+    found |= set(re.findall(r'ApiError\(4(?:03|10), "((?:foreign|lease)_[a-z_]+)"', service))
     found |= set(re.findall(r'Verdict\(item\["id"\], False, "([a-z_]+)"', validator))
     return found
 

@@ -21,6 +21,7 @@ pydantic with explicit limits, and every refusal is an ApiError with a code the 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import traceback
@@ -30,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.orchestrator.errors import ApiError
@@ -38,18 +40,24 @@ from swarmrl.protocol.manifest import BroadcastError, verify_manifest
 from swarmrl.protocol.messages import (Batch, Claim, ClaimIn, ErrorOut, Finished, LeaseIn, LeaseReply, PublishIn,
                                        Published, Recorded, RegisterIn, Registered, Status, SubmitIn, SubmitReply,
                                        VerdictsIn, WorkerRecord)
-from swarmrl.protocol.signing import AuthError, ClockSkew, verify_request
+from swarmrl.protocol.signing import AuthError, ClockSkew, WrongRun, verify_request
+
 
 class SizeLimit:
-    """Refuse bodies over the limit before the app parses them. Pure ASGI, so it also covers a
-    chunked upload with no Content-Length: the body is counted as it arrives, cut off at the
-    limit, and whatever the app answers to the truncated body is replaced by the 413."""
+    """Refuse bodies over the limit, or slower than the time limit, before the app parses them.
+    Pure ASGI, so it also covers a chunked upload with no Content-Length: the body is counted as
+    it arrives, cut off at the limit (or when `timeout_s` has passed since the request began), and
+    whatever the app answers to the truncated body is replaced by the 413 (or 408)."""
 
-    def __init__(self, app: FastAPI, max_bytes: int):
-        self.app, self.fastapi, self.max_bytes = app, app, max_bytes
+    def __init__(self, app: FastAPI, max_bytes: int, timeout_s: float = 30.0):
+        self.app, self.fastapi, self.max_bytes, self.timeout_s = app, app, max_bytes, timeout_s
 
     def _too_big(self) -> JSONResponse:
         return _error(413, "too_large", f"request body over {self.max_bytes} bytes; split it into smaller requests")
+
+    def _too_slow(self) -> JSONResponse:
+        return _error(408, "too_slow", f"the request body did not arrive within {self.timeout_s:.0f} s; "
+                                       "send it at once")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -64,23 +72,32 @@ class SizeLimit:
                 return await _error(400, "bad_request", "invalid Content-Length header")(scope, receive, send)
             if declared > self.max_bytes:
                 return await self._too_big()(scope, receive, send)
-        seen, over = 0, False
+        seen, refusal, done = 0, None, False
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        truncated = {"type": "http.request", "body": b"", "more_body": False}
 
         async def counted():
-            nonlocal seen, over
-            message = await receive()
-            if message["type"] == "http.request" and not over:
+            nonlocal seen, refusal, done
+            if done or refusal is not None:
+                return await receive()  # the body is complete: waiting for a disconnect is fine
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                refusal = self._too_slow()
+                return truncated
+            if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                done = not message.get("more_body", False)
                 if seen > self.max_bytes:
-                    over = True
-                    return {"type": "http.request", "body": b"", "more_body": False}
+                    refusal = self._too_big()
+                    return truncated
             return message
 
         async def guarded_send(message):
-            if not over:
+            if refusal is None:
                 return await send(message)
             if message["type"] == "http.response.start":
-                await self._too_big()(scope, receive, send)
+                await refusal(scope, receive, send)
 
         await self.app(scope, counted, guarded_send)
 
@@ -89,12 +106,18 @@ def _error(status: int, code: str, detail: str, headers: dict | None = None) -> 
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError) -> str:
+def _describe_validation(exc: RequestValidationError | ValidationError, prefix: str | None = None) -> str:
     parts = []
     for e in exc.errors()[:5]:
-        where = ".".join(str(x) for x in e.get("loc", ()))
+        where = ".".join(str(x) for x in ((prefix,) if prefix else ()) + tuple(e.get("loc", ())))
         parts.append(f"{where}: {e.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the route parses itself (after the signature check)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def _observe(app: FastAPI, orch: Orchestrator) -> None:
@@ -160,17 +183,34 @@ def create_app(orch: Orchestrator) -> SizeLimit:
                  404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut},
                  413: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}}
 
-    async def signed(request: Request) -> tuple[str, dict]:
-        body = await request.body()
-        try:
-            key, nonce, ts = verify_request({k.lower(): v for k, v in request.headers.items()}, request.method,
-                                            request.url.path, body,
-                                            max_skew_s=orch.cfg.orchestrator.max_clock_skew_s)
-        except ClockSkew as e:
-            raise ApiError(401, "clock_skew", str(e)) from None
-        except AuthError as e:
-            raise ApiError(401, "bad_signature", str(e)) from None
-        return key, {"nonce": nonce, "ts": ts}
+    def signed(model: type[BaseModel] | None = None):
+        """A dependency: the request's signer (key, auth) and, once the signature checked out,
+        its body parsed as `model`. Cheapest first: the source's request rate, the run and
+        signature (one ed25519 check on the raw bytes), and only then JSON parsing."""
+
+        async def dependency(request: Request) -> tuple[str, dict, BaseModel | None]:
+            orch.admit_source(request.client.host if request.client else "unknown")
+            body = await request.body()
+            try:
+                key, nonce, ts = verify_request({k.lower(): v for k, v in request.headers.items()}, request.method,
+                                                request.url.path, body, run_id=orch.run_id,
+                                                max_skew_s=orch.cfg.orchestrator.max_clock_skew_s)
+            except WrongRun as e:
+                raise ApiError(401, "wrong_run", str(e)) from None
+            except ClockSkew as e:
+                raise ApiError(401, "clock_skew", str(e)) from None
+            except AuthError as e:
+                raise ApiError(401, "bad_signature", str(e)) from None
+            parsed = None
+            if model is not None:
+                try:
+                    parsed = model.model_validate_json(body or b"{}")
+                except ValidationError as e:
+                    raise ApiError(422, "invalid_request", _describe_validation(e, prefix="body")) from None
+            return key, {"nonce": nonce, "ts": ts, "source": request.client.host if request.client else "unknown"}, \
+                parsed
+
+        return dependency
 
     def trainer_only(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -185,34 +225,37 @@ def create_app(orch: Orchestrator) -> SizeLimit:
                                                  "(<run-dir>/validator.token)")
 
     @app.get("/healthz")
-    def healthz() -> dict:
+    async def healthz() -> dict:
+        # On the event loop, not in the thread pool: it answers while every thread is busy.
         return {"ok": True}
 
     @app.get("/v1/status", response_model=Status)
     def status() -> dict:
         return orch.status()
 
-    @app.post("/v1/workers/register", responses=responses, response_model=Registered)
-    def register(body: RegisterIn, who: tuple = Depends(signed)) -> dict:
-        key, auth = who
+    @app.post("/v1/workers/register", responses=responses, response_model=Registered,
+              openapi_extra=_body_schema(RegisterIn))
+    def register(who: tuple = Depends(signed(RegisterIn))) -> dict:
+        key, auth, body = who
         orch.authenticate(key, auth["nonce"], auth["ts"], registering=True)
-        return orch.register(key, body.name)
+        return orch.register(key, body.name, auth["source"])
 
-    @app.post("/v1/leases", responses=responses, response_model=LeaseReply)
-    def lease(body: LeaseIn, who: tuple = Depends(signed)) -> dict:
-        key, auth = who
+    @app.post("/v1/leases", responses=responses, response_model=LeaseReply, openapi_extra=_body_schema(LeaseIn))
+    def lease(who: tuple = Depends(signed(LeaseIn))) -> dict:
+        key, auth, body = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.lease(key, body.policy_version)
 
-    @app.post("/v1/rollouts", responses=responses, response_model=SubmitReply, response_model_exclude_none=True)
-    def rollouts(body: SubmitIn, who: tuple = Depends(signed)) -> dict:
-        key, auth = who
+    @app.post("/v1/rollouts", responses=responses, response_model=SubmitReply, response_model_exclude_none=True,
+              openapi_extra=_body_schema(SubmitIn))
+    def rollouts(who: tuple = Depends(signed(SubmitIn))) -> dict:
+        key, auth, body = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.submit(key, body.lease_id, body.groups)
 
     @app.post("/v1/workers/me", responses=responses, response_model=WorkerRecord)
-    def me(who: tuple = Depends(signed)) -> dict:
-        key, auth = who
+    def me(who: tuple = Depends(signed())) -> dict:
+        key, auth, _ = who
         orch.authenticate(key, auth["nonce"], auth["ts"], allow_banned=True)
         return orch.worker_record(key)
 
@@ -244,5 +287,5 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def finish() -> dict:
         return orch.finish()
 
-    return SizeLimit(app, orch.cfg.orchestrator.max_request_bytes)
+    return SizeLimit(app, orch.cfg.orchestrator.max_request_bytes, orch.cfg.orchestrator.body_timeout_s)
 

@@ -1,6 +1,7 @@
 """Handing out work: which problems (a seeded permutation per epoch, reissues first), how much
-(back-pressure against the async bound and the informative rate), to whom (open-lease cap),
-and expiring leases nobody submitted."""
+(back-pressure against the async bound and the informative rate), to whom (each key's earned
+allowance and the new keys' shared cap: admission.py), and expiring leases nobody submitted
+(counted against their keys)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import secrets
 import time
 
 from swarmrl.config import Config
+from swarmrl.orchestrator.admission import Standing, allowance, is_proven, lease_size, lease_timeout
 from swarmrl.orchestrator.errors import ApiError, WAITING
 from swarmrl.orchestrator.store import Store
 from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
+from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.tasks.source import model_input
 
 
@@ -59,6 +62,40 @@ class Leasing:
         expired = self.store.expire_leases(db, now)
         if expired:
             self._count("leases_expired", len(expired))
+        for _, worker, slots, ran_out in expired:
+            if ran_out and slots:
+                # Unsubmitted work counts against its key's allowance (admission.py): holding a
+                # lease must cost a key that never submits.
+                self.store.penalise(db, worker, slots, now)
+                self._count("slots_expired", slots)
+
+    def _admit(self, db, key: str, now: float) -> tuple[int, dict | None]:
+        """How many prompts `key` may lease now (admission.py), or why none: (0, a no-lease reply)
+        while it waits for its own work or the new workers' share, 429 once its allowance is used up."""
+        o, s = self.cfg.orchestrator, self.cfg.sampling
+        standing = Standing(*self.store.standing(db, key, now - o.penalty_window_s, sorted(FRAUD_REASONS)))
+        allowed = allowance(standing, o, s.worker_batch_prompts)
+        if allowed == 0:
+            raise ApiError(429, "allowance_exhausted",
+                           f"this key let {standing.expired_recent} leased prompts expire and had "
+                           f"{standing.fraud_recent} groups fail validation in the last {o.penalty_window_s:.0f} s, "
+                           "which used up its lease allowance: submit what you lease before it expires "
+                           f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
+                           retry_after=min(60.0, o.penalty_window_s))
+        n = lease_size(allowed - standing.held, s.worker_batch_prompts)
+        mine = self.store.open_lease_count(db, key)
+        if n == 0 or mine >= o.max_open_leases:
+            return 0, {"lease": None, "retry_after_s": 0.5,
+                       "reason": f"this worker holds {standing.held} leased prompts in {mine} leases (its allowance "
+                                 f"is {allowed}); submit them first"}
+        if not is_proven(standing.accepted, o):
+            share = int(o.unproven_share * max(max_outstanding(self.cfg), s.prompts_per_step))
+            held = self.store.unproven_slots(db, o.proven_after)
+            if held + n > share:
+                return 0, {"lease": None, "retry_after_s": 1.0,
+                           "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
+                                     f"a key is proven after {o.proven_after} accepted groups"}
+        return n, None
 
     def _informative_rate(self, db, window: int = 256) -> float | None:
         rate, n = self.store.recent_informative(db, window)
@@ -80,9 +117,11 @@ class Leasing:
                 raise ApiError(409, "version_not_allowed",
                                f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
                                f"fetch version {latest} (GET /v1/status says where)")
+            n, no_lease = self._admit(db, key, now)
+            if no_lease is not None:
+                return no_lease
             queued = self.store.count_groups(db, WAITING)
             open_slots = self.store.open_slot_count(db)
-            n = s.worker_batch_prompts
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
             outstanding = queued + open_slots
@@ -97,12 +136,8 @@ class Leasing:
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
                                   f"version {policy_version} can still feed; waiting for a newer version"}
-            mine = self.store.open_lease_count(db, key)
-            if mine >= cfg.orchestrator.max_open_leases:
-                return {"lease": None, "retry_after_s": 0.5,
-                        "reason": f"this worker holds {mine} open leases; submit them first"}
             lease_id = secrets.token_hex(16)
-            expires = now + cfg.orchestrator.lease_timeout_s
+            expires = now + lease_timeout(cfg.orchestrator.lease_timeout_s, n, s.worker_batch_prompts)
             self.store.create_lease(db, lease_id, key, now, expires, lo, latest, n)
             prompts = []
             for slot, (problem, target) in enumerate(self._next_problems(db, n)):

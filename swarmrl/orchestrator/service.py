@@ -23,6 +23,7 @@ reach the client as JSON. The rules it enforces:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 from swarmrl.config import Config
+from swarmrl.orchestrator.admission import GradingLanes, Standing, allowance, is_proven
 from swarmrl.orchestrator.batches import Batches
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.leasing import Leasing
@@ -37,6 +39,7 @@ from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.submissions import Submissions
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import open_graders
 from swarmrl.tasks.source import task_rows
@@ -81,17 +84,25 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
         # Code tasks need the sandbox: refuse to start (with the fix) rather than score them 0.
         self.graders = open_graders(self.rows, cfg.sandbox, log=log)
-        self.pool = pool or VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
-        self.score_lock = threading.Lock()  # the verifier pool serves one caller at a time
         o = cfg.orchestrator
+        # Grading lanes: each a verifier pool serving one submission at a time (admission.py).
+        pools = [pool] if pool is not None else []
+        pools += [VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
+                  for _ in range(o.grading_lanes - len(pools))]
+        self.lanes = GradingLanes(pools, o.grading_wait_s)
+        # A resource grader (the code sandbox) is one object: lanes take turns on it.
+        self.resource_lock = threading.Lock() if self.graders else contextlib.nullcontext()
+        self.run_id = self.store.run_id()
         self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
+        self.sources = RateLimiter(o.requests_per_s_per_source, int(2 * o.requests_per_s_per_source))
         self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
+        self.all_registrations = RateLimiter(o.registrations_per_min_total / 60.0, o.registrations_per_min_total)
         self._perms: dict[int, list[int]] = {}
         self.counters: dict[str, float] = {}  # in-process totals for /metrics
         self._counters_lock = threading.Lock()
 
     def close(self) -> None:
-        self.pool.close()
+        self.lanes.close()
         self.graders.close()
         self.store.close()
 
@@ -125,45 +136,64 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         k = self.cfg.async_.bound
         return {"next_step": next_step, "latest_version": latest, "async_bound": k,
                 "min_version": max(0, next_step - k), "finished": finished, "policy": policy,
-                "total_steps": self.cfg.trainer.steps, "protocol_version": PROTOCOL_VERSION}
+                "total_steps": self.cfg.trainer.steps, "protocol_version": PROTOCOL_VERSION, "run_id": self.run_id}
 
     # ---- workers -----------------------------------------------------------------------------
     def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
                      allow_banned: bool = False) -> dict:
-        """After the signature checked out: replay, rate, registration and ban checks."""
+        """After the signature checked out: rate, registration, ban and replay checks, cheapest
+        first (an unknown or banned key is refused before it can write a nonce row)."""
         wait = self.limiter.take(key)
         if wait:
             raise ApiError(429, "rate_limited", f"too many requests from this key; retry in {wait:.2f} s",
                            retry_after=wait)
-        skew = self.cfg.orchestrator.max_clock_skew_s
-        if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
-            raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
         worker = self.store.worker(key)
         if worker is None and not registering:
             raise ApiError(403, "not_registered", "unknown worker key: POST /v1/workers/register first")
         if worker is not None and worker["banned"] and not allow_banned:
             raise ApiError(403, "banned", "this worker key is banned for submitting work that failed validation "
                                           "(POST /v1/workers/me says why)")
+        skew = self.cfg.orchestrator.max_clock_skew_s
+        if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
+            raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
         return worker or {}
 
-    def register(self, key: str, name: str) -> dict:
+    def admit_source(self, source: str) -> None:
+        """Requests per source address, counted before any signature is checked or body parsed."""
+        wait = self.sources.take(source)
+        if wait:
+            self._count("rate_limited/source")
+            raise ApiError(429, "rate_limited", f"too many requests from {source}; retry in {wait:.2f} s",
+                           retry_after=wait)
+
+    def register(self, key: str, name: str, source: str = "local") -> dict:
         if self.store.worker(key) is None:
-            wait = self.registrations.take("all")
-            if wait:
-                raise ApiError(429, "rate_limited", f"too many new workers; retry in {wait:.1f} s", retry_after=wait)
+            # Per source first, so one address flooding fresh keys is stopped before it can use
+            # up the bucket every newcomer shares.
+            for limiter, bucket, who in ((self.registrations, source, f"from {source}"),
+                                         (self.all_registrations, "all", "in all")):
+                wait = limiter.take(bucket)
+                if wait:
+                    self._count("rate_limited/registrations")
+                    raise ApiError(429, "rate_limited", f"too many new workers {who}; retry in {wait:.1f} s",
+                                   retry_after=wait)
         w = self.store.register(key, name)
         self._count("workers_registered")
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"]}
 
     def worker_record(self, key: str) -> dict:
         """What the orchestrator holds against (and for) a worker key."""
+        o = self.cfg.orchestrator
         with self.store.read() as db:
             w = self.store.worker(key)
             reasons = self.store.rejection_counts(db, key)
             waiting = self.store.count_groups(db, ("pending", "validating"), worker=key)
+            standing = Standing(*self.store.standing(db, key, time.time() - o.penalty_window_s,
+                                                     sorted(FRAUD_REASONS)))
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
                 "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
-                "rejections": reasons}
+                "rejections": reasons, "expired_slots": w["expired"], "proven": is_proven(w["accepted"], o),
+                "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts)}
 
     def gauges(self) -> dict[str, float]:
         with self.store.read() as db:

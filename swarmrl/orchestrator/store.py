@@ -30,6 +30,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from swarmrl.protocol.signing import new_run_id
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (
@@ -68,6 +70,8 @@ CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, group_ids TEXT NOT
     metrics TEXT NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS policies (version INTEGER PRIMARY KEY, url TEXT NOT NULL,
     manifest TEXT NOT NULL, published REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS penalties (worker TEXT NOT NULL, slots INTEGER NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS penalties_worker ON penalties (worker, at);
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL,
     lease_id TEXT, slot INTEGER, reason TEXT NOT NULL, detail TEXT NOT NULL, at REAL NOT NULL);
 """
@@ -104,7 +108,7 @@ class Store:
     def _migrate(self) -> None:
         """Columns added after a run directory may have been created (run directories of
         earlier swarmrl versions keep working)."""
-        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0")],
+        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0"), ("expired", "INTEGER NOT NULL DEFAULT 0")],
                  "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")]}
         for table, cols in added.items():
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
@@ -169,6 +173,15 @@ class Store:
         db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                    (key, json.dumps(value)))
 
+    def run_id(self) -> str:
+        """This run's id, made on first use and kept: every signed request is bound to it."""
+        with self.tx() as db:
+            run = self.get_meta(db, "run_id")
+            if run is None:
+                run = new_run_id()
+                self.set_meta(db, "run_id", run)
+            return run
+
     # ---- workers and nonces ------------------------------------------------------------------
     def register(self, key: str, name: str) -> dict:
         now = time.time()
@@ -209,6 +222,29 @@ class Store:
     def add_accepted(self, db: Db, key: str, n: int = 1) -> None:
         """Add `n` to the worker's count of accepted groups (negative: take them back)."""
         db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (n, key))
+
+    def penalise(self, db: Db, worker: str, slots: int, at: float) -> None:
+        """Slots a worker let expire: they count against its lease allowance for a while."""
+        db.execute("INSERT INTO penalties (worker, slots, at) VALUES (?, ?, ?)", (worker, slots, at))
+        db.execute("UPDATE workers SET expired = expired + ? WHERE key = ?", (slots, worker))
+
+    def standing(self, db: Db, worker: str, since: float, fraud_reasons: Sequence[str]) -> tuple[int, int, int, int]:
+        """(accepted groups, slots expired since `since`, fraud rejections since `since`, slots
+        held now: open or being scored) of one worker."""
+        row = db.execute("SELECT accepted FROM workers WHERE key = ?", (worker,)).fetchone()
+        expired = db.execute("SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?",
+                             (worker, since)).fetchone()[0]
+        fraud = db.execute(f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
+                           f"({_marks(len(fraud_reasons))})", (worker, since, *fraud_reasons)).fetchone()[0]
+        held = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id WHERE leases.worker = ? "
+                          "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
+        return (row[0] if row else 0), expired, fraud, held
+
+    def unproven_slots(self, db: Db, proven_after: int) -> int:
+        """Slots open in open leases of keys with fewer than `proven_after` accepted groups."""
+        return db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
+                          "leases.worker = workers.key WHERE slots.state = 'open' AND leases.state = 'open' AND "
+                          "workers.accepted < ?", (proven_after,)).fetchone()[0]
 
     def ban(self, db: Db, key: str) -> bool:
         """Mark the worker banned; False if it already was (or is unknown)."""
@@ -267,18 +303,22 @@ class Store:
             db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(rows),))
         return [(r["problem"], r["target_length"]) for r in rows]
 
-    def expire_leases(self, db: Db, now: float) -> list[str]:
+    def expire_leases(self, db: Db, now: float) -> list[tuple[str, str, int, bool]]:
         """Expire the open leases past their expiry: their open slots' problems go back to the
-        pool. Returns the expired leases' ids."""
-        expired = [r[0] for r in
-                   db.execute("SELECT id FROM leases WHERE state = 'open' AND expires < ?", (now,)).fetchall()]
-        for lease_id in expired:
-            for row in db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall():
+        pool. Returns (lease id, worker, slots it left open, whether it ran out of time rather
+        than being ended by the orchestrator: a ban or a trainer going back) per expired lease."""
+        expired = db.execute("SELECT id, worker, expires FROM leases WHERE state = 'open' AND expires < ?",
+                             (now,)).fetchall()
+        out = []
+        for lease_id, worker, expires in expired:
+            rows = db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall()
+            for row in rows:
                 db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
                            (row["problem"], row["target_length"]))
             db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
             db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
-        return expired
+            out.append((lease_id, worker, len(rows), expires > 0))
+        return out
 
     def end_worker_leases(self, db: Db, worker: str) -> None:
         """Make the worker's open leases due now (expire_leases then takes them back)."""

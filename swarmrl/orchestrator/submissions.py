@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmrl.algorithm.advantages import is_informative
+from swarmrl.orchestrator.admission import Busy, is_proven
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.scoring import score_groups
 from swarmrl.proofs.toploc import check_format
@@ -97,19 +98,25 @@ class Submissions:
                       slot_rows[g.slot]["target_length"])
         return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples])
 
+    def _grade(self, key: str, groups: list[Group]) -> None:
+        """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
+        keys share one lane); Busy when no lane comes free in time."""
+        proven = is_proven((self.store.worker(key) or {}).get("accepted", 0), self.cfg.orchestrator)
+        with self.lanes.lane(key, proven) as pool, self.resource_lock:
+            score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
+
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
-        foreign = False
         with self.store.tx() as db:
             lease = self.store.lease_row(db, lease_id)
             if lease is None:
                 raise ApiError(404, "unknown_lease", f"no lease {lease_id}")
             if lease["worker"] != key:
-                fraud = self.store.count_rejection(db, key, lease_id, None, "foreign_lease", "lease of another worker",
-                                                   fraud=True)
-                self._maybe_ban(db, key, fraud)
-                foreign = True
-            elif lease["state"] == "expired" or lease["expires"] < now:
+                # Not counted against the key: a lease id can reach an honest worker from a
+                # malicious orchestrator or a tampered connection, so this proves nothing.
+                self._count("rejected/foreign_lease")
+                raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
+            if lease["state"] == "expired" or lease["expires"] < now:
                 self._count("rejected/late")
                 raise ApiError(410, "lease_expired",
                                f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
@@ -126,19 +133,19 @@ class Submissions:
                 for c in checks:
                     if c.group is not None:
                         self.store.mark_slot(db, lease_id, c.slot, "scoring")
-        if foreign:
-            self._count("rejected/foreign_lease")
-            raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
         good = [c.group for c in checks if c.group is not None]
         try:
             if good:
-                with self.score_lock:
-                    score_groups(good, tokenizer=self.tokenizer, pool=self.pool, cfg=self.cfg, graders=self.graders)
-        except BaseException:
+                self._grade(key, good)
+        except BaseException as e:
             with self.store.tx() as db:  # give the slots back: the worker may retry
                 for c in checks:
                     if c.group is not None:
                         self.store.mark_slot(db, lease_id, c.slot, "open", only_if="scoring")
+            if isinstance(e, Busy):
+                self._count("grading_busy")
+                raise ApiError(429, "grading_busy", f"{e}; retry in a moment (nothing was lost: the slots stay "
+                                                    "open until the lease expires)", retry_after=1.0) from None
             raise
         turnaround = (now - lease["created"]) / max(1, lease["slots"])
         accepted, rejected = [], []

@@ -9,5 +9,6 @@ workers, validators and trainer (docs/protocol.md).
     client     the HTTP clients of the orchestrator (worker, trainer, validator)
 """
 
-PROTOCOL_VERSION = 1
-"""Bumped when a message changes in a way an existing worker would misread (GET /v1/status says it)."""
+PROTOCOL_VERSION = 2
+"""Bumped when a message changes in a way an existing worker would misread (GET /v1/status says it).
+2: signed requests are bound to the run (x-swarmrl-run, docs/protocol.md)."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import (Batch, Claim, Finished, LeaseReply, Published, Recorded, Registered, Status,
                                        SubmitReply, WorkerRecord)
-from swarmrl.protocol.signing import public_key_hex, sign_headers
+from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
 
 
 class Unavailable(RuntimeError):
@@ -84,16 +84,32 @@ class _Client:
 
 
 class WorkerClient(_Client):
-    """Every mutating request is signed afresh (new timestamp and nonce), retries included."""
+    """Every mutating request is signed afresh (new timestamp and nonce), retries included, for
+    the run this orchestrator serves. `run_id` pins the run: an orchestrator serving another run
+    is refused here (WrongRun) instead of being sent signatures. Without it the run id is read
+    from GET /v1/status on first use."""
 
-    def __init__(self, url: str, key, timeout_s: float = 30.0):
+    def __init__(self, url: str, key, timeout_s: float = 30.0, run_id: str | None = None):
         super().__init__(url, timeout_s)
         self.key = key
         self.key_hex = public_key_hex(key)
+        self.pinned = run_id
+        self.run_id = run_id
+
+    def run(self) -> str:
+        """The run id requests are signed for (read from GET /v1/status once; checked if pinned)."""
+        if self.run_id is None or self.pinned:
+            served = str(self.status().get("run_id", ""))
+            if self.pinned and served != self.pinned:
+                raise WrongRun(f"{self.url} serves run {served!r}, not the run {self.pinned} this worker was "
+                               "started for: check the orchestrator URL")
+            self.run_id = served
+            self.pinned = None  # checked once; the id is part of every signature from now on
+        return self.run_id
 
     def _signed(self, path: str, payload: dict) -> dict:
         body = json.dumps(payload, separators=(",", ":")).encode()
-        headers = {"content-type": "application/json", **sign_headers(self.key, "POST", path, body)}
+        headers = {"content-type": "application/json", **sign_headers(self.key, self.run(), "POST", path, body)}
         return self._send("POST", path, body, headers)
 
     def register(self, name: str) -> dict:

@@ -151,6 +151,9 @@ class WorkerRecord(Registered):
     banned: bool
     awaiting_validation: int = Field(description="accepted groups the validator has not checked yet")
     rejections: dict[str, int] = Field(description="rejections by reason code")
+    expired_slots: int = Field(0, description="leased prompts this key let expire unsubmitted")
+    proven: bool = Field(False, description="whether the key has orchestrator.proven_after accepted groups")
+    lease_allowance: int = Field(0, description="prompts this key may hold leased now (docs/security.md)")
 
 
 class SlotAccepted(_Out):
@@ -191,6 +194,7 @@ class Status(_Out):
     policy: PolicyRef | None = Field(None, description="the newest version, once the trainer published one")
     total_steps: int
     protocol_version: int
+    run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="what every signed request of this run is bound to")
 
 
 class ClaimedSample(_Out):

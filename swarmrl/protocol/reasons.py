@@ -15,6 +15,8 @@ REASONS: dict[str, tuple[bool, str]] = {
     "slot_closed": (False, "the slot was closed (refused earlier, or its lease expired)"),
     "stale": (False, "the group's policy version fell outside the async bound before it arrived"),
     "lease_expired": (False, "the lease expired before the submission; its problems went to other workers"),
+    # Proves nothing about the key (a lease id can be fed to an honest worker); never counted.
+    "foreign_lease": (False, "the submission uses another worker's lease"),
     # Cheap checks at submission: an honest sampler never produces these.
     "bad_slot": (True, "the group names a slot its lease does not have"),
     "version_not_in_lease": (True, "the group claims a policy version outside the lease's [min_version, max_version]"),
@@ -27,7 +29,6 @@ REASONS: dict[str, tuple[bool, str]] = {
     "claimed_reward": (True, "the worker sent a reward: rewards are computed by the orchestrator only"),
     "proofs_missing": (True, "a completion has no TOPLOC proofs"),
     "proofs_malformed": (True, "a completion's proofs have the wrong number, size or encoding"),
-    "foreign_lease": (True, "the submission uses another worker's lease"),
     # The validator's re-run of the prefill.
     "toploc": (True, "the proofs do not match the hidden states of the claimed policy"),
     "sampling": (True, "a token is not the seeded Gumbel-max choice for its seed under the claimed policy"),

@@ -1,14 +1,16 @@
 """Worker identity and signed requests.
 
 A worker's identity is an ed25519 public key; the private key lives in a file the worker creates
-on first start. Every mutating request carries four headers and is signed over
+on first start. Every mutating request carries five headers and is signed over
 
-    METHOD \\n PATH \\n sha256(body) hex \\n TIMESTAMP \\n NONCE
+    swarmrl-v2 \\n RUN \\n METHOD \\n PATH \\n sha256(body) hex \\n TIMESTAMP \\n NONCE
 
-so a signature cannot be moved to another endpoint, another body or another time. The
-orchestrator refuses a timestamp outside its clock-skew window and a nonce it has already seen
-from that key within the window (nonces are kept in SQLite, so a restart does not reopen replays).
-The query string is not signed: no mutating endpoint takes one.
+so a signature cannot be moved to another run, another endpoint, another body or another time.
+RUN is the orchestrator's run id (GET /v1/status): a request signed for one run is refused by
+every other, so one key may safely join many runs and a submission cannot be replayed where its
+lease means something else. The orchestrator refuses a timestamp outside its clock-skew window and
+a nonce it has already seen from that key within the window (nonces are kept in SQLite, so a
+restart does not reopen replays). The query string is not signed: no mutating endpoint takes one.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 _LOWER_HEX = re.compile(r"[0-9a-f]{64}")
 
+H_RUN = "x-swarmrl-run"
 H_KEY = "x-swarmrl-key"
 H_TIMESTAMP = "x-swarmrl-timestamp"
 H_NONCE = "x-swarmrl-nonce"
 H_SIGNATURE = "x-swarmrl-signature"
 SIGNED_HEADERS = (H_KEY, H_TIMESTAMP, H_NONCE, H_SIGNATURE)
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+# The first line of every signed message: a signature made under another scheme never verifies.
+SCHEME = "swarmrl-v2"
 
 
 class AuthError(ValueError):
@@ -39,6 +45,14 @@ class AuthError(ValueError):
 
 class ClockSkew(AuthError):
     """The timestamp is outside the window: the clocks disagree (retryable once they agree)."""
+
+
+class WrongRun(AuthError):
+    """The request was signed for another run (or for none): never retryable as it is."""
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(16)
 
 
 def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
@@ -75,16 +89,19 @@ def public_key_hex(key: Ed25519PrivateKey) -> str:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
-def signing_message(method: str, path: str, body: bytes, timestamp: str, nonce: str) -> bytes:
-    return "\n".join([method.upper(), path, hashlib.sha256(body).hexdigest(), timestamp, nonce]).encode()
+def signing_message(run_id: str, method: str, path: str, body: bytes, timestamp: str, nonce: str) -> bytes:
+    return "\n".join([SCHEME, run_id, method.upper(), path, hashlib.sha256(body).hexdigest(), timestamp,
+                      nonce]).encode()
 
 
-def sign_headers(key: Ed25519PrivateKey, method: str, path: str, body: bytes, *,
+def sign_headers(key: Ed25519PrivateKey, run_id: str, method: str, path: str, body: bytes, *,
                  now: float | None = None) -> dict[str, str]:
+    if not _RUN_ID.fullmatch(run_id or ""):
+        raise ValueError(f"run id must be 32 lowercase hex characters (GET /v1/status), got {run_id!r}")
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(16)
-    sig = key.sign(signing_message(method, path, body, ts, nonce))
-    return {H_KEY: public_key_hex(key), H_TIMESTAMP: ts, H_NONCE: nonce, H_SIGNATURE: sig.hex()}
+    sig = key.sign(signing_message(run_id, method, path, body, ts, nonce))
+    return {H_RUN: run_id, H_KEY: public_key_hex(key), H_TIMESTAMP: ts, H_NONCE: nonce, H_SIGNATURE: sig.hex()}
 
 
 def _hex(value: str, nbytes: int, what: str) -> bytes:
@@ -97,14 +114,22 @@ def _hex(value: str, nbytes: int, what: str) -> bytes:
     return raw
 
 
-def verify_request(headers: dict[str, str], method: str, path: str, body: bytes, *,
+def verify_request(headers: dict[str, str], method: str, path: str, body: bytes, *, run_id: str,
                    max_skew_s: float, now: float | None = None) -> tuple[str, str, float]:
-    """Check the signature and timestamp of a request; return (key hex, nonce, timestamp).
+    """Check the run, signature and timestamp of a request; return (key hex, nonce, timestamp).
 
     The nonce is only checked for shape here; uniqueness is the store's job."""
     missing = [h for h in SIGNED_HEADERS if not headers.get(h)]
     if missing:
         raise AuthError(f"unsigned request: missing header(s) {', '.join(missing)}; sign it with the worker key")
+    claimed = headers.get(H_RUN)
+    if not claimed:
+        raise WrongRun(f"request not bound to a run: header {H_RUN} is missing. Sign requests with the run id "
+                       "of GET /v1/status (swarmrl protocol v2); an older worker must be upgraded")
+    if claimed != run_id:
+        raise WrongRun(f"request signed for run {claimed[:40]!r}, but this orchestrator serves run {run_id}: "
+                       "a signature is only valid in the run it was made for; read the run id from "
+                       "GET /v1/status of the orchestrator you talk to")
     key_hex, ts, nonce, sig = (headers[h] for h in SIGNED_HEADERS)
     if not _LOWER_HEX.fullmatch(key_hex):
         # One spelling per key: bytes.fromhex would accept upper case and spaces, and the header
@@ -127,7 +152,7 @@ def verify_request(headers: dict[str, str], method: str, path: str, body: bytes,
         raise ClockSkew(f"timestamp {ts[:40]} is more than {max_skew_s:.0f} s from the orchestrator's clock "
                         f"({now:.0f}); check the worker's clock")
     try:
-        pub.verify(signature, signing_message(method, path, body, ts, nonce))
+        pub.verify(signature, signing_message(run_id, method, path, body, ts, nonce))
     except InvalidSignature:
-        raise AuthError("bad signature: it does not match this key, method, path and body") from None
+        raise AuthError("bad signature: it does not match this key, run, method, path and body") from None
     return key_hex, nonce, t

@@ -1,0 +1,106 @@
+"""Admission: what a worker key may hold and use is earned by validated work.
+
+A key costs nothing to make, so nothing a key can do before it has done useful work may cost the
+run much (docs/security.md). Three rules, all here as pure functions or small objects:
+
+  * a key's lease allowance (prompts it may hold leased at once) starts small, grows with its
+    accepted groups and shrinks, for `penalty_window_s`, by every slot it let expire and every
+    fraudulent group: a key that hoards leases and never submits soon holds nothing;
+  * unproven keys (fewer than `proven_after` accepted groups) together hold at most a share of
+    the outstanding work, so a flood of fresh keys cannot take the slots proven workers need;
+  * grading (the expensive step a submission can trigger for free) runs in a few lanes, at most
+    one submission per key at a time, and unproven keys share one lane: their garbage waits
+    behind each other, never in front of a proven worker's groups.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from swarmrl.config import OrchestratorConfig
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the orchestrator knows about a key when it asks for work."""
+
+    accepted: int  # groups that passed every check they were given
+    expired_recent: int  # slots it let expire within the penalty window
+    fraud_recent: int  # fraudulent groups within the penalty window
+    held: int  # slots it holds now (open or being scored)
+
+
+def allowance(standing: Standing, o: OrchestratorConfig, lease_prompts: int) -> int:
+    """Prompts a key may hold leased at once: `new_key_slots` plus what its accepted groups earned,
+    capped at `max_open_leases` full leases, less its recent penalties (each expired slot and each
+    fraudulent group costs one prompt)."""
+    earned = o.new_key_slots + int(standing.accepted * o.slots_per_accepted)
+    cap = o.max_open_leases * lease_prompts
+    return max(0, min(cap, earned) - standing.expired_recent - standing.fraud_recent)
+
+
+def is_proven(accepted: int, o: OrchestratorConfig) -> bool:
+    return accepted >= o.proven_after
+
+
+def lease_size(free_slots: int, lease_prompts: int) -> int:
+    """Prompts in the next lease: a full lease when the allowance has room, else what is left."""
+    return max(0, min(lease_prompts, free_slots))
+
+
+def lease_timeout(base_s: float, prompts: int, lease_prompts: int) -> float:
+    """A lease's time scales with its work (a quarter of the full-lease time at the least), so a
+    small lease held by a key that never submits comes back sooner."""
+    return base_s * max(0.25, prompts / max(1, lease_prompts))
+
+
+class Busy(Exception):
+    """No grading lane came free in time."""
+
+
+class GradingLanes:
+    """`lanes` objects (e.g. verifier pools) handed out one caller at a time, at most one per key
+    at once, and at most one at a time to unproven keys."""
+
+    def __init__(self, lanes: list, wait_s: float):
+        self.free: queue.Queue = queue.Queue()
+        for lane in lanes:
+            self.free.put(lane)
+        self.all = list(lanes)
+        self.wait_s = wait_s
+        self.unproven = threading.Semaphore(1)
+        self.keys: set[str] = set()
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def lane(self, key: str, proven: bool) -> Iterator:
+        with self.lock:
+            if key in self.keys:
+                raise Busy("this key already has a submission being graded; send one at a time")
+            self.keys.add(key)
+        try:
+            if not proven and not self.unproven.acquire(timeout=self.wait_s):
+                raise Busy("grading for new workers is busy")
+            try:
+                try:
+                    lane = self.free.get(timeout=self.wait_s)
+                except queue.Empty:
+                    raise Busy("every grading lane is busy") from None
+                try:
+                    yield lane
+                finally:
+                    self.free.put(lane)
+            finally:
+                if not proven:
+                    self.unproven.release()
+        finally:
+            with self.lock:
+                self.keys.discard(key)
+
+    def close(self) -> None:
+        for lane in self.all:
+            lane.close()
