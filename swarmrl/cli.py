@@ -170,7 +170,8 @@ def _add_role_commands(sub) -> None:
 
     rel = sub.add_parser("relay", help=COMMANDS["relay"], description=COMMANDS["relay"] + (
         " Versions are verified shard by shard (sha256 from the manifest) before they are served, and their "
-        "manifest against the trainer's key when --trainer-key is given. Serves HTTP Range requests to many "
+        "manifest against the trainer's key (required: a version that does not verify is never mirrored). Serves "
+        "HTTP Range requests to many "
         "clients at once; keeps the newest --keep versions."))
     rel.add_argument("--upstream", required=True,
                      help="comma-separated URLs of the origin (the trainer's broadcast server) or other relays")
@@ -178,7 +179,8 @@ def _add_role_commands(sub) -> None:
     rel.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve other machines)")
     rel.add_argument("--port", type=int, default=0, help="port (0 picks a free one)")
     rel.add_argument("--keep", type=int, default=3, help="versions kept (a version being downloaded is never deleted)")
-    rel.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it")
+    rel.add_argument("--trainer-key", help="required: the trainer's ed25519 public key (64 hex) or a file holding it "
+                                           "(<run-dir>/trainer.pub)")
     rel.add_argument("--startup-tries", type=int, default=10,
                      help="tries to reach an upstream at start before giving up with an error")
     rel.add_argument("--url-file", help="write {\"url\": ...} here once listening (for launchers)")

@@ -120,6 +120,9 @@ class RewardsConfig(_Section):
     """Processes grading answers with math-verify."""
     verify_timeout_s: float = Field(5.0, gt=0)
     """Hard per-completion grading timeout; a completion that exceeds it scores 0."""
+    verify_memory_mb: int = Field(1024, ge=64)
+    """Address-space limit (RLIMIT_AS) of each grading process; an answer needing more scores 0
+    and the process is replaced."""
 
 
 class SandboxConfig(_Section):
@@ -152,8 +155,10 @@ class SandboxConfig(_Section):
     startup_grace_s: float = Field(1.0, ge=0)
     """Added to each test's wall-clock limit for starting the sandbox and the interpreter."""
     uid_base: int = Field(61000, ge=1000)
-    """Run as root, slot i's programs run as uid uid_base + i (no account needed): never root,
-    and one uid per slot so each slot's process limit is its own."""
+    """Run as root, each sandbox pool claims `workers` consecutive uids from uid_base up that no
+    other pool on the machine holds (lock files under /run/swarmrl/sandbox-uids), and slot i's
+    programs run as the i-th (no account needed): never root, and one uid per slot, in no other
+    pool, so each slot's process limit is its own."""
     cgroups: Literal["auto", "required", "off"] = "auto"
     """Per-slot pids+memory cgroup (v2 if delegated, else v1). "auto": use one where the
     cgroup filesystem is writable (root), else rely on rlimits and namespaces; "required":

@@ -222,14 +222,19 @@ def test_fetch_refuses_a_bad_signature_and_installs_nothing(tmp_path):
         assert all("/shards/" not in p for p, _ in server.requests)  # not a single shard was fetched
         with pytest.raises(BroadcastError, match="required"):
             fetch_version(1, [server.url], dest_root, public_key=None, **FAST)
-        # A relay without a key mirrors it (it is well formed); clients still refuse it from there.
-        mirror_version(1, [server.url], tmp_path / "relay", public_key=None, **FAST)
+        # A relay never mirrors without the trainer key, nor what does not verify against it.
+        with pytest.raises(BroadcastError, match="public_key is required.*trainer.pub"):
+            mirror_version(1, [server.url], tmp_path / "relay", public_key=None, **FAST)
         with pytest.raises(BroadcastError, match="v000001"):
             mirror_version(1, [server.url], tmp_path / "relay", public_key=PUB, **FAST)
     assert not dest_root.exists()
-    with ShardServer(tmp_path / "relay") as relay, pytest.raises(BroadcastError, match="not the configured"):
-        fetch_version(1, [relay.url], dest_root, public_key=PUB, **FAST)
-    assert not (dest_root / "v000001").exists()
+    assert read_versions(tmp_path / "relay") == []
+    # A copy already in the relay's folder (mirrored by an older swarmrl without a key) is not
+    # trusted either: it is fetched again, and refused.
+    shutil.copytree(tmp_path / "forged", tmp_path / "relay", dirs_exist_ok=True)
+    with ShardServer(tmp_path / "forged") as server, pytest.raises(BroadcastError, match="not the configured"):
+        mirror_version(1, [server.url], tmp_path / "relay", public_key=PUB, **FAST)
+    assert read_versions(tmp_path / "relay") == []
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -552,3 +557,87 @@ def test_max_bytes_per_s_caps_each_response(origin):
         t0 = time.monotonic()
         status, _, body = raw(server.url, "GET", "/v000001/shards/00000")
         assert status == 200 and len(body) == SHARD and time.monotonic() - t0 >= SHARD / 400_000 * 0.9
+
+
+# ---- a bounded server ---------------------------------------------------------------------------
+
+
+def _read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """What the server sends before closing (b"" for a close without an answer)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_connections_over_the_bound_get_a_503_at_once_and_idle_ones_are_closed(origin, tmp_path):
+    model, root, _ = origin
+    with ShardServer(root, max_connections=4, client_timeout_s=1.0) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        base = threading.active_count()
+        idle = [socket.create_connection(address) for _ in range(12)]  # each sends nothing
+        try:
+            t0 = time.monotonic()
+            refused = [_read_until_closed(s, 2.0) for s in idle[4:]]
+            # Refused at once (no thread, no slot): the accept loop never waits on anyone.
+            assert time.monotonic() - t0 < 1.0
+            assert all(r == b"" or r.startswith(b"HTTP/1.1 503") for r in refused), refused
+            assert any(r.startswith(b"HTTP/1.1 503") for r in refused)
+            assert threading.active_count() <= base + 4
+            # The four that got a slot are closed after client_timeout_s, freeing it.
+            held = [_read_until_closed(s, 5.0) for s in idle[:4]]
+            assert held == [b""] * 4 and time.monotonic() - t0 < 3.0
+        finally:
+            for s in idle:
+                s.close()
+        # A client trickling its request a byte at a time (each within the socket timeout) is
+        # cut off when its request is not in after client_timeout_s, not kept alive by each byte.
+        trickle = socket.create_connection(address)
+        stop = threading.Event()
+
+        def drip():
+            for byte in b"GET /versions HTTP/1.0\r\nX-Padding: " + b"a" * 1000:
+                if stop.wait(0.2):
+                    return
+                try:
+                    trickle.send(bytes([byte]))
+                except OSError:
+                    return
+
+        dripper = threading.Thread(target=drip)
+        dripper.start()
+        try:
+            t0 = time.monotonic()
+            assert _read_until_closed(trickle, 10.0) == b""
+            assert 0.8 < time.monotonic() - t0 < 3.0
+        finally:
+            stop.set()
+            dripper.join()
+            trickle.close()
+        # Every slot is free again: a normal download completes, and the threads are gone.
+        got = fetch_version(1, [server.url], tmp_path / "client", public_key=PUB, parallel=4, **FAST)
+        assert same_files(got, model)
+        deadline = time.monotonic() + 5
+        while threading.active_count() > base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= base
+
+
+def test_a_client_refused_with_a_503_fetches_from_another_source(origin, tmp_path):
+    model, root, _ = origin
+    with ShardServer(root, max_connections=1, client_timeout_s=5.0) as busy, ShardServer(root) as free:
+        address = ("127.0.0.1", int(busy.url.rsplit(":", 1)[1]))
+        hog = socket.create_connection(address)  # holds busy's only slot
+        try:
+            time.sleep(0.1)
+            assert raw(busy.url, "GET", "/versions")[0] == 503
+            scores = SourceScores()
+            got = fetch_version(1, [busy.url, free.url], tmp_path / "client", public_key=PUB, scores=scores, **FAST)
+            assert same_files(got, model)
+            assert "503" in scores.snapshot()[busy.url]["last_error"]
+        finally:
+            hog.close()

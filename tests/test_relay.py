@@ -1,14 +1,17 @@
 """Relays on loopback: real `swarmrl relay` processes between an origin and clients.
 
 What the broadcast must survive: a relay that serves a corrupted shard, a relay killed in the
-middle of a download, a manifest without a valid signature, an upstream that stays unreachable;
-and a tree of an origin, two relays and four clients must end with byte-identical weights.
+middle of a download, a manifest without a valid signature, an upstream that stays unreachable,
+an upstream listing versions that do not exist or do not verify; a relay refuses to start without
+the trainer's key; and a tree of an origin, two relays and four clients must end with
+byte-identical weights.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import (
     BroadcastError,
+    ShardRequestHandler,
     ShardServer,
     SourceScores,
     fetch_version,
@@ -194,9 +198,84 @@ def test_a_manifest_without_a_valid_signature_is_refused(tmp_path):
 def test_an_unreachable_upstream_is_a_bounded_clear_error(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", "http://127.0.0.1:9",
-                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2"],
+                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2", "--trainer-key", PUB],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "http://127.0.0.1:9" in proc.stderr and "no upstream reachable after 2 tries" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_a_relay_refuses_to_start_without_the_trainer_key(tmp_path):
+    with pytest.raises(BroadcastError, match="--trainer-key") as e:
+        Relay(["http://127.0.0.1:9"], tmp_path / "relay", public_key=None)
+    assert "trainer.pub" in str(e.value)
+    with pytest.raises(BroadcastError, match="64 lowercase hex"):
+        Relay(["http://127.0.0.1:9"], tmp_path / "relay", public_key="not-a-key")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", "http://127.0.0.1:9",
+                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "--trainer-key" in proc.stderr and "trainer.pub" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "no upstream reachable" not in proc.stderr  # refused before waiting for any upstream
+    assert time.monotonic() - t0 < 30
+
+
+class Lying(ShardRequestHandler):
+    """Lists, beside what it holds, versions it does not have and entries that are no versions."""
+
+    def _serve(self, send_body):
+        if self.path == "/versions":
+            listed = read_versions(self.server.root) + [999_998, 999_999, "v5", -1, 10**12, None, 2.5]
+            return self._send_small(200, json.dumps({"versions": listed}).encode(), "application/json", send_body)
+        return super()._serve(send_body)
+
+
+class LyingServer(ShardServer):
+    handler_class = Lying
+
+
+def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_path):
+    root = tmp_path / "origin"
+    publish_version(fake_model(tmp_path / "m1", kib=64, seed=1), root, 1, key=KEY, shard_size=16 << 10)
+    publish_version(fake_model(tmp_path / "m2", kib=64, seed=2), root, 2, key=KEY, shard_size=16 << 10)
+    # v3 is newer than the real ones, but signed by someone else.
+    publish_version(fake_model(tmp_path / "m3", kib=64, seed=3), root, 3, key=Ed25519PrivateKey.generate(),
+                    shard_size=16 << 10)
+    # A cache left by a relay that mirrored without checking signatures: not served on.
+    cache = tmp_path / "relay"
+    cache.mkdir()
+    shutil.copytree(root / "v000003", cache / "v000007")
+    manifest = json.loads((cache / "v000007" / "manifest.json").read_text())
+    (cache / "v000007" / "manifest.json").write_text(json.dumps(dict(manifest, version=7)))
+    logs: list[str] = []
+    with LyingServer(root) as liar, ShardServer(root) as honest:
+        # `keep` 2: the relay must look past the three bogus versions above the real ones.
+        with Relay([liar.url], cache, public_key=PUB, keep=2, poll_s=0.05, retry_s=0.2, timeout_s=2.0,
+                   log=logs.append) as relay:
+            assert 7 not in read_versions(cache)
+            wait_mirrored(cache, 2, timeout_s=30)
+            wait_mirrored(cache, 1, timeout_s=30)
+            time.sleep(2.0)  # many polls, each bogus version retried after its backoff
+            assert read_versions(cache) == [1, 2]
+            assert set(relay.skipped) == {3, 999_998, 999_999}, relay.skipped
+            for v in ("v000003", "v999998", "v999999"):
+                assert sum(f"skipping {v}" in line for line in logs) == 1, logs  # logged once
+            # A real newer version is still picked up, past the ones that keep failing.
+            publish_version(fake_model(tmp_path / "m4", kib=64, seed=4), root, 4, key=KEY, shard_size=16 << 10)
+            wait_mirrored(cache, 4, timeout_s=30)
+            deadline = time.monotonic() + 10
+            while read_versions(cache) != [2, 4] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert read_versions(cache) == [2, 4]
+            got = fetch_version(4, [relay.url], tmp_path / "client", public_key=PUB)
+            assert same_files(got, tmp_path / "m4")
+        # Two upstreams, one lying: the honest one's versions are mirrored as fast as ever.
+        t0 = time.monotonic()
+        with Relay([liar.url, honest.url], tmp_path / "relay2", public_key=PUB, keep=2, poll_s=0.05,
+                   timeout_s=2.0, log=lambda *_: None):
+            wait_mirrored(tmp_path / "relay2", 4, timeout_s=30)
+            wait_mirrored(tmp_path / "relay2", 2, timeout_s=30)
+        assert time.monotonic() - t0 < 15

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import operator
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +85,25 @@ def test_math_task_reward_reasons():
 def test_math_task_reward_rejects_bad_ground_truth(info):
     with pytest.raises(ValueError, match="ground_truth"):
         math_task_reward(info, "\\boxed{1}")
+
+
+@pytest.mark.parametrize("answer", [
+    "9^{9^{9^{9}}}", "9^{9^9}", "\\frac{10^{10^{8}}}{3}", "99999999999^{99999999999}", "1000000!",
+    "(10^{10})^{10^{7}}", "10^{-10^{9}}", "(x+1)^{1000000}", "1" * 1200,
+])
+def test_absurd_answers_score_0_without_being_evaluated(answer):
+    started = time.monotonic()
+    reward, reason = math_task_reward({"ground_truth": "92"}, "\\boxed{%s}" % answer)
+    assert reward == 0.0 and "graded" in reason, reason
+    assert time.monotonic() - started < 1.0  # each of these costs sympy seconds to hours
+
+
+@pytest.mark.parametrize(("ground_truth", "answer"), [
+    ("2^{100}", "1267650600228229401496703205376"), ("e^{-x^2}", "e^{-x^{2}}"), ("120", "5!"),
+    ("x^{100}", "x^{100}"), ("10^{100000}", "10^{100000}"), ("2^{1000000}", "2^{1000000}"),
+])
+def test_big_answers_are_graded_when_the_ground_truth_is_as_big(ground_truth, answer):
+    assert math_task_reward({"ground_truth": ground_truth}, "\\boxed{%s}" % answer) == (1.0, None)
 
 
 # -- length control ------------------------------------------------------------
@@ -174,6 +197,71 @@ def test_pool_argument_checks():
         VerifierPool(num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         VerifierPool(timeout_s=0)
+    with pytest.raises(ValueError, match="memory_bytes"):
+        VerifierPool(memory_bytes=1 << 20)
+
+
+# An answer sympy would spend minutes and gigabytes on: 9^(9^(9^9)).
+TOWER = "<think>big</think> \\boxed{9^{9^{9^{9}}}}"
+
+
+def test_a_worst_case_answer_scores_0_within_the_timeout_and_the_pool_goes_on(pool):
+    rows = [_math_row("tower", TOWER), _math_row("right", "\\boxed{92}"),
+            _math_row("fraction", "\\boxed{\\frac{99999999999^{99999999999}}{7}}")]
+    started = time.monotonic()
+    tower, right, fraction = score_rows(rows, pool=pool, count_tokens=_count_words)
+    assert time.monotonic() - started < 2 * pool.timeout_s + 1.5  # two workers: at most two timeouts in a row
+    # Refused before sympy sees them (MAX_ANSWER_DIGITS); without that check the timeout ends them.
+    for score in (tower, fraction):
+        assert score.reward == 0.0 and (score.error == "timed out after 1 s" or "not evaluated" in score.reason)
+    assert right == Score(1.0, 0.0, 1.0, None)
+    assert [o.value for o in pool.map(operator.truediv, [(1, 4), (3, 4)])] == [0.25, 0.75]
+
+
+def test_a_call_over_the_memory_limit_is_an_error_and_its_worker_replaced(pool):
+    assert pool.memory_bytes == 1 << 30  # the default
+    pids = {w.process.pid for w in pool._workers}
+    started = time.monotonic()
+    hog, small = pool.map(bytearray, [(2 << 30,), (3,)])
+    assert time.monotonic() - started < pool.timeout_s  # refused at the allocation, not at the timeout
+    assert hog.value is None and "out of memory" in hog.error and "1024 MiB" in hog.error
+    assert small.value == bytearray(3)
+    assert pids != {w.process.pid for w in pool._workers}  # the worker that hit the limit was replaced
+    assert pool.map(operator.truediv, [(1, 2)])[0].value == 0.5
+
+
+def test_a_worker_orphaned_mid_call_is_stopped_by_its_cpu_limit(tmp_path):
+    """Nobody is left to kill a worker whose parent died while it graded; RLIMIT_CPU does."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, threading\n"
+        "from swarmrl.rewards.pool import VerifierPool\n"
+        "if __name__ == '__main__':\n"
+        "    pool = VerifierPool(1, timeout_s=1.0, preload=())\n"
+        "    print(pool._workers[0].process.pid, flush=True)\n"
+        "    threading.Timer(0.3, os._exit, (0,)).start()  # die in the middle of the call\n"
+        "    pool.map(pow, [(9, 9 ** 9)])\n"
+    )
+    out = tmp_path / "worker.pid"
+    with out.open("w") as stdout:  # not a pipe: the orphan holds its end open
+        subprocess.run([sys.executable, str(script)], stdout=stdout, timeout=60, check=False)
+    worker = int(out.read_text().split()[0])
+    started = time.monotonic()
+    try:
+        while _running(worker) and time.monotonic() - started < 15:
+            time.sleep(0.1)
+        assert not _running(worker), "the orphaned worker was still computing after 15 s"
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 # -- scoring -------------------------------------------------------------------

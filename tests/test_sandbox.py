@@ -31,7 +31,7 @@ from swarmrl.rewards.code import CodeGrader, grade_code, open_code_grader
 from swarmrl.sandbox.runner import Sandbox, SandboxSettings, SandboxUnavailable
 from swarmrl.tasks import code as code_tasks
 
-UID_BASE = 61500  # away from the default, so a stray process here is this file's
+UID_BASE = 61500  # away from the default; each pool claims its own uids from here up
 WORKERS = 2
 
 SUM_INFO = {"test_cases": json.dumps({
@@ -50,8 +50,9 @@ def completion(program: str) -> str:
     return f"<think>\nsure\n</think>\nHere:\n```python\n{program}```\n"
 
 
-def slot_processes() -> list[int]:
-    """Host pids running as one of the slot uids (there must be none between executions)."""
+def slot_processes(uids) -> list[int]:
+    """Host pids running as one of `uids` (a pool's slot uids: none between executions)."""
+    uids = set(uids)
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -61,7 +62,7 @@ def slot_processes() -> list[int]:
         except OSError:
             continue
         uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-        if UID_BASE <= uid < UID_BASE + WORKERS:
+        if uid in uids:
             found.append(int(entry.name))
     return found
 
@@ -91,9 +92,9 @@ def intact(grader):
     """After the test: nothing left running as a slot uid, and the grader still serves."""
     yield
     deadline = time.monotonic() + 5
-    while slot_processes() and time.monotonic() < deadline:
+    while slot_processes(grader.sandbox.uids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert slot_processes() == [], "a sandboxed process outlived its execution"
+    assert slot_processes(grader.sandbox.uids) == [], "a sandboxed process outlived its execution"
     assert grader.grade_many([(SUM_INFO, completion(SUM_OK))]) == [(1.0, None)]
 
 
@@ -137,7 +138,7 @@ def test_the_program_runs_unprivileged_with_nothing_of_the_host(grader):
     result = grader.sandbox.run(probe, mode="stdio", stdin=b"", timeout_s=5)
     assert result.status == "ok", result
     seen = json.loads(result.stdout)
-    assert UID_BASE <= seen["uid"] < UID_BASE + WORKERS and seen["euid"] == seen["uid"]
+    assert seen["uid"] in grader.sandbox.uids and seen["euid"] == seen["uid"]
     assert seen["cap"] == "0000000000000000"
     assert seen["pid"] <= 3  # its own pid namespace
     assert seen["nproc"] == 32
@@ -318,7 +319,8 @@ def test_killing_the_parent_and_other_processes(grader, intact):
     # which only the pid namespace protects.
     sentinels = [
         subprocess.Popen(["sleep", "60"]),
-        subprocess.Popen(["setpriv", f"--reuid={UID_BASE}", f"--regid={UID_BASE}", "--clear-groups", "sleep", "60"]),
+        subprocess.Popen(["setpriv", f"--reuid={grader.sandbox.slot_uid(0)}", f"--regid={grader.sandbox.slot_uid(0)}",
+                          "--clear-groups", "sleep", "60"]),
     ]
     pids = [p.pid for p in sentinels] + [os.getpid(), os.getppid()]
     try:
@@ -406,20 +408,79 @@ def test_a_killed_scorer_takes_its_sandboxes_with_it(tmp_path):
         "import sys\n"
         "from swarmrl.sandbox.runner import Sandbox, SandboxSettings\n"
         f"s = Sandbox(SandboxSettings(workers=1, uid_base={UID_BASE}))\n"
-        "print('ready', flush=True)\n"
+        "print('ready', *s.uids, flush=True)\n"
         "s.run('import os\\nos.fork()\\nwhile True:\\n    pass\\n', mode='stdio', stdin=b'', timeout_s=60)\n"
     )
     scorer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        assert scorer.stdout.readline().strip() == "ready"
+        ready, *uids = scorer.stdout.readline().split()
+        assert ready == "ready"
+        uids = [int(u) for u in uids]
         deadline = time.monotonic() + 10
-        while len(slot_processes()) < 2 and time.monotonic() < deadline:
+        while len(slot_processes(uids)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(slot_processes()) >= 2
+        assert len(slot_processes(uids)) >= 2
     finally:
         scorer.send_signal(signal.SIGKILL)
         scorer.wait()
     deadline = time.monotonic() + 5
-    while slot_processes() and time.monotonic() < deadline:
+    while slot_processes(uids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert slot_processes() == []
+    assert slot_processes(uids) == []
+
+
+# -- pools do not share uids ---------------------------------------------------------------
+
+
+def test_every_pool_gets_its_own_uids_in_this_process_and_in_others(grader, intact):
+    if os.geteuid() != 0:
+        pytest.skip("only root runs slots as other uids; as another user each program has its own user namespace")
+    script = ("from swarmrl.sandbox.runner import Sandbox, SandboxSettings\n"
+              f"s = Sandbox(SandboxSettings(workers=2, uid_base={UID_BASE}))\n"
+              "print(*s.uids, flush=True)\n"
+              "input()\n")
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with Sandbox(SandboxSettings(workers=2, uid_base=UID_BASE)) as a, \
+                Sandbox(SandboxSettings(workers=3, uid_base=UID_BASE)) as b:
+            theirs = [int(u) for u in other.stdout.readline().split()]
+            pools = [grader.sandbox.uids, a.uids, b.uids, theirs]
+            assert [len(u) for u in pools] == [WORKERS, 2, 3, 2]
+            assert len(set().union(*map(set, pools))) == sum(map(len, pools)), pools  # pairwise disjoint
+            assert all(u >= UID_BASE for p in pools for u in p)
+            assert f"uids {b.uids[0]}-{b.uids[-1]}" in b.describe()
+            result = b.run("import os\nprint(os.getuid())\n", mode="stdio", stdin=b"", timeout_s=5)
+            assert int(result.stdout) in b.uids
+            released = a.uids
+    finally:
+        other.communicate("\n", timeout=30)
+    # Closed pools give their uids back (and a killed process's go back with it).
+    with Sandbox(SandboxSettings(workers=2, uid_base=UID_BASE)) as again:
+        assert set(again.uids) & (set(released) | set(theirs))
+
+
+def test_a_fork_bomb_in_one_pool_leaves_another_pools_programs_alone(grader, intact):
+    """RLIMIT_NPROC counts a uid's processes host-wide: with shared uids the bomb in one pool
+    would make this other pool's program fail to fork."""
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    forker = ("import os, time\n"
+              "kids = []\n"
+              "for _ in range(8):\n"
+              "    pid = os.fork()\n"
+              "    if pid == 0:\n        time.sleep(0.2)\n        os._exit(0)\n"
+              "    kids.append(pid)\n"
+              "for k in kids:\n    os.waitpid(k, 0)\n"
+              "print('forked 8')\n")
+    with Sandbox(SandboxSettings(workers=1, uid_base=UID_BASE)) as other:
+        bombs = [threading.Thread(target=grader.sandbox.run, args=(bomb,),
+                                  kwargs=dict(mode="stdio", stdin=b"", timeout_s=4)) for _ in range(WORKERS)]
+        for b in bombs:  # one in every slot of the grader's pool
+            b.start()
+        try:
+            time.sleep(1.0)  # the bombs are at their process limits by now
+            for _ in range(3):
+                result = other.run(forker, mode="stdio", stdin=b"", timeout_s=5)
+                assert result.status == "ok" and result.stdout == b"forked 8\n", result
+        finally:
+            for b in bombs:
+                b.join()

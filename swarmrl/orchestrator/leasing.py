@@ -105,7 +105,9 @@ class Leasing:
         cfg, s = self.cfg, self.cfg.sampling
         now = time.time()
         with self.store.tx() as db:
+            # Its own transaction: the refusals below roll theirs back, expiries must stay done.
             self._expire(db, now)
+        with self.store.tx() as db:
             next_step, latest, finished = self._progress(db)
             if finished:
                 raise ApiError(409, "run_finished", "the run is finished; nothing more to sample")

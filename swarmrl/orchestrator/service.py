@@ -87,7 +87,8 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         o = cfg.orchestrator
         # Grading lanes: each a verifier pool serving one submission at a time (admission.py).
         pools = [pool] if pool is not None else []
-        pools += [VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s)
+        pools += [VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
+                               memory_bytes=cfg.rewards.verify_memory_mb << 20)
                   for _ in range(o.grading_lanes - len(pools))]
         self.lanes = GradingLanes(pools, o.grading_wait_s)
         # A resource grader (the code sandbox) is one object: lanes take turns on it.

@@ -230,7 +230,9 @@ class Store:
 
     def standing(self, db: Db, worker: str, since: float, fraud_reasons: Sequence[str]) -> tuple[int, int, int, int]:
         """(accepted groups, slots expired since `since`, fraud rejections since `since`, slots
-        held now: open or being scored) of one worker."""
+        held now: leased and open, being scored, or submitted and awaiting the validator) of one
+        worker. Work awaiting validation counts as held: until the validator has passed it, it
+        proves nothing, and it takes a place in the queue the trainer's batches come from."""
         row = db.execute("SELECT accepted FROM workers WHERE key = ?", (worker,)).fetchone()
         expired = db.execute("SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?",
                              (worker, since)).fetchone()[0]
@@ -238,13 +240,20 @@ class Store:
                            f"({_marks(len(fraud_reasons))})", (worker, since, *fraud_reasons)).fetchone()[0]
         held = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id WHERE leases.worker = ? "
                           "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
+        held += db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
+                           (worker,)).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, held
 
     def unproven_slots(self, db: Db, proven_after: int) -> int:
-        """Slots open in open leases of keys with fewer than `proven_after` accepted groups."""
-        return db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
-                          "leases.worker = workers.key WHERE slots.state = 'open' AND leases.state = 'open' AND "
-                          "workers.accepted < ?", (proven_after,)).fetchone()[0]
+        """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
+        leases, and groups awaiting the validator."""
+        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
+                            "leases.worker = workers.key WHERE slots.state IN ('open', 'scoring') AND "
+                            "leases.state = 'open' AND workers.accepted < ?", (proven_after,)).fetchone()[0]
+        waiting = db.execute("SELECT COUNT(*) FROM groups JOIN workers ON groups.worker = workers.key WHERE "
+                             "groups.state IN ('pending', 'validating') AND workers.accepted < ?",
+                             (proven_after,)).fetchone()[0]
+        return leased + waiting
 
     def ban(self, db: Db, key: str) -> bool:
         """Mark the worker banned; False if it already was (or is unknown)."""

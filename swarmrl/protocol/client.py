@@ -52,11 +52,13 @@ def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
 
 
 class _Client:
-    def __init__(self, url: str, timeout_s: float = 30.0):
+    def __init__(self, url: str, timeout_s: float = 30.0, local_address: str | None = None):
         self.url = url.rstrip("/")
         # TCP_NODELAY: a request goes out as headers then body; with Nagle's algorithm and the
         # server's delayed ACK every POST waited ~40 ms (measured: lease p50 48 ms -> see docs).
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        # local_address: the source address to connect from (a machine with several).
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                                        local_address=local_address)
         self.http = httpx.Client(timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -89,8 +91,9 @@ class WorkerClient(_Client):
     is refused here (WrongRun) instead of being sent signatures. Without it the run id is read
     from GET /v1/status on first use."""
 
-    def __init__(self, url: str, key, timeout_s: float = 30.0, run_id: str | None = None):
-        super().__init__(url, timeout_s)
+    def __init__(self, url: str, key, timeout_s: float = 30.0, run_id: str | None = None,
+                 local_address: str | None = None):
+        super().__init__(url, timeout_s, local_address)
         self.key = key
         self.key_hex = public_key_hex(key)
         self.pinned = run_id

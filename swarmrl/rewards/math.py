@@ -11,10 +11,12 @@ unpickle it by reference.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from decimal import Decimal
 
 from math_verify import parse, verify
+from sympy import Basic, Float, Mul, Pow, Rational, factorial
 
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
 
@@ -24,6 +26,14 @@ _BOXED_START = re.compile(r"\\boxed\s*\{")
 # How much of a wrong answer to quote in the reason string, so one runaway
 # completion does not bloat the scored JSONL.
 _MAX_QUOTED_ANSWER = 80
+
+# Answers are graded for strangers, and some cost the grader its whole timeout
+# (9^{9^{9^{9}}}, 1000000!, a fraction over 10^{10^{8}}) while no real answer
+# looks like them. Refused before sympy evaluates anything, unless the ground
+# truth is as big. Digits: sympy checks a 10^5-digit number in ~0.05 s, a
+# 10^7-digit one in ~8 s, 9^{9^9} (3.7e8 digits) in hours.
+MAX_ANSWER_CHARS = 1000
+MAX_ANSWER_DIGITS = 100_000
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -110,14 +120,45 @@ def _parse_boxed(expression: str) -> list:
     return parse("\\boxed{" + expression + "}", parsing_timeout=None)
 
 
+def _digits(expr) -> float:
+    """Roughly how many digits the largest number built while evaluating ``expr`` has (inf: too
+    many to say), read from the unevaluated expression math_verify parses, without computing it."""
+    if isinstance(expr, Rational):  # integers included (q == 1)
+        return max(abs(expr.p).bit_length(), expr.q.bit_length()) * math.log10(2)
+    if isinstance(expr, Float):
+        x = abs(float(expr))
+        return abs(math.log10(x)) if 0 < x < math.inf else (math.inf if x else 0.0)
+    if isinstance(expr, (Pow, factorial)):
+        exponent = _digits(expr.args[-1])  # the exponent, or the n of n!
+        if exponent > 15:
+            return math.inf
+        base = _digits(expr.args[0]) if isinstance(expr, Pow) else exponent
+        return 10**exponent * max(1.0, base)
+    if isinstance(expr, Basic) and expr.args:
+        sizes = [_digits(a) for a in expr.args]
+        return sum(sizes) if isinstance(expr, Mul) else max(sizes)
+    return 0.0
+
+
+def _absurd(parsed: list) -> float:
+    return max((_digits(e) for e in parsed if isinstance(e, Basic)), default=0.0)
+
+
 def _grade(ground_truth: str, answer: str) -> tuple[float, str | None]:
     """Reward and, when it is 0, a short human-readable reason."""
     gold = _parse_boxed(ground_truth)
     if not gold:
         return 0.0, f"math_verify could not parse the ground truth {ground_truth!r}"
+    if len(answer) > max(MAX_ANSWER_CHARS, 2 * len(ground_truth)):
+        return 0.0, f"answer of {len(answer)} characters is longer than the {MAX_ANSWER_CHARS} graded"
     prediction = _parse_boxed(answer)
     if not prediction:
         return 0.0, f"math_verify could not parse the answer {_quote(answer)}"
+    digits = _absurd(prediction)
+    if digits > max(MAX_ANSWER_DIGITS, 2 * _absurd(gold)):
+        size = "beyond count" if digits == math.inf else f"~{digits:.3g}"
+        return 0.0, (f"answer {_quote(answer)} asks for numbers of {size} digits, more than the "
+                     f"{MAX_ANSWER_DIGITS} graded: not evaluated")
     # verify is asymmetric: the gold answer must come first.
     if verify(gold, prediction, timeout_seconds=None):
         return 1.0, None

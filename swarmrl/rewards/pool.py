@@ -6,6 +6,14 @@ backtracks forever). Here every worker is a long-lived process with its own
 pipe; when a call overruns ``timeout_s`` its worker is SIGKILLed and replaced,
 and only that call is reported as timed out.
 
+The answers graded here come from strangers, and one answer (a tall power
+tower, a huge fraction) can ask sympy for gigabytes. So each worker also runs
+under an address-space limit (RLIMIT_AS, ``memory_bytes``) and, for each call,
+a CPU-time limit a little above ``timeout_s`` (RLIMIT_CPU: it also stops a
+worker whose parent died mid-call, which no one would kill otherwise). A call
+that hits either limit ends as an error Outcome (a score of 0 for the row) and
+its worker is replaced; the other calls and the pool go on.
+
 Workers are started with the ``spawn`` method so the pool is safe to create
 from a parent that has imported torch (forking a process with live torch
 threads can deadlock). As with any spawn-based pool, a script that creates
@@ -18,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import importlib
+import math
 import multiprocessing
 import pickle
+import resource
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +42,12 @@ from typing import Any
 DEFAULT_PRELOAD = ("swarmrl.rewards.math",)
 
 _STARTING, _IDLE, _BUSY, _DEAD = "starting", "idle", "busy", "dead"
+
+# Address space of one worker: math_verify and sympy need ~100 MB; an answer needing more than
+# this is not one a grader should compute.
+DEFAULT_MEMORY_BYTES = 1 << 30
+# Seconds of CPU a call may use beyond its timeout before the kernel stops it (SIGXCPU).
+CPU_MARGIN_S = 1
 
 
 @dataclass(frozen=True)
@@ -56,15 +72,34 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _worker_main(conn: Connection, preload: Sequence[str]) -> None:
+def _set_soft_limit(which: int, soft: int) -> None:
+    """Lower (or move) a soft limit, never above the hard limit someone set for us."""
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(which, (soft, hard))
+
+
+def _cpu_seconds_used() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker_main(conn: Connection, preload: Sequence[str], memory_bytes: int | None = None,
+                 cpu_s: int | None = None) -> None:
     """Worker loop: receive ``(fn, args)``, send back ``("ok", value)`` or ``("error", text)``.
 
     The call is unpickled inside the try block so that a function the worker
     cannot import is reported as that call's error instead of killing the
-    worker. SIGINT is ignored: the parent decides when workers stop.
+    worker. SIGINT is ignored: the parent decides when workers stop. The
+    memory limit is set before the preload, so a limit too small for it fails
+    at startup rather than in every call.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        _set_soft_limit(resource.RLIMIT_CORE, 0)  # a worker killed at a limit must not write gigabytes of core
+        if memory_bytes is not None:
+            _set_soft_limit(resource.RLIMIT_AS, memory_bytes)
         for name in preload:
             importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 - report any startup failure to the parent
@@ -81,7 +116,19 @@ def _worker_main(conn: Connection, preload: Sequence[str]) -> None:
             if message is None:
                 return
             fn, args = message
+            if cpu_s is not None:
+                # RLIMIT_CPU counts the process's whole life, so each call's budget starts from now.
+                _set_soft_limit(resource.RLIMIT_CPU, math.ceil(_cpu_seconds_used()) + cpu_s)
             reply = ("ok", fn(*args))
+        except MemoryError:
+            # The heap may be left fragmented or half-built: report, and let the parent replace us.
+            limit = f" of {memory_bytes >> 20} MiB" if memory_bytes is not None else ""
+            try:
+                conn.send(("error_restart", f"out of memory: the call needed more than the grading process's "
+                                            f"limit{limit}"))
+            except Exception:  # noqa: BLE001 - the parent sees the death instead
+                pass
+            return
         except Exception as exc:  # noqa: BLE001 - any failure of the call is its result
             reply = ("error", _describe(exc))
         try:
@@ -109,7 +156,9 @@ class VerifierPool:
 
     Use as a context manager, or call :meth:`close`. Startup waits until every
     worker has imported ``preload`` and is ready, and raises RuntimeError if
-    one cannot start within ``start_timeout_s``.
+    one cannot start within ``start_timeout_s``. ``memory_bytes`` is each
+    worker's address-space limit (None: none); each call may use ``timeout_s``
+    rounded up plus ``CPU_MARGIN_S`` seconds of CPU (``limit_cpu=False``: no limit).
     """
 
     def __init__(
@@ -120,6 +169,8 @@ class VerifierPool:
         preload: Sequence[str] = DEFAULT_PRELOAD,
         start_timeout_s: float = 60.0,
         start_method: str = "spawn",
+        memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
+        limit_cpu: bool = True,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
@@ -130,8 +181,14 @@ class VerifierPool:
                 f"start_method must be 'spawn' or 'forkserver', got {start_method!r}; "
                 "'fork' is unsafe once torch has started threads"
             )
+        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
+                                         or memory_bytes < (64 << 20)):
+            raise ValueError(f"memory_bytes must be None (no limit) or an int of at least 64 MiB (the "
+                             f"interpreter alone needs that much), got {memory_bytes!r}")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.memory_bytes = memory_bytes
+        self.cpu_s = math.ceil(self.timeout_s) + CPU_MARGIN_S if limit_cpu else None
         self._preload = tuple(preload)
         self._start_timeout_s = float(start_timeout_s)
         self._context = multiprocessing.get_context(start_method)
@@ -177,7 +234,7 @@ class VerifierPool:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=_worker_main,
-            args=(child_conn, self._preload),
+            args=(child_conn, self._preload, self.memory_bytes, self.cpu_s),
             name=f"swarmrl-verifier-{slot}",
             daemon=True,
         )
@@ -305,8 +362,11 @@ class VerifierPool:
         if worker.state == _STARTING:
             if kind != "ready":
                 self._kill(worker)
+                hint = ""
+                if self.memory_bytes is not None and str(payload).startswith("MemoryError"):
+                    hint = f" (under the {self.memory_bytes >> 20} MiB memory limit: raise memory_bytes)"
                 raise RuntimeError(
-                    f"a verifier worker failed to start: {payload}; "
+                    f"a verifier worker failed to start: {payload}{hint}; "
                     f"check that the preload modules {self._preload} import cleanly"
                 )
             worker.state = _IDLE
@@ -317,6 +377,8 @@ class VerifierPool:
         else:
             outcomes[worker.call_index] = Outcome(None, payload, elapsed)
         worker.state = _IDLE
+        if kind == "error_restart":
+            self._replace(worker)
 
     def _on_death(self, worker: _Worker, outcomes: list[Outcome | None]) -> None:
         worker.process.join(5.0)
@@ -328,9 +390,13 @@ class VerifierPool:
                 f"check that the preload modules {self._preload} import cleanly"
             )
         elapsed = time.monotonic() - worker.dispatched_at
-        outcomes[worker.call_index] = Outcome(
-            None, f"the worker died unexpectedly (exit code {code}) while running this call", elapsed
-        )
+        if code == -signal.SIGXCPU:
+            error = f"used more than its {self.cpu_s} s of CPU time and was stopped"
+        else:
+            error = f"the worker died unexpectedly (exit code {code}) while running this call"
+            if code == -signal.SIGKILL and self.memory_bytes is not None:
+                error += " (killed: out of memory?)"
+        outcomes[worker.call_index] = Outcome(None, error, elapsed)
         self._replace(worker)
 
     def _expire(self, worker: _Worker, outcomes: list[Outcome | None]) -> None:

@@ -11,8 +11,10 @@ Every execution is one fresh sandbox:
   file size, open files; ``harness.py``);
 - not root's powers. Run by root, bwrap does its mounts as root and then ``setpriv``
   switches to a per-slot unprivileged uid with no capabilities and ``no_new_privs``, so
-  RLIMIT_NPROC applies (it never does to root). Run by another user, bwrap puts the program
-  in a new user namespace, where the process count is that namespace's own;
+  RLIMIT_NPROC applies (it never does to root). Each pool claims its own range of uids
+  (``uids.py``), so no two pools on one machine share a uid, nor its process count. Run by
+  another user, bwrap puts the program in a new user namespace, where the process count is
+  that namespace's own;
 - where cgroups are writable, a per-slot cgroup with ``pids.max`` and a memory limit;
 - the host reads at most ``max_output_bytes`` of stdout and stderr, kills the whole process
   group at the time limit or the output cap, and empties the slot's cgroup afterwards.
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from swarmrl.config import SandboxConfig
 from swarmrl.sandbox.cgroups import SlotCgroup, open_slot_cgroup
+from swarmrl.sandbox.uids import UidRange, UidsUnavailable
 
 # Defaults come from the config (swarmrl/config.py, SandboxConfig): one source of truth.
 _SB = SandboxConfig()
@@ -82,7 +85,8 @@ class SandboxSettings:
     max_output_bytes: int = _SB.max_output_kb << 10
     tmp_bytes: int = _SB.tmp_mb << 20
     startup_grace_s: float = _SB.startup_grace_s
-    uid_base: int = _SB.uid_base
+    uid_base: int = _SB.uid_base  # where a pool starts looking for free uids (uids.py)
+    uid_lock_dir: str | None = None  # where pools claim uids; None: uids.DEFAULT_LOCK_DIR
     cgroups: str = _SB.cgroups  # "auto" | "required" | "off"
     bwrap: str = _SB.bwrap
     python: str | None = _SB.python
@@ -172,6 +176,7 @@ class Sandbox:
         self._runs = itertools.count()
         self._closed = False
         self.cgroup_note = "off"
+        self._uids: UidRange | None = None
         try:
             if settings.unsafe_no_sandbox:
                 self._log(
@@ -182,6 +187,11 @@ class Sandbox:
             else:
                 self._check_bwrap()
                 self._prefix = _python_prefix(self.python)
+                if self.is_root:
+                    try:
+                        self._uids = UidRange(settings.uid_base, settings.workers, settings.uid_lock_dir)
+                    except UidsUnavailable as exc:
+                        raise SandboxUnavailable(str(exc)) from None
             for slot in range(settings.workers):
                 self._open_slot(slot)
             self._check_cgroups()
@@ -245,7 +255,8 @@ class Sandbox:
         """One line for logs: how programs are isolated here."""
         if self.settings.unsafe_no_sandbox:
             return "NO SANDBOX (sandbox.unsafe_no_sandbox)"
-        user = f"uid {self.settings.uid_base}+slot" if self.is_root else "a user namespace"
+        uids = self._uids.uids if self._uids is not None else []
+        user = f"uids {uids[0]}-{uids[-1]}" if uids else "a user namespace"
         return (f"bubblewrap, {self.settings.workers} slots, as {user}, cgroups {self.cgroup_note}")
 
     def close(self) -> None:
@@ -258,6 +269,8 @@ class Sandbox:
                     break
                 time.sleep(0.02)
         shutil.rmtree(self._root, ignore_errors=True)
+        if self._uids is not None:
+            self._uids.release()
 
     def __enter__(self) -> Sandbox:
         return self
@@ -267,11 +280,14 @@ class Sandbox:
 
     # -- one execution -------------------------------------------------------------------------
 
+    @property
+    def uids(self) -> list[int]:
+        """The host uids this pool's slots run as (claimed for this pool alone); [] when they run as this user."""
+        return list(self._uids.uids) if self._uids is not None else []
+
     def slot_uid(self, slot: int) -> int | None:
         """The host uid a slot's programs run as, or None when they run as this user."""
-        if self.settings.unsafe_no_sandbox or not self.is_root:
-            return None
-        return self.settings.uid_base + slot
+        return self._uids.uids[slot] if self._uids is not None else None
 
     def _command(self, slot: int, mode: str, limits: dict, cgroup: SlotCgroup | None) -> list[str]:
         box = self._root / f"slot{slot}"

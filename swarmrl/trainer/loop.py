@@ -136,7 +136,8 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
         if state is not None:
             start, extra = state["step"], state["extra"]
             print(f"resumed from checkpoint at step {start}", flush=True)
-    pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s) if main else None
+    pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
+                        memory_bytes=cfg.rewards.verify_memory_mb << 20) if main else None
     _, held_out = task_rows(cfg, log=lambda *_: None)
     graders = open_graders(held_out, cfg.sandbox) if main else Graders()
     server = link = None

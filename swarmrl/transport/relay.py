@@ -2,13 +2,18 @@
 
 A relay polls its upstreams (the origin, which is the trainer, or other relays: they form a
 tree) for new versions, mirrors each one shard by shard with the same downloader clients use
-(verifying every shard's sha256 before it is served, and the trainer's signature when it was
-given the trainer's public key), and serves what it holds with a `ShardServer`: HTTP Range
-requests, one thread per request, the newest `keep` versions, never deleting a version while a
-client is still downloading it.
+(the manifest verified against the trainer's public key, every shard's sha256 before it is
+served), and serves what it holds with a `ShardServer`: HTTP Range requests, a bounded number of
+connections, the newest `keep` versions, never deleting a version while a client is still
+downloading it.
 
 A relay is untrusted by design: clients check the trainer's signature and every shard
 themselves, so a relay that lies only loses its clients' trust (their `SourceScores` drop it).
+Its upstreams are untrusted too: a version one of them lists is only a claim. A listed version
+whose manifest does not verify, or that cannot be fetched, is skipped (logged once) and asked
+of that upstream again only after a backoff, and each upstream may cost a poll at most
+`failures_per_poll` failed versions; so bogus version numbers (a huge one nobody can serve, a
+forged manifest) never stop the relay from mirroring the real versions.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from swarmrl.protocol.manifest import _check_public_key, _vname, verify_manifest
 from swarmrl.transport.broadcast import (
     BroadcastError,
     ShardServer,
@@ -26,56 +32,136 @@ from swarmrl.transport.broadcast import (
     prune_versions,
     read_versions,
 )
+from swarmrl.transport.broadcast.common import _load_manifest_file, _remove_dir
+
+NEED_KEY = ("a relay mirrors only versions the trainer signed, so it needs the trainer's public key: pass "
+            "--trainer-key <run-dir>/trainer.pub (the file, or the 64 hex characters in it; the trainer writes it "
+            "into its run directory), or Relay(..., public_key=...) in code")
+
+
+def require_trainer_key(public_key) -> str:
+    """The trainer's public key, checked; BroadcastError saying where to find it when missing."""
+    if public_key is None or public_key == "":
+        raise BroadcastError(NEED_KEY)
+    return _check_public_key(public_key, "relay --trainer-key")
 
 
 class Relay:
-    def __init__(self, upstreams: list[str], cache_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                 keep: int = 3, poll_s: float = 0.5, public_key: str | None = None, parallel: int = 4,
-                 timeout_s: float = 10.0, max_bytes_per_s: float | None = None, log=print):
+    """Mirror `upstreams` into `cache_dir` and serve it (see the module doc). `public_key` (the
+    trainer's, 64 hex) is required. A version that failed from an upstream is asked of it again
+    after `retry_s`, doubling with each failure up to `max_retry_s`; `max_connections` bounds the
+    clients served at once (`ShardServer`)."""
+
+    def __init__(self, upstreams: list[str], cache_dir: str | Path, *, public_key: str, host: str = "127.0.0.1",
+                 port: int = 0, keep: int = 3, poll_s: float = 0.5, parallel: int = 4, timeout_s: float = 10.0,
+                 max_bytes_per_s: float | None = None, max_connections: int = 64, retry_s: float = 5.0,
+                 max_retry_s: float = 600.0, failures_per_poll: int = 2, log=print):
         if not upstreams:
             raise BroadcastError("a relay needs at least one upstream URL (the origin or another relay)")
+        self.public_key = require_trainer_key(public_key)
         self.upstreams = [u.rstrip("/") for u in upstreams]
         self.root = Path(cache_dir)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.keep, self.poll_s, self.public_key = keep, poll_s, public_key
+        self.keep, self.poll_s = keep, poll_s
         self.parallel, self.timeout_s, self.log = parallel, timeout_s, log
-        self.server = ShardServer(self.root, host, port, max_bytes_per_s=max_bytes_per_s)
+        self.retry_s, self.max_retry_s, self.failures_per_poll = retry_s, max_retry_s, failures_per_poll
+        self.server = ShardServer(self.root, host, port, max_bytes_per_s=max_bytes_per_s,
+                                  max_connections=max_connections)
         self.scores = SourceScores()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # the latest problem: an outage, or a version skipped
+        # (upstream, version) -> (failures so far, monotonic time before which it is not asked again)
+        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
+        self.skipped: dict[int, str] = {}  # version -> why it was skipped (each logged once)
 
     @property
     def url(self) -> str:
         return self.server.url
 
-    def upstream_versions(self) -> list[int]:
-        """Versions any upstream holds; BroadcastError naming every upstream if none answers."""
-        found: set[int] = set()
+    def advertised(self) -> dict[str, set[int]]:
+        """The versions each answering upstream lists; BroadcastError naming every upstream if none answers."""
+        found: dict[str, set[int]] = {}
         errors = []
         for u in self.upstreams:
             try:
-                found.update(list_versions(u, timeout_s=self.timeout_s))
+                found[u] = set(list_versions(u, timeout_s=self.timeout_s))
             except BroadcastError as e:
                 errors.append(f"{u}: {e}")
         if len(errors) == len(self.upstreams):
             raise BroadcastError("no upstream answered: " + "; ".join(errors))
-        return sorted(found)
+        return found
+
+    def upstream_versions(self) -> list[int]:
+        """Versions any upstream lists (claims, not yet verified)."""
+        return sorted(set().union(*self.advertised().values()))
 
     def sync_once(self) -> list[int]:
-        """Mirror the newest `keep` upstream versions not held yet; the versions mirrored."""
-        available = self.upstream_versions()
+        """Mirror, newest first, the listed versions that verify, until the newest `keep` are held;
+        skip those that do not (see the module doc). The versions mirrored."""
+        advertised = self.advertised()
+        self._forget(advertised)
+        now = time.monotonic()
         held = set(read_versions(self.root))
-        wanted = [v for v in available[-self.keep:] if v not in held]
+        failures = dict.fromkeys(self.upstreams, 0)
         done = []
-        for v in wanted:
+        for v in sorted(set().union(*advertised.values()), reverse=True):
+            if sum(h > v for h in held) >= self.keep:
+                break  # older than every version kept: it would be pruned at once
+            if v in held:
+                continue
+            sources = [u for u in self.upstreams if v in advertised.get(u, ())
+                       and self._failed.get((u, v), (0, 0.0))[1] <= now and failures[u] < self.failures_per_poll]
+            if not sources:
+                continue
             t0 = time.monotonic()
-            mirror_version(v, self.upstreams, self.root, public_key=self.public_key, scores=self.scores,
-                           parallel=self.parallel, timeout_s=self.timeout_s, log=self.log)
-            self.log(f"relay: mirrored v{v:06d} in {time.monotonic() - t0:.2f} s")
+            try:
+                mirror_version(v, sources, self.root, public_key=self.public_key, scores=self.scores,
+                               parallel=self.parallel, timeout_s=self.timeout_s, log=self.log)
+            except BroadcastError as e:
+                for u in sources:
+                    failures[u] += 1
+                    n = self._failed.get((u, v), (0, 0.0))[0] + 1
+                    backoff = min(self.max_retry_s, self.retry_s * 2 ** min(n - 1, 30))
+                    self._failed[(u, v)] = (n, time.monotonic() + backoff)
+                self._skip(v, sources, str(e))
+                continue
+            self.log(f"relay: mirrored {_vname(v)} in {time.monotonic() - t0:.2f} s")
+            held.add(v)
             done.append(v)
+            self.skipped.pop(v, None)
         prune_versions(self.root, self.keep, in_use=self.server.in_use)
         return done
+
+    def _skip(self, version: int, sources: list[str], why: str) -> None:
+        self.last_error = f"{_vname(version)}: {why}"
+        if version not in self.skipped:  # once per version, not every poll
+            self.log(f"relay: skipping {_vname(version)} listed by {', '.join(sources)}: it does not verify or "
+                     f"cannot be fetched ({why}); mirroring the other versions, will ask again later")
+        self.skipped[version] = why
+
+    def _forget(self, advertised: dict[str, set[int]]) -> None:
+        """Drop the failure memory of versions an answering upstream no longer lists (bounded memory)."""
+        for u, v in list(self._failed):
+            if u in advertised and v not in advertised[u]:
+                del self._failed[(u, v)]
+        listed = set().union(*advertised.values())
+        for v in [v for v in self.skipped if v not in listed]:
+            del self.skipped[v]
+
+    def drop_unverified(self) -> list[int]:
+        """Remove held versions whose manifest does not verify against the trainer key (a cache
+        written by another run, or by a relay of an older swarmrl that mirrored unsigned ones)."""
+        dropped = []
+        for v in read_versions(self.root):
+            vdir = self.root / _vname(v)
+            try:
+                verify_manifest(_load_manifest_file(vdir / "manifest.json"), self.public_key, v)
+            except BroadcastError as e:
+                self.log(f"relay: removing {vdir}: {e}")
+                _remove_dir(vdir)
+                dropped.append(v)
+        return dropped
 
     def _loop(self) -> None:
         failing = False
@@ -84,7 +170,7 @@ class Relay:
                 self.sync_once()
                 if failing:
                     self.log("relay: upstream reachable again")
-                failing, self.last_error = False, None
+                failing = False
             except BroadcastError as e:
                 # Keep serving what we hold; say so once per outage, not every poll.
                 if not failing:
@@ -93,6 +179,7 @@ class Relay:
             self._stop.wait(self.poll_s)
 
     def start(self) -> Relay:
+        self.drop_unverified()
         self.server.start()
         self._thread = threading.Thread(target=self._loop, name="relay-mirror", daemon=True)
         self._thread.start()
@@ -130,12 +217,13 @@ def wait_for_upstream(upstreams: list[str], *, tries: int, backoff_s: float = 0.
 
 def run_relay(upstreams: list[str], cache_dir: str, *, host: str, port: int, keep: int, public_key: str | None,
               startup_tries: int = 10, url_file: str | None = None, max_bytes_per_s: float | None = None) -> None:
-    """`swarmrl relay`: mirror and serve until interrupted."""
+    """`swarmrl relay`: mirror and serve until interrupted. BroadcastError at once without the trainer key."""
     import json
     import os
 
     from swarmrl.transport.filesystem import atomic_write_text
 
+    require_trainer_key(public_key)  # before waiting for upstreams: the fix is on this command line
     wait_for_upstream(upstreams, tries=startup_tries)
     relay = Relay(upstreams, cache_dir, host=host, port=port, keep=keep, public_key=public_key,
                   max_bytes_per_s=max_bytes_per_s).start()

@@ -147,7 +147,11 @@ def _get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
 
 
 def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
-    """GET {source}/versions: the complete versions a ShardServer holds."""
+    """GET {source}/versions: the complete versions a ShardServer says it holds, sorted.
+
+    Entries that are not version numbers (ints in 0..999999) are dropped, not an error: a source
+    is untrusted, and one garbage entry must not hide the real versions listed beside it. What is
+    listed is only a claim; each version is believed once its signed manifest verifies."""
     (source,) = _check_sources([source], "list_versions")
     try:
         data = json.loads(_get_small(source, "/versions", timeout_s, 16 << 20))
@@ -158,10 +162,10 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
         raise BroadcastError(f"cannot list versions at {source}: the answer is not JSON; is that URL a swarmrl "
                              "broadcast server?") from None
     versions = data.get("versions") if isinstance(data, dict) else None
-    if not isinstance(versions, list) or not all(_is_int(v) and 0 <= v <= 999_999 for v in versions):
+    if not isinstance(versions, list):
         raise BroadcastError(f"cannot list versions at {source}: expected {{\"versions\": [ints]}}; is that URL a "
                              "swarmrl broadcast server?")
-    return sorted(versions)
+    return sorted({v for v in versions if _is_int(v) and 0 <= v <= 999_999})
 
 
 def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, timeout_s: float = 10.0,

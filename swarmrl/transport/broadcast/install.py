@@ -12,7 +12,6 @@ from pathlib import Path
 from swarmrl.protocol.manifest import (
     BroadcastError,
     _check_public_key,
-    _check_shape,
     _check_version,
     _is_int,
     _vname,
@@ -109,29 +108,33 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
             _ACTIVE.discard(tmp)
 
 
-def mirror_version(version: int, sources: list[str], root, *, public_key: str | None, scores=None,
+def mirror_version(version: int, sources: list[str], root, *, public_key: str, scores=None,
                    parallel: int = 4, timeout_s: float = 10.0, log=lambda msg: None,
                    expected_digest: str | None = None) -> dict:
     """Mirror `version` from `sources` into root/vNNNNNN (the origin's layout, so a ShardServer on
-    `root` serves it: relays chain). The manifest is verified against `public_key` when given,
-    every shard against its sha256 always; a failed call leaves its partial shards for the next
-    call to resume. Returns the manifest; a complete copy already there is returned at once
-    (unless `expected_digest` is given and it differs: then it is replaced)."""
+    `root` serves it: relays chain). The manifest must verify against `public_key` (the trainer's;
+    required), every shard against its sha256; a failed call leaves its partial shards for the
+    next call to resume. Returns the manifest; a complete copy already there is returned at once
+    if it still verifies (unless `expected_digest` is given and it differs: then it is replaced)."""
     _check_version(version)
     vname = _vname(version)
+    # A mirror of an unsigned version would be served on to clients that then refuse it (or,
+    # worse, to a chained relay): a relay holds only what the trainer signed.
+    if public_key is None:
+        raise BroadcastError(f"mirroring {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
+                             "relays never mirror versions they cannot verify")
+    _check_public_key(public_key, f"mirroring {vname}")
     sources = _check_sources(sources, f"mirroring {vname}")
-    if public_key is not None:
-        _check_public_key(public_key, f"mirroring {vname}")
     root = Path(root)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
-        held = _load_manifest_file(vdir / "manifest.json")
-        if expected_digest is None or manifest_digest(held) == expected_digest:
-            if public_key is not None:
+        try:
+            held = _load_manifest_file(vdir / "manifest.json")
+            if expected_digest is None or manifest_digest(held) == expected_digest:
                 verify_manifest(held, public_key, version)
-            else:
-                _check_shape(held, f"manifest of policy {vname} in {vdir}")
-            return held
+                return held
+        except BroadcastError as e:  # from before the key was required, or damaged: fetched again
+            log(f"{vname}: the copy in {vdir} does not verify ({e}); replacing it")
         _remove_dir(vdir)
     scores = SourceScores() if scores is None else scores
     manifest = fetch_manifest(version, scores.order(sources), public_key=public_key, timeout_s=timeout_s,

@@ -1,8 +1,15 @@
 """Serving a broadcast root over HTTP (`ShardServer`): read-only GET/HEAD of the version list,
-manifests and shards, with Range requests, for the trainer (the origin) and every relay."""
+manifests and shards, with Range requests, for the trainer (the origin) and every relay.
+
+Anyone who can reach the port is a client, so what one client can hold is bounded: at most
+`max_connections` connections are served at once (one thread each; a connection over the bound
+gets a 503 at once and is closed), and a connection that sends nothing, or trickles its request
+byte by byte, is closed after `client_timeout_s` (slowloris), as is one that stops reading.
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -27,7 +34,18 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
     Subclass and set `ShardServer.handler_class` to inject faults in tests."""
 
     server: "_Server"
-    timeout = 60  # an idle or stalled client must not hold a thread forever
+
+    def setup(self):
+        # Every socket read or write waits at most this long (a stalled client), and a request's
+        # line and headers must arrive within it in all (a trickling one): see _DeadlineReader.
+        self.timeout = self.server.owner.client_timeout_s
+        super().setup()
+        self._deadline = time.monotonic() + self.timeout
+        self.rfile = io.BufferedReader(_DeadlineReader(self))
+
+    def handle_one_request(self):
+        self._deadline = time.monotonic() + self.timeout  # also bounds the idle time between keep-alive requests
+        super().handle_one_request()
 
     def log_message(self, format, *args):  # noqa: A002 - signature fixed by the base class
         pass  # one line per request to stderr is noise: clients fetch many shards
@@ -136,14 +154,73 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
             sent += len(chunk)
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The request side of a connection: each recv waits at most until the handler's deadline.
+
+    A plain socket timeout bounds one recv only, so a client sending a byte every few seconds
+    would keep its thread (and its slot) forever; here the whole request line and headers must
+    arrive before the deadline set when the request began."""
+
+    def __init__(self, handler: "ShardRequestHandler"):
+        super().__init__()
+        self._handler = handler
+        self._sock = handler.connection
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._handler._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the client took too long to send its request")
+        self._sock.settimeout(min(left, self._handler.timeout))
+        try:
+            return self._sock.recv_into(buffer)
+        finally:
+            self._sock.settimeout(self._handler.timeout)  # writes get the full timeout
+
+
+_BUSY_BODY = b"too many connections: try again later or use another source\n"
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a hung client must never keep the process alive
     block_on_close = False  # nor make close() wait for it
+    request_queue_size = 128  # a burst of clients waits in the kernel's backlog rather than being dropped
 
     def __init__(self, address, handler, owner: "ShardServer"):
         self.owner = owner
         self.root = owner.root
+        self._slots = threading.BoundedSemaphore(owner.max_connections)
         super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        # Runs in the accept loop: never wait here, or one flood would stall every later client.
+        if not self._slots.acquire(blocking=False):
+            return self._refuse(request)
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request) -> None:
+        """503 without reading the request, sent without blocking, then close."""
+        try:
+            request.setblocking(False)
+            request.send(_BUSY)
+            request.recv(1 << 16)  # what already arrived: closing with unread data would reset the 503 away
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
@@ -153,7 +230,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class ShardServer:
-    """Serves a broadcast root read-only over HTTP, one thread per request (see the module doc).
+    """Serves a broadcast root read-only over HTTP, one thread per connection, at most
+    `max_connections` at once, each closed after `client_timeout_s` without progress (see the
+    module doc).
 
     `in_use(version)` is True while a response for that version is being written, and for
     `busy_grace_s` seconds after the last one (a client fetches a version's shards one request
@@ -164,9 +243,17 @@ class ShardServer:
     handler_class = ShardRequestHandler
 
     def __init__(self, root, host: str = "127.0.0.1", port: int = 0, *, busy_grace_s: float = 30.0,
-                 max_bytes_per_s: float | None = None):
+                 max_bytes_per_s: float | None = None, max_connections: int = 64, client_timeout_s: float = 20.0):
         if max_bytes_per_s is not None and not (isinstance(max_bytes_per_s, (int, float)) and max_bytes_per_s > 0):
             raise BroadcastError(f"max_bytes_per_s must be None (no cap) or a positive number, got {max_bytes_per_s!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise BroadcastError(f"max_connections must be a positive int, got {max_connections!r}")
+        if not (isinstance(client_timeout_s, (int, float)) and client_timeout_s > 0):
+            raise BroadcastError(f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}")
+        self.max_connections = max_connections
+        # 20 s: a 256 KiB write (CHUNK) then needs the client to read at >= 13 KiB/s, below the
+        # 32 KiB/s (MIN_RATE) under which clients give up on a source themselves.
+        self.client_timeout_s = float(client_timeout_s)
         self.root = Path(root)
         self.host, self.port = host, port
         self.busy_grace_s = busy_grace_s

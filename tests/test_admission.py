@@ -1,0 +1,192 @@
+"""Admission (orchestrator/admission.py) and run-bound signatures: the rules as pure functions
+with hand-checked numbers, the grading lanes with threads, and the cross-run and framing
+sequences against two real orchestrator processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
+
+from swarmrl.config import OrchestratorConfig
+from swarmrl.orchestrator.admission import (Busy, GradingLanes, Standing, allowance, is_proven, lease_size,
+                                            lease_timeout)
+from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
+from swarmrl.protocol.signing import AuthError, WrongRun, new_run_id, sign_headers, verify_request
+
+pytestmark = pytest.mark.timeout(300)
+O = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=2, proven_after=4)
+
+
+# ---- the rules, by hand ------------------------------------------------------------------------
+@pytest.mark.parametrize("accepted, expired, fraud, expect", [
+    (0, 0, 0, 8),     # a new key: new_key_slots
+    (4, 0, 0, 10),    # 8 + 4 * 0.5
+    (100, 0, 0, 16),  # capped at max_open_leases (2) full leases of 8
+    (0, 8, 0, 0),     # a new key that let one lease expire holds nothing for a while
+    (100, 8, 0, 8),   # a proven worker that crashed once keeps half
+    (0, 3, 2, 3),     # 8 - 3 - 2
+    (0, 20, 0, 0),    # never negative
+])
+def test_allowance(accepted, expired, fraud, expect):
+    assert allowance(Standing(accepted, expired, fraud, held=0), O, lease_prompts=8) == expect
+
+
+def test_lease_size_timeout_and_proven():
+    assert lease_size(10, 8) == 8 and lease_size(3, 8) == 3 and lease_size(-2, 8) == 0
+    assert lease_timeout(120.0, 8, 8) == 120.0
+    assert lease_timeout(120.0, 4, 8) == 60.0
+    assert lease_timeout(120.0, 1, 8) == 30.0  # floored at a quarter
+    assert not is_proven(3, O) and is_proven(4, O)
+
+
+def test_grading_lanes_one_per_key_and_one_for_all_unproven_keys():
+    class Lane:
+        def close(self):
+            pass
+
+    lanes = GradingLanes([Lane(), Lane()], wait_s=0.2)
+    inside = threading.Event()
+    release = threading.Event()
+
+    def hold(key, proven):
+        with lanes.lane(key, proven):
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hold, args=("new-1", False))
+    t.start()
+    assert inside.wait(5)
+    with pytest.raises(Busy, match="already has a submission"):
+        with lanes.lane("new-1", False):
+            pass
+    t0 = time.monotonic()
+    with pytest.raises(Busy, match="new workers"):  # the unproven lane is taken
+        with lanes.lane("new-2", False):
+            pass
+    assert time.monotonic() - t0 < 2
+    with lanes.lane("proven", True) as lane:  # a proven key still gets the other lane at once
+        assert isinstance(lane, Lane)
+    release.set()
+    t.join()
+    with lanes.lane("new-2", False):
+        pass
+
+
+# ---- run-bound signatures ----------------------------------------------------------------------
+def test_a_signature_is_valid_in_its_run_only():
+    key = Ed25519PrivateKey.generate()
+    run_a, run_b = new_run_id(), new_run_id()
+    headers = sign_headers(key, run_a, "POST", "/v1/leases", b"{}")
+    assert verify_request(headers, "POST", "/v1/leases", b"{}", run_id=run_a, max_skew_s=60)[0]
+    with pytest.raises(WrongRun, match=f"signed for run '{run_a}'.*serves run {run_b}"):
+        verify_request(headers, "POST", "/v1/leases", b"{}", run_id=run_b, max_skew_s=60)
+    # Claiming run b in the header does not help: the signature covers the run.
+    with pytest.raises(AuthError, match="bad signature"):
+        verify_request({**headers, "x-swarmrl-run": run_b}, "POST", "/v1/leases", b"{}", run_id=run_b, max_skew_s=60)
+    old = {k: v for k, v in headers.items() if k != "x-swarmrl-run"}
+    with pytest.raises(WrongRun, match="not bound to a run"):
+        verify_request(old, "POST", "/v1/leases", b"{}", run_id=run_a, max_skew_s=60)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    procs = []
+    for name in ("a", "b"):
+        run = make_run_dir(root / name, "--validator.rate", "0", "--validator.ban_after", "3",
+                           "--orchestrator.proven_after", "0", "--async.max_pending_groups", "1000",
+                           "--sampling.prompts_per_step", "100")
+        proc = OrchestratorProcess(run).start()
+        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
+            0, "http://127.0.0.1:9", signed_version(run, 0))
+        procs.append(proc)
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+def test_a_request_signed_for_run_a_is_refused_by_run_b(two_runs):
+    a, b = two_runs
+    key = Ed25519PrivateKey.generate()
+    wa, wb = WorkerClient(a.url, key), WorkerClient(b.url, key)
+    wa.register("same-key")
+    wb.register("same-key")  # one key may join both runs
+    assert wa.run() != wb.run()
+    body = json.dumps({"policy_version": 0}).encode()
+    headers = {"content-type": "application/json", **sign_headers(key, wa.run(), "POST", "/v1/leases", body)}
+    assert httpx.post(a.url + "/v1/leases", content=body, headers=headers).status_code == 200
+    r = httpx.post(b.url + "/v1/leases", content=body, headers=headers)
+    assert r.status_code == 401 and r.json()["error"] == "wrong_run"
+    assert wa.run() in r.json()["detail"] and wb.run() in r.json()["detail"]
+    # A worker pinned to run a refuses to talk to run b at all.
+    with pytest.raises(WrongRun, match="check the orchestrator URL"):
+        WorkerClient(b.url, key, run_id=wa.run()).lease(0)
+
+
+def _submission(lease: dict) -> dict:
+    """A well-formed submission (its content does not matter for these refusals)."""
+    return {"lease_id": lease["lease_id"], "groups": [
+        {"slot": p["slot"], "policy_version": 0,
+         "samples": [{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "finish_reason": "length", "proofs": ["AA=="]}]}
+        for p in lease["prompts"]]}
+
+
+def test_the_framing_sequence_does_not_ban_an_honest_worker(two_runs):
+    """A malicious orchestrator (run b) hands the honest worker a lease id of run a (where the
+    attacker leased it), and replays the worker's signed submission to run a, three times and
+    more; then the attacker feeds it another key's lease id directly. Nothing counts as fraud."""
+    a, b = two_runs
+    attacker = WorkerClient(a.url, Ed25519PrivateKey.generate())
+    attacker.register("attacker")
+    honest_key = Ed25519PrivateKey.generate()
+    honest_a, honest_b = WorkerClient(a.url, honest_key), WorkerClient(b.url, honest_key)
+    honest_a.register("honest")
+    honest_b.register("honest")
+    stolen = attacker.lease(0)["lease"]
+    for _ in range(4):
+        body = json.dumps(_submission(stolen), separators=(",", ":")).encode()
+        # The honest worker signs for the run it talks to (b); b replays the bytes to a.
+        headers = {"content-type": "application/json",
+                   **sign_headers(honest_key, honest_b.run(), "POST", "/v1/rollouts", body)}
+        r = httpx.post(a.url + "/v1/rollouts", content=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"] == "wrong_run"
+        # Fed straight to the honest worker in run a: refused, counted against nobody.
+        with pytest.raises(Refused) as e:
+            honest_a.submit(_submission(stolen))
+        assert e.value.code == "foreign_lease"
+    me = honest_a.me()
+    assert me["fraud"] == 0 and me["rejected"] == 0 and not me["banned"]
+    assert honest_a.lease(0)["lease"] is not None  # and it still gets work
+
+
+def test_a_hoarder_loses_its_allowance_and_new_keys_share_a_cap(tmp_path):
+    run = make_run_dir(tmp_path / "run", "--validator.rate", "0", "--orchestrator.lease_timeout_s", "1",
+                       "--orchestrator.new_key_slots", "2", "--orchestrator.proven_after", "2",
+                       "--async.max_pending_groups", "8", "--sampling.prompts_per_step", "4")
+    proc = OrchestratorProcess(run).start()
+    try:
+        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
+            0, "http://127.0.0.1:9", signed_version(run, 0))
+        keys = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(4)]
+        for i, w in enumerate(keys):
+            w.register(f"new-{i}")
+        # Unproven keys together hold at most unproven_share (0.5) of 8 outstanding = 4 prompts.
+        got = [w.lease(0) for w in keys]
+        leased = [g for g in got if g["lease"] is not None]
+        assert sum(len(g["lease"]["prompts"]) for g in leased) == 4
+        assert any("new workers hold" in (g.get("reason") or "") for g in got)
+        hoarder = keys[0]
+        assert got[0]["lease"] is not None
+        time.sleep(1.5)  # its lease (2 prompts, floor 0.25 s... scaled: 1 s) runs out unsubmitted
+        with pytest.raises(Unavailable, match="allowance_exhausted"):
+            hoarder.lease(0)
+        me = hoarder.me()
+        assert me["expired_slots"] == 2 and me["lease_allowance"] == 0 and not me["proven"]
+    finally:
+        proc.stop()
