@@ -97,6 +97,11 @@ class SamplingConfig(_Section):
     """Prompts (groups) in one lease: what a worker samples in one batched generate call.
     Smaller leases let the orchestrator stop handing out work with a version closer to exactly
     what the next batch needs (less dropped as stale); larger ones batch the sampler better."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The run's inference precision: leases carry it, workers sample in it (a worker set to
+    another refuses the lease with a message) and validators prefill in it, so honest work is
+    judged against its own numerics (docs/validation.md calibrates both). float32 on CPU;
+    bfloat16 for GPU fleets, as in the seed run."""
     uninformative_limit: int = Field(2000, ge=1)
     """Stop the run with an error after this many consecutive groups with all-equal rewards
     (no GRPO signal at all), rather than wait forever for an informative one."""

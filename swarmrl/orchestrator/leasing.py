@@ -152,7 +152,7 @@ class Leasing:
         self._count("leases_issued")
         lease = Lease(lease_id=lease_id, expires_at=expires, expires_in_s=expires - now, min_version=lo,
                       max_version=latest, group_size=s.group_size, temperature=s.temperature,
-                      max_new_tokens=s.max_new_tokens,
+                      max_new_tokens=s.max_new_tokens, dtype=s.dtype,
                       proof=ProofSpec(chunk_size=cfg.validator.chunk_size, topk=cfg.validator.topk),
                       prompts=[LeasedPrompt(**p) for p in prompts])
         return {"lease": lease.model_dump()}

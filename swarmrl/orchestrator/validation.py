@@ -79,7 +79,8 @@ class ValidationQueue:
                                        "proofs": proofs[i] if i < len(proofs) else []}
                                       for i, smp in enumerate(g["samples"])]})
         self._count("validator/claimed", len(items))
-        return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump()}
+        return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump(),
+                "dtype": cfg.sampling.dtype}
 
     def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:
         """Apply a validator's verdicts: passed groups join the queue, failed ones are rejected

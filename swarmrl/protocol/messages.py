@@ -123,6 +123,8 @@ class Lease(_Out):
     group_size: int = Field(ge=1)
     temperature: float = Field(ge=0)
     max_new_tokens: int = Field(ge=1)
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the run's inference precision: sample in exactly this (the validator prefills in it)")
     proof: ProofSpec
     prompts: list[LeasedPrompt]
 
@@ -220,6 +222,7 @@ class Claim(_Out):
     policies: dict[str, PolicyRef] = Field(description="by version (as a string)")
     min_version: int
     config: dict = Field(description="the run's validator section (thresholds, chunk size, ...)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the run's inference precision: prefill in it")
 
 
 class Recorded(_Out):
