@@ -320,9 +320,10 @@ class OrchestratorConfig(_Section):
     max_clock_skew_s: float = Field(60.0, gt=0)
     """A signed request whose timestamp is further than this from the orchestrator's clock is
     refused (and nonces are remembered this long, so a replay is always caught)."""
-    rate_per_s: float = Field(50.0, gt=0)
-    """Sustained signed requests per second allowed per worker key (token bucket)."""
-    rate_burst: int = Field(100, ge=1)
+    rate_per_s: float = Field(20.0, gt=0)
+    """Sustained signed requests per second allowed per worker key (token bucket). An honest
+    worker sends a few per lease."""
+    rate_burst: int = Field(40, ge=1)
     """Requests a worker key may send in a burst before rate limiting starts (429)."""
     max_open_leases: int = Field(2, ge=1)
     """Open (unsubmitted, unexpired) leases one worker key may hold, so no worker can hoard the
@@ -332,7 +333,7 @@ class OrchestratorConfig(_Section):
     one place gets 429 without locking anyone else out)."""
     registrations_per_min_total: int = Field(600, ge=1)
     """New worker keys accepted per minute across all sources."""
-    requests_per_s_per_source: float = Field(200.0, gt=0)
+    requests_per_s_per_source: float = Field(100.0, gt=0)
     """Requests per second from one source address to the signed endpoints, counted before any
     signature is checked or body parsed (bursts of twice this pass)."""
     body_timeout_s: float = Field(30.0, gt=0)
@@ -419,6 +420,45 @@ class ValidatorConfig(_Section):
     """torch threads of the in-process validator."""
     claim_timeout_s: float = Field(120.0, gt=0)
     """A claimed group without a verdict after this long goes back to the queue (a validator died)."""
+
+    # bfloat16 runs (`sampling.dtype`): honest workers and the validator both compute in bf16,
+    # and a worker's decode and the validator's prefill round differently at every layer, so
+    # honest statistics are far wider than in float32 (docs/validation.md, "bfloat16 runs":
+    # 4800 honest completions on this project's CPU). These replace the five above in such runs.
+    bf16_exp_mismatches_max: int = Field(16, ge=0)
+    """exp_mismatches_max in bf16 runs (honest: at most 8)."""
+    bf16_mant_err_mean_max: float = Field(2.5, ge=0.0)
+    """mant_err_mean_max in bf16 runs (honest: at most 1.42; int4-quantised weights: at least 2.4
+    in every chunk, so every int4 group fails)."""
+    bf16_mant_err_median_max: float = Field(1.5, ge=0.0)
+    """mant_err_median_max in bf16 runs (honest: at most 1, so a chunk whose median is 2 fails)."""
+    bf16_group_mant_err_max: float = Field(0.6, ge=0.0)
+    """bf16 runs only: a group fails when the median over all its chunks of their mantissa error
+    means exceeds this. One honest chunk can be as far off as a cheat's; a whole group cannot:
+    honest at most 0.42, int8-quantised weights typically 0.6 (this catches about half of an
+    int8 model's groups, enough to ban it within a lease or two). float32 runs need no such
+    check: every chunk is held to mant_err_mean_max."""
+    bf16_sampling_margin: float = Field(0.25, ge=0.0)
+    """sampling_margin in bf16 runs: logits are rounded to bf16, so decode and prefill can flip
+    near-ties by a few of their ulps (honest: at most 0.08)."""
+    bf16_logprob_tol: float = Field(0.25, ge=0.0)
+    """logprob_tol in bf16 runs (honest: at most 0.12; a policy one version older stays within
+    this, so in bf16 only TOPLOC bounds how stale a claimed version can be)."""
+
+    def limits(self, dtype: str) -> dict:
+        """The thresholds a validator applies to the work of a run sampling in `dtype`, by the
+        names of the float32 fields (and `group_mant_err_max`)."""
+        if dtype == "bfloat16":
+            return {"exp_mismatches_max": self.bf16_exp_mismatches_max,
+                    "mant_err_mean_max": self.bf16_mant_err_mean_max,
+                    "mant_err_median_max": self.bf16_mant_err_median_max,
+                    "group_mant_err_max": self.bf16_group_mant_err_max,
+                    "sampling_margin": self.bf16_sampling_margin, "logprob_tol": self.bf16_logprob_tol}
+        # In float32 the group check is implied by the per-chunk one (a median of chunk means
+        # that each pass cannot exceed their limit).
+        return {"exp_mismatches_max": self.exp_mismatches_max, "mant_err_mean_max": self.mant_err_mean_max,
+                "mant_err_median_max": self.mant_err_median_max, "group_mant_err_max": self.mant_err_mean_max,
+                "sampling_margin": self.sampling_margin, "logprob_tol": self.logprob_tol}
 
 
 class EvalConfig(_Section):

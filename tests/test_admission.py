@@ -34,7 +34,12 @@ O = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=
     (0, 20, 0, 0),    # never negative
 ])
 def test_allowance(accepted, expired, fraud, expect):
-    assert allowance(Standing(accepted, expired, fraud, held=0), O, lease_prompts=8) == expect
+    assert allowance(Standing(accepted, expired, fraud, leased=0), O, lease_prompts=8) == expect
+
+
+def test_groups_awaiting_validation_count_against_unproven_keys_only():
+    assert Standing(0, 0, 0, leased=2, waiting=6).held(O) == 8
+    assert Standing(4, 0, 0, leased=2, waiting=6).held(O) == 2
 
 
 def test_lease_size_timeout_and_proven():

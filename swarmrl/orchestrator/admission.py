@@ -31,7 +31,15 @@ class Standing:
     accepted: int  # groups that passed every check they were given
     expired_recent: int  # slots it let expire within the penalty window
     fraud_recent: int  # fraudulent groups within the penalty window
-    held: int  # slots it holds now (open or being scored)
+    leased: int  # slots it holds now (open or being scored)
+    waiting: int = 0  # its groups awaiting the validator
+
+    def held(self, o: OrchestratorConfig) -> int:
+        """What counts against the allowance now. An unproven key's groups awaiting validation
+        count: until the validator passed them they prove nothing (and a flood of free keys'
+        garbage must not fill the queue the batches come from). A proven key's do not, so a
+        validator busy with someone else's garbage never holds up proven workers."""
+        return self.leased + (0 if is_proven(self.accepted, o) else self.waiting)
 
 
 def allowance(standing: Standing, o: OrchestratorConfig, lease_prompts: int) -> int:

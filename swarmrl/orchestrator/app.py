@@ -243,6 +243,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     @app.post("/v1/leases", responses=responses, response_model=LeaseReply, openapi_extra=_body_schema(LeaseIn))
     def lease(who: tuple = Depends(signed(LeaseIn))) -> dict:
         key, auth, body = who
+        orch.check_lease_refusal(key)
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.lease(key, body.policy_version)
 

@@ -82,12 +82,14 @@ class Leasing:
                            "which used up its lease allowance: submit what you lease before it expires "
                            f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
                            retry_after=min(60.0, o.penalty_window_s))
-        n = lease_size(allowed - standing.held, s.worker_batch_prompts)
+        held = standing.held(o)
+        n = lease_size(allowed - held, s.worker_batch_prompts)
         mine = self.store.open_lease_count(db, key)
         if n == 0 or mine >= o.max_open_leases:
             return 0, {"lease": None, "retry_after_s": 0.5,
-                       "reason": f"this worker holds {standing.held} leased prompts in {mine} leases (its allowance "
-                                 f"is {allowed}); submit them first"}
+                       "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
+                                 f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
+                                 "submit them first, or wait for the validator"}
         if not is_proven(standing.accepted, o):
             share = int(o.unproven_share * max(max_outstanding(self.cfg), s.prompts_per_step))
             held = self.store.unproven_slots(db, o.proven_after)
@@ -107,6 +109,15 @@ class Leasing:
         with self.store.tx() as db:
             # Its own transaction: the refusals below roll theirs back, expiries must stay done.
             self._expire(db, now)
+        try:
+            return self._lease(key, policy_version, now)
+        except ApiError as e:
+            if e.code == "allowance_exhausted":
+                self.remember_refusal(key, e)
+            raise
+
+    def _lease(self, key: str, policy_version: int, now: float) -> dict:
+        cfg, s = self.cfg, self.cfg.sampling
         with self.store.tx() as db:
             next_step, latest, finished = self._progress(db)
             if finished:

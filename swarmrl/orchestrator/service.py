@@ -94,6 +94,8 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         # A resource grader (the code sandbox) is one object: lanes take turns on it.
         self.resource_lock = threading.Lock() if self.graders else contextlib.nullcontext()
         self.run_id = self.store.run_id()
+        # Keys refused leases for a while (allowance used up): check_lease_refusal.
+        self.refused: dict[str, tuple[float, ApiError]] = {}
         self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
         self.sources = RateLimiter(o.requests_per_s_per_source, int(2 * o.requests_per_s_per_source))
         self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
@@ -158,6 +160,26 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
             raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
         return worker or {}
+
+    def check_lease_refusal(self, key: str) -> None:
+        """A key refused leases a moment ago (its allowance is used up) is refused again from
+        memory until its Retry-After has passed: one that ignores Retry-After costs a dict lookup,
+        not a nonce write and two transactions. Only leases: it may still submit and ask /me."""
+        boxed = self.refused.get(key)
+        if boxed is None:
+            return
+        until, error = boxed
+        left = until - time.monotonic()
+        if left <= 0:
+            self.refused.pop(key, None)
+            return
+        self._count("refused/remembered")
+        raise ApiError(error.status, error.code, error.message, retry_after=left)
+
+    def remember_refusal(self, key: str, error: ApiError) -> None:
+        if len(self.refused) >= 100_000:
+            self.refused.clear()  # bounded memory; forgetting only costs a transaction per key
+        self.refused[key] = (time.monotonic() + error.retry_after, error)
 
     def admit_source(self, source: str) -> None:
         """Requests per source address, counted before any signature is checked or body parsed."""

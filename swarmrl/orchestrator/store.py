@@ -228,21 +228,20 @@ class Store:
         db.execute("INSERT INTO penalties (worker, slots, at) VALUES (?, ?, ?)", (worker, slots, at))
         db.execute("UPDATE workers SET expired = expired + ? WHERE key = ?", (slots, worker))
 
-    def standing(self, db: Db, worker: str, since: float, fraud_reasons: Sequence[str]) -> tuple[int, int, int, int]:
+    def standing(self, db: Db, worker: str, since: float,
+                 fraud_reasons: Sequence[str]) -> tuple[int, int, int, int, int]:
         """(accepted groups, slots expired since `since`, fraud rejections since `since`, slots
-        held now: leased and open, being scored, or submitted and awaiting the validator) of one
-        worker. Work awaiting validation counts as held: until the validator has passed it, it
-        proves nothing, and it takes a place in the queue the trainer's batches come from."""
+        leased and open or being scored now, groups awaiting the validator) of one worker."""
         row = db.execute("SELECT accepted FROM workers WHERE key = ?", (worker,)).fetchone()
         expired = db.execute("SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?",
                              (worker, since)).fetchone()[0]
         fraud = db.execute(f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
                            f"({_marks(len(fraud_reasons))})", (worker, since, *fraud_reasons)).fetchone()[0]
-        held = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id WHERE leases.worker = ? "
-                          "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
-        held += db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
-                           (worker,)).fetchone()[0]
-        return (row[0] if row else 0), expired, fraud, held
+        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id WHERE leases.worker = ? "
+                            "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
+        waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
+                             (worker,)).fetchone()[0]
+        return (row[0] if row else 0), expired, fraud, leased, waiting
 
     def unproven_slots(self, db: Db, proven_after: int) -> int:
         """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
@@ -405,11 +404,19 @@ class Store:
         db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating' AND claimed < ?",
                    (claimed_before,))
 
-    def claim_pending(self, db: Db, max_groups: int, now: float) -> list[sqlite3.Row]:
-        """Up to `max_groups` pending groups, oldest first, now `validating` (claimed at `now`):
-        rows of (id, worker, policy_version, payload, proofs)."""
-        rows = db.execute("SELECT id, worker, policy_version, payload, proofs FROM groups WHERE state = 'pending' "
-                          "ORDER BY id LIMIT ?", (max_groups,)).fetchall()
+    def claim_pending(self, db: Db, max_groups: int, now: float, proven_after: int = 0) -> list[sqlite3.Row]:
+        """Up to `max_groups` pending groups, now `validating` (claimed at `now`): rows of (id,
+        worker, policy_version, payload, proofs). Oldest first within two queues: groups of
+        proven workers (`proven_after` accepted groups or more) take three quarters of the places
+        and groups of unproven keys at least one, so a flood of new keys' garbage cannot delay
+        proven work, and new honest workers still get checked (and proven)."""
+        select = ("SELECT g.id, g.worker, g.policy_version, g.payload, g.proofs FROM groups g JOIN workers w "
+                  "ON g.worker = w.key WHERE g.state = 'pending' AND w.accepted {} ? ORDER BY g.id LIMIT ?")
+        new_share = max(1, max_groups // 4)
+        proven = db.execute(select.format(">="), (proven_after, max_groups)).fetchall()
+        unproven = db.execute(select.format("<"), (proven_after, max_groups)).fetchall()
+        take_new = min(len(unproven), max(new_share, max_groups - len(proven)))
+        rows = sorted(proven[: max_groups - take_new] + unproven[:take_new], key=lambda r: r["id"])
         if rows:
             db.execute(f"UPDATE groups SET state = 'validating', claimed = ? WHERE id IN ({_marks(len(rows))})",
                        (now, *[r["id"] for r in rows]))

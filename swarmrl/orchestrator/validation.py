@@ -62,7 +62,7 @@ class ValidationQueue:
             stale = self.store.drop_older(db, ("pending",), lo, next_step)
             if stale:
                 self._count("off_policy_dropped", stale)
-            rows = self.store.claim_pending(db, max_groups, now)
+            rows = self.store.claim_pending(db, max_groups, now, cfg.orchestrator.proven_after)
             versions = sorted({r["policy_version"] for r in rows})
             policies = {}
             for v in versions:
