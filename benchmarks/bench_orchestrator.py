@@ -13,6 +13,13 @@ the orchestrator, so on 2 cores the figure is a lower bound on what the service 
 
 Usage: python benchmarks/bench_orchestrator.py [--clients 4] [--seconds 20] [--prompts 4]
        [--group-size 8] [--verify-workers 1]
+
+Attack mix (issue 15): `--attack 20 [--repeats 3] [--seconds 12]` runs tests/hostile.py's
+scenario instead: honest workers sampling with the real sampler against an orchestrator that
+validates every group, first alone, then while 20 free keys hoard leases, submit garbage with
+worst-case answers, flood registrations and send unsigned junk (from their own process, niced).
+Printed per repeat and summarised: honest groups/s without and with the attack, their ratio, the
+slowest /healthz seen, and how every attacker key ended.
 """
 
 from __future__ import annotations
@@ -91,6 +98,27 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
     out.put({"submit": submit_lat, "lease": lease_lat, "groups": groups, "completions": completions})
 
 
+def attack_mix(keys: int, repeats: int, seconds: float) -> None:
+    """The hostile scenario of tests/hostile.py, `repeats` times; a distribution, not one run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hostile import scenario
+
+    ratios = []
+    print(f"{keys} attacker keys, phases of {seconds:.0f} s, {os.cpu_count()} CPUs")
+    print("repeat | honest groups/s alone | under attack | ratio | worst /healthz ms | attacker keys at the end")
+    for i in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            got = scenario(Path(tmp), phase_s=seconds, keys=keys, log=lambda *_: None)
+        ratio = got["attacked"] / got["calm"]
+        ratios.append(ratio)
+        ends = {}
+        for v in got["report"]["final"].values():
+            ends[v] = ends.get(v, 0) + 1
+        print(f"{i + 1} | {got['calm']:.2f} | {got['attacked']:.2f} | {ratio:.2f} | "
+              f"{1000 * got['worst_healthz_s']:.0f} | {ends}")
+    print(f"ratio mean {statistics.fmean(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=4)
@@ -98,7 +126,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) per lease and submission")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--verify-workers", type=int, default=1)
+    ap.add_argument("--attack", type=int, default=0, help="attacker keys: run the attack mix instead (see above)")
+    ap.add_argument("--repeats", type=int, default=3, help="attack mix: how many times")
     args = ap.parse_args()
+    if args.attack:
+        return attack_mix(args.attack, args.repeats, args.seconds)
 
     import torch  # noqa: F401
 
