@@ -333,6 +333,10 @@ class OrchestratorConfig(_Section):
     one place gets 429 without locking anyone else out)."""
     registrations_per_min_total: int = Field(600, ge=1)
     """New worker keys accepted per minute across all sources."""
+    allowed_keys_file: str | None = None
+    """For a closed run: a file of worker public keys (64 hex, one per line, # comments) that
+    may register; any other key is refused (403 not_invited). Read again when it changes, so
+    keys can be added while the run goes on. None: anyone may join (a public run)."""
     requests_per_s_per_source: float = Field(100.0, gt=0)
     """Requests per second from one source address to the signed endpoints, counted before any
     signature is checked or body parsed (bursts of twice this pass)."""

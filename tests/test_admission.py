@@ -5,6 +5,7 @@ sequences against two real orchestrator processes on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -193,5 +194,25 @@ def test_a_hoarder_loses_its_allowance_and_new_keys_share_a_cap(tmp_path):
             hoarder.lease(0)
         me = hoarder.me()
         assert me["expired_slots"] == 2 and me["lease_allowance"] == 0 and not me["proven"]
+    finally:
+        proc.stop()
+
+
+def test_a_closed_run_admits_listed_keys_only(tmp_path):
+    allowed = tmp_path / "allowed.txt"
+    invited, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    run = make_run_dir(tmp_path / "run", "--orchestrator.allowed_keys_file", str(allowed))
+    proc = OrchestratorProcess(run).start()
+    try:
+        w, stranger = WorkerClient(proc.url, invited), WorkerClient(proc.url, other)
+        allowed.write_text(f"# the operator's list\n{w.key_hex}  # my GPU box\n")
+        assert w.register("invited")["worker"] == w.key_hex
+        with pytest.raises(Refused) as e:
+            stranger.register("stranger")
+        assert e.value.status == 403 and e.value.code == "not_invited" and stranger.key_hex in e.value.detail
+        time.sleep(0.01)
+        allowed.write_text(f"{w.key_hex}\n{stranger.key_hex}\n")  # added while the run goes on
+        os.utime(allowed, (time.time() + 5, time.time() + 5))  # a new mtime even on a coarse clock
+        assert stranger.register("stranger")["worker"] == stranger.key_hex
     finally:
         proc.stop()

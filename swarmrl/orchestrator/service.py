@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import threading
 import time
@@ -96,6 +97,7 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         self.run_id = self.store.run_id()
         # Keys refused leases for a while (allowance used up): check_lease_refusal.
         self.refused: dict[str, tuple[float, ApiError]] = {}
+        self._allowed: tuple[float, set[str]] | None = None  # (mtime, keys) of allowed_keys_file
         self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
         self.sources = RateLimiter(o.requests_per_s_per_source, int(2 * o.requests_per_s_per_source))
         self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
@@ -189,7 +191,25 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
             raise ApiError(429, "rate_limited", f"too many requests from {source}; retry in {wait:.2f} s",
                            retry_after=wait)
 
+    def _invited(self, key: str) -> bool:
+        """Whether `key` is in orchestrator.allowed_keys_file (always, when there is none)."""
+        path = self.cfg.orchestrator.allowed_keys_file
+        if path is None:
+            return True
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return False  # a closed run whose list is missing admits no one new
+        if self._allowed is None or self._allowed[0] != mtime:
+            lines = Path(path).read_text().splitlines()
+            self._allowed = (mtime, {line.split("#")[0].strip().lower() for line in lines} - {""})
+        return key in self._allowed[1]
+
     def register(self, key: str, name: str, source: str = "local") -> dict:
+        if not self._invited(key):
+            self._count("refused/not_invited")
+            raise ApiError(403, "not_invited", "this run admits listed keys only (orchestrator.allowed_keys_file); "
+                                               f"send your public key {key} to the run's operator")
         if self.store.worker(key) is None:
             # Per source first, so one address flooding fresh keys is stopped before it can use
             # up the bucket every newcomer shares.
