@@ -142,7 +142,9 @@ def _add_role_commands(sub) -> None:
     wk.add_argument("--name", default="worker", help="display name (letters, digits, _ . -)")
     wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
-    wk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    wk.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="default: the run's precision, which every lease names (the validator prefills in it). "
+                         "Given, the worker stops with a message if the run samples in another")
     wk.add_argument("--relays", default="", help="comma-separated relay URLs to fetch policy versions from "
                                                   "(the origin the orchestrator names is tried last)")
     wk.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it "
@@ -163,7 +165,9 @@ def _add_role_commands(sub) -> None:
     va.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     va.add_argument("--device", default="cpu",
                     help="cpu or cuda (the CUDA path is untested here: no GPU was available to this project's CI)")
-    va.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    va.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="default: prefill in the run's precision, which every claim names. Given, the validator "
+                         "stops with a message if the run samples in another")
     va.add_argument("--relays", default="", help="comma-separated relay URLs for policy versions (origin last)")
     va.add_argument("--trainer-key", help="the trainer's public key (64 hex) or a file holding it; default: the "
                                           "key the orchestrator's manifests name")

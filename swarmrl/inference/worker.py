@@ -11,6 +11,12 @@ are recomputed by the orchestrator. What it owns is getting finished work delive
 submission is written to `<cache-dir>/outbox/` before it is sent and removed only once the
 orchestrator accepted or refused it, or its lease expired, so an orchestrator restart or a
 network blip loses nothing (a restarted worker sends what its outbox holds first).
+
+Precision is the run's too: every lease names the dtype the run samples in, because the
+validator prefills in it and honest work in another precision would be rejected as fraud. A
+worker started without `--dtype` follows the leases (it learns the run's dtype from its first
+lease and reloads the policy once if it guessed wrong); one started with `--dtype` stops with a
+message on a lease that asks for another.
 """
 
 from __future__ import annotations
@@ -39,9 +45,13 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
+class WrongPrecision(Exception):
+    """The run samples in another dtype than the one this worker was told to use."""
+
+
 class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
-                 device: str = "cpu", dtype: str = "float32", unreachable_s: float = float("inf"), log=_log,
+                 device: str = "cpu", dtype: str | None = None, unreachable_s: float = float("inf"), log=_log,
                  relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
                  timeout_s: float = 10.0):
         self.key = load_or_create_key(key_file)
@@ -49,7 +59,13 @@ class Worker:
         self.cache = Path(cache_dir)
         self.outbox = self.cache / "outbox"
         self.outbox.mkdir(parents=True, exist_ok=True)
-        self.name, self.device, self.dtype = name, device, getattr(torch, dtype)
+        self.name, self.device = name, device
+        # `dtype` None: sample in whatever the leases say. Until the first lease says it, policies
+        # load in float32 (the default run's precision); a bf16 run costs one reload from the
+        # local cache. Invariant: while `version` is set, the sampler runs in `self.dtype`.
+        self.pinned_dtype = dtype
+        self.dtype = dtype or "float32"
+        self.policy_ref: dict | None = None  # the status's policy entry last loaded (to reload it)
         self.unreachable_s, self.log = unreachable_s, log
         # Weights: from these relays first, the origin the orchestrator names last; only versions
         # signed by the trainer's key. Without a configured key the key the orchestrator announces
@@ -90,22 +106,42 @@ class Worker:
             folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies", public_key=key,
                                    scores=self.scores, keep=2, parallel=self.parallel, timeout_s=self.timeout_s,
                                    expected_digest=digest)
-            model, tok = load_policy(folder, device=self.device, dtype=self.dtype)
+            model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype))
         except (BroadcastError, OSError, ValueError) as e:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
         self.sampler = build_engine(model.eval(), tok)
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
-        self.log(f"policy v{version} loaded in {time.monotonic() - t0:.2f} s; shards from "
+        self.log(f"policy v{version} loaded ({self.dtype}) in {time.monotonic() - t0:.2f} s; shards from "
                  + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
-        self.version, self.digest = version, digest
+        self.version, self.digest, self.policy_ref = version, digest, policy
         return True
+
+    def _follow_precision(self, lease: Lease) -> bool:
+        """Have the policy loaded in the dtype the lease names. False: it could not be reloaded
+        (the loop asks for the status again). Raises WrongPrecision for a pinned other dtype."""
+        if lease.dtype == self.dtype:
+            return True
+        if self.pinned_dtype is not None:
+            # Sampling anyway would only produce groups the validator rejects as fraud.
+            raise WrongPrecision(
+                f"this run samples in {lease.dtype} (the lease says so) but this worker was started with "
+                f"--dtype {self.pinned_dtype}: restart without --dtype, or with --dtype {lease.dtype}")
+        self.log(f"this run samples in {lease.dtype}: reloading policy v{self.version} in it")
+        self.dtype = lease.dtype
+        # Forgetting the loaded version forces the reload (and lets subclasses that alter a
+        # freshly loaded policy, like the adversaries, see it as fresh).
+        policy, self.version, self.digest = self.policy_ref, None, None
+        return policy is not None and self._ensure_policy(policy)
 
     # ---- work --------------------------------------------------------------------------------
     def generate(self, lease: Lease | dict) -> dict:
         """Sample every prompt of a lease with the lease's seeds and settings; the submission body."""
         lease = Lease.model_validate(lease)
+        if not self._follow_precision(lease):
+            raise RuntimeError(f"the policy could not be reloaded in {lease.dtype}, the precision this lease asks "
+                               "for (the log says why); load it again (_ensure_policy) before generating")
         g = lease.group_size
         prompts = [p.prompt_ids for p in lease.prompts for _ in range(g)]
         seeds = [s for p in lease.prompts for s in p.seeds]
@@ -200,6 +236,8 @@ class Worker:
             if lease is None:
                 time.sleep(resp.get("retry_after_s", 0.2))
                 continue
+            if not self._follow_precision(lease):
+                continue  # the lease expires unused; the next status says what to load
             submission = self.generate(lease)
             path = self.outbox / f"{lease.lease_id}.json"
             # Expiry on this machine's clock (receipt + lifetime), not the orchestrator's timestamp.
@@ -209,7 +247,7 @@ class Worker:
 
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
-               device: str = "cpu", dtype: str = "float32", worker_class=None,
+               device: str = "cpu", dtype: str | None = None, worker_class=None,
                relays: list[str] = (), trainer_key: str | None = None) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
     arguments (the CLI passes a scripted adversary's class for `--adversary`)."""
@@ -219,6 +257,6 @@ def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, t
                                       dtype=dtype, relays=relays, trainer_key=trainer_key)
     try:
         worker.run()
-    except (Unavailable, Refused) as e:
+    except (Unavailable, Refused, WrongPrecision) as e:
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -221,7 +221,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             children.start(proc_name, ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
                                        "--cache-dir", str(wdir), "--name", display_name,
                                        "--threads", str(cfg.async_.worker_threads), "--device", cfg.model.device,
-                                       "--dtype", cfg.model.dtype, *weights, *extra],
+                                       "--dtype", cfg.sampling.dtype, *weights, *extra],
                            cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
 
         for i in range(cfg.async_.workers):

@@ -92,8 +92,10 @@ class ErrorOut(BaseModel):
 
 # ---- replies a worker reads ------------------------------------------------------------------
 class _Out(BaseModel):
-    # Replies may grow fields in a compatible version; an older client ignores them.
-    model_config = ConfigDict(extra="ignore")
+    # Replies may grow fields in a compatible version; an older client ignores them. "allow",
+    # not "ignore": the orchestrator answers through these models, and a field the service adds
+    # must reach the client even before the model lists it.
+    model_config = ConfigDict(extra="allow")
 
 
 class ProofSpec(_Out):
@@ -181,6 +183,7 @@ class SubmitReply(_Out):
 
 # ---- what trusted roles read -----------------------------------------------------------------
 class PolicyRef(_Out):
+    version: int | None = Field(None, description="the version (in GET /v1/status; claims key policies by it)")
     url: str = Field(description="where the version's manifest and shards are served")
     manifest: dict = Field(description="the signed broadcast manifest (protocol/manifest.py)")
 

@@ -12,6 +12,11 @@ under the policy version the worker claimed:
 
 The verdict names the first failing check in that order, with numbers, and carries the worst
 statistics of the group either way (they are what the thresholds were calibrated on).
+
+The prefill runs in the run's inference precision, which every claim names (honest work is
+only reproducible in the precision it was sampled in), and the thresholds are that precision's
+(`ValidatorConfig.limits`). In bf16 runs TOPLOC also holds the group's typical chunk to a limit:
+bf16 rounding makes single honest chunks as far off as a quantised model's, but not all of them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ class SampleReport:
     proof_error: str | None = None
 
 
+class WrongPrecision(Exception):
+    """The run samples in another dtype than the one this validator was told to use."""
+
+
 @dataclass
 class Verdict:
     id: int
@@ -57,6 +66,13 @@ class Verdict:
 def _finite_max(values) -> float:
     values = [v for v in values if not math.isnan(v)]
     return max(values) if values else 0.0
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    if not n:
+        return 0.0
+    return sorted_values[n // 2] if n % 2 else (sorted_values[n // 2 - 1] + sorted_values[n // 2]) / 2
 
 
 @torch.inference_mode()
@@ -137,35 +153,37 @@ def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_to
 
 class Validator:
     def __init__(self, cfg: ValidatorConfig, cache_dir: str | Path, *, device: str = "cpu",
-                 dtype: str = "float32", log=print, relays: list[str] = (), trainer_key=None):
+                 dtype: str | None = None, log=print, relays: list[str] = (), trainer_key=None):
         self.cfg, self.cache = cfg, Path(cache_dir)
         # Weights like a worker gets them (relays first, then the announced origin), checked
         # against the trainer's key: `trainer_key` (a str, or a callable returning one), else the
         # key the orchestrator's manifest names (validators trust the orchestrator).
         self.relays, self.trainer_key, self.scores = list(relays), trainer_key, SourceScores()
-        self.device, self.dtype, self.log = device, getattr(torch, dtype), log
-        self.models: dict[int, tuple[str, object]] = {}  # version -> (manifest digest, model)
+        # `dtype` None: prefill in the dtype each claim names. A dtype given is only a check
+        # that the run uses it (a validator provisioned for one precision stops on another).
+        self.device, self.pinned_dtype, self.log = device, dtype, log
+        self.models: dict[tuple[int, str], tuple[str, object]] = {}  # (version, dtype) -> (manifest digest, model)
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
 
     # ---- policies ----------------------------------------------------------------------------
-    def model(self, version: int, policy: dict):
+    def model(self, version: int, policy: dict, dtype: str = "float32"):
         digest = manifest_digest(policy["manifest"])
-        held = self.models.get(version)
+        held = self.models.get((version, dtype))
         if held is not None and held[0] == digest:
             return held[1]
         key = self.trainer_key() if callable(self.trainer_key) else self.trainer_key
         folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies",
                                public_key=key or str(policy["manifest"].get("public_key", "")), scores=self.scores,
                                keep=max(2, len(self.models) + 2), expected_digest=digest)
-        model, _ = load_policy(folder, device=self.device, dtype=self.dtype)
-        self.models[version] = (digest, model.eval())
-        return self.models[version][1]
+        model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype))
+        self.models[(version, dtype)] = (digest, model.eval())
+        return model
 
     def forget_below(self, min_version: int) -> None:
         """Drop versions no submission may claim any more (outside the async bound)."""
-        for v in [v for v in self.models if v < min_version]:
-            del self.models[v]
+        for key in [key for key in self.models if key[0] < min_version]:
+            del self.models[key]
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, model, groups: list[tuple[list[int], list[list[int]]]]):
@@ -206,17 +224,17 @@ class Validator:
             pos += n
         return out
 
-    def _chunk_ok(self, c) -> bool:
-        return c.passes(exp_mismatches_max=self.cfg.exp_mismatches_max, mant_err_mean_max=self.cfg.mant_err_mean_max,
-                        mant_err_median_max=self.cfg.mant_err_median_max)
-
-    def judge(self, item: dict, reports: list[SampleReport]) -> Verdict:
-        cfg = self.cfg
+    def judge(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
+        """The group's verdict under the thresholds for a run sampling in `dtype`."""
+        lim = self.cfg.limits(dtype)
         chunks = [c for r in reports for c in r.chunks]
+        means = sorted(c.mant_err_mean for c in chunks if not math.isnan(c.mant_err_mean))
         stats = {
             "exp_mismatches_max": max((c.exp_mismatches for c in chunks), default=0),
             "mant_err_mean_max": _finite_max(c.mant_err_mean for c in chunks),
             "mant_err_median_max": _finite_max(c.mant_err_median for c in chunks),
+            # The group's typical chunk, which one unlucky honest chunk does not move.
+            "mant_err_group": _median(means),
             "sampling_margin_max": max(r.margin_max for r in reports),
             "logprob_err_max": max(r.logprob_err_max for r in reports),
             "chunks": len(chunks),
@@ -225,29 +243,45 @@ class Validator:
             if r.proof_error:
                 return Verdict(item["id"], False, "proofs_malformed", f"completion {i}: {r.proof_error}", stats)
         for i, r in enumerate(reports):
-            bad = [(j, c) for j, c in enumerate(r.chunks) if not self._chunk_ok(c)]
+            bad = [(j, c) for j, c in enumerate(r.chunks)
+                   if not c.passes(exp_mismatches_max=lim["exp_mismatches_max"],
+                                   mant_err_mean_max=lim["mant_err_mean_max"],
+                                   mant_err_median_max=lim["mant_err_median_max"])]
             if bad:
                 j, c = bad[0]
                 return Verdict(item["id"], False, "toploc",
                                f"completion {i}, chunk {j} (of {len(r.chunks)}; {len(bad)} fail): "
-                               f"{c.exp_mismatches} sign/exponent mismatches (max {cfg.exp_mismatches_max}), "
-                               f"mantissa error mean {c.mant_err_mean:.3g} (max {cfg.mant_err_mean_max}), "
-                               f"median {c.mant_err_median:.3g} (max {cfg.mant_err_median_max}): these hidden "
-                               f"states are not those of policy v{item['policy_version']}", stats)
+                               f"{c.exp_mismatches} sign/exponent mismatches (max {lim['exp_mismatches_max']}), "
+                               f"mantissa error mean {c.mant_err_mean:.3g} (max {lim['mant_err_mean_max']}), "
+                               f"median {c.mant_err_median:.3g} (max {lim['mant_err_median_max']}): these hidden "
+                               f"states are not those of policy v{item['policy_version']} in {dtype}", stats)
+        if stats["mant_err_group"] > lim["group_mant_err_max"]:
+            return Verdict(item["id"], False, "toploc",
+                           f"the median over the group's {len(means)} chunks of their mantissa error means is "
+                           f"{stats['mant_err_group']:.3g} (max {lim['group_mant_err_max']}): these hidden states "
+                           f"are consistently further from policy v{item['policy_version']}'s in {dtype} than "
+                           "rounding explains (a quantised or otherwise altered model)", stats)
         for i, r in enumerate(reports):
-            if r.margin_max > cfg.sampling_margin:
+            if r.margin_max > lim["sampling_margin"]:
                 return Verdict(item["id"], False, "sampling",
                                f"completion {i}: a token is not the seeded sampler's choice under the lease's seed "
-                               f"(score gap {r.margin_max:.3g} > {cfg.sampling_margin})", stats)
+                               f"(score gap {r.margin_max:.3g} > {lim['sampling_margin']})", stats)
         for i, r in enumerate(reports):
-            if r.logprob_err_max > cfg.logprob_tol:
+            if r.logprob_err_max > lim["logprob_tol"]:
                 return Verdict(item["id"], False, "logprobs",
                                f"completion {i}: reported logprobs differ from the recomputed ones by up to "
-                               f"{r.logprob_err_max:.3g} (tolerance {cfg.logprob_tol})", stats)
+                               f"{r.logprob_err_max:.3g} (tolerance {lim['logprob_tol']})", stats)
         return Verdict(item["id"], True, stats=stats)
 
-    def check(self, items: list[dict], policies: dict[int, dict]) -> tuple[list[Verdict], list[int]]:
-        """Verdicts for the items whose policy could be loaded, and the ids to retry later."""
+    def check(self, items: list[dict], policies: dict[int, dict],
+              dtype: str = "float32") -> tuple[list[Verdict], list[int]]:
+        """Verdicts for the items whose policy could be loaded, and the ids to retry later;
+        `dtype` is the run's inference precision (the claim's), the one the prefill runs in."""
+        if self.pinned_dtype is not None and dtype != self.pinned_dtype:
+            # Judging in another precision would reject honest work as fraud and ban its workers.
+            raise WrongPrecision(
+                f"this run samples in {dtype} (the claim says so) but this validator was started with --dtype "
+                f"{self.pinned_dtype}: restart without --dtype, or with --dtype {dtype}")
         verdicts, retry = [], []
         by_version: dict[int, list[dict]] = {}
         for it in items:
@@ -257,7 +291,7 @@ class Validator:
             try:
                 if policy is None:
                     raise BroadcastError(f"policy v{version} is not announced")
-                model = self.model(version, policy)
+                model = self.model(version, policy, dtype)
             except (BroadcastError, OSError, ValueError) as e:
                 self.log(f"validator: cannot load policy v{version} ({e}); {len(group)} groups wait")
                 retry.extend(it["id"] for it in group)
@@ -268,6 +302,6 @@ class Validator:
             reports = self.reports([o for res in outs for o in res], samples, temps)
             pos = 0
             for it in group:
-                verdicts.append(self.judge(it, reports[pos:pos + len(it["samples"])]))
+                verdicts.append(self.judge(it, reports[pos:pos + len(it["samples"])], dtype))
                 pos += len(it["samples"])
         return verdicts, retry

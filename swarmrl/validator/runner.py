@@ -16,7 +16,7 @@ from pathlib import Path
 
 from swarmrl.config import ValidatorConfig
 from swarmrl.protocol.client import Refused, Unavailable, ValidatorClient, retrying
-from swarmrl.validator.core import Validator
+from swarmrl.validator.core import Validator, WrongPrecision
 
 
 class InProcessSource:
@@ -54,7 +54,8 @@ def validate_once(source, validator: Validator, max_groups: int) -> int:
     items = work["items"]
     if items:
         policies = {int(v): p for v, p in work["policies"].items()}
-        verdicts, retry = validator.check(items, policies)
+        # The run's precision too: the prefill must run in the dtype the workers sampled in.
+        verdicts, retry = validator.check(items, policies, work.get("dtype", "float32"))
         source.record([v.to_dict() for v in verdicts], retry)
     validator.forget_below(work["min_version"])
     return len(items)
@@ -93,10 +94,11 @@ def start_in_process(orch, run_dir: Path, *, log=print) -> tuple[threading.Threa
 
 
 def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads: int | None = None,
-                 device: str = "cpu", dtype: str = "float32", relays: list[str] = (),
+                 device: str = "cpu", dtype: str | None = None, relays: list[str] = (),
                  trainer_key: str | None = None) -> None:
     """`swarmrl validator`: check groups for a remote orchestrator until the run finishes. The
-    thresholds and batch size come from the orchestrator's config with every claim."""
+    thresholds, batch size and precision come from the orchestrator with every claim; `dtype`,
+    if given, only makes this validator stop when the run's precision is another."""
     import torch
 
     cfg = ValidatorConfig()
@@ -120,7 +122,7 @@ def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads:
                 rate = validator.prefill_tokens / max(validator.prefill_seconds, 1e-9)
                 print(f"validator: {checked} groups checked (prefill {rate:.0f} tok/s)", flush=True)
                 last = time.monotonic()
-    except Refused as e:
+    except (Refused, WrongPrecision) as e:
         print(f"swarmrl validator: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except Unavailable as e:
