@@ -135,6 +135,8 @@ def _add_role_commands(sub) -> None:
 
     wk = sub.add_parser("worker", help=COMMANDS["worker"], description=COMMANDS["worker"])
     wk.add_argument("--orchestrator", required=True, help="orchestrator URL, e.g. http://127.0.0.1:8000")
+    wk.add_argument("--run-id", help="the run to join (run_id of GET /v1/status, 32 hex): an orchestrator serving "
+                                     "another run is refused before anything is signed for it")
     wk.add_argument("--key-file", default=".cache/swarmrl/worker/key.pem",
                     help="ed25519 private key (PEM), created on first start; its public key is this worker's identity")
     wk.add_argument("--cache-dir", default=".cache/swarmrl/worker",
@@ -466,7 +468,7 @@ def _cmd_worker(args, extra: list[str]) -> None:
         run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
                    threads=args.threads, device=args.device, dtype=args.dtype, worker_class=worker_class,
                    relays=[u.strip() for u in args.relays.split(",") if u.strip()],
-                   trainer_key=_key_arg(args.trainer_key))
+                   trainer_key=_key_arg(args.trainer_key), run_id=args.run_id)
     except AuthError as e:
         _fail(str(e))
 

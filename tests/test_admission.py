@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -216,3 +218,13 @@ def test_a_closed_run_admits_listed_keys_only(tmp_path):
         assert stranger.register("stranger")["worker"] == stranger.key_hex
     finally:
         proc.stop()
+
+
+def test_a_worker_pinned_to_a_run_refuses_another_orchestrator(two_runs, tmp_path):
+    a, b = two_runs
+    run_a = WorkerClient(a.url, Ed25519PrivateKey.generate()).run()
+    done = subprocess.run([sys.executable, "-m", "swarmrl.cli", "worker", "--orchestrator", b.url, "--run-id", run_a,
+                           "--key-file", str(tmp_path / "key.pem"), "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr  # the CLI's exit code for a refusal it explains
+    assert f"not the run {run_a}" in done.stderr and "Traceback" not in done.stderr

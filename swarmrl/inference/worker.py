@@ -53,9 +53,10 @@ class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
                  device: str = "cpu", dtype: str | None = None, unreachable_s: float = float("inf"), log=_log,
                  relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, run_id: str | None = None):
         self.key = load_or_create_key(key_file)
-        self.client = WorkerClient(orchestrator, self.key)
+        # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
+        self.client = WorkerClient(orchestrator, self.key, run_id=run_id)
         self.cache = Path(cache_dir)
         self.outbox = self.cache / "outbox"
         self.outbox.mkdir(parents=True, exist_ok=True)
@@ -248,13 +249,13 @@ class Worker:
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
                device: str = "cpu", dtype: str | None = None, worker_class=None,
-               relays: list[str] = (), trainer_key: str | None = None) -> None:
+               relays: list[str] = (), trainer_key: str | None = None, run_id: str | None = None) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
     arguments (the CLI passes a scripted adversary's class for `--adversary`)."""
     if threads:
         torch.set_num_threads(threads)
     worker = (worker_class or Worker)(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
-                                      dtype=dtype, relays=relays, trainer_key=trainer_key)
+                                      dtype=dtype, relays=relays, trainer_key=trainer_key, run_id=run_id)
     try:
         worker.run()
     except (Unavailable, Refused, WrongPrecision) as e:
