@@ -18,7 +18,7 @@ from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_versi
 
 from swarmrl.config import OrchestratorConfig
 from swarmrl.orchestrator.admission import (Busy, GradingLanes, Standing, allowance, is_proven, lease_size,
-                                            lease_timeout)
+                                            lease_timeout, unproven_share)
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
 from swarmrl.protocol.signing import AuthError, WrongRun, new_run_id, sign_headers, verify_request
 
@@ -46,7 +46,13 @@ def test_groups_awaiting_validation_count_against_unproven_keys_only():
 
 
 def test_lease_size_timeout_and_proven():
-    assert lease_size(10, 8) == 8 and lease_size(3, 8) == 3 and lease_size(-2, 8) == 0
+    assert lease_size(10, 8, allowed=16) == 8
+    assert lease_size(3, 8, allowed=16) == 0  # waits for room for a full lease
+    assert lease_size(2, 8, allowed=2) == 2 and lease_size(1, 8, allowed=2) == 0  # a small allowance
+    assert lease_size(-2, 8, allowed=0) == 0
+    # The new keys' share is never below one lease (bound 0: 4 outstanding, half of it is 2).
+    assert unproven_share(O, outstanding=4, lease_prompts=4) == 4
+    assert unproven_share(O, outstanding=32, lease_prompts=8) == 16
     assert lease_timeout(120.0, 8, 8) == 120.0
     assert lease_timeout(120.0, 4, 8) == 60.0
     assert lease_timeout(120.0, 1, 8) == 30.0  # floored at a quarter

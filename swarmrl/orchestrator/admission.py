@@ -55,9 +55,18 @@ def is_proven(accepted: int, o: OrchestratorConfig) -> bool:
     return accepted >= o.proven_after
 
 
-def lease_size(free_slots: int, lease_prompts: int) -> int:
-    """Prompts in the next lease: a full lease when the allowance has room, else what is left."""
-    return max(0, min(lease_prompts, free_slots))
+def lease_size(free_slots: int, lease_prompts: int, allowed: int) -> int:
+    """Prompts in the next lease: a full lease (`lease_prompts`) once there is room for one, so a
+    worker is not fed a trickle of small leases it batches badly; a key whose whole allowance is
+    less than a lease gets leases of its allowance. 0: wait."""
+    size = min(lease_prompts, allowed)
+    return size if size > 0 and free_slots >= size else 0
+
+
+def unproven_share(o: OrchestratorConfig, outstanding: int, lease_prompts: int) -> int:
+    """Prompts all unproven keys may hold together: `unproven_share` of the outstanding work, and
+    never less than one lease, or no new key could ever start (and become proven)."""
+    return max(lease_prompts, int(o.unproven_share * outstanding))
 
 
 def lease_timeout(base_s: float, prompts: int, lease_prompts: int) -> float:

@@ -11,7 +11,8 @@ import secrets
 import time
 
 from swarmrl.config import Config
-from swarmrl.orchestrator.admission import Standing, allowance, is_proven, lease_size, lease_timeout
+from swarmrl.orchestrator.admission import (Standing, allowance, is_proven, lease_size, lease_timeout,
+                                            unproven_share)
 from swarmrl.orchestrator.errors import ApiError, WAITING
 from swarmrl.orchestrator.store import Store
 from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
@@ -83,7 +84,7 @@ class Leasing:
                            f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
                            retry_after=min(60.0, o.penalty_window_s))
         held = standing.held(o)
-        n = lease_size(allowed - held, s.worker_batch_prompts)
+        n = lease_size(allowed - held, s.worker_batch_prompts, allowed)
         mine = self.store.open_lease_count(db, key)
         if n == 0 or mine >= o.max_open_leases:
             return 0, {"lease": None, "retry_after_s": 0.5,
@@ -91,7 +92,7 @@ class Leasing:
                                  f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
                                  "submit them first, or wait for the validator"}
         if not is_proven(standing.accepted, o):
-            share = int(o.unproven_share * max(max_outstanding(self.cfg), s.prompts_per_step))
+            share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
             held = self.store.unproven_slots(db, o.proven_after)
             if held + n > share:
                 return 0, {"lease": None, "retry_after_s": 1.0,
