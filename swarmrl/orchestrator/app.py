@@ -237,8 +237,9 @@ def create_app(orch: Orchestrator) -> SizeLimit:
               openapi_extra=_body_schema(RegisterIn))
     def register(who: tuple = Depends(signed(RegisterIn))) -> dict:
         key, auth, body = who
+        orch.admit_registration(key, auth["source"])
         orch.authenticate(key, auth["nonce"], auth["ts"], registering=True)
-        return orch.register(key, body.name, auth["source"])
+        return orch.register(key, body.name)
 
     @app.post("/v1/leases", responses=responses, response_model=LeaseReply, openapi_extra=_body_schema(LeaseIn))
     def lease(who: tuple = Depends(signed(LeaseIn))) -> dict:

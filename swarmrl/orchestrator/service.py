@@ -23,7 +23,6 @@ reach the client as JSON. The rules it enforces:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -92,8 +91,8 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                                memory_bytes=cfg.rewards.verify_memory_mb << 20)
                   for _ in range(o.grading_lanes - len(pools))]
         self.lanes = GradingLanes(pools, o.grading_wait_s)
-        # A resource grader (the code sandbox) is one object: lanes take turns on it.
-        self.resource_lock = threading.Lock() if self.graders else contextlib.nullcontext()
+        # A resource grader (the code sandbox) is one object: lanes take turns on it (_grade).
+        self.resource_lock = threading.Lock()
         self.run_id = self.store.run_id()
         # Keys refused leases for a while (allowance used up): check_lease_refusal.
         self.refused: dict[str, tuple[float, ApiError]] = {}
@@ -205,7 +204,9 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
             self._allowed = (mtime, {line.split("#")[0].strip().lower() for line in lines} - {""})
         return key in self._allowed[1]
 
-    def register(self, key: str, name: str, source: str = "local") -> dict:
+    def admit_registration(self, key: str, source: str = "local") -> None:
+        """Before a registration writes anything (even its nonce): the invitation list of a
+        closed run, and for a new key the per-source and total registration rates."""
         if not self._invited(key):
             self._count("refused/not_invited")
             raise ApiError(403, "not_invited", "this run admits listed keys only (orchestrator.allowed_keys_file); "
@@ -220,6 +221,8 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                     self._count("rate_limited/registrations")
                     raise ApiError(429, "rate_limited", f"too many new workers {who}; retry in {wait:.1f} s",
                                    retry_after=wait)
+
+    def register(self, key: str, name: str) -> dict:
         w = self.store.register(key, name)
         self._count("workers_registered")
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"]}

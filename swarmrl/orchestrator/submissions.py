@@ -102,8 +102,17 @@ class Submissions:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
         keys share one lane); Busy when no lane comes free in time."""
         proven = is_proven((self.store.worker(key) or {}).get("accepted", 0), self.cfg.orchestrator)
-        with self.lanes.lane(key, proven) as pool, self.resource_lock:
-            score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
+        with self.lanes.lane(key, proven) as pool:
+            # A resource grader (the code sandbox) is one object the lanes take turns on; only
+            # submissions that need it wait for it, and no longer than for a lane.
+            shared = any(self.graders.get(g.task_type) is not None for g in groups)
+            if shared and not self.resource_lock.acquire(timeout=self.cfg.orchestrator.grading_wait_s):
+                raise Busy("the code sandbox is busy grading another submission")
+            try:
+                score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
+            finally:
+                if shared:
+                    self.resource_lock.release()
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
@@ -139,9 +148,17 @@ class Submissions:
                 self._grade(key, good)
         except BaseException as e:
             with self.store.tx() as db:  # give the slots back: the worker may retry
+                current = self.store.lease_row(db, lease_id)
+                live = current is not None and current["state"] == "open" and current["expires"] >= time.time()
                 for c in checks:
-                    if c.group is not None:
+                    if c.group is None:
+                        continue
+                    if live:
                         self.store.mark_slot(db, lease_id, c.slot, "open", only_if="scoring")
+                    elif self.store.mark_slot(db, lease_id, c.slot, "expired", only_if="scoring"):
+                        # The lease expired meanwhile (its expiry skipped slots being scored):
+                        # the problem goes back to the pool instead of into a dead lease.
+                        self.store.reissue_slot(db, lease_id, c.slot)
             if isinstance(e, Busy):
                 self._count("grading_busy")
                 raise ApiError(429, "grading_busy", f"{e}; retry in a moment (nothing was lost: the slots stay "
