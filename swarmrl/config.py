@@ -355,7 +355,8 @@ class OrchestratorConfig(_Section):
     """How long an expired slot or a rejection counts against a key's allowance. A key whose
     allowance is used up is refused leases (429, `allowance_exhausted`) until this has passed."""
     proven_after: int = Field(4, ge=0)
-    """Accepted groups after which a key is proven. Keys with fewer (new keys, attackers' keys)
+    """Groups passed by the validator after which a key is proven (groups that got only the
+    cheap checks, with validator.rate < 1, do not count). Keys with fewer (new keys, attackers' keys)
     together may hold at most `unproven_share` of the work leasing allows at once, and their
     submissions are graded one at a time, so a flood of free keys cannot take a run's work or
     its grading capacity."""

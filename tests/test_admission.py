@@ -42,7 +42,9 @@ def test_allowance(accepted, expired, fraud, expect):
 
 def test_groups_awaiting_validation_count_against_unproven_keys_only():
     assert Standing(0, 0, 0, leased=2, waiting=6).held(O) == 8
-    assert Standing(4, 0, 0, leased=2, waiting=6).held(O) == 2
+    assert Standing(4, 0, 0, leased=2, waiting=6, validated=4).held(O) == 2
+    # Accepted on cheap checks alone (validator.rate < 1) is not proven.
+    assert Standing(40, 0, 0, leased=2, waiting=6, validated=3).held(O) == 8
 
 
 def test_lease_size_timeout_and_proven():

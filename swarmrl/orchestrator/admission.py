@@ -6,7 +6,7 @@ run much (docs/security.md). Three rules, all here as pure functions or small ob
   * a key's lease allowance (prompts it may hold leased at once) starts small, grows with its
     accepted groups and shrinks, for `penalty_window_s`, by every slot it let expire and every
     fraudulent group: a key that hoards leases and never submits soon holds nothing;
-  * unproven keys (fewer than `proven_after` accepted groups) together hold at most a share of
+  * unproven keys (fewer than `proven_after` groups passed by the validator) together hold at most a share of
     the outstanding work, so a flood of fresh keys cannot take the slots proven workers need;
   * grading (the expensive step a submission can trigger for free) runs in a few lanes, at most
     one submission per key at a time, and unproven keys share one lane: their garbage waits
@@ -33,13 +33,14 @@ class Standing:
     fraud_recent: int  # fraudulent groups within the penalty window
     leased: int  # slots it holds now (open or being scored)
     waiting: int = 0  # its groups awaiting the validator
+    validated: int = 0  # groups the validator passed: only these make a key proven
 
     def held(self, o: OrchestratorConfig) -> int:
         """What counts against the allowance now. An unproven key's groups awaiting validation
         count: until the validator passed them they prove nothing (and a flood of free keys'
         garbage must not fill the queue the batches come from). A proven key's do not, so a
         validator busy with someone else's garbage never holds up proven workers."""
-        return self.leased + (0 if is_proven(self.accepted, o) else self.waiting)
+        return self.leased + (0 if is_proven(self.validated, o) else self.waiting)
 
 
 def allowance(standing: Standing, o: OrchestratorConfig, lease_prompts: int) -> int:
@@ -51,8 +52,10 @@ def allowance(standing: Standing, o: OrchestratorConfig, lease_prompts: int) -> 
     return max(0, min(cap, earned) - standing.expired_recent - standing.fraud_recent)
 
 
-def is_proven(accepted: int, o: OrchestratorConfig) -> bool:
-    return accepted >= o.proven_after
+def is_proven(validated: int, o: OrchestratorConfig) -> bool:
+    """Proven: `proven_after` of its groups passed the validator. Groups that got only the cheap
+    checks (validator.rate < 1) do not count: nobody checked that they are real."""
+    return validated >= o.proven_after
 
 
 def lease_size(free_slots: int, lease_prompts: int, allowed: int) -> int:

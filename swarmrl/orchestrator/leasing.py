@@ -91,13 +91,13 @@ class Leasing:
                        "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
                                  f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
                                  "submit them first, or wait for the validator"}
-        if not is_proven(standing.accepted, o):
+        if not is_proven(standing.validated, o):
             share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
             held = self.store.unproven_slots(db, o.proven_after)
             if held + n > share:
                 return 0, {"lease": None, "retry_after_s": 1.0,
                            "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
-                                     f"a key is proven after {o.proven_after} accepted groups"}
+                                     f"a key is proven after {o.proven_after} groups passed validation"}
         return n, None
 
     def _informative_rate(self, db, window: int = 256) -> float | None:

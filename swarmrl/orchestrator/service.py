@@ -238,7 +238,7 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                                                      sorted(FRAUD_REASONS)))
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
                 "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
-                "rejections": reasons, "expired_slots": w["expired"], "proven": is_proven(w["accepted"], o),
+                "rejections": reasons, "expired_slots": w["expired"], "proven": is_proven(w["validated"], o),
                 "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts)}
 
     def gauges(self) -> dict[str, float]:

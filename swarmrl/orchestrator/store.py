@@ -108,7 +108,8 @@ class Store:
     def _migrate(self) -> None:
         """Columns added after a run directory may have been created (run directories of
         earlier swarmrl versions keep working)."""
-        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0"), ("expired", "INTEGER NOT NULL DEFAULT 0")],
+        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0"), ("expired", "INTEGER NOT NULL DEFAULT 0"),
+                             ("validated", "INTEGER NOT NULL DEFAULT 0")],
                  "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")]}
         for table, cols in added.items():
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
@@ -219,9 +220,11 @@ class Store:
         row = db.execute("SELECT fraud FROM workers WHERE key = ?", (worker,)).fetchone()
         return row[0] if row else 0
 
-    def add_accepted(self, db: Db, key: str, n: int = 1) -> None:
-        """Add `n` to the worker's count of accepted groups (negative: take them back)."""
-        db.execute("UPDATE workers SET accepted = accepted + ? WHERE key = ?", (n, key))
+    def add_accepted(self, db: Db, key: str, n: int = 1, *, validated: bool = False) -> None:
+        """Add `n` to the worker's count of accepted groups (negative: take them back); groups
+        the validator passed also count as validated (what makes a key proven)."""
+        db.execute("UPDATE workers SET accepted = accepted + ?, validated = validated + ? WHERE key = ?",
+                   (n, n if validated else 0, key))
 
     def penalise(self, db: Db, worker: str, slots: int, at: float) -> None:
         """Slots a worker let expire: they count against its lease allowance for a while."""
@@ -229,10 +232,11 @@ class Store:
         db.execute("UPDATE workers SET expired = expired + ? WHERE key = ?", (slots, worker))
 
     def standing(self, db: Db, worker: str, since: float,
-                 fraud_reasons: Sequence[str]) -> tuple[int, int, int, int, int]:
+                 fraud_reasons: Sequence[str]) -> tuple[int, int, int, int, int, int]:
         """(accepted groups, slots expired since `since`, fraud rejections since `since`, slots
-        leased and open or being scored now, groups awaiting the validator) of one worker."""
-        row = db.execute("SELECT accepted FROM workers WHERE key = ?", (worker,)).fetchone()
+        leased and open or being scored now, groups awaiting the validator, groups the validator
+        passed) of one worker."""
+        row = db.execute("SELECT accepted, validated FROM workers WHERE key = ?", (worker,)).fetchone()
         expired = db.execute("SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?",
                              (worker, since)).fetchone()[0]
         fraud = db.execute(f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
@@ -241,16 +245,16 @@ class Store:
                             "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
         waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
                              (worker,)).fetchone()[0]
-        return (row[0] if row else 0), expired, fraud, leased, waiting
+        return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)
 
     def unproven_slots(self, db: Db, proven_after: int) -> int:
         """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
         leases, and groups awaiting the validator."""
         leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
                             "leases.worker = workers.key WHERE slots.state IN ('open', 'scoring') AND "
-                            "leases.state = 'open' AND workers.accepted < ?", (proven_after,)).fetchone()[0]
+                            "leases.state = 'open' AND workers.validated < ?", (proven_after,)).fetchone()[0]
         waiting = db.execute("SELECT COUNT(*) FROM groups JOIN workers ON groups.worker = workers.key WHERE "
-                             "groups.state IN ('pending', 'validating') AND workers.accepted < ?",
+                             "groups.state IN ('pending', 'validating') AND workers.validated < ?",
                              (proven_after,)).fetchone()[0]
         return leased + waiting
 
@@ -411,7 +415,7 @@ class Store:
         and groups of unproven keys at least one, so a flood of new keys' garbage cannot delay
         proven work, and new honest workers still get checked (and proven)."""
         select = ("SELECT g.id, g.worker, g.policy_version, g.payload, g.proofs FROM groups g JOIN workers w "
-                  "ON g.worker = w.key WHERE g.state = 'pending' AND w.accepted {} ? ORDER BY g.id LIMIT ?")
+                  "ON g.worker = w.key WHERE g.state = 'pending' AND w.validated {} ? ORDER BY g.id LIMIT ?")
         new_share = max(1, max_groups // 4)
         proven = db.execute(select.format(">="), (proven_after, max_groups)).fetchall()
         unproven = db.execute(select.format("<"), (proven_after, max_groups)).fetchall()

@@ -101,7 +101,7 @@ class Submissions:
     def _grade(self, key: str, groups: list[Group]) -> None:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
         keys share one lane); Busy when no lane comes free in time."""
-        proven = is_proven((self.store.worker(key) or {}).get("accepted", 0), self.cfg.orchestrator)
+        proven = is_proven((self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator)
         with self.lanes.lane(key, proven) as pool:
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
@@ -199,7 +199,7 @@ class Submissions:
                                      "pending" if full else "queued" if informative else "uninformative",
                                      json.dumps(c.proofs, separators=(",", ":")))
                 if not full:
-                    self._settled(db, key, informative)
+                    self._settled(db, key, informative, validated=False)
                 accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
                                  "validation": "pending" if full else "cheap checks only"})
             fresh = [a for a in accepted if not a.get("already_accepted")]

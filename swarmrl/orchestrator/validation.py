@@ -12,9 +12,10 @@ from swarmrl.orchestrator.store import Store
 class ValidationQueue:
     """The Orchestrator's validation (a mixin: state and helpers live on the Orchestrator)."""
 
-    def _settled(self, db, key: str, informative: bool) -> None:
-        """A group passed every check it was given: it counts for its worker and the streak."""
-        self.store.add_accepted(db, key)
+    def _settled(self, db, key: str, informative: bool, *, validated: bool) -> None:
+        """A group passed every check it was given: it counts for its worker (as validated when
+        the validator checked it) and the streak."""
+        self.store.add_accepted(db, key, validated=validated)
         streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
         Store.set_meta(db, "uninformative_streak", streak)
 
@@ -97,7 +98,7 @@ class ValidationQueue:
                 if v["ok"]:
                     state = "queued" if row["informative"] else "uninformative"
                     self.store.set_verdict(db, v["id"], state, verdict)
-                    self._settled(db, row["worker"], bool(row["informative"]))
+                    self._settled(db, row["worker"], bool(row["informative"]), validated=True)
                     self._count("validator/passed")
                     continue
                 reason = v.get("reason") or "validation"
