@@ -234,7 +234,13 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
 def test_memory_bomb(grader, intact, program):
     reward, reason = grade(grader, program)
     assert reward == 0.0
-    assert "MemoryError" in reason or "memory limit exceeded" in reason, reason
+    stopped = ["MemoryError", "memory limit exceeded"]
+    if "os.fork" in program:
+        # The cgroup's OOM killer takes the 17 processes one at a time; on a loaded machine the
+        # 2 s test limit can come first (seen once in CI). Contained either way: 0, and `intact`
+        # checks the slot still works.
+        stopped.append("time limit exceeded")
+    assert any(s in reason for s in stopped), reason
 
 
 def test_gigabytes_of_output(grader, intact):
