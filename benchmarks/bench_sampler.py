@@ -1,25 +1,30 @@
-"""Throughput of the project's Sampler against Hugging Face `model.generate`.
+"""Throughput of the rollout engines against Hugging Face `model.generate`, side by side.
 
-    python benchmarks/bench_sampler.py                      # CPU, 2 threads, batch 1/16/64
+    python benchmarks/bench_sampler.py                          # CPU, 2 threads, default model
+    python benchmarks/bench_sampler.py --model 30m --batch-sizes 64
+    python benchmarks/bench_sampler.py --group 8                # GRPO groups: 8 rows per prompt
     python benchmarks/bench_sampler.py --device cuda --out bench.json
 
+Three sides, one process, the same model object and prompts, interleaved runs:
+- HF: `model.generate` (do_sample=True, top_k=0, top_p=1.0: full-vocabulary sampling).
+- generic: the project's "hf" engine (`inference/sampler.py`, the engine before issue 16): the
+  model's own forward with a growing `DynamicCache`, static batches.
+- builtin: the project's "builtin" engine (`inference/batch.py`): pre-allocated per-slot KV
+  cache, fused projections, one prefill per distinct prompt, continuous batching.
+
 How the comparison is kept fair:
-- Same model object (the ~1M-parameter `build_tiny_policy()` Qwen2, float32), same prompts
-  (random ids, lengths spread around --prompt-len so both paths left-pad), same batch size, same
-  temperature, full-vocabulary sampling on both sides (HF: do_sample=True, top_k=0, top_p=1.0).
-- Exactly the same number of new tokens per row on both sides, checked after every run:
-  * HF: min_new_tokens = max_new_tokens = N, so eos is masked until N tokens exist and generation
-    ends at N.
-  * Ours: the only stop id is `vocab_size`, an id the model can never emit, so every row runs to
-    N tokens ("length"). Eos may be sampled mid-sequence; it is just another token here.
-- Each timed call includes prefill + N decode steps and everything either API does per call
-  (our left-padding, HF's input preparation and logits processors). HF's input tensors are built
-  outside the timer; ours builds them inside `generate`.
-- Ours does extra work HF does not: it computes the per-token logprob and the seeded Gumbel noise
-  (hash over the vocabulary) every step. Hidden states are not returned (return_hidden=False).
-- One untimed warm-up call per batch size and side, then the median of --runs timed calls.
-  On CUDA the timer brackets torch.cuda.synchronize().
-tok/s counts new tokens only: batch * N / seconds.
+- Exactly the same number of new tokens per row on every side, checked after every run: HF gets
+  min_new_tokens = max_new_tokens = N; ours get a stop id no model can emit (`vocab_size`).
+- Ours do extra work HF does not: the seeded Gumbel noise (a hash over the vocabulary) and the
+  logprob of every token. Hidden states are not returned.
+- `--group G` repeats each prompt G times (a GRPO group, what a worker generates); HF and the
+  generic engine prefill every copy, the built-in engine once per distinct prompt. G = 1 (the
+  default) gives distinct prompts, where sharing cannot help.
+- One untimed warm-up call per side, then the median of --runs timed calls. On CUDA the timer
+  brackets torch.cuda.synchronize().
+tok/s counts new tokens only: batch * N / seconds. "matmul share" is the builtin side's useful
+FLOPs (2 x non-embedding parameters per token, plus attention and the output layer) against a
+large float32 matmul's rate measured in the same process: how close to the machine's limit it is.
 """
 
 from __future__ import annotations
@@ -36,14 +41,47 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from swarmrl.inference.batch import BatchEngine  # noqa: E402
 from swarmrl.inference.sampler import Sampler  # noqa: E402
 from swarmrl.model.checkpoint import build_tiny_policy  # noqa: E402
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+MODELS = {
+    "default": {},  # the project's ~1M-parameter tiny Qwen2
+    "30m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=2048),
+}
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, group: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(max(1, prompt_len - 4), prompt_len + 5, (batch,), generator=g)
-    return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    distinct = max(1, batch // group)
+    lengths = torch.randint(max(1, prompt_len - 4), prompt_len + 5, (distinct,), generator=g)
+    base = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    return [base[i // group] for i in range(batch)]
+
+
+def matmul_gflops(device: torch.device, size: int = 1024, reps: int = 20) -> float:
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def flops_per_token(model, context: float) -> float:
+    """Forward FLOPs of one decoded token: 2 per weight (embedding lookup excluded, the output
+    layer included) plus attention over ``context`` cached positions."""
+    cfg = model.config
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if cfg.tie_word_embeddings:
+        weights += cfg.vocab_size * cfg.hidden_size
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    return 2 * weights + attention
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,30 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="default",
+                    help="default: the ~1M tiny Qwen2; 30m: a 512-wide, 8-layer Qwen2 (~31.6M)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt (8: a GRPO group)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per point (median reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (HF do_sample needs a positive temperature)")
+    if args.group < 1:
+        ap.error("--group must be at least 1")
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model, tok = build_tiny_policy()
-    model.to(device).eval()
+    model, tok = build_tiny_policy(**MODELS[args.model])
+    model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     N = args.new_tokens
 
     # No id >= vocab_size can be sampled, so this stop id forces exactly N tokens per row.
-    ours = Sampler(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id)
+    engines = {"generic": Sampler(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id),
+               "builtin": BatchEngine(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id,
+                                      max_batch=max(args.batch_sizes))}
 
-    def run_ours(prompts, call):
+    def run_engine(name, prompts, call):
         seeds = [call * 1_000_003 + i for i in range(len(prompts))]
-        out = ours.generate(prompts, seeds, max_new_tokens=N, temperature=args.temperature)
+        out = engines[name].generate(prompts, seeds, max_new_tokens=N, temperature=args.temperature)
         assert all(len(c.token_ids) == N and c.finish_reason == "length" for c in out)
         return out
 
@@ -112,38 +158,42 @@ def main(argv: list[str] | None = None) -> int:
         assert not (seq[:, ids.shape[1]:] == tok.eos_token_id).any()
         return seq
 
+    peak = matmul_gflops(device)
     rows = []
-    print(f"model: tiny Qwen2, {n_params / 1e6:.2f}M params, vocab {vocab}; device {device}; "
-          f"threads {torch.get_num_threads()}; {N} new tokens; prompts ~{args.prompt_len} tokens; "
-          f"T={args.temperature}; median of {args.runs} after a warm-up", flush=True)
+    print(f"model: Qwen2 '{args.model}', {n_params / 1e6:.2f}M params, {args.dtype}, vocab {vocab}; device {device}; "
+          f"threads {torch.get_num_threads()}; {N} new tokens; prompts ~{args.prompt_len} tokens, {args.group} rows "
+          f"per prompt; T={args.temperature}; median of {args.runs} after a warm-up; float32 matmul "
+          f"{peak:.0f} GFLOP/s", flush=True)
     for B in args.batch_sizes:
-        prompts = make_prompts(B, args.prompt_len, vocab, seed=B)
+        prompts = make_prompts(B, args.prompt_len, vocab, seed=B, group=args.group)
         ids, mask = left_pad(prompts, tok.pad_token_id, device)
-        run_ours(prompts, 0)  # warm-up
-        run_hf(ids, mask, 0)
-        t_ours, t_hf = [], []
-        for r in range(1, args.runs + 1):  # interleave so drift hits both sides alike
-            t_ours.append(timed(lambda: run_ours(prompts, r), device)[0])
-            t_hf.append(timed(lambda: run_hf(ids, mask, r), device)[0])
-        m_ours, m_hf = statistics.median(t_ours), statistics.median(t_hf)
-        row = {
-            "batch": B,
-            "ours_tok_s": B * N / m_ours,
-            "hf_tok_s": B * N / m_hf,
-            "ratio": m_hf / m_ours,
-            "ours_seconds": t_ours,
-            "hf_seconds": t_hf,
-        }
+        sides = {"hf": lambda call: run_hf(ids, mask, call),
+                 "generic": lambda call: run_engine("generic", prompts, call),
+                 "builtin": lambda call: run_engine("builtin", prompts, call)}
+        for run in sides.values():  # warm-up
+            run(0)
+        times = {name: [] for name in sides}
+        for r in range(1, args.runs + 1):  # interleave so drift hits every side alike
+            for name, run in sides.items():
+                times[name].append(timed(lambda: run(r), device)[0])
+        med = {name: statistics.median(t) for name, t in times.items()}
+        context = args.prompt_len + N / 2
+        useful = B * N * flops_per_token(model, context) / med["builtin"] / 1e9
+        row = {"batch": B, **{f"{name}_tok_s": B * N / m for name, m in med.items()},
+               "builtin_vs_hf": med["hf"] / med["builtin"], "builtin_vs_generic": med["generic"] / med["builtin"],
+               "generic_vs_hf": med["hf"] / med["generic"], "builtin_gflops": useful,
+               "matmul_share": useful / peak, "seconds": times}
         rows.append(row)
-        print(f"  batch {B}: ours {row['ours_tok_s']:.0f} tok/s, HF {row['hf_tok_s']:.0f} tok/s",
-              flush=True)
+        print(f"  batch {B}: HF {row['hf_tok_s']:.0f}, generic {row['generic_tok_s']:.0f}, "
+              f"builtin {row['builtin_tok_s']:.0f} tok/s", flush=True)
 
     print()
-    print(f"{'batch':>5} | {'ours tok/s':>10} | {'HF tok/s':>10} | {'ours/HF':>7}")
-    print(f"{'-' * 5}-+-{'-' * 10}-+-{'-' * 10}-+-{'-' * 7}")
+    print(f"{'batch':>5} | {'HF tok/s':>9} | {'generic':>9} | {'builtin':>9} | {'builtin/HF':>10} | "
+          f"{'builtin/generic':>15} | {'matmul share':>12}")
+    print("-" * 88)
     for row in rows:
-        print(f"{row['batch']:>5} | {row['ours_tok_s']:>10.0f} | {row['hf_tok_s']:>10.0f} | "
-              f"{row['ratio']:>7.2f}")
+        print(f"{row['batch']:>5} | {row['hf_tok_s']:>9.0f} | {row['generic_tok_s']:>9.0f} | {row['builtin_tok_s']:>9.0f} | "
+              f"{row['builtin_vs_hf']:>10.2f} | {row['builtin_vs_generic']:>15.2f} | {row['matmul_share']:>11.1%}")
 
     if args.out:
         import transformers
@@ -151,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "config": {
                 "device": str(device), "threads": torch.get_num_threads(), "new_tokens": N,
-                "prompt_len": args.prompt_len, "temperature": args.temperature, "runs": args.runs,
-                "model_params": n_params, "vocab_size": vocab,
+                "prompt_len": args.prompt_len, "group": args.group, "temperature": args.temperature,
+                "runs": args.runs, "model": args.model, "dtype": args.dtype, "model_params": n_params,
+                "vocab_size": vocab, "matmul_gflops": peak,
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "python": platform.python_version(), "machine": platform.machine(),
+                "cpu": platform.processor() or platform.machine(),
             },
             "rows": rows,
         }

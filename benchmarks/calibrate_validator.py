@@ -1,6 +1,6 @@
 """Calibrate the validator's thresholds: what honest workers look like, and what cheats look like.
 
-Honest completions are sampled the way workers sample them (the project's sampler, seeded, with
+Honest completions are sampled the way workers sample them (a rollout engine, `--engine`, seeded, with
 hidden states, proofs built by the worker code) at several sampler batch sizes and torch thread
 counts, from several policy versions of a real run, and checked by the validator's own code
 with its own batching (groups of `group_size`, `batch_groups` groups per prefill). For each
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from swarmrl.config import ValidatorConfig, load_config
-from swarmrl.inference.sampler import Sampler
+from swarmrl.inference.engine import ENGINES, build_engine
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.tasks.source import model_input, task_rows
@@ -60,8 +60,16 @@ def quantised(model, bits: int, group: int = 32):
     return out.eval()
 
 
+ENGINE = "builtin"  # --engine: which rollout engine honest workers (and cheats) sample with
+
+
 def sample(model, tok, prompts, seeds, batch, cfg):
-    sampler = Sampler(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    """Completions as a worker samples them; ``batch`` rows at once (the built-in engine gets
+    all prompts and keeps ``batch`` slots busy, refilling them; the generic one gets chunks)."""
+    sampler = build_engine(model, tok, kind=ENGINE, max_batch=batch)
+    if sampler.continuous:
+        return sampler.generate(prompts, seeds, max_new_tokens=cfg.sampling.max_new_tokens,
+                                temperature=cfg.sampling.temperature, return_hidden=True)
     outs = []
     for i in range(0, len(prompts), batch):
         outs += sampler.generate(prompts[i:i + batch], seeds[i:i + batch], max_new_tokens=cfg.sampling.max_new_tokens,
@@ -143,8 +151,12 @@ def main() -> None:
                     help="the run's inference precision: honest workers sample in it, the validator prefills in it")
     ap.add_argument("--completions", type=int, default=1200, help="honest completions in total")
     ap.add_argument("--cheat-groups", type=int, default=8, help="groups per cheat")
+    ap.add_argument("--engine", choices=ENGINES, default="builtin",
+                    help="the rollout engine honest workers sample with (hf: the generic one, before issue 16)")
     ap.add_argument("--out", default="calibration.json")
     args = ap.parse_args()
+    global ENGINE
+    ENGINE = args.engine
     rd = Path(args.run_dir)
     cfg = load_config(rd / "config.toml")
     vcfg = cfg.validator
@@ -163,7 +175,7 @@ def main() -> None:
     rows, _ = task_rows(cfg, log=lambda *_: None)
     rng = random.Random(0)
     validator = Validator(vcfg, rd / ".calibration-cache")
-    results: dict = {"config": vcfg.model_dump(), "dtype": dtype, "limits": vcfg.limits(dtype), "honest": {},
+    results: dict = {"config": vcfg.model_dump(), "dtype": dtype, "engine": args.engine, "limits": vcfg.limits(dtype), "honest": {},
                      "cheats": {}, "precision": {}}
 
     def prompts_for(n_groups):

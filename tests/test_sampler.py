@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from swarmrl.inference.batch import BatchEngine
 from swarmrl.inference.sampler import Sampler
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice, stream_keys, uniform_noise
 from swarmrl.model.checkpoint import build_tiny_policy
@@ -218,8 +219,19 @@ def eos_policy():
     return model, tok
 
 
-def _sampler(model, tok, stop=None) -> Sampler:
-    return Sampler(model, stop_token_ids=stop or [tok.eos_token_id], pad_token_id=tok.pad_token_id)
+@pytest.fixture(params=["hf", "builtin"])
+def kind(request):
+    """Every sampling test runs on both engines: the generic one over the model's own forward
+    and the built-in continuous-batching one (`inference/batch.py`), here with 3 slots so that
+    most calls refill slots mid-generation."""
+    return request.param
+
+
+def _sampler(kind, model, tok, stop=None):
+    stop = stop or [tok.eos_token_id]
+    if kind == "builtin":
+        return BatchEngine(model, stop_token_ids=stop, pad_token_id=tok.pad_token_id, max_batch=3)
+    return Sampler(model, stop_token_ids=stop, pad_token_id=tok.pad_token_id)
 
 
 def _prompts(lengths, seed=0, vocab=261):
@@ -241,9 +253,9 @@ def _reference(model, prompt, completion, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_batch_composition_does_not_change_completion(policy, temperature):
+def test_batch_composition_does_not_change_completion(kind, policy, temperature):
     model, tok = policy
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     target = _prompts([9], seed=1)[0]
     others = _prompts([3, 25, 1, 14], seed=2)
     kw = dict(max_new_tokens=12, temperature=temperature, return_hidden=True)
@@ -263,9 +275,9 @@ def test_batch_composition_does_not_change_completion(policy, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_logprobs_and_hidden_match_full_forward(eos_policy, temperature):
+def test_logprobs_and_hidden_match_full_forward(kind, eos_policy, temperature):
     model, tok = eos_policy
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     prompts = _prompts([4, 19, 1, 11, 30], seed=3)
     seeds = [10, 11, 12, 13, 14]
     outs = s.generate(prompts, seeds, max_new_tokens=16, temperature=temperature, return_hidden=True)
@@ -286,10 +298,10 @@ def test_logprobs_and_hidden_match_full_forward(eos_policy, temperature):
         assert replay.tolist() == c.token_ids
 
 
-def test_finish_reasons(eos_policy):
+def test_finish_reasons(kind, eos_policy):
     model, tok = eos_policy
     eos = tok.eos_token_id
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     prompts = _prompts([5, 12, 1, 20, 8, 3, 16, 7], seed=4)
     seeds = list(range(100, 108))
     max_new = 10
@@ -310,10 +322,10 @@ def test_finish_reasons(eos_policy):
         assert alone.token_ids == c.token_ids and alone.finish_reason == c.finish_reason
 
 
-def test_eos_as_last_allowed_token_is_stop(eos_policy):
+def test_eos_as_last_allowed_token_is_stop(kind, eos_policy):
     # A completion whose eos lands exactly on the last allowed token is "stop", not "length".
     model, tok = eos_policy
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     prompts = _prompts([6] * 16, seed=5)
     outs = s.generate(prompts, list(range(16)), max_new_tokens=30, temperature=1.0)
     stopped = [(p, i, c) for i, (p, c) in enumerate(zip(prompts, outs)) if c.finish_reason == "stop"]
@@ -326,22 +338,22 @@ def test_eos_as_last_allowed_token_is_stop(eos_policy):
     assert cut.finish_reason == "length" and cut.token_ids == c.token_ids[:-1]
 
 
-def test_extra_stop_token(policy):
+def test_extra_stop_token(kind, policy):
     model, tok = policy
     prompt = _prompts([8], seed=6)[0]
-    free = _sampler(model, tok).generate([prompt], [7], max_new_tokens=12)[0]
+    free = _sampler(kind, model, tok).generate([prompt], [7], max_new_tokens=12)[0]
     assert free.finish_reason == "length"
     stop_at = free.token_ids[4]
     first = free.token_ids.index(stop_at)
-    s = _sampler(model, tok, stop=[tok.eos_token_id, stop_at])
+    s = _sampler(kind, model, tok, stop=[tok.eos_token_id, stop_at])
     c = s.generate([prompt], [7], max_new_tokens=12)[0]
     assert c.finish_reason == "stop" and c.token_ids == free.token_ids[:first + 1]
 
 
 @torch.no_grad()
-def test_temperature_zero_equals_greedy_loop_without_cache(policy):
+def test_temperature_zero_equals_greedy_loop_without_cache(kind, policy):
     model, tok = policy
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     prompts = _prompts([7, 2, 15], seed=7)
     n = 10
     outs = s.generate(prompts, [1, 2, 3], max_new_tokens=n, temperature=0.0)
@@ -361,15 +373,15 @@ def test_temperature_zero_equals_greedy_loop_without_cache(policy):
     assert [c.token_ids for c in other] == [c.token_ids for c in outs]
 
 
-def test_hidden_is_none_unless_requested(policy):
+def test_hidden_is_none_unless_requested(kind, policy):
     model, tok = policy
-    c = _sampler(model, tok).generate(_prompts([5]), [0], max_new_tokens=3)[0]
+    c = _sampler(kind, model, tok).generate(_prompts([5]), [0], max_new_tokens=3)[0]
     assert c.hidden is None and len(c.token_ids) == 3 and c.finish_reason == "length"
 
 
-def test_input_errors(policy):
+def test_input_errors(kind, policy):
     model, tok = policy
-    s = _sampler(model, tok)
+    s = _sampler(kind, model, tok)
     with pytest.raises(ValueError, match="seed"):
         s.generate([[5, 6], [7]], [1], max_new_tokens=4)
     with pytest.raises(ValueError, match="seed"):
@@ -378,11 +390,13 @@ def test_input_errors(policy):
         s.generate([[5, 6], []], [1, 2], max_new_tokens=4)
     with pytest.raises(ValueError, match="stop token"):
         Sampler(model, stop_token_ids=[], pad_token_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="stop token"):
+        BatchEngine(model, stop_token_ids=[], pad_token_id=tok.pad_token_id)
     assert s.generate([], [], max_new_tokens=4) == []
 
 
-def test_logprobs_are_valid_probabilities(policy):
+def test_logprobs_are_valid_probabilities(kind, policy):
     model, tok = policy
-    outs = _sampler(model, tok).generate(_prompts([3, 9]), [5, 6], max_new_tokens=8, temperature=1.3)
+    outs = _sampler(kind, model, tok).generate(_prompts([3, 9]), [5, 6], max_new_tokens=8, temperature=1.3)
     for c in outs:
         assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)

@@ -162,7 +162,9 @@ def test_concurrent_clients_are_batched_and_get_what_they_would_alone(server):
     after = httpx.get(server.url + "/stats").json()
     assert together == alone
     assert after["max_batch_rows"] > 1
-    assert after["batches"] - before["batches"] < 8  # some of the 8 requests shared a batch
+    # Continuous batching: the 8 requests shared token steps (fewer steps than tokens generated).
+    assert after["continuous_batching"]
+    assert after["steps"] - before["steps"] < after["generated_tokens"] - before["generated_tokens"]
 
 
 @pytest.mark.parametrize("kwargs, status, param", [

@@ -70,7 +70,7 @@ class ModelBackend:
 
         self.tokenizer = tokenizer
         self.stop_ids = [tokenizer.eos_token_id]
-        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids)
+        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids, max_batch=batch_rows)
         self.batch_rows = batch_rows
         self.model = model
 
@@ -93,8 +93,11 @@ class ModelBackend:
         rows = [(i, chat_ids(self.tokenizer, p), s) for i, p in enumerate(prompts) for s in seeds[i]]
         out: list[list[Sample]] = [[] for _ in prompts]
         try:
-            for start in range(0, len(rows), self.batch_rows):
-                chunk = rows[start : start + self.batch_rows]
+            # The built-in engine refills finished rows itself (continuous batching): give it
+            # everything at once; the generic sampler gets static chunks.
+            size = len(rows) if self.sampler.continuous else self.batch_rows
+            for start in range(0, len(rows), size):
+                chunk = rows[start : start + size]
                 done = self.sampler.generate([ids for _, ids, _ in chunk], [s for _, _, s in chunk],
                                              max_new_tokens=max_tokens, temperature=temperature)
                 for (i, _, _), c in zip(chunk, done):

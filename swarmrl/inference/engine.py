@@ -9,9 +9,16 @@ early (serving's stop strings). The conventions the validator relies on (seeded 
 choice keyed by (seed, t), positions of hidden states, the same completion for the same
 (policy, prompt, seed) whatever else is in the batch) are the built-in sampler's docstring.
 
+Built-in engines:
+- "builtin" (`inference/batch.py`): continuous batching over a pre-allocated KV cache with one
+  prefill per distinct prompt, for the Qwen2/Llama models `inference/decoder.py` supports;
+  for any other model it falls back to "hf".
+- "hf" (`inference/sampler.py`): the generic path over any Hugging Face causal LM's own forward
+  (static batches, a growing cache); slower, kept for other architectures and as the reference.
+
 Engines that cannot provide hidden states or replayable seeds (an OpenAI-compatible server, for
-trusted fleets: issue 16) say so with `provides_hidden` and `seeded`, and a worker that needs
-proofs refuses them. Today there is one engine, "builtin" (`inference/sampler.py`).
+trusted fleets) say so with `provides_hidden` and `seeded`, and a worker that needs proofs
+refuses them.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from swarmrl.inference.batch import BatchEngine
+from swarmrl.inference.decoder import supports
 from swarmrl.inference.sampler import Completion, Sampler
 
-ENGINES = ("builtin",)
+ENGINES = ("builtin", "hf")
 
 
 class RolloutEngine(Protocol):
@@ -29,15 +38,25 @@ class RolloutEngine(Protocol):
     stop_token_ids: list[int]
     provides_hidden: bool  # can return final-layer hidden states (needed for TOPLOC proofs)
     seeded: bool  # follows the seeded Gumbel-max scheme, so a validator can replay every token
+    continuous: bool  # refills finished rows from the prompts it was given (give it them all)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
                  temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
                  on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]: ...
 
 
-def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: list[int] | None = None) -> RolloutEngine:
-    """The engine for a loaded policy; stops at the tokenizer's end of sequence unless told otherwise."""
+def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: list[int] | None = None,
+                 max_batch: int = 64, capacity: int | None = None) -> RolloutEngine:
+    """The engine for a loaded policy; stops at the tokenizer's end of sequence unless told otherwise.
+
+    ``max_batch`` rows generate at once (the built-in engine refills finished rows from the rest,
+    the generic one takes whatever batch it is given); ``capacity`` is the longest prompt + completion
+    the built-in engine accepts (its KV cache grows up to it as longer jobs arrive).
+    """
     stop = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
-    if kind == "builtin":
+    if kind == "builtin" and supports(model) is None:
+        return BatchEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
+                           max_batch=max_batch, capacity=capacity)
+    if kind in ("builtin", "hf"):
         return Sampler(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id)
     raise ValueError(f"unknown rollout engine {kind!r}; one of: {', '.join(ENGINES)}")

@@ -42,6 +42,7 @@ class Sampler:
 
     provides_hidden = True
     seeded = True
+    continuous = False  # static batches: callers chunk their prompts
 
     def __init__(self, model, *, stop_token_ids: list[int], pad_token_id: int):
         if not stop_token_ids:

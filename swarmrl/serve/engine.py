@@ -1,11 +1,15 @@
-"""The generation engine behind `swarmrl serve`: one thread owns the model and batches requests.
+"""The generation engine behind `swarmrl serve`: one thread owns the model and runs every request
+on the project's continuous-batching engine (`inference/batch.py`).
 
-Requests arriving within ``batch_window_s`` of each other (and sharing a temperature, which the
-sampler applies per batch) run as one batch of the project's seeded sampler, up to
-``max_batch_rows`` completions. This is static batching: a request that arrives while a batch
-is generating waits for the next one. Each completion keeps its own token limit, stop strings
-and seed, so batching never changes what a request gets: completion j of a request with
-``seed`` s is sampled with seed s + j, exactly as `swarmrl eval --model` samples it.
+Each completion of a request is one engine job. Jobs join the running batch at the next token
+step when a slot is free (up to ``max_batch_rows`` at once), so a request arriving while others
+generate starts within one step instead of waiting for them to end, and a finished row's slot
+goes straight to the next waiting job. Each completion keeps its own token limit, stop strings,
+temperature and seed, so batching never changes what a request gets: completion j of a request
+with ``seed`` s is sampled with seed s + j, exactly as `swarmrl eval --model` samples it.
+
+Models the built-in decoder cannot run fall back to the generic sampler (`inference/sampler.py`),
+which runs the waiting jobs in static batches: same results, no joining mid-batch.
 
 Text is the completion's tokens decoded with special tokens kept (``</think>`` decides where
 an answer may be), without the final end-of-turn token, and cut before a stop string.
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from swarmrl.inference.batch import Job
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.tokenizer import decode_completion
 
@@ -56,7 +61,7 @@ class GenRequest:
 
 
 class _Row:
-    """Per-completion state while its batch generates."""
+    """Per-completion state while it generates."""
 
     def __init__(self, request: GenRequest, index: int):
         self.request, self.index = request, index
@@ -66,18 +71,24 @@ class _Row:
         self.decoded = 0  # tokens already in `text`
         self.finish: str | None = None
         self.cut: int | None = None  # text length once a stop string was found
+        self.job: Job | None = None
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch_rows: int = 32, batch_window_s: float = 0.005):
+    def __init__(self, model, tokenizer, *, max_batch_rows: int = 32, batch_window_s: float = 0.005,
+                 kind: str = "builtin"):
         self.tokenizer = tokenizer
         self.stop_token_ids = [tokenizer.eos_token_id]
-        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_token_ids)
+        self.kind = kind
+        self.sampler = build_engine(model, tokenizer, kind=kind, stop_token_ids=self.stop_token_ids,
+                                    max_batch=max_batch_rows)
+        self.continuous = self.sampler.continuous
         self.max_batch_rows = max_batch_rows
+        # Static fallback only: how long a batch waits for more requests before it starts.
         self.batch_window_s = batch_window_s
-        self.stats = {"requests": 0, "batches": 0, "max_batch_rows": 0, "generated_tokens": 0}
+        self.stats = {"requests": 0, "steps": 0, "max_batch_rows": 0, "generated_tokens": 0,
+                      "continuous_batching": self.continuous}
         self._queue: queue.Queue[GenRequest | None] = queue.Queue()
-        self._held: list[GenRequest] = []
         self._thread = threading.Thread(target=self._loop, name="swarmrl-engine", daemon=True)
         self._thread.start()
 
@@ -86,98 +97,152 @@ class Engine:
         return request.future
 
     def close(self) -> None:
+        """Finish what was submitted, then stop the engine thread."""
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=60)
 
-    # -- batching --------------------------------------------------------------------------
-
-    def _next_batch(self) -> list[GenRequest] | None:
-        first = self._held.pop(0) if self._held else self._queue.get()
-        if first is None:
-            return None
-        batch, rows = [first], first.n
-        deadline = time.monotonic() + self.batch_window_s
-        while rows < self.max_batch_rows:
-            left = deadline - time.monotonic()
-            try:
-                item = self._queue.get(timeout=max(left, 0)) if left > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self._queue.put(None)  # stop after this batch
-                break
-            if item.temperature != first.temperature or rows + item.n > self.max_batch_rows:
-                self._held.append(item)
-                continue
-            batch.append(item)
-            rows += item.n
-        return batch
+    # -- the engine thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        jobs: list[Job] = []  # submitted to the engine, not finished
+        closing = False
         while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            # A request whose client went away (its future cancelled) is dropped; the others
-            # are marked running, so a disconnect from now on cannot cancel them under us.
-            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
-            if not batch:
+            # Take every request that has arrived; block only when there is nothing to run.
+            while True:
+                try:
+                    item = self._queue.get(block=not jobs and not closing)
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    continue
+                jobs += self._start(item)
+                if not self.continuous:  # static batches: let a few more requests join first
+                    self._gather(jobs)
+            if not jobs:
+                if closing:
+                    return
                 continue
             try:
-                self._run(batch)
-            except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(exc)
-                    if request.on_delta is not None:  # let waiting streams end
-                        for index in range(request.n):
-                            request.on_delta(index, None, None)
+                if self.continuous:
+                    self.sampler.step()
+                    self.stats["steps"] += 1
+                    self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(self.sampler.active))
+                else:
+                    self._run_static(jobs)
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
+                self._fail([job.request for job in jobs], exc)
+                if self.continuous:  # a fresh engine: nothing half-done stays in its slots
+                    self.sampler = build_engine(self.sampler.model, self.tokenizer, kind=self.kind,
+                                                stop_token_ids=self.stop_token_ids, max_batch=self.max_batch_rows)
+                jobs = []
+                continue
+            jobs = [job for job in jobs if job.finish_reason is None]
 
-    # -- one batch -------------------------------------------------------------------------
+    def _start(self, request: GenRequest) -> list[Job]:
+        """The request's completions as engine jobs (none if its client already went away)."""
+        # A request whose client went away (its future cancelled) is dropped; the others are
+        # marked running, so a disconnect from now on cannot cancel them under us.
+        if not request.future.set_running_or_notify_cancel():
+            return []
+        self.stats["requests"] += 1
+        rows = [_Row(request, j) for j in range(request.n)]
+        done: list[_Row] = []
+        needs_text = bool(request.stop or request.on_delta)
 
-    def _run(self, batch: list[GenRequest]) -> None:
-        rows = [_Row(request, j) for request in batch for j in range(request.n)]
-        prompts = [row.request.prompt_ids for row in rows]
-        seeds = [row.request.seeds[row.index] for row in rows]
-        max_new = max(request.max_tokens for request in batch)
-        top = max(request.top_logprobs for request in batch)
-        self.stats["batches"] += 1
-        self.stats["requests"] += len(batch)
-        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(rows))
-        needs_text = [bool(row.request.stop or row.request.on_delta) for row in rows]
-
-        def on_step(t: int, tokens: list[int]) -> list[bool]:
-            ended = [False] * len(rows)
-            for i, row in enumerate(rows):
-                if row.finish is not None:
-                    continue
-                tok = tokens[i]
+        def on_token(row: _Row) -> Callable[[int, int], bool]:
+            def hook(_t: int, tok: int) -> bool:
                 row.ids.append(tok)
                 if tok in self.stop_token_ids:
                     row.finish = "stop"
-                elif len(row.ids) >= row.request.max_tokens:
+                elif len(row.ids) >= request.max_tokens:
                     row.finish = "length"
-                if needs_text[i]:
+                if needs_text:
                     self._update_text(row)
                 if row.finish is not None:
-                    ended[i] = True
                     self._flush(row, final=True)
-                elif row.request.on_delta is not None:
+                elif request.on_delta is not None:
                     self._flush(row, final=False)
+                return row.finish is not None
+            return hook
+
+        def on_done(job: Job, row: _Row) -> None:
+            row.job = job
+            done.append(row)
+            if len(done) == len(rows):
+                self._finish(request, rows, needs_text)
+
+        jobs = []
+        for row in rows:
+            job = Job(request.prompt_ids, request.seeds[row.index], request.max_tokens, request.temperature,
+                      request.top_logprobs, on_token=on_token(row))
+            job.on_done = lambda job, row=row: on_done(job, row)
+            jobs.append(job)
+            if self.continuous:
+                self.sampler.submit(job)
+        return jobs
+
+    def _finish(self, request: GenRequest, rows: list[_Row], needs_text: bool) -> None:
+        choices = []
+        for row in rows:
+            n = len(row.ids)
+            text = row.text if needs_text else decode_completion(self.tokenizer, row.ids, self.stop_token_ids)
+            k = request.top_logprobs
+            tops = [entry[:k] for entry in row.job.tops[:n]] if k else None
+            choices.append(Choice(row.ids, text, row.job.logprobs[:n], tops, row.finish or row.job.finish_reason))
+            self.stats["generated_tokens"] += n
+        if not request.future.done():
+            request.future.set_result(choices)
+
+    def _fail(self, requests: list[GenRequest], exc: BaseException) -> None:
+        for request in {id(r): r for r in requests}.values():
+            if not request.future.done():
+                request.future.set_exception(exc)
+            if request.on_delta is not None:  # let waiting streams end
+                for index in range(request.n):
+                    request.on_delta(index, None, None)
+
+    # -- static fallback (models the built-in decoder does not run) -------------------------
+
+    def _gather(self, jobs: list[Job]) -> None:
+        deadline = time.monotonic() + self.batch_window_s
+        while len(jobs) < self.max_batch_rows:
+            left = deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._queue.put(None)
+                return
+            jobs += self._start(item)
+
+    def _run_static(self, jobs: list[Job]) -> None:
+        """Run waiting jobs through the generic sampler, one static batch per temperature."""
+        batch = [j for j in jobs if j.temperature == jobs[0].temperature][: self.max_batch_rows]
+        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], len(batch))
+
+        def on_step(t: int, tokens: list[int]) -> list[bool]:
+            ended = [False] * len(batch)
+            for i, job in enumerate(batch):
+                if job.finish_reason is not None:
+                    continue
+                job.tokens.append(tokens[i])
+                if job.on_token(t, tokens[i]):
+                    job.finish_reason = "stop"
+                    ended[i] = True
             return ended
 
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=max_new,
-                                     temperature=batch[0].temperature, top_logprobs=top, on_step=on_step)
-        results: dict[int, list[Choice]] = {id(request): [] for request in batch}
-        for i, (row, out) in enumerate(zip(rows, outs)):
-            n = len(row.ids)
-            text = row.text if needs_text[i] else decode_completion(self.tokenizer, row.ids, self.stop_token_ids)
-            k = row.request.top_logprobs
-            tops = [entry[:k] for entry in out.top_logprobs[:n]] if k and out.top_logprobs else None
-            results[id(row.request)].append(Choice(row.ids, text, out.logprobs[:n], tops, row.finish))
-            self.stats["generated_tokens"] += n
-        for request in batch:
-            request.future.set_result(results[id(request)])
+        outs = self.sampler.generate([j.prompt for j in batch], [j.seed for j in batch],
+                                     max_new_tokens=max(j.max_new_tokens for j in batch),
+                                     temperature=batch[0].temperature, top_logprobs=max(j.top_logprobs for j in batch),
+                                     on_step=on_step)
+        self.stats["steps"] += 1
+        for job, out in zip(batch, outs):
+            job.logprobs = out.logprobs
+            job.tops = out.top_logprobs or []
+            job.finish_reason = job.finish_reason or out.finish_reason
+            job.on_done(job)
 
     def _update_text(self, row: _Row) -> None:
         """Extend the row's text with its new token and end it at the first stop string.

@@ -1,0 +1,251 @@
+"""A lean forward pass of Qwen2-family decoders over a pre-allocated, per-slot KV cache.
+
+Why not the Hugging Face module: at the sizes this project trains on a CPU, a decoding step is
+dominated by per-call overhead (module dispatch, mask construction, a `DynamicCache` that grows
+by concatenation, so every step copies the whole cache) rather than by arithmetic. This runs the
+same layers as `Qwen2Model` with the model's own parameters, and keeps keys and values in fixed
+tensors, one slot per row, written in place:
+
+    k[layer]: [slots, kv_heads, capacity, head_dim]   (v the same)
+
+A slot holds one sequence from position 0 (no padding), so a row's cache never moves while it
+decodes, rows of different lengths share a step (a per-slot length masks the rest), and a
+finished row's slot is refilled by a new prompt without touching the others.
+
+Numerics follow the Hugging Face implementation op for op where the order matters (RMSNorm in
+float32, rotary tables in float32 cast to the model dtype, softmax in float32), so a prefill by
+`model(...)` (what validators do) agrees with these decode steps to rounding; the validator's
+tolerances cover the rest, and `tests/test_engine.py` checks the agreement.
+
+Supported: `Qwen2ForCausalLM` and `LlamaForCausalLM` without sliding windows or rope scaling
+(`supports(model)`); anything else uses the generic sampler (`inference/sampler.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_TYPES = ("qwen2", "llama")
+
+
+def supports(model) -> str | None:
+    """None when this decoder can run ``model``; otherwise why not (for a log line)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SUPPORTED_TYPES:
+        return f"model type {kind!r} (supported: {', '.join(SUPPORTED_TYPES)})"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    if rope_type not in (None, "default"):
+        return f"rope scaling {rope_type!r}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        # Sharded (FSDP2) parameters are gathered by the modules' forward hooks, which this
+        # decoder does not call.
+        return "sharded (FSDP) parameters"
+    return None
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:  # one fused kernel; the same values as the three-op form
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer:
+    __slots__ = ("ln1", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "o_w", "ln2", "gate", "up", "down", "qkv_w", "qkv_b", "gate_up")
+
+
+class SlotDecoder:
+    """Prefill and single-token decode steps for a batch of cache slots.
+
+    ``capacity`` is the longest sequence (prompt + completion) a slot holds; ``slots`` how many
+    sequences are cached at once. The caller assigns slots and tracks lengths (`inference/batch.py`).
+    """
+
+    def __init__(self, model, *, slots: int, capacity: int):
+        why = supports(model)
+        if why is not None:
+            raise ValueError(f"the built-in decoder cannot run this model: {why}")
+        cfg = model.config
+        self.model = model
+        self.base = model.base_model
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        base = getattr(cfg, "rope_theta", None)
+        if base is None:  # transformers 5 keeps it under rope_parameters
+            base = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        dim = self.head_dim
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=self.device) / dim))
+        self.slots, self.capacity = slots, capacity
+        # Rotary tables for every position a slot can hold, computed as Hugging Face does.
+        self.cos, self.sin = self._rope(torch.arange(capacity, device=self.device))  # [capacity, D]
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        n = cfg.num_hidden_layers
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
+        self._stamp = None
+        self._layers: list[_Layer] = []
+        self._fuse()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _weights_stamp(self) -> tuple:
+        # Tensor._version counts in-place writes (load_state_dict copies in place), so fused
+        # copies are rebuilt when the policy's weights change under the same module.
+        return tuple((id(t), t._version) for t in self.model.parameters())
+
+    def _fuse(self) -> None:
+        """Per layer, the q/k/v and gate/up projections as single matrices (one matmul each)."""
+        stamp = self._weights_stamp()
+        if stamp == self._stamp:
+            return
+        layers = []
+        for layer in self.base.layers:
+            a, m = layer.self_attn, layer.mlp
+            L = _Layer()
+            L.ln1, L.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.o_w = a.o_proj.weight
+            L.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach()
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            L.qkv_b = torch.cat(biases, 0).detach() if all(b is not None for b in biases) else None
+            L.gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
+            L.down = m.down_proj.weight
+            layers.append(L)
+        self._layers = layers
+        self._embed = self.base.embed_tokens.weight
+        self._norm = self.base.norm.weight
+        head = self.model.get_output_embeddings()
+        self._head, self._head_bias = head.weight, getattr(head, "bias", None)
+        self._stamp = stamp
+
+    def refresh(self) -> None:
+        """Pick up weights changed in place since the last call (cheap when nothing changed)."""
+        self._fuse()
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].to(torch.float32) * self.inv_freq  # [..., dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _qkv(self, L: _Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        qkv = torch.nn.functional.linear(x, L.qkv_w, L.qkv_b)
+        hq, hk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return qkv[..., :hq], qkv[..., hq:hq + hk], qkv[..., hq + hk:]
+
+    def _mlp(self, L: _Layer, x: Tensor) -> Tensor:
+        gate, up = torch.nn.functional.linear(x, L.gate_up).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, L.down)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return torch.nn.functional.linear(hidden, self._head, self._head_bias)
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: Tensor) -> Tensor:
+        """Run ``prompts`` from position 0, write their keys/values into ``slots`` (one slot per
+        prompt, [N] long), and return the final-norm hidden state at each prompt's last token
+        [N, hidden]."""
+        self._fuse()
+        n, width = len(prompts), max(len(p) for p in prompts)
+        if width > self.capacity:
+            raise ValueError(f"a prompt of {width} tokens does not fit a cache of {self.capacity}")
+        # Right-padded: a causal mask alone keeps real tokens from seeing the padding after them.
+        ids = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        ids = ids.to(self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        cos, sin = self.cos[:width], self.sin[:width]  # [W, D]
+        x = torch.nn.functional.embedding(ids, self._embed)  # [N, W, H]
+        for li, L in enumerate(self._layers):
+            h = _rms_norm(x, L.ln1, self.eps)
+            q, k, v = self._qkv(L, h)
+            q = _rotate(q.view(n, width, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(n, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
+            self.k[li][slots, :, :width] = k
+            self.v[li][slots, :, :width] = v
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads)
+            x = x + torch.nn.functional.linear(att.transpose(1, 2).reshape(n, width, -1), L.o_w)
+            x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
+        x = x[torch.arange(n, device=self.device), last]  # [N, H]
+        return _rms_norm(x, self._norm, self.eps)
+
+    def grow(self, capacity: int) -> None:
+        """Make room for sequences of ``capacity`` tokens, keeping what is cached."""
+        if capacity <= self.capacity:
+            return
+        for cache in (self.k, self.v):
+            for i, old in enumerate(cache):
+                new = torch.zeros((self.slots, self.kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
+                new[:, :, : self.capacity] = old
+                cache[i] = new
+        self.capacity = capacity
+        self.cos, self.sin = self._rope(torch.arange(capacity, device=self.device))
+
+    def copy_slots(self, src: Tensor, dst: Tensor, length: int) -> None:
+        """Copy the first ``length`` cached positions of slots ``src`` into slots ``dst``."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    # -- decode ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, lengths: Tensor, span: int | None = None) -> Tensor:
+        """One step for slots 0..B-1: ``tokens`` [B] sit at positions ``lengths`` [B] (the
+        tokens already cached per slot). Writes their keys/values and returns the final-norm
+        hidden state [B, hidden] (the next token's logits come from it). ``span``, max(lengths)
+        + 1, saves a device sync when the caller knows it."""
+        b = tokens.shape[0]
+        span = int(lengths.max()) + 1 if span is None else span
+        if span > self.capacity:
+            raise ValueError(f"a sequence of {span} tokens does not fit a cache of {self.capacity}")
+        rows = torch.arange(b, device=self.device)
+        cos, sin = self.cos[lengths][:, None, :], self.sin[lengths][:, None, :]  # [B, 1, D]: all heads
+        # Keys at positions <= length are real for each slot; later ones are stale or empty.
+        keep = torch.arange(span, device=self.device)[None, :] <= lengths[:, None]  # [B, S]
+        bias = torch.zeros((b, 1, 1, span), dtype=torch.float32, device=self.device)
+        bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        group = self.heads // self.kv_heads
+        x = torch.nn.functional.embedding(tokens, self._embed)  # [B, H]
+        for li, L in enumerate(self._layers):
+            h = _rms_norm(x, L.ln1, self.eps)
+            qkv = torch.nn.functional.linear(h, L.qkv_w, L.qkv_b).view(b, self.heads + 2 * self.kv_heads, self.head_dim)
+            qk = _rotate(qkv[:, : self.heads + self.kv_heads], cos, sin)  # queries and keys at once
+            q, k, v = qk[:, : self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
+            kc, vc = self.k[li], self.v[li]
+            kc[rows, :, lengths] = k
+            vc[rows, :, lengths] = v
+            keys, values = kc[:b, :, :span], vc[:b, :, :span]  # [B, KV, S, D] views, no copy
+            # Grouped-query attention without repeating keys: the `group` query heads that share
+            # a key head are rows of one small matmul.
+            qg = q.reshape(b, self.kv_heads, group, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale + bias  # [B, KV, G, S]
+            probs = scores.softmax(-1).to(self.dtype)
+            att = torch.matmul(probs, values).reshape(b, -1)  # [B, H*D]
+            x = x + torch.nn.functional.linear(att, L.o_w)
+            x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
+        return _rms_norm(x, self._norm, self.eps)
