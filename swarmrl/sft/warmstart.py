@@ -42,6 +42,18 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[to
     return ids, mask, attn
 
 
+def _sft_target(tokenizer, trace: str, cfg: Config, rng: random.Random) -> int | None:
+    """The length target a training prompt names (None without length control)."""
+    if not cfg.length.enabled:
+        return None
+    drawn = rng.choice(cfg.length.targets)
+    # No extra draw at 0, so bases built before this field existed are rebuilt bit for bit.
+    if not cfg.sft.target_match or rng.random() >= cfg.sft.target_match:
+        return drawn
+    n = len(tokenizer(trace, add_special_tokens=False)["input_ids"]) + 1  # + eos, as RL counts
+    return min(cfg.length.targets, key=lambda target: abs(target - n))
+
+
 def base_cache_key(cfg: Config) -> str:
     """The cached base is reused only when everything that shaped it is the same."""
     s, t = cfg.sft, cfg.tasks
@@ -55,6 +67,8 @@ def base_cache_key(cfg: Config) -> str:
         key += "-v" + "".join(str(level) for level in s.verbosity)
     if cfg.length.enabled:
         key += "-len" + "-".join(str(n) for n in cfg.length.targets)
+        if s.target_match:
+            key += f"-match{s.target_match:g}"
     return key
 
 
@@ -72,8 +86,9 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
                                slip_rate=cfg.sft.slip_rate, verbosity=tuple(cfg.sft.verbosity))
     # With length control, each prompt names a target drawn independently of how verbose its
     # trace is: the base sees the instruction but does not follow it (RL's job to learn).
+    # `sft.target_match` of them name the target nearest the trace's own length instead.
     target_rng = random.Random(cfg.sft.seed + 2000)
-    lengths = [target_rng.choice(cfg.length.targets) if cfg.length.enabled else None for _ in rows]
+    lengths = [_sft_target(tokenizer, r["trace"], cfg, target_rng) for r in rows]
     examples = [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.99), weight_decay=0.01)
     warmup = max(1, cfg.sft.steps // 20)
