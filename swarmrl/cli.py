@@ -15,7 +15,8 @@ COMMANDS = {
     "tasks": "Write built-in procedural tasks as JSONL in the INTELLECT-2 RL dataset schema.",
     "orchestrator": "The orchestrator service (HTTP): leases, rollouts, rewards, batches, durable state.",
     "trainer": "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able).",
-    "worker": "An untrusted inference worker: joins an orchestrator over HTTP with its own ed25519 key.",
+    "worker": "An inference worker: joins an orchestrator over HTTP with its own ed25519 key (untrusted, with proofs; "
+              "or a trusted key generating through vLLM, SGLang or swarmrl serve).",
     "validator": "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, seeded sampling, logprobs.",
     "relay": "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them.",
     "serve": "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint.",
@@ -77,6 +78,11 @@ def _add_local_commands(sub) -> None:
     sv.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when the request has none")
     sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     sv.add_argument("--url-file", help="write {url, model} here as JSON once listening (for scripts and tests)")
+    sv.add_argument("--reload-token-file",
+                    help="enable POST /v1/reload {\"model_path\": FOLDER} (load another checkpoint in place) for "
+                         "callers sending 'Authorization: Bearer' + this file's content; how an endpoint worker "
+                         "loads each new policy version (docs/engines.md). Anyone with the token can make the "
+                         "server load any folder it can read")
 
     ev = sub.add_parser("eval", help=COMMANDS["eval"], description=COMMANDS["eval"],
                         epilog="Built-in sets take --tasks.FIELD overrides (e.g. --tasks.digits 3), code rows "
@@ -151,6 +157,28 @@ def _add_role_commands(sub) -> None:
                                                   "(the origin the orchestrator names is tried last)")
     wk.add_argument("--trainer-key", help="the trainer's ed25519 public key (64 hex) or a file holding it "
                                           "(<run-dir>/trainer.pub); versions it did not sign are refused")
+    en = wk.add_argument_group(
+        "trusted fleets", "Generate through an OpenAI-compatible server instead of the built-in sampler. Such work has "
+        "no TOPLOC proofs: the orchestrator accepts it only from keys in its orchestrator.trusted_keys_file. "
+        "docs/engines.md has the vLLM and SGLang commands.")
+    en.add_argument("--engine", choices=["builtin", "openai"], default="builtin",
+                    help="builtin: the seeded sampler with proofs (anyone); openai: the server at --endpoint (trusted keys)")
+    en.add_argument("--endpoint", help="the server's URL, e.g. http://127.0.0.1:8100 (or .../v1)")
+    en.add_argument("--endpoint-key-file", help="bearer token for every request to the server (vLLM --api-key, "
+                                                "swarmrl serve --reload-token-file)")
+    en.add_argument("--served-model", help="the model id to ask the server for (default: the first of /v1/models)")
+    en.add_argument("--load", choices=["reload", "restart", "sglang", "vllm"],
+                    help="how each new policy version gets into the server: reload (swarmrl serve's POST /v1/reload; "
+                         "the default), restart (this worker runs --server-command and restarts it per version; the "
+                         "default with --server-command), sglang (POST /update_weights_from_disk), vllm (re-point "
+                         "<cache-dir>/serving, POST /collective_rpc reload_weights). sglang and vllm are untested here")
+    en.add_argument("--server-command", help="restart mode: the server's command line, {model} standing for the "
+                                             "checkpoint folder, e.g. \"vllm serve {model} --port 8100 ...\"")
+    en.add_argument("--endpoint-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="the precision the server computes in, declared with every group (the validator's logprob "
+                         "tolerance follows it); default: the run's")
+    en.add_argument("--concurrency", type=int, default=16, help="requests in flight to the server")
+
     from swarmrl.config import ADVERSARY_KINDS
 
     wk.add_argument("--adversary", choices=list(ADVERSARY_KINDS), metavar="KIND",
@@ -430,7 +458,8 @@ def _cmd_serve(args, extra: list[str]) -> None:
         serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               model_name=args.served_model_name, max_batch_rows=args.max_batch,
               batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
-              default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads)
+              default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads,
+              reload_token_file=args.reload_token_file)
     except (OSError, ValueError) as e:
         _fail(str(e))
 
@@ -455,10 +484,42 @@ def _cmd_trainer(args, extra: list[str]) -> None:
         _fail(str(e))
 
 
+def _endpoint_settings(args):
+    """The --engine openai flags as EndpointSettings (None for the built-in engine)."""
+    from pathlib import Path
+
+    from swarmrl.inference.remote import EndpointSettings
+
+    endpoint_flags = [f for f in ("endpoint", "endpoint_key_file", "served_model", "load", "server_command",
+                                  "endpoint_dtype") if getattr(args, f) is not None]
+    if args.engine == "builtin":
+        if endpoint_flags:
+            _fail(f"--{endpoint_flags[0].replace('_', '-')} is for --engine openai")
+        return None
+    if not args.endpoint:
+        _fail("--engine openai needs --endpoint URL, the OpenAI-compatible server to generate with")
+    if args.adversary:
+        _fail("--adversary runs the built-in engine; it cannot be combined with --engine openai")
+    api_key = None
+    if args.endpoint_key_file:
+        try:
+            api_key = Path(args.endpoint_key_file).read_text().strip()
+        except OSError as e:
+            _fail(f"--endpoint-key-file {args.endpoint_key_file}: {e.strerror}")
+    load = args.load or ("restart" if args.server_command else "reload")
+    try:
+        return EndpointSettings(args.endpoint, load=load, api_key=api_key, served_model=args.served_model,
+                                server_command=args.server_command, dtype=args.endpoint_dtype,
+                                concurrency=args.concurrency)
+    except ValueError as e:
+        _fail(str(e))
+
+
 def _cmd_worker(args, extra: list[str]) -> None:
     from swarmrl.inference.worker import Worker, run_worker
     from swarmrl.protocol.signing import AuthError
 
+    endpoint = _endpoint_settings(args)
     worker_class = Worker
     if args.adversary:  # test-only cheats live outside the production inference package
         from swarmrl.adversary.workers import adversary_class
@@ -468,7 +529,7 @@ def _cmd_worker(args, extra: list[str]) -> None:
         run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
                    threads=args.threads, device=args.device, dtype=args.dtype, worker_class=worker_class,
                    relays=[u.strip() for u in args.relays.split(",") if u.strip()],
-                   trainer_key=_key_arg(args.trainer_key), run_id=args.run_id)
+                   trainer_key=_key_arg(args.trainer_key), run_id=args.run_id, endpoint=endpoint)
     except AuthError as e:
         _fail(str(e))
 

@@ -289,6 +289,12 @@ class AsyncConfig(_Section):
     """Scheduling niceness of the workers `swarmrl rl` starts. The trainer is the critical path
     (workers sample the next batch while it trains), so on a machine where they share cores
     the trainer goes first and workers take what is left."""
+    endpoint_workers: int = Field(0, ge=0)
+    """Trusted workers `swarmrl rl` starts that generate through an OpenAI-compatible server
+    instead of the built-in sampler (`swarmrl worker --engine openai`), each with its own
+    `swarmrl serve` process that it reloads with every policy version. Their keys are made
+    trusted (written to <run-dir>/trusted_keys.txt with those of `orchestrator.trusted_keys_file`),
+    so their groups go without proofs; the `async.workers` still prove theirs (docs/engines.md)."""
     adversaries: list[str] = Field(default_factory=list)
     """FOR TESTING THE VALIDATOR: extra workers `swarmrl rl` starts that cheat, one per entry,
     each in the named way (`swarmrl worker --help` lists them: other_model, old_version,
@@ -337,6 +343,14 @@ class OrchestratorConfig(_Section):
     """For a closed run: a file of worker public keys (64 hex, one per line, # comments) that
     may register; any other key is refused (403 not_invited). Read again when it changes, so
     keys can be added while the run goes on. None: anyone may join (a public run)."""
+    trusted_keys_file: str | None = None
+    """Trusted fleets (docs/engines.md): a file of worker public keys (64 hex, one per line, #
+    comments) whose groups are accepted without TOPLOC proofs, as an OpenAI-compatible server
+    (vLLM, SGLang; `swarmrl worker --engine openai`) cannot build them. Every other key must
+    still prove its work (`proofs_missing`). Their proofless groups get a logprob check by
+    prefill at `validator.trusted_rate`; trusted keys count as proven. Read again when it
+    changes (a removed key loses the privilege at once). Must exist and hold only well-formed
+    keys when the config is loaded. None: nobody is trusted, every group must carry proofs."""
     requests_per_s_per_source: float = Field(100.0, gt=0)
     """Requests per second from one source address to the signed endpoints, counted before any
     signature is checked or body parsed (bursts of twice this pass)."""
@@ -370,6 +384,34 @@ class OrchestratorConfig(_Section):
     slots stay open, so waiting submissions never pile up on server threads."""
 
 
+    @field_validator("trusted_keys_file")
+    @classmethod
+    def _trusted_keys(cls, path: str | None) -> str | None:
+        if path is not None:
+            read_key_file(path)  # a missing file or a malformed line fails here, naming the line
+        return path
+
+
+def read_key_file(path: str | Path) -> set[str]:
+    """The worker public keys a keys file lists (64 lowercase hex, one per line, # comments).
+    ValueError names the file and line of anything else: a key list is a privilege, and a typo
+    must not silently leave a key out."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the keys file {path}: {e.strerror or e}") from None
+    keys = set()
+    for number, line in enumerate(lines, 1):
+        key = line.split("#")[0].strip().lower()
+        if not key:
+            continue
+        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+            raise ValueError(f"{path}, line {number}: {key[:80]!r} is not a worker public key (64 hex characters, "
+                             "as `swarmrl worker` prints at start and /v1/workers/me names it)")
+        keys.add(key)
+    return keys
+
+
 class BroadcastConfig(_Section):
     shard_size: int = Field(1 << 20, ge=4096)
     """Bytes per shard of a published version. Shards are fetched in parallel, verified one by one
@@ -395,6 +437,18 @@ class ValidatorConfig(_Section):
     """Share of accepted groups that get the full check (prefill: TOPLOC, seeded sampling,
     logprobs). The others still get every cheap check. A banned worker's unconsumed groups are
     always fully re-checked."""
+    trusted_rate: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of trusted keys' groups without proofs (`orchestrator.trusted_keys_file`; an
+    OpenAI-compatible server's) whose logprobs the validator checks by prefill: the only check
+    such work allows (no proofs, no seeded sampling). Catches a server running other weights,
+    another version or another temperature. 0: trust them entirely; 1: check all (a prefill
+    costs a fraction of generating, but it runs on the validator's hardware)."""
+    trusted_logprob_tol: float | None = Field(None, gt=0.0)
+    """Largest |reported - recomputed| logprob of a trusted server's token. None: the tolerance
+    of the precision its groups declare (`logprob_tol` for float32, `bf16_logprob_tol` for
+    bfloat16 and float16, the looser of that and the run's). Those were calibrated on this
+    project's CPU sampler; a GPU server's kernels differ more: measure on a few hundred honest
+    groups (the verdicts' logprob_err_max) before lowering it."""
     chunk_size: int = Field(32, ge=1)
     """Tokens per TOPLOC proof (the seed run's decode batching: 32)."""
     topk: int = Field(128, ge=1, le=4096)
@@ -452,6 +506,14 @@ class ValidatorConfig(_Section):
     """logprob_tol in bf16 runs (honest: at most 0.12). A policy one version older stays within
     this (and within TOPLOC's limits): in bf16 runs a worker can pass off work of the previous
     version as the current one."""
+
+    def trusted_logprob_limit(self, run_dtype: str, declared: str | None) -> float:
+        """The logprob tolerance for a trusted server's group: `trusted_logprob_tol`, else the
+        looser of the run's precision and the one the group declares (float16 as bfloat16)."""
+        if self.trusted_logprob_tol is not None:
+            return self.trusted_logprob_tol
+        wide = "bfloat16" in (run_dtype, declared) or declared == "float16"
+        return self.limits("bfloat16" if wide else "float32")["logprob_tol"]
 
     def limits(self, dtype: str) -> dict:
         """The thresholds a validator applies to the work of a run sampling in `dtype`, by the
@@ -514,6 +576,12 @@ class SFTConfig(_Section):
     levels give a base that can think at different lengths. With `length.enabled`, each trace's
     prompt carries a target drawn independently of its level, so the base does not follow
     targets and RL has to learn it (configs/length-control.toml)."""
+
+    target_match: float = Field(0.0, ge=0.0, le=1.0)
+    """With `length.enabled`: share of traces whose prompt names the target nearest the trace's
+    own length; the rest draw a target uniformly. 0 keeps target and length independent (the
+    base never reads N); a small share gives the base a weak habit of reading N, as a pretrained
+    LLM has, for RL to turn into control. docs/learning.md, part 3, measures both."""
 
     @field_validator("verbosity")
     @classmethod

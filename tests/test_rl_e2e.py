@@ -266,3 +266,43 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
     last = [r for r in metrics(run) if "time/step" in r][-1]
     assert last["workers/banned"] == 3 and last["rejected/sampling"] >= 2 and last["rejected/toploc"] >= 2
     assert json.loads((run / "summary.json").read_text())["steps"] == 8
+
+
+def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base, tmp_path):
+    """`async.endpoint_workers 1`: a trusted worker generating through its own `swarmrl serve`
+    (reloaded with every version) next to the two built-in workers, whose groups are still
+    checked in full (docs/engines.md)."""
+    import sqlite3
+
+    from swarmrl.config import read_key_file
+
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "6",
+            "--async.endpoint_workers", "1", "--validator.trusted_rate", "0.5", *EASY, timeout=600)
+    db = sqlite3.connect(run / "orchestrator.sqlite")
+    names = dict(db.execute("SELECT key, name FROM workers"))
+    trusted = read_key_file(run / "trusted_keys.txt")
+    assert [names[k] for k in trusted] == ["worker-openai-0"] and len(names) == 3
+    consumed = [gid for line in (run / "consumed.jsonl").read_text().splitlines()
+                for gid in json.loads(line)["group_ids"]]
+    marks = ",".join("?" * len(consumed))
+    rows = db.execute(f"SELECT worker, proofs, verdict, payload FROM groups WHERE id IN ({marks})", consumed).fetchall()
+    mine = [r for r in rows if r[0] in trusted]
+    theirs = [r for r in rows if r[0] not in trusted]
+    # The endpoint worker's groups were trained on: no proofs, declared as the server's.
+    assert mine and all(not any(json.loads(p)) and json.loads(g)["engine"] == "openai" for _, p, _, g in mine)
+    # The built-in workers' groups all passed the full check (proofs, seeded sampling, logprobs).
+    assert theirs and all(v is not None and json.loads(v)["ok"] and json.loads(v)["stats"]["chunks"] > 0
+                          for _, _, v, _ in theirs)
+    # Some of the endpoint worker's groups got the logprob check; none failed it; nobody was refused for fraud.
+    checked = [json.loads(v) for (v,) in db.execute(
+        f"SELECT verdict FROM groups WHERE verdict IS NOT NULL AND worker IN ({','.join('?' * len(trusted))})",
+        tuple(trusted))]
+    assert checked and all(v["ok"] and v["stats"]["chunks"] == 0 for v in checked)
+    assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
+    # Every new version went into the server through its reload endpoint.
+    log = (run / "logs" / "worker-openai-0.log").read_text()
+    assert log.count("loaded into http://127.0.0.1:") >= 2 and "this key is trusted" in log
+    steps = [r for r in metrics(run) if "time/step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert _processes_of(run) == []

@@ -17,6 +17,11 @@ validator prefills in it and honest work in another precision would be rejected 
 worker started without `--dtype` follows the leases (it learns the run's dtype from its first
 lease and reloads the policy once if it guessed wrong); one started with `--dtype` stops with a
 message on a lease that asks for another.
+
+With `endpoint` (`--engine openai`), the worker generates through an OpenAI-compatible server
+instead (inference/remote.py): it still downloads and checks every version, then loads it into
+the server; its groups carry no proofs and declare the engine and the server's precision, which
+only a key the orchestrator trusts may submit (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import torch
 from pydantic import ValidationError
 
 from swarmrl.inference.engine import RolloutEngine, build_engine
-from swarmrl.model.checkpoint import load_policy
+from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
+from swarmrl.model.checkpoint import load_policy, load_tokenizer
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import Lease, LeaseReply
+from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
 from swarmrl.transport.filesystem import atomic_write_text
@@ -53,7 +60,7 @@ class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
                  device: str = "cpu", dtype: str | None = None, unreachable_s: float = float("inf"), log=_log,
                  relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
-                 timeout_s: float = 10.0, run_id: str | None = None):
+                 timeout_s: float = 10.0, run_id: str | None = None, endpoint: EndpointSettings | None = None):
         self.key = load_or_create_key(key_file)
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
         self.client = WorkerClient(orchestrator, self.key, run_id=run_id)
@@ -76,6 +83,9 @@ class Worker:
         self.version: int | None = None
         self.digest: str | None = None
         self.sampler: RolloutEngine | None = None
+        # An OpenAI-compatible server generates instead of a local model (trusted keys only).
+        self.endpoint = endpoint
+        self.server = ServerLink(endpoint, self.cache, log=log) if endpoint is not None else None
         launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
         self.parent = int(launcher) if launcher else None
 
@@ -107,22 +117,32 @@ class Worker:
             folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies", public_key=key,
                                    scores=self.scores, keep=2, parallel=self.parallel, timeout_s=self.timeout_s,
                                    expected_digest=digest)
-            model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype))
+            if self.server is None:
+                model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype))
+            else:
+                tok = load_tokenizer(folder)
         except (BroadcastError, OSError, ValueError) as e:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
-        self.sampler = build_engine(model.eval(), tok)
+        if self.server is None:
+            self.sampler = build_engine(model.eval(), tok)
+            where = f"({self.dtype})"
+        else:
+            self.server.load(folder, version)  # EndpointError stops the worker: the server needs fixing
+            self.sampler = self.server.engine([tok.eos_token_id])
+            where = f"into {self.server.describe()}"
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
-        self.log(f"policy v{version} loaded ({self.dtype}) in {time.monotonic() - t0:.2f} s; shards from "
+        self.log(f"policy v{version} loaded {where} in {time.monotonic() - t0:.2f} s; shards from "
                  + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
         self.version, self.digest, self.policy_ref = version, digest, policy
         return True
 
     def _follow_precision(self, lease: Lease) -> bool:
         """Have the policy loaded in the dtype the lease names. False: it could not be reloaded
-        (the loop asks for the status again). Raises WrongPrecision for a pinned other dtype."""
-        if lease.dtype == self.dtype:
+        (the loop asks for the status again). Raises WrongPrecision for a pinned other dtype. An
+        endpoint's server computes in its own precision, which its groups declare instead."""
+        if lease.dtype == self.dtype or self.server is not None:
             return True
         if self.pinned_dtype is not None:
             # Sampling anyway would only produce groups the validator rejects as fraud.
@@ -146,17 +166,38 @@ class Worker:
         g = lease.group_size
         prompts = [p.prompt_ids for p in lease.prompts for _ in range(g)]
         seeds = [s for p in lease.prompts for s in p.seeds]
+        proves = self.sampler.provides_hidden
         outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease.max_new_tokens,
-                                     temperature=lease.temperature, return_hidden=True)
-        proofs = build_proofs_many([o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)
+                                     temperature=lease.temperature, return_hidden=proves)
+        if proves:
+            proofs = [encode(p) for p in build_proofs_many([o.hidden for o in outs], chunk_size=lease.proof.chunk_size,
+                                                            topk=lease.proof.topk)]
+            declared = {"engine": "builtin"}
+        else:
+            self._check_endings(outs, lease)
+            proofs = [[] for _ in outs]
+            declared = {"engine": ENGINE_NAME, "dtype": self.endpoint.dtype or lease.dtype}
         groups = []
         for i, p in enumerate(lease.prompts):
             block = range(i * g, (i + 1) * g)
-            groups.append({"slot": p.slot, "policy_version": self.version,
+            groups.append({"slot": p.slot, "policy_version": self.version, **declared,
                            "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs,
-                                        "finish_reason": outs[j].finish_reason, "proofs": encode(proofs[j])}
+                                        "finish_reason": outs[j].finish_reason, "proofs": proofs[j]}
                                        for j in block]})
         return {"lease_id": lease.lease_id, "groups": groups}
+
+    def _check_endings(self, outs: list, lease: Lease) -> None:
+        """A server that stops on other tokens than the run's end token (a checkpoint's extra
+        eos ids, stop strings) makes completions the orchestrator refuses as fraud: stop first."""
+        for j, o in enumerate(outs):
+            problem = termination_problem(list(o.token_ids), o.finish_reason, self.sampler.stop_token_ids,
+                                          lease.max_new_tokens)
+            if problem:
+                raise EndpointError(
+                    f"completion {j} from the server breaks the run's rule for how a completion ends ({problem}); "
+                    f"a completion must stop at token {self.sampler.stop_token_ids[0]} or run to max_tokens. Start "
+                    "vLLM with --generation-config vllm (the checkpoint's generation_config may add stop tokens); "
+                    "docs/engines.md")
 
     def deliver(self, path: Path) -> dict | None:
         """Send one outbox entry until it is accepted, refused, or its lease has expired."""
@@ -197,6 +238,10 @@ class Worker:
             path.unlink(missing_ok=True)
             for r in result["rejected"]:
                 self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
+            if self.server is not None and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
+                # Taken off the trusted keys meanwhile: every further group would be more fraud.
+                raise EndpointError("the orchestrator refused this worker's groups for having no proofs: its key "
+                                    f"{self.client.key_hex} is no longer trusted (orchestrator.trusted_keys_file)")
             return result
 
     def flush_outbox(self) -> int:
@@ -206,10 +251,22 @@ class Worker:
                 sent += 1
         return sent
 
+    def _check_trusted(self) -> None:
+        """An endpoint worker's groups carry no proofs: only a trusted key may send them."""
+        record = self._call(self.client.me, "record")
+        if not record.get("trusted"):
+            raise EndpointError(
+                f"this worker's key {self.client.key_hex} is not trusted by the orchestrator, which refuses groups "
+                "without TOPLOC proofs from it (proofs_missing): an OpenAI-compatible server cannot build them. Ask "
+                "the run's operator to add the key to orchestrator.trusted_keys_file, or run the built-in engine")
+        self.log("this key is trusted: groups from the endpoint go without proofs")
+
     def run(self) -> None:
         me = self._call(lambda: self.client.register(self.name), "register")
-        self.log(f"worker {self.name} registered as {self.client.key_hex[:16]}… "
+        self.log(f"worker {self.name} registered as {self.client.key_hex} "
                  f"(accepted {me['accepted']}, rejected {me['rejected']})")
+        if self.server is not None:
+            self._check_trusted()
         self.flush_outbox()
         while True:
             self._watchdog()
@@ -249,15 +306,21 @@ class Worker:
 
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
                device: str = "cpu", dtype: str | None = None, worker_class=None,
-               relays: list[str] = (), trainer_key: str | None = None, run_id: str | None = None) -> None:
+               relays: list[str] = (), trainer_key: str | None = None, run_id: str | None = None,
+               endpoint: EndpointSettings | None = None) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
-    arguments (the CLI passes a scripted adversary's class for `--adversary`)."""
+    arguments (the CLI passes a scripted adversary's class for `--adversary`); `endpoint` makes
+    it generate through an OpenAI-compatible server."""
     if threads:
         torch.set_num_threads(threads)
     worker = (worker_class or Worker)(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
-                                      dtype=dtype, relays=relays, trainer_key=trainer_key, run_id=run_id)
+                                      dtype=dtype, relays=relays, trainer_key=trainer_key, run_id=run_id,
+                                      endpoint=endpoint)
     try:
         worker.run()
-    except (Unavailable, Refused, WrongPrecision) as e:
+    except (Unavailable, Refused, WrongPrecision, EndpointError) as e:
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if worker.server is not None:
+            worker.server.close()  # a server this worker started (restart mode) stops with it

@@ -20,8 +20,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from swarmrl.config import Config
+from swarmrl.config import Config, read_key_file
 from swarmrl.launch.progress import Progress
+from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards.registry import open_graders
 from swarmrl.sft.warmstart import ensure_base_model
 from swarmrl.tasks.source import task_rows
@@ -168,6 +169,48 @@ def write_summary(rd: RunDir, cfg: Config, wall_seconds: float) -> dict:
     return summary
 
 
+def _endpoint_dir(rd: RunDir, i: int) -> Path:
+    return rd.root / "workers" / f"worker-openai-{i}"
+
+
+def _trust_endpoint_workers(rd: RunDir, cfg: Config) -> Config:
+    """Keys for the endpoint workers, made trusted: <run-dir>/trusted_keys.txt lists them and
+    the keys of the user's orchestrator.trusted_keys_file, and the run's config points at it."""
+    keys = sorted(read_key_file(cfg.orchestrator.trusted_keys_file)) if cfg.orchestrator.trusted_keys_file else []
+    lines = [f"{k}  # from {cfg.orchestrator.trusted_keys_file}" for k in keys]
+    for i in range(cfg.async_.endpoint_workers):
+        key = public_key_hex(load_or_create_key(_endpoint_dir(rd, i) / "key.pem"))
+        lines.append(f"{key}  # worker-openai-{i} (swarmrl rl, async.endpoint_workers)")
+    path = rd.root / "trusted_keys.txt"
+    atomic_write_text(path, "# keys whose groups are accepted without proofs (orchestrator.trusted_keys_file)\n"
+                      + "\n".join(lines) + "\n")
+    orchestrator = cfg.orchestrator.model_copy(update={"trusted_keys_file": str(path.resolve())})
+    return cfg.model_copy(update={"orchestrator": orchestrator})
+
+
+def _start_endpoint_workers(children: "Children", rd: RunDir, cfg: Config, start_worker) -> None:
+    """Each endpoint worker with its own `swarmrl serve` (reload endpoint on, token in its folder),
+    started on the newest policy folder; the worker loads every version into it."""
+    import secrets
+
+    newest = rd.version_path(max(rd.versions()))
+    for i in range(cfg.async_.endpoint_workers):
+        wdir = _endpoint_dir(rd, i)
+        token, url_file = wdir / "reload.token", wdir / "serve.json"
+        if not token.exists():
+            atomic_write_text(token, secrets.token_hex(16))
+            token.chmod(0o600)
+        url_file.unlink(missing_ok=True)
+        children.start(f"serve-{i}", ["serve", "--model", str(newest), "--port", "0", "--url-file", str(url_file),
+                                      "--reload-token-file", str(token), "--dtype", cfg.sampling.dtype,
+                                      "--device", cfg.model.device, "--served-model-name", "policy",
+                                      "--threads", str(cfg.async_.worker_threads)],
+                       cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+        children.wait_for_file(url_file)
+        start_worker(f"worker-openai-{i}", f"worker-openai-{i}", "--engine", "openai", "--endpoint",
+                     json.loads(url_file.read_text())["url"], "--endpoint-key-file", str(token), "--load", "reload")
+
+
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     rd = RunDir(cfg.run_dir or new_run_dir())
@@ -180,6 +223,8 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
             for name, grader in graders.items():
                 log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
+        if cfg.async_.endpoint_workers:
+            cfg = _trust_endpoint_workers(rd, cfg)
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         _install_base(rd, ensure_base_model(cfg, log=log))
     if prepare_only:
@@ -226,6 +271,9 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
 
         for i in range(cfg.async_.workers):
             start_worker(f"worker-{i}", f"worker-{i}")
+        _start_endpoint_workers(children, rd, cfg, start_worker)
+        if cfg.async_.endpoint_workers:
+            log(f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve")
         for i, kind in enumerate(cfg.async_.adversaries):
             start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
         if cfg.async_.adversaries:

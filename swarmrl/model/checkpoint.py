@@ -53,6 +53,15 @@ def build_tiny_policy(seed: int = 0, **shape) -> tuple[PreTrainedModel, object]:
 def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32):
     """Load any local HF causal-LM folder and its tokenizer. Never reaches a hub."""
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), local_files_only=True, dtype=dtype)
+    model.to(device)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local HF model folder, without its weights (a worker whose model runs
+    in an inference server needs only this)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -60,11 +69,9 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
             "by `swarmrl sft`, a policy version under <run-dir>/policies/, or a local HF checkpoint."
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    model.to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,

@@ -83,7 +83,8 @@ class Leasing:
                            "which used up its lease allowance: submit what you lease before it expires "
                            f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
                            retry_after=min(60.0, o.penalty_window_s))
-        held = standing.held(o)
+        trusted = self.is_trusted(key)  # counts as proven (docs/engines.md)
+        held = standing.leased if trusted else standing.held(o)
         n = lease_size(allowed - held, s.worker_batch_prompts, allowed)
         mine = self.store.open_lease_count(db, key)
         if n == 0 or mine >= o.max_open_leases:
@@ -91,7 +92,7 @@ class Leasing:
                        "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
                                  f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
                                  "submit them first, or wait for the validator"}
-        if not is_proven(standing.validated, o):
+        if not is_proven(standing.validated, o) and not trusted:
             share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
             held = self.store.unproven_slots(db, o.proven_after)
             if held + n > share:

@@ -14,6 +14,9 @@ reach the client as JSON. The rules it enforces:
   * then it waits for the validator (`validator.rate` of the groups; all of them by default):
     `pending` until a validator claimed it, `validating` while one checks it, and then `queued`
     (or `uninformative`) if it passed, `rejected` if not. Only queued groups reach the trainer;
+  * keys in `orchestrator.trusted_keys_file` may submit groups without proofs (an
+    OpenAI-compatible server's, docs/engines.md); the validator checks the logprobs of
+    `validator.trusted_rate` of those. Every other key's groups must carry proofs;
   * rejections an honest worker cannot get (FRAUD_REASONS) count against the worker; after
     `validator.ban_after` of them its key is refused, its open leases are expired and its
     queued groups go back to the validator for a full check;
@@ -30,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarmrl.config import Config
+from swarmrl.config import Config, read_key_file
 from swarmrl.orchestrator.admission import GradingLanes, Standing, allowance, is_proven
 from swarmrl.orchestrator.batches import Batches
 from swarmrl.orchestrator.errors import ApiError
@@ -97,6 +100,9 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
         # Keys refused leases for a while (allowance used up): check_lease_refusal.
         self.refused: dict[str, tuple[float, ApiError]] = {}
         self._allowed: tuple[float, set[str]] | None = None  # (mtime, keys) of allowed_keys_file
+        self._trusted: tuple[float, frozenset[str]] = (-1.0, frozenset())  # (mtime, keys) of trusted_keys_file
+        if o.trusted_keys_file is not None:
+            log(f"trusted keys: {len(self.trusted_keys())} from {o.trusted_keys_file} may submit groups without proofs")
         self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
         self.sources = RateLimiter(o.requests_per_s_per_source, int(2 * o.requests_per_s_per_source))
         self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
@@ -204,6 +210,28 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
             self._allowed = (mtime, {line.split("#")[0].strip().lower() for line in lines} - {""})
         return key in self._allowed[1]
 
+    def trusted_keys(self) -> frozenset[str]:
+        """The keys of orchestrator.trusted_keys_file, read again when the file changes. A file
+        gone or broken meanwhile trusts nobody (the safe side) and says so in the log."""
+        path = self.cfg.orchestrator.trusted_keys_file
+        if path is None:
+            return frozenset()
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            mtime = None
+        if mtime != self._trusted[0]:
+            try:
+                keys = frozenset(read_key_file(path))
+            except ValueError as e:
+                self.log(f"trusted keys: {e}; trusting no key until the file is fixed")
+                keys = frozenset()
+            self._trusted = (mtime, keys)
+        return self._trusted[1]
+
+    def is_trusted(self, key: str) -> bool:
+        return key in self.trusted_keys()
+
     def admit_registration(self, key: str, source: str = "local") -> None:
         """Before a registration writes anything (even its nonce): the invitation list of a
         closed run, and for a new key the per-source and total registration rates."""
@@ -238,7 +266,8 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                                                      sorted(FRAUD_REASONS)))
         return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
                 "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
-                "rejections": reasons, "expired_slots": w["expired"], "proven": is_proven(w["validated"], o),
+                "rejections": reasons, "expired_slots": w["expired"],
+                "proven": is_proven(w["validated"], o) or self.is_trusted(key), "trusted": self.is_trusted(key),
                 "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts)}
 
     def gauges(self) -> dict[str, float]:

@@ -1,6 +1,10 @@
 """Taking work back: each group's cheap checks (slot, version, sizes, token ids, logprobs,
 termination, proofs' format; refusal codes in swarmrl/protocol/reasons.py), trusted scoring, and
-recording accepted groups for validation."""
+recording accepted groups for validation.
+
+Groups without proofs are accepted from trusted keys only (`orchestrator.trusted_keys_file`:
+an OpenAI-compatible server cannot build proofs, docs/engines.md); they go to the validator at
+`validator.trusted_rate` for a logprob check, the one check such work allows."""
 
 from __future__ import annotations
 
@@ -28,13 +32,16 @@ class SlotCheck:
     reason: str | None = None
     detail: str = ""
     proofs: list | None = None  # per completion, its TOPLOC proofs (base64), kept for the validator
+    proofless: bool = False  # a trusted key's group without proofs (logprob checks only)
 
 
 class Submissions:
     """The Orchestrator's submissions (a mixin: state and helpers live on the Orchestrator)."""
 
-    def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int) -> SlotCheck:
+    def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int, trusted: bool = False) -> SlotCheck:
         s, k = self.cfg.sampling, self.cfg.async_.bound
+        # A trusted key may leave out the proofs of a whole group, never some of them.
+        proofless = trusted and not any(smp.proofs for smp in g.samples)
         if g.slot not in slot_rows:
             return SlotCheck(g.slot, reason="bad_slot", detail=f"lease has slots 0..{len(slot_rows) - 1}, not {g.slot}")
         state = slot_rows[g.slot]["state"]
@@ -79,8 +86,14 @@ class Submissions:
             if problem:
                 return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
             v = self.cfg.validator
+            if proofless:
+                continue
             if not smp.proofs:
-                return SlotCheck(g.slot, reason="proofs_missing", detail=f"completion {i} has no TOPLOC proofs")
+                detail = f"completion {i} has no TOPLOC proofs"
+                if g.engine != "builtin":
+                    detail += (f" (groups of the {g.engine!r} engine go without proofs only from keys in the run's "
+                               "orchestrator.trusted_keys_file)")
+                return SlotCheck(g.slot, reason="proofs_missing", detail=detail)
             problem = check_format(smp.proofs, n, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
             if problem:
                 return SlotCheck(g.slot, reason="proofs_malformed", detail=f"completion {i}: {problem}")
@@ -95,13 +108,14 @@ class Submissions:
                    for x, seed in zip(g.samples, seeds)]
         group = Group(row["problem_id"], row["task_type"], prompt, row["verification_info"], ids, samples,
                       g.policy_version, lease["worker"], self.cfg.sampling.temperature,
-                      slot_rows[g.slot]["target_length"])
-        return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples])
+                      slot_rows[g.slot]["target_length"], engine=g.engine, engine_dtype=g.dtype)
+        return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
 
     def _grade(self, key: str, groups: list[Group]) -> None:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
         keys share one lane); Busy when no lane comes free in time."""
-        proven = is_proven((self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator)
+        proven = is_proven((self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator) \
+            or self.is_trusted(key)
         with self.lanes.lane(key, proven) as pool:
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
@@ -136,7 +150,8 @@ class Submissions:
                 slot_rows = self.store.lease_slots(db, lease_id)
                 next_step, _, _ = self._progress(db)
                 seen: set[int] = set()
-                checks = [self._check_group(g, lease, slot_rows, seen, next_step) for g in groups]
+                trusted = self.is_trusted(key)
+                checks = [self._check_group(g, lease, slot_rows, seen, next_step, trusted) for g in groups]
                 # Claim the slots before the (slow) scoring, so a concurrent copy of this request is
                 # refused at once instead of being scored again.
                 for c in checks:
@@ -194,7 +209,10 @@ class Submissions:
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
-                full = self.rng.random() < self.cfg.validator.rate
+                v = self.cfg.validator
+                full = self.rng.random() < (v.trusted_rate if c.proofless else v.rate)
+                if c.proofless:
+                    self._count("groups_accepted/without_proofs")
                 self.store.add_group(db, lease_id, c.slot, key, g.policy_version, now, g.to_json(), informative,
                                      "pending" if full else "queued" if informative else "uninformative",
                                      json.dumps(c.proofs, separators=(",", ":")))

@@ -78,7 +78,11 @@ class ValidationQueue:
                           "temperature": g["temperature"], "prompt_ids": g["prompt_ids"],
                           "samples": [{"token_ids": smp["token_ids"], "logprobs": smp["logprobs"], "seed": smp["seed"],
                                        "proofs": proofs[i] if i < len(proofs) else []}
-                                      for i, smp in enumerate(g["samples"])]})
+                                      for i, smp in enumerate(g["samples"])],
+                          # Only a trusted key's group comes without proofs (submissions.py): its
+                          # logprobs are all that can be checked.
+                          "checks": "full" if any(proofs) else "logprobs",
+                          "engine_dtype": g.get("engine_dtype")})
         self._count("validator/claimed", len(items))
         return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump(),
                 "dtype": cfg.sampling.dtype}

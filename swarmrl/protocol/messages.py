@@ -55,6 +55,12 @@ class GroupIn(_Claims):
     slot: int = Field(ge=0, le=MAX_GROUPS)
     policy_version: int = Field(ge=0, le=10**9)
     samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
+    engine: Literal["builtin", "openai"] = Field(
+        "builtin", description="what generated the group: the seeded sampler (with proofs), or an OpenAI-compatible "
+                               "server (no proofs: accepted from trusted keys only)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the precision the engine computed in, when it is not the run's (an endpoint's server); "
+                          "the validator's logprob tolerance follows it")
 
 
 class SubmitIn(_In):
@@ -157,6 +163,8 @@ class WorkerRecord(Registered):
     rejections: dict[str, int] = Field(description="rejections by reason code")
     expired_slots: int = Field(0, description="leased prompts this key let expire unsubmitted")
     proven: bool = Field(False, description="whether the key has orchestrator.proven_after accepted groups")
+    trusted: bool = Field(False, description="whether the key is in orchestrator.trusted_keys_file (may submit "
+                                             "groups without proofs)")
     lease_allowance: int = Field(0, description="prompts this key may hold leased now (docs/security.md)")
 
 
@@ -216,6 +224,10 @@ class ClaimedGroup(_Out):
     temperature: float
     prompt_ids: list[int]
     samples: list[ClaimedSample]
+    checks: Literal["full", "logprobs"] = Field(
+        "full", description="full: proofs, seeded sampling, logprobs; logprobs: a trusted key's group without "
+                            "proofs, whose logprobs alone can be checked")
+    engine_dtype: str | None = Field(None, description="the precision its engine declared (logprobs checks)")
 
 
 class Claim(_Out):

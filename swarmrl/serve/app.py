@@ -8,7 +8,15 @@ What is supported, and how it differs from OpenAI's API (docs/eval.md has the ta
   (raw logits at temperature 0), which is what the trainer uses.
 - ``seed`` makes a request reproducible: completion j is sampled with seed ``seed + j``
   whatever else is in its batch. Without one, a random seed is drawn.
-- ``top_p`` other than 1, penalties other than 0, ``logit_bias``, ``echo``, ``suffix``,
+- vLLM's extensions for RL workers (completions): ``prompt`` as token ids,
+  ``return_tokens_as_token_ids`` (logprob tokens spelled ``"token_id:ID"``) and
+  ``return_token_ids`` (each choice's ``token_ids`` and ``prompt_token_ids``), so an endpoint
+  worker reads exact token ids from this server as from vLLM (docs/engines.md).
+- ``POST /v1/reload`` (only with ``--reload-token-file``, bearer token): load another checkpoint
+  folder in place of the served one. Requests already queued finish on the old weights; the
+  ones that arrive after the answer run on the new ones. The endpoint worker calls it for each
+  new policy version.
+- ``top_p`` other than 1, ``top_k`` other than -1/0, penalties other than 0, ``logit_bias``, ``echo``, ``suffix``,
   ``best_of`` > n, tools, and ``logprobs`` together with ``stream`` are refused with a 400
   naming the parameter, never silently ignored. Unknown fields are refused the same way.
 - Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
@@ -19,9 +27,12 @@ What is supported, and how it differs from OpenAI's API (docs/eval.md has the ta
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
@@ -51,9 +62,21 @@ class Settings:
     """Limits of one server (the `swarmrl serve` flags)."""
 
     def __init__(self, *, model_name: str, context: int, max_n: int = 16, max_request_bytes: int = 1 << 20,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, vocab_size: int | None = None, model_path: str | None = None):
         self.model_name, self.context, self.max_n = model_name, context, max_n
         self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
+        self.vocab_size, self.model_path = vocab_size, model_path
+
+
+class Reloader:
+    """What `POST /v1/reload` needs: `load(folder)` returns (a started Engine, the model's
+    context, its vocabulary size) and may take long (it runs off the event loop); `token` is the
+    bearer token a caller must send."""
+
+    def __init__(self, load: Callable[[str], tuple[Engine, int, int]], token: str):
+        if not token:
+            raise ValueError("the reload token is empty: write a secret into the --reload-token-file")
+        self.load, self.token = load, token
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -81,8 +104,10 @@ class _Routes:
     """The request handling of one server: parsing and checking a request against the server's
     limits, running it on the engine, and shaping OpenAI's reply (plain or streamed)."""
 
-    def __init__(self, engine: Engine, settings: Settings):
+    def __init__(self, engine: Engine, settings: Settings, reloader: Reloader | None = None):
         self.engine, self.settings, self.tokenizer = engine, settings, engine.tokenizer
+        self.reloader = reloader
+        self.reloading = asyncio.Lock()
 
     async def read_body(self, request: Request, model):
         """The request parsed into `model` (CompletionRequest or ChatRequest), after the body's size
@@ -111,10 +136,11 @@ class _Routes:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
                            "model_not_found")
-        for name, neutral in (("top_p", 1), ("frequency_penalty", 0), ("presence_penalty", 0)):
-            if getattr(req, name) not in (None, neutral):
-                raise ApiError(400, f"'{name}' is not supported (only {neutral}); sampling here is "
-                                    "plain temperature sampling, which validators replay", name)
+        for name, neutral in (("top_p", (1,)), ("top_k", (-1, 0)), ("frequency_penalty", (0,)),
+                              ("presence_penalty", (0,))):
+            if getattr(req, name) not in (None, *neutral):
+                raise ApiError(400, f"'{name}' is not supported (only {' or '.join(map(str, neutral))}); sampling "
+                                    "here is plain temperature sampling, which validators replay", name)
         if req.logit_bias:
             raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
         return req
@@ -142,6 +168,9 @@ class _Routes:
             raise ApiError(400, "'best_of' other than n is not supported", "best_of")
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         seed = secrets.randbelow(1 << 62) if req.seed is None else req.seed
+        if seed + n - 1 >= 1 << 63:  # completion j uses seed + j, a signed 64-bit integer
+            raise ApiError(400, f"'seed' + n - 1 must be below 2**63 (completion j is sampled with seed + j); "
+                                f"got seed {seed} with n {n}", "seed")
         stop = req.stops()
         if not all(stop):
             raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
@@ -195,34 +224,55 @@ class _Routes:
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    def prompt_ids(self, prompt) -> list[int]:
+        """The token ids of a completion request's prompt: a string is tokenized, token ids
+        (vLLM's extension) are checked against the vocabulary and used as they are."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not all(isinstance(t, int) for t in prompt):
+            raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+        vocab = self.settings.vocab_size or len(self.tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' has token id {bad}; this model's ids are 0..{vocab - 1}", "prompt")
+        return list(prompt)
+
     async def completions(self, request: Request):
         req = await self.read_body(request, CompletionRequest)
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string (one prompt per request)", "prompt")
         if req.echo:
             raise ApiError(400, "'echo' is not supported", "echo")
         if req.suffix:
             raise ApiError(400, "'suffix' is not supported", "suffix")
+        if req.stream and req.return_token_ids:
+            raise ApiError(400, "'return_token_ids' together with 'stream' is not supported; ask without streaming",
+                           "return_token_ids")
         top = req.logprobs
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = self.prompt_ids(req.prompt)
         gen = self.gen_request(req, ids, top_logprobs=-1 if top is None else top)
         cid, model = f"cmpl-{secrets.token_hex(12)}", self.settings.model_name
+        # vLLM's spelling of a token that must be read back exactly: its id, not its text.
+        spell = (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self.token_text
 
         def logprobs_of(choice: Choice) -> dict | None:
             if top is None:
                 return None
-            tokens = [self.token_text(t) for t in choice.token_ids]
+            texts = [self.token_text(t) for t in choice.token_ids]
             offsets, at = [], 0
-            for text in tokens:
+            for text in texts:
                 offsets.append(at)
                 at += len(text)
             tops = None
             if top > 0:
-                tops = [{self.token_text(t): lp for t, lp in entry} for entry in choice.top_logprobs]
-            return {"tokens": tokens, "token_logprobs": choice.logprobs, "top_logprobs": tops, "text_offset": offsets}
+                tops = [{spell(t): lp for t, lp in entry} for entry in choice.top_logprobs]
+            return {"tokens": [spell(t) for t in choice.token_ids], "token_logprobs": choice.logprobs,
+                    "top_logprobs": tops, "text_offset": offsets}
+
+        def ids_of(choice: Choice) -> dict:
+            if not req.return_token_ids:
+                return {}
+            return {"token_ids": list(choice.token_ids), "prompt_token_ids": ids}
 
         def base(choices: list) -> dict:
             return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -238,8 +288,8 @@ class _Routes:
                                                           "finish_reason": c.finish_reason}]),
                 include)
         choices = await self.run(gen)
-        return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
+        return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason,
+                         **ids_of(c)} for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
     async def chat(self, request: Request):
         req = await self.read_body(request, ChatRequest)
@@ -291,16 +341,56 @@ class _Routes:
                         for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
 
-def build_app(engine: Engine, settings: Settings) -> FastAPI:
+    async def reload(self, request: Request):
+        """POST /v1/reload {"model_path": FOLDER}: serve another checkpoint from now on.
+
+        The new model is loaded off the event loop (requests keep being served meanwhile), then
+        swapped in: requests submitted before the swap finish on the old engine, whose thread
+        drains its queue before it stops; later ones go to the new engine. One reload at a time."""
+        if self.reloader is None:
+            raise ApiError(404, "reloading is off on this server: start swarmrl serve with --reload-token-file",
+                           kind="not_found_error")
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.reloader.token.encode()):
+            raise ApiError(401, "POST /v1/reload needs 'Authorization: Bearer <the --reload-token-file's token>'",
+                           kind="authentication_error", code="invalid_api_key")
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ApiError(400, "the body must be {\"model_path\": \"/a/checkpoint/folder\"}", "model_path")
+        if not Path(path).is_dir():
+            raise ApiError(400, f"'model_path' {path!r} is not a folder on the server's machine", "model_path")
+        async with self.reloading:
+            t0 = time.monotonic()
+            try:
+                engine, context, vocab = await asyncio.to_thread(self.reloader.load, path)
+            except Exception as exc:  # noqa: BLE001 - a bad folder is the caller's problem, told without a traceback
+                raise ApiError(400, f"could not load {path}: {type(exc).__name__}: {str(exc)[:300]}",
+                               "model_path") from None
+            old, self.engine, self.tokenizer = self.engine, engine, engine.tokenizer
+            self.settings.context, self.settings.vocab_size = context, vocab
+            self.settings.model_path = str(Path(path).resolve())
+            await asyncio.to_thread(old.close)
+        return {"success": True, "model_path": self.settings.model_path, "context": context,
+                "seconds": round(time.monotonic() - t0, 3)}
+
+
+def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = None) -> FastAPI:
     app = FastAPI(title="swarmrl serve", docs_url=None, redoc_url=None)
     created = int(time.time())
     _error_handlers(app)
-    routes = _Routes(engine, settings)
+    routes = _Routes(engine, settings, reloader)
 
     @app.get("/v1/models")
     async def models():
+        # `root` is the checkpoint folder being served (vLLM's field), so a caller can check a reload.
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "swarmrl", "max_model_len": settings.context}]}
+                                            "owned_by": "swarmrl", "max_model_len": settings.context,
+                                            "root": settings.model_path}]}
 
     @app.get("/health")
     async def health():
@@ -308,20 +398,23 @@ def build_app(engine: Engine, settings: Settings) -> FastAPI:
 
     @app.get("/stats")
     async def stats():
-        return dict(engine.stats)
+        return dict(routes.engine.stats)
 
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
+    app.post("/v1/reload")(routes.reload)
+    app.state.routes = routes
     return app
 
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device: str = "cpu",
           dtype: str = "float32", model_name: str | None = None, max_batch_rows: int = 32,
           batch_window_ms: float = 5.0, max_n: int = 16, max_request_kb: int = 1024,
-          default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None) -> None:
-    """Load the checkpoint, start the engine and serve until interrupted."""
+          default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None,
+          reload_token_file: str | None = None) -> None:
+    """Load the checkpoint, start the engine and serve until interrupted. With
+    `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder."""
     import socket
-    from pathlib import Path
 
     import torch
     import uvicorn
@@ -331,22 +424,31 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
 
     if threads:
         torch.set_num_threads(threads)
-    model, tokenizer = load_policy(model_path, device=device, dtype=getattr(torch, dtype))
-    model.eval()
-    context = int(getattr(model.config, "max_position_embeddings", 2048))
+
+    def load(folder: str) -> tuple[Engine, int, int]:
+        model, tokenizer = load_policy(folder, device=device, dtype=getattr(torch, dtype))
+        model.eval()
+        engine = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000)
+        return engine, int(getattr(model.config, "max_position_embeddings", 2048)), int(model.config.vocab_size)
+
+    reloader = None
+    if reload_token_file is not None:
+        reloader = Reloader(load, Path(reload_token_file).read_text().strip())
+    engine, context, vocab = load(model_path)
     name = model_name or Path(model_path).resolve().name
-    engine = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000)
     app = build_app(engine, Settings(model_name=name, context=context, max_n=max_n,
-                                     max_request_bytes=max_request_kb << 10, default_max_tokens=default_max_tokens))
+                                     max_request_bytes=max_request_kb << 10, default_max_tokens=default_max_tokens,
+                                     vocab_size=vocab, model_path=str(Path(model_path).resolve())), reloader)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    print(f"serving {name} ({context}-token context) at {url}/v1", flush=True)
+    print(f"serving {name} ({context}-token context) at {url}/v1"
+          + ("; POST /v1/reload swaps the checkpoint" if reloader else ""), flush=True)
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        engine.close()
+        app.state.routes.engine.close()

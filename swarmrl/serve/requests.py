@@ -1,8 +1,12 @@
 """The request bodies `swarmrl serve` accepts, as pydantic models (the orchestrator's style): the
 shape and the fixed ranges of every field, unknown fields refused. What depends on the server
 (the model's name and context, `--max-n`) and what OpenAI accepts but this server refuses on
-purpose (top_p, penalties, logit_bias, echo, suffix) is checked by the routes after parsing, so
-that each refusal names its parameter.
+purpose (top_p, top_k, penalties, logit_bias, echo, suffix) is checked by the routes after
+parsing, so that each refusal names its parameter.
+
+Completions also take vLLM's extensions that an RL worker needs (docs/engines.md): `prompt` as a
+list of token ids, `return_tokens_as_token_ids` (logprob tokens spelled "token_id:ID") and
+`return_token_ids` (each choice carries its `token_ids`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ class _Common(BaseModel):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1, le=1 << 30)
     temperature: _Number | None = Field(None, ge=0, le=2)
-    seed: StrictInt | None = Field(None, ge=0, lt=1 << 62)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
     n: StrictInt | None = Field(None, ge=1)
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     top_p: _Number | None = None
+    top_k: StrictInt | None = None  # vLLM's and SGLang's extension; only "off" (-1 or 0) is accepted
     frequency_penalty: _Number | None = None
     presence_penalty: _Number | None = None
     user: StrictStr | None = None
@@ -50,10 +55,13 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr]
+    # A string, or token ids (vLLM accepts both; [[ids]] and [string] for one prompt too).
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM: logprob tokens as "token_id:ID"
+    return_token_ids: StrictBool | None = None  # vLLM and SGLang: each choice's `token_ids`
 
 
 class ChatRequest(_Common):
@@ -68,7 +76,7 @@ _EXPECTED = {
     "max_tokens": "an integer between 1 and 1073741824",
     "max_completion_tokens": "an integer between 1 and 1073741824",
     "temperature": "a number between 0 and 2",
-    "seed": "a non-negative integer below 2**62",
+    "seed": "a non-negative integer below 2**63",
     "n": "a positive integer",
     "best_of": "a positive integer",
     "stop": f"a non-empty string or a list of up to {MAX_STOP}",
@@ -77,7 +85,10 @@ _EXPECTED = {
     "stream_options": "{\"include_usage\": true|false}",
     "logprobs": f"an integer between 0 and {MAX_TOP_LOGPROBS} (completions) or true/false (chat)",
     "top_logprobs": f"an integer between 0 and {MAX_TOP_LOGPROBS}",
-    "prompt": "a string (one prompt per request)",
+    "prompt": "a string or a list of token ids (one prompt per request)",
+    "top_k": "an integer (only -1 or 0, no top-k cut, is supported)",
+    "return_tokens_as_token_ids": "true or false",
+    "return_token_ids": "true or false",
     "messages": "a non-empty list of {'role': system|user|assistant, 'content': a string}",
 }
 

@@ -13,6 +13,11 @@ under the policy version the worker claimed:
 The verdict names the first failing check in that order, with numbers, and carries the worst
 statistics of the group either way (they are what the thresholds were calibrated on).
 
+A trusted key's group without proofs (an OpenAI-compatible server's, docs/engines.md; claimed
+with `checks: "logprobs"`) can only have its logprobs checked, against the tolerance of the
+precision its engine declared (`ValidatorConfig.trusted_logprob_limit`): that catches a server
+running other weights, another version or another temperature, not how its tokens were drawn.
+
 The prefill runs in the run's inference precision, which every claim names (honest work is
 only reproducible in the precision it was sampled in), and the thresholds are that precision's
 (`ValidatorConfig.limits`). In bf16 runs TOPLOC also holds the group's typical chunk to a limit:
@@ -224,8 +229,24 @@ class Validator:
             pos += n
         return out
 
+    def judge_logprobs(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
+        """A proofless trusted group's verdict: its reported logprobs against the prefill's."""
+        tol = self.cfg.trusted_logprob_limit(dtype, item.get("engine_dtype"))
+        stats = {"logprob_err_max": max(r.logprob_err_max for r in reports),
+                 "sampling_margin_max": max(r.margin_max for r in reports), "chunks": 0}
+        for i, r in enumerate(reports):
+            if r.logprob_err_max > tol:
+                declared = item.get("engine_dtype") or dtype
+                return Verdict(item["id"], False, "logprobs",
+                               f"completion {i}: reported logprobs differ from policy v{item['policy_version']}'s by up "
+                               f"to {r.logprob_err_max:.3g} (tolerance {tol} for a {declared} server in a {dtype} run): "
+                               "the server is not serving this version, or samples at another temperature", stats)
+        return Verdict(item["id"], True, stats=stats)
+
     def judge(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
         """The group's verdict under the thresholds for a run sampling in `dtype`."""
+        if item.get("checks") == "logprobs":
+            return self.judge_logprobs(item, reports, dtype)
         lim = self.cfg.limits(dtype)
         chunks = [c for r in reports for c in r.chunks]
         means = sorted(c.mant_err_mean for c in chunks if not math.isnan(c.mant_err_mean))
