@@ -63,16 +63,20 @@ def _add_local_commands(sub) -> None:
                  "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md.")
 
     sv = sub.add_parser("serve", help=COMMANDS["serve"], description=COMMANDS["serve"] + " Requests "
-                        "arriving together are batched by the seeded sampler. CUDA serving is untested (CPU only here).")
+                        "share the built-in engine's continuous batches: a request joins the running batch at the "
+                        "next token step. CUDA serving is untested (CPU only here).")
     sv.add_argument("--model", required=True, help="local HF checkpoint folder (a swarmrl policy or any causal LM)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     sv.add_argument("--served-model-name", help="the model id clients ask for (default: the folder's name)")
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    sv.add_argument("--max-batch", type=int, default=32, help="completions generated together at most")
+    sv.add_argument("--engine", choices=["builtin", "hf"], default="builtin",
+                    help="builtin: continuous batching (Qwen2/Llama models; others fall back to hf); hf: the "
+                         "generic engine over the model's own forward, in static batches")
+    sv.add_argument("--max-batch", "--max-batch-rows", type=int, default=32, help="completions generated together at most")
     sv.add_argument("--batch-window-ms", type=float, default=5.0,
-                    help="how long the first request of a batch waits for others to join")
+                    help="static batches only (--engine hf): how long a batch waits for more requests to join")
     sv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     sv.add_argument("--max-request-kb", type=int, default=1024, help="larger request bodies get a 413")
     sv.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when the request has none")
@@ -459,7 +463,7 @@ def _cmd_serve(args, extra: list[str]) -> None:
               model_name=args.served_model_name, max_batch_rows=args.max_batch,
               batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
               default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads,
-              reload_token_file=args.reload_token_file)
+              reload_token_file=args.reload_token_file, engine=args.engine)
     except (OSError, ValueError) as e:
         _fail(str(e))
 

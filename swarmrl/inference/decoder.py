@@ -97,6 +97,8 @@ class SlotDecoder:
         self.slots, self.capacity = slots, capacity
         # Rotary tables for every position a slot can hold, computed as Hugging Face does.
         self.cos, self.sin = self._rope(torch.arange(capacity, device=self.device))  # [capacity, D]
+        self._rows = torch.arange(slots, device=self.device)
+        self._positions = torch.arange(capacity, device=self.device)
         shape = (slots, self.kv_heads, capacity, self.head_dim)
         n = cfg.num_hidden_layers
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
@@ -204,6 +206,7 @@ class SlotDecoder:
                 cache[i] = new
         self.capacity = capacity
         self.cos, self.sin = self._rope(torch.arange(capacity, device=self.device))
+        self._positions = torch.arange(capacity, device=self.device)
 
     def copy_slots(self, src: Tensor, dst: Tensor, length: int) -> None:
         """Copy the first ``length`` cached positions of slots ``src`` into slots ``dst``."""
@@ -223,29 +226,41 @@ class SlotDecoder:
         span = int(lengths.max()) + 1 if span is None else span
         if span > self.capacity:
             raise ValueError(f"a sequence of {span} tokens does not fit a cache of {self.capacity}")
-        rows = torch.arange(b, device=self.device)
-        cos, sin = self.cos[lengths][:, None, :], self.sin[lengths][:, None, :]  # [B, 1, D]: all heads
+        # At the sizes a CPU run decodes, a step costs kernel launches and Python more than
+        # arithmetic: locals instead of attribute lookups, fused ops where torch has them.
+        F = torch.nn.functional
+        heads, kv, dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        group, fp32 = heads // kv, self.dtype == torch.float32
+        rows = self._rows[:b]
+        cos, sin = self.cos[lengths].unsqueeze(1), self.sin[lengths].unsqueeze(1)  # [B, 1, D]: all heads
         # Keys at positions <= length are real for each slot; later ones are stale or empty.
-        keep = torch.arange(span, device=self.device)[None, :] <= lengths[:, None]  # [B, S]
-        bias = torch.zeros((b, 1, 1, span), dtype=torch.float32, device=self.device)
-        bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
-        group = self.heads // self.kv_heads
-        x = torch.nn.functional.embedding(tokens, self._embed)  # [B, H]
-        for li, L in enumerate(self._layers):
-            h = _rms_norm(x, L.ln1, self.eps)
-            qkv = torch.nn.functional.linear(h, L.qkv_w, L.qkv_b).view(b, self.heads + 2 * self.kv_heads, self.head_dim)
-            qk = _rotate(qkv[:, : self.heads + self.kv_heads], cos, sin)  # queries and keys at once
-            q, k, v = qk[:, : self.heads], qk[:, self.heads:], qkv[:, self.heads + self.kv_heads:]
-            kc, vc = self.k[li], self.v[li]
-            kc[rows, :, lengths] = k
-            vc[rows, :, lengths] = v
-            keys, values = kc[:b, :, :span], vc[:b, :, :span]  # [B, KV, S, D] views, no copy
-            # Grouped-query attention without repeating keys: the `group` query heads that share
-            # a key head are rows of one small matmul.
-            qg = q.reshape(b, self.kv_heads, group, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale + bias  # [B, KV, G, S]
-            probs = scores.softmax(-1).to(self.dtype)
-            att = torch.matmul(probs, values).reshape(b, -1)  # [B, H*D]
-            x = x + torch.nn.functional.linear(att, L.o_w)
-            x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
+        bias = torch.zeros((b * kv, 1, span), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((self._positions[:span] > lengths[:, None]).repeat_interleave(kv, 0).unsqueeze(1),
+                          float("-inf"))
+        x = F.embedding(tokens, self._embed)  # [B, H]
+        width = (heads + kv) * dim
+        for L, kc, vc in zip(self._layers, self.k, self.v):
+            h = F.rms_norm(x, (x.shape[-1],), L.ln1, eps) if fp32 else _rms_norm(x, L.ln1, eps)
+            qkv = F.linear(h, L.qkv_w, L.qkv_b)
+            qk = qkv[:, :width].view(b, heads + kv, dim)
+            half = dim // 2
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary, queries and keys at once
+            kc[rows, :, lengths] = qk[:, heads:]
+            vc[rows, :, lengths] = qkv[:, width:].view(b, kv, dim)
+            # Grouped-query attention without repeating keys: the `group` query heads sharing a
+            # key head are the rows of one small matmul, [B*KV, G, D] x [B*KV, D, S].
+            q = qk[:, :heads].reshape(b * kv, group, dim)
+            keys = kc[:b, :, :span].reshape(b * kv, span, dim)
+            if fp32:
+                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale)
+            else:
+                scores = torch.bmm(q, keys.transpose(1, 2)).float() * self.scale + bias
+            probs = scores.softmax(-1)
+            if not fp32:
+                probs = probs.to(self.dtype)
+            att = torch.bmm(probs, vc[:b, :, :span].reshape(b * kv, span, dim)).view(b, heads * dim)
+            x = torch.addmm(x, att, L.o_w.t())
+            h = F.rms_norm(x, (x.shape[-1],), L.ln2, eps) if fp32 else _rms_norm(x, L.ln2, eps)
+            gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, L.down.t())
         return _rms_norm(x, self._norm, self.eps)

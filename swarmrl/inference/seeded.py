@@ -43,17 +43,51 @@ def stream_keys(seeds: Tensor, steps: Tensor) -> Tensor:
     return _fmix32(key ^ _mul32(steps & _MASK32, 0x27D4EB2F))
 
 
-def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """U(0,1) noise [B, V] float32, open interval, 24 bits of resolution."""
-    keys = stream_keys(seeds, steps)  # [B]
-    vocab = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)  # [V]
-    h = _fmix32(keys[:, None] ^ _mul32(vocab, 0x165667B1)[None, :])  # [B, V]
-    h = _fmix32(h ^ 0x5BD1E995)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+def _mul32_(h: Tensor, c: int) -> Tensor:
+    """`_mul32` in place on ``h`` (the same integers; one temporary instead of five)."""
+    hi = h * (c >> 16)
+    hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return h.mul_(c & 0xFFFF).add_(hi).bitwise_and_(_MASK32)
+
+
+def _fmix32_(h: Tensor) -> Tensor:
+    """`_fmix32` in place on ``h``. The [rows, vocab] hash runs once per sampled token, and at
+    the sizes of a CPU run its cost is allocations and kernel launches, not arithmetic."""
+    h.bitwise_xor_(h >> 16)
+    _mul32_(h, 0x85EBCA6B)
+    h.bitwise_xor_(h >> 13)
+    _mul32_(h, 0xC2B2AE35)
+    return h.bitwise_xor_(h >> 16)
+
+
+_VOCAB_TERMS: dict[tuple[int, str], Tensor] = {}
+
+
+def _vocab_term(vocab_size: int, device: torch.device) -> Tensor:
+    """_mul32(arange(V), 0x165667B1): the same for every row and step, so computed once."""
+    key = (vocab_size, str(device))
+    term = _VOCAB_TERMS.get(key)
+    if term is None:
+        term = _mul32(torch.arange(vocab_size, device=device, dtype=torch.int64), 0x165667B1)
+        if len(_VOCAB_TERMS) < 16:
+            _VOCAB_TERMS[key] = term
+    return term
+
+
+def _uniform(keys: Tensor, vocab_size: int) -> Tensor:
+    h = keys[:, None] ^ _vocab_term(vocab_size, keys.device)[None, :]  # [B, V], a fresh tensor
+    _fmix32_(h)
+    _fmix32_(h.bitwise_xor_(0x5BD1E995))
+    u = h.bitwise_right_shift_(8).to(torch.float32).add_(0.5).mul_(1.0 / 2**24)
     # float32 cannot hold 2**24 - 0.5, so the top value rounds to exactly 1.0, whose Gumbel noise
     # is +inf (that token would win even at logit -inf). Clamp it to the largest float below 1;
     # every other value is unchanged bit for bit.
-    return u.clamp(max=1.0 - 2**-24)
+    return u.clamp_(max=1.0 - 2**-24)
+
+
+def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """U(0,1) noise [B, V] float32, open interval, 24 bits of resolution."""
+    return _uniform(stream_keys(seeds, steps), vocab_size)
 
 
 def gumbel_at(seeds: Tensor, steps: Tensor, index: Tensor) -> Tensor:
@@ -73,8 +107,7 @@ GUMBEL_MAX = 16.64
 
 def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     """Standard Gumbel noise [B, V] float32 keyed by (seed, step, vocab index)."""
-    u = uniform_noise(seeds, steps, vocab_size)
-    return -torch.log(-torch.log(u))
+    return uniform_noise(seeds, steps, vocab_size).log_().neg_().log_().neg_()  # -log(-log(u))
 
 
 def seeded_choice(logits: Tensor, seeds: Tensor, steps: Tensor, temperature: float) -> Tensor:

@@ -411,7 +411,7 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
           dtype: str = "float32", model_name: str | None = None, max_batch_rows: int = 32,
           batch_window_ms: float = 5.0, max_n: int = 16, max_request_kb: int = 1024,
           default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None,
-          reload_token_file: str | None = None) -> None:
+          reload_token_file: str | None = None, engine: str = "builtin") -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
     `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder."""
     import socket
@@ -425,11 +425,14 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
     if threads:
         torch.set_num_threads(threads)
 
+    engine_kind = engine  # `engine` is rebound to the running Engine below
+
     def load(folder: str) -> tuple[Engine, int, int]:
         model, tokenizer = load_policy(folder, device=device, dtype=getattr(torch, dtype))
         model.eval()
-        engine = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000)
-        return engine, int(getattr(model.config, "max_position_embeddings", 2048)), int(model.config.vocab_size)
+        runner = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000,
+                        kind=engine_kind)
+        return runner, int(getattr(model.config, "max_position_embeddings", 2048)), int(model.config.vocab_size)
 
     reloader = None
     if reload_token_file is not None:
