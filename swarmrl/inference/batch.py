@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from swarmrl.inference.decoder import SlotDecoder
-from swarmrl.inference.sampler import Completion
+from swarmrl.inference.sampler import Completion, check_rows
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice
 
 
@@ -270,12 +270,8 @@ class BatchEngine:
         through `submit` instead."""
         if on_step is not None:
             raise TypeError("BatchEngine has per-job hooks (Job.on_token), not on_step")
-        if len(prompts) != len(seeds):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per completion")
-        if not prompts:
+        if not check_rows(prompts, seeds):
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
         if self.active or self._waiting:
             raise RuntimeError("generate() needs an idle engine; use submit()/step() to share it")
         need = max(len(p) for p in prompts) + max_new_tokens

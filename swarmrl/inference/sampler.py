@@ -37,6 +37,15 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def check_rows(prompts: list[list[int]], seeds: list[int]) -> bool:
+    """Refuse malformed generate() input with a message; False when there is nothing to do."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per completion")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token")
+    return bool(prompts)
+
+
 class Sampler:
     """The built-in rollout engine (swarmrl.inference.engine)."""
 
@@ -78,12 +87,8 @@ class Sampler:
         if they had stopped (serving uses it for stop strings, per-request token limits and
         streaming). ``top_logprobs`` > 0 also records each step's most likely tokens.
         """
-        if len(prompts) != len(seeds):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds: one seed per completion")
-        if not prompts:
+        if not check_rows(prompts, seeds):
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
         dev = self.device
         B = len(prompts)
         width = max(len(p) for p in prompts)
