@@ -21,7 +21,36 @@ def test_cache_key_keeps_old_bases_and_separates_new_settings():
     assert base_cache_key(load_config(None, ["--sft.dtype", "float64"])) == default + "-float64"
     assert base_cache_key(load_config(None, ["--sft.threads", "1"])) == default + "-t1"
     lc = load_config("configs/length-control.toml", [])
-    assert base_cache_key(lc).endswith("-v02-len32-80")
+    assert base_cache_key(lc).endswith("-v02-len32-80-match0.3")
+    # target_match 0 adds nothing: length-control bases cached before the field existed stay valid.
+    assert base_cache_key(load_config("configs/length-control.toml", ["--sft.target_match", "0"])).endswith("-len32-80")
+
+
+def test_target_match_names_the_nearest_target_for_that_share_of_traces():
+    import random
+
+    from swarmrl.sft.warmstart import _sft_target
+
+    _, tokenizer = build_tiny_policy(seed=0)
+    rows = arithmetic.generate(400, digits=2, ops="+-", split="train", seed=1000, with_trace=True,
+                               slip_rate=0.5, verbosity=(0, 2))
+    lengths = [len(tokenizer(r["trace"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]
+    nearest = [32 if abs(n - 32) < abs(n - 80) else 80 for n in lengths]
+
+    def targets(match: float) -> list[int]:
+        cfg = load_config("configs/length-control.toml", ["--sft.target_match", str(match)])
+        rng = random.Random(7)
+        return [_sft_target(tokenizer, r["trace"], cfg, rng) for r in rows]
+
+    assert targets(1.0) == nearest  # every prompt names the target its trace meets
+    # 0: exactly the draws of the warm start before the field existed (one choice per trace).
+    rng = random.Random(7)
+    assert targets(0.0) == [rng.choice([32, 80]) for _ in rows]
+    agree = sum(t == n for t, n in zip(targets(0.3), nearest)) / len(rows)
+    assert 0.55 < agree < 0.75  # 0.3 + 0.7 * 1/2 = 0.65 expected
+    assert load_config(None, []).sft.target_match == 0.0
+    with pytest.raises(ConfigError, match="sft.target_match"):
+        load_config(None, ["--sft.target_match", "1.5"])
 
 
 def test_bad_verbosity_is_refused_with_the_field_named():
@@ -31,14 +60,14 @@ def test_bad_verbosity_is_refused_with_the_field_named():
         assert "sft.verbosity" in str(err.value)
 
 
-def test_length_control_warm_start_puts_targets_in_prompts_independently_of_verbosity(tmp_path):
+def test_length_control_warm_start_puts_targets_in_prompts(tmp_path):
     torch_threads = torch.get_num_threads()
     try:
         cfg = load_config("configs/length-control.toml", ["--sft.steps", "2", "--sft.batch_size", "4",
                                                           "--sft.examples", "60", "--sft.threads", "1"])
         out = train_sft(cfg, tmp_path / "lc", log=lambda msg: None)
         meta = json.loads((out / "swarmrl_sft.json").read_text())
-        assert meta["verbosity"] == [0, 2] and meta["length_targets"] == [32, 80]
+        assert meta["verbosity"] == [0, 2] and meta["length_targets"] == [32, 80] and meta["target_match"] == 0.3
     finally:
         torch.set_num_threads(torch_threads)
     # An example as the warm start encodes it: the instruction in the prompt, only the trace learned.

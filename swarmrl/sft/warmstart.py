@@ -119,6 +119,7 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
     meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate,
             "verbosity": cfg.sft.verbosity, "length_targets": cfg.length.targets if cfg.length.enabled else None,
+            "target_match": cfg.sft.target_match if cfg.length.enabled else None,
             "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
             "seconds": round(time.time() - t0, 1)}
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})
