@@ -59,13 +59,11 @@ class Job:
     hidden: list[Tensor] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    error: BaseException | None = None
     length: int = 0  # tokens in this job's cache slot
 
     def completion(self) -> Completion:
         return Completion(token_ids=self.tokens, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
-                          hidden=torch.stack(self.hidden) if self.return_hidden and self.hidden else
-                          (torch.empty(0) if self.return_hidden else None),
+                          hidden=torch.stack(self.hidden) if self.return_hidden else None,
                           top_logprobs=self.tops if self.top_logprobs else None)
 
 

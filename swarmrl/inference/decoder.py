@@ -65,7 +65,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "o_w", "ln2", "gate", "up", "down", "qkv_w", "qkv_b", "gate_up")
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up", "down")
 
 
 class SlotDecoder:
