@@ -95,6 +95,20 @@ def test_noise_matches_exact_integer_reference():
         assert got == [_ref_uniform(seed, step, v) for v in range(V)], (seed, step)
 
 
+def test_cpu_numpy_hash_equals_the_tensor_hash_cuda_runs():
+    # On a CPU the hash runs in numpy uint32 (fast); on other devices in int64 tensor ops. A
+    # validator on one and a worker on the other must draw the same noise, bit for bit.
+    from swarmrl.inference import seeded
+
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.cat([torch.randint(0, 2**62, (200,), generator=g), _t([0, 2**32 - 1, 2**32, 2**63 - 1])])
+    steps = torch.cat([torch.randint(0, 2**40, (200,), generator=g), _t([0, 2**32 - 1, 2**32, 7])])
+    keys = seeded.stream_keys(seeds, steps)
+    assert torch.equal(keys, seeded._stream_keys_torch(seeds, steps))
+    for V in (1, 261, 4099):
+        assert torch.equal(seeded._hash24(keys, V), seeded._hash24_torch(keys.clone(), V))
+
+
 def test_uniform_in_open_interval_with_mean_half():
     seeds = torch.arange(2000)
     steps = torch.arange(2000) % 97
