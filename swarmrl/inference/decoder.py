@@ -65,7 +65,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up", "down")
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up", "down", "qkv_t", "o_t", "gate_up_t", "down_t")
 
 
 class SlotDecoder:
@@ -130,6 +130,14 @@ class SlotDecoder:
             L.qkv_b = torch.cat(biases, 0).detach() if all(b is not None for b in biases) else None
             L.gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
             L.down = m.down_proj.weight
+            if self.dtype == torch.float32 and self.device.type == "cpu":
+                # Decode steps multiply [B, in] by [in, out]: with the weight stored that way
+                # round (contiguous), MKL streams it ~15% faster than through a transposed view
+                # once the weights no longer fit the CPU's caches (a 30M model's decode step).
+                L.qkv_t, L.gate_up_t = L.qkv_w.t().contiguous(), L.gate_up.t().contiguous()
+                L.o_t, L.down_t = L.o_w.detach().t().contiguous(), L.down.detach().t().contiguous()
+            else:
+                L.qkv_t, L.gate_up_t, L.o_t, L.down_t = L.qkv_w.t(), L.gate_up.t(), L.o_w.t(), L.down.t()
             layers.append(L)
         self._layers = layers
         self._embed = self.base.embed_tokens.weight
@@ -243,8 +251,11 @@ class SlotDecoder:
         x = F.embedding(tokens, self._embed)  # [B, H]
         width = (heads + kv) * dim
         for L, kc, vc in zip(self._layers, self.k, self.v):
-            h = F.rms_norm(x, (x.shape[-1],), L.ln1, eps) if fp32 else _rms_norm(x, L.ln1, eps)
-            qkv = F.linear(h, L.qkv_w, L.qkv_b)
+            if fp32:
+                h = F.rms_norm(x, (x.shape[-1],), L.ln1, eps)
+                qkv = torch.mm(h, L.qkv_t) if L.qkv_b is None else torch.addmm(L.qkv_b, h, L.qkv_t)
+            else:
+                qkv = F.linear(_rms_norm(x, L.ln1, eps), L.qkv_w, L.qkv_b)
             qk = qkv[:, :width].view(b, heads + kv, dim)
             half = dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary, queries and keys at once
@@ -259,10 +270,10 @@ class SlotDecoder:
                 keys = kc[:b, :, :span].reshape(b * kv, span, dim)
                 probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale).softmax(-1)
                 att = torch.bmm(probs, vc[:b, :, :span].reshape(b * kv, span, dim)).view(b, heads * dim)
-                x = torch.addmm(x, att, L.o_w.t())
+                x = torch.addmm(x, att, L.o_t)
                 h = F.rms_norm(x, (x.shape[-1],), L.ln2, eps)
-                gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
-                x = torch.addmm(x, F.silu(gate) * up, L.down.t())
+                gate, up = torch.mm(h, L.gate_up_t).chunk(2, dim=-1)
+                x = torch.addmm(x, F.silu(gate) * up, L.down_t)
             else:
                 # Lower precisions round after every op, so the order is Hugging Face's exactly
                 # (the same attention kernel as the validator's prefill, separate residual adds):
