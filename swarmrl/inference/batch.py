@@ -201,7 +201,7 @@ class BatchEngine:
         if len(temps) == 1:
             temp = temps.pop()
             tok = seeded_choice(logits, seeds, steps, temp)
-            scaled = logits / temp if temp > 0 else logits
+            scaled = logits / temp if temp > 0 and temp != 1.0 else logits
         else:  # rows at different temperatures (serving): the same rule row by row
             t = torch.tensor([j.temperature for j in jobs], dtype=torch.float32, device=self.device)
             safe = torch.where(t > 0, t, torch.ones_like(t))[:, None]
