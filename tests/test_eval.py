@@ -45,6 +45,32 @@ def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
     assert first["pass@1"] == pytest.approx(first["correct"] / 4)
 
 
+def test_endpoint_default_max_tokens_fits_the_context(easy_base, tmp_path):
+    # Issue 18: with its defaults, eval against swarmrl serve asked for prompt + 512 tokens from a
+    # model whose context is 512 and every request failed. Now it asks the server how long each
+    # prompt is (POST /tokenize, vLLM's route) and sends what fits.
+    import httpx
+
+    server = Server(easy_base, tmp_path)
+    try:
+        context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+        chat = {"model": server.model, "messages": [{"role": "user", "content": "What is 2+2?"}]}
+        counted = httpx.post(server.url + "/tokenize", json=chat).json()
+        assert counted["max_model_len"] == context and counted["count"] == len(counted["tokens"]) > 5
+        plain = httpx.post(server.url + "/tokenize", json={"prompt": "What is 2+2?"}).json()
+        assert plain["count"] < counted["count"]  # the chat template adds its own tokens
+        both = httpx.post(server.url + "/tokenize", json={**chat, "prompt": "x"})
+        assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+        assert httpx.post(server.url + "/tokenize", json={**chat, "model": "other"}).status_code == 404
+        summary, _ = run_eval(tmp_path / "auto", "--endpoint", server.url, "--benchmark", "arithmetic",
+                              "--tasks.digits", "1", "--tasks.eval_size", "2", "--k", "1")
+    finally:
+        server.stop()
+    assert counted["count"] + 512 > context  # the old default alone would not fit
+    assert summary["problems"] == 2 and summary["errors"] == 0
+    assert summary["settings"]["max_tokens"] == "auto"
+
+
 def test_benchmark_files_in_each_format(tmp_path):
     model = tmp_path / "tiny"
     save_policy(*build_tiny_policy(seed=0), model)

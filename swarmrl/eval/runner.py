@@ -32,13 +32,16 @@ from swarmrl.rewards.registry import Graders
 from swarmrl.rewards.scoring import score_rows
 
 SEED_STRIDE = 1_000  # samples per problem are at most this many
+DEFAULT_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     k: int = EvalConfig().samples
     temperature: float = EvalConfig().temperature
-    max_tokens: int = 512
+    # None: DEFAULT_MAX_TOKENS, or fewer for a problem whose prompt leaves an endpoint's context
+    # less room than that (`EndpointBackend` asks the server how long each prompt is).
+    max_tokens: int | None = None
     length_target: int | None = None
     seed: int = 0
     batch_problems: int = 16  # problems generated (and scored) per round; the progress unit
@@ -86,7 +89,7 @@ class ModelBackend:
     def describe(self) -> str:
         return f"local model ({type(self.model).__name__})"
 
-    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int,
+    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None,
                  temperature: float) -> list[list[Sample]]:
         was_training = self.model.training
         self.model.eval()
@@ -99,7 +102,7 @@ class ModelBackend:
             for start in range(0, len(rows), size):
                 chunk = rows[start : start + size]
                 done = self.sampler.generate([ids for _, ids, _ in chunk], [s for _, _, s in chunk],
-                                             max_new_tokens=max_tokens, temperature=temperature)
+                                             max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=temperature)
                 for (i, _, _), c in zip(chunk, done):
                     out[i].append(Sample(decode_completion(self.tokenizer, c.token_ids, self.stop_ids),
                                          len(c.token_ids)))
@@ -121,14 +124,39 @@ class EndpointBackend:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
         self.concurrency = concurrency
-        self.model = model or self._first_model()
+        self.model, self.context = self._served_model(model)
+        self._tokenize: bool | None = None  # whether POST /tokenize works (None: not tried yet)
 
-    def _first_model(self) -> str:
+    def _served_model(self, wanted: str | None) -> tuple[str, int | None]:
+        """The model's name and, where the server says (vLLM, SGLang and swarmrl serve do), its context."""
         response = self._checked(self.client.get(f"{self.url}/models"))
         data = response.get("data") or []
         if not data:
             raise ValueError(f"{self.url}/models lists no model; pass --served-model")
-        return data[0]["id"]
+        entry = next((d for d in data if d.get("id") == wanted), None if wanted else data[0])
+        if entry is None:
+            return wanted, None
+        context = entry.get("max_model_len")
+        return entry["id"], context if isinstance(context, int) and context > 0 else None
+
+    def _room(self, prompt: str) -> int:
+        """max_tokens for a problem when none was asked: DEFAULT_MAX_TOKENS, or what the context
+        leaves after the prompt. Counting the chat's tokens needs the server's tokenizer: vLLM's
+        POST /tokenize (swarmrl serve has it too); without it, the default is sent as is."""
+        if self.context is None or self._tokenize is False:
+            return DEFAULT_MAX_TOKENS
+        root = self.url[: -len("/v1")]
+        response = self.client.post(f"{root}/tokenize", json={"model": self.model,
+                                                              "messages": [{"role": "user", "content": prompt}]})
+        if response.status_code in (404, 405):
+            self._tokenize = False
+            return DEFAULT_MAX_TOKENS
+        count = self._checked(response).get("count")
+        self._tokenize = True
+        room = self.context - int(count)
+        if room < 1:
+            raise ValueError(f"a prompt of {count} tokens fills the endpoint's context of {self.context} tokens")
+        return min(DEFAULT_MAX_TOKENS, room)
 
     @staticmethod
     def _checked(response) -> dict:
@@ -144,7 +172,9 @@ class EndpointBackend:
     def describe(self) -> str:
         return f"endpoint {self.url} (model {self.model})"
 
-    def _one(self, prompt: str, seeds: list[int], max_tokens: int, temperature: float) -> list[Sample]:
+    def _one(self, prompt: str, seeds: list[int], max_tokens: int | None, temperature: float) -> list[Sample]:
+        if max_tokens is None:
+            max_tokens = self._room(prompt)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "n": len(seeds),
                 "seed": seeds[0], "max_tokens": max_tokens, "temperature": temperature, "logprobs": True}
         reply = self._checked(self.client.post(f"{self.url}/chat/completions", json=body))
@@ -159,7 +189,7 @@ class EndpointBackend:
             samples.append(Sample(c["message"]["content"] or "", tokens))
         return samples
 
-    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int,
+    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None,
                  temperature: float) -> list[list[Sample]]:
         for s in seeds:
             if s != list(range(s[0], s[0] + len(s))):

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.serve.engine import Choice, Engine, GenRequest
-from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, describe
+from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
 
 
 
@@ -132,6 +132,12 @@ class _Routes:
         except ValidationError as exc:
             message, param = describe(exc, body)
             raise ApiError(400, message, param) from None
+        if isinstance(req, TokenizeRequest):
+            if req.model not in (None, self.settings.model_name):
+                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                                    f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
+                               "model_not_found")
+            return req
         if req.model != self.settings.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
@@ -291,6 +297,18 @@ class _Routes:
         return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason,
                          **ids_of(c)} for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
 
+    async def tokenize(self, request: Request):
+        req = await self.read_body(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
+                                                      tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        else:
+            text = req.prompt
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"count": len(ids), "max_model_len": self.settings.context, "tokens": ids}
+
     async def chat(self, request: Request):
         req = await self.read_body(request, ChatRequest)
         logprobs, top = req.logprobs, req.top_logprobs
@@ -403,6 +421,7 @@ def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = No
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/reload")(routes.reload)
+    app.post("/tokenize")(routes.tokenize)
     app.state.routes = routes
     return app
 

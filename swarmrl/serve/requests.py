@@ -106,3 +106,14 @@ def describe(exc: ValidationError, body: dict) -> tuple[str, str | None]:
     expected = _EXPECTED.get(param or "", str(error.get("msg", "invalid")))
     got = repr(body.get(param))[:100] if param in body else "nothing"
     return f"'{param}' must be {expected}, got {got}", param
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's route): how many tokens a prompt or a chat is for this model, so a
+    client can size max_tokens to the room the context leaves (`swarmrl eval --endpoint` does)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = True

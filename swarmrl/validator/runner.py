@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from swarmrl.config import ValidatorConfig
@@ -46,29 +47,58 @@ class HttpSource:
         return bool(retrying(self.client.status, what="status", give_up_s=self.unreachable_s, log=self.log)["finished"])
 
 
-def validate_once(source, validator: Validator, max_groups: int) -> int:
-    """One claim-check-record round; the number of groups checked."""
+@dataclass
+class Round:
+    """What one claim-check-record round did."""
+
+    checked: int = 0  # groups given a verdict
+    waiting: int = 0  # groups put back because their policy could not be loaded yet
+
+
+class Pause:
+    """How long to wait before the next claim: short while there is work, doubling while there
+    is none (up to `idle_max`), and doubling from `stuck_min` up to `stuck_max` while every claimed
+    group has to be put back (its policy cannot be loaded, e.g. the trainer is down): claiming
+    them again at once only spins."""
+
+    def __init__(self, idle_s: float = 0.05, idle_max: float = 0.5, stuck_min: float = 1.0, stuck_max: float = 15.0):
+        self.idle_s, self.idle_max, self.stuck_min, self.stuck_max = idle_s, idle_max, stuck_min, stuck_max
+        self.idle, self.stuck = idle_s, stuck_min
+
+    def after(self, r: Round) -> float:
+        if r.checked:
+            self.idle, self.stuck = self.idle_s, self.stuck_min
+            return 0.0
+        if r.waiting:
+            wait, self.stuck = self.stuck, min(self.stuck_max, self.stuck * 2)
+            return wait
+        wait, self.idle = self.idle, min(self.idle_max, self.idle * 2)
+        return wait
+
+
+def validate_once(source, validator: Validator, max_groups: int) -> Round:
+    """One claim-check-record round."""
     work = source.claim(max_groups)
     # The run's thresholds, whoever runs the validator.
     validator.cfg = ValidatorConfig(**work["config"])
     items = work["items"]
+    done = Round()
     if items:
         policies = {int(v): p for v, p in work["policies"].items()}
         # The run's precision too: the prefill must run in the dtype the workers sampled in.
         verdicts, retry = validator.check(items, policies, work.get("dtype", "float32"))
         source.record([v.to_dict() for v in verdicts], retry)
+        done = Round(checked=len(verdicts), waiting=len(retry))
     validator.forget_below(work["min_version"])
-    return len(items)
+    return done
 
 
 def run_loop(source, validator: Validator, *, stop: threading.Event, idle_s: float = 0.05, log=print) -> None:
-    idle = idle_s
+    pause = Pause(idle_s)
     while not stop.is_set():
-        if validate_once(source, validator, validator.cfg.batch_groups):
-            idle = idle_s
-        else:
-            stop.wait(idle)
-            idle = min(0.5, idle * 2)
+        wait = pause.after(validate_once(source, validator, validator.cfg.batch_groups))
+        if wait:
+            stop.wait(wait)
     log("validator stopped")
 
 
@@ -109,15 +139,17 @@ def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads:
     validator = Validator(cfg, cache_dir, device=device, dtype=dtype, relays=relays, trainer_key=trainer_key)
     print(f"validator: checking groups for {orchestrator}", flush=True)
     checked, last = 0, time.monotonic()
+    pause = Pause(idle_s=0.2, idle_max=0.2)
     try:
         while True:
-            n = validate_once(source, validator, validator.cfg.batch_groups)
-            checked += n
-            if not n:
-                if source.finished():
-                    print(f"validator: the run is finished ({checked} groups checked)", flush=True)
-                    return
-                time.sleep(0.2)
+            r = validate_once(source, validator, validator.cfg.batch_groups)
+            checked += r.checked
+            wait = pause.after(r)
+            if not r.checked and not r.waiting and source.finished():
+                print(f"validator: the run is finished ({checked} groups checked)", flush=True)
+                return
+            if wait:
+                time.sleep(wait)
             elif time.monotonic() - last > 30:
                 rate = validator.prefill_tokens / max(validator.prefill_seconds, 1e-9)
                 print(f"validator: {checked} groups checked (prefill {rate:.0f} tok/s)", flush=True)
