@@ -141,7 +141,10 @@ def test_score_file(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     proc = swarmrl("score", "--input", str(inp), "--output", str(out), "--workers", "1", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    # Two rows could not be scored: exit 1, saying which and why (issue 18: it exited 0).
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "2 of 5 rows could not be scored" in proc.stderr and "line 4" in proc.stderr
+    assert "--allow-errors" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(lines)
     assert [r.get("problem_id") for r in rows] == ["right", "wrong", "unclosed", "malformed", None]
@@ -151,7 +154,12 @@ def test_score_file(tmp_path):
     assert rows[4]["line"] == 5 and "JSON" in rows[4]["error"]
     assert "think" in (rows[2]["reason"] or "")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary == {"rows": 5, "scored": 3, "errors": 2, "mean_reward": pytest.approx(1 / 3)}
+    assert summary["rows"] == 5 and summary["scored"] == 3 and summary["errors"] == 2
+    assert summary["mean_reward"] == pytest.approx(1 / 3) and summary["mean_reward_all_rows"] == pytest.approx(1 / 5)
+    assert [e["line"] for e in summary["first_errors"]] == [4, 5]
+    again = swarmrl("score", "--input", str(inp), "--output", str(out), "--workers", "1", "--allow-errors",
+                    cwd=tmp_path)
+    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == summary
 
 
 def test_score_missing_input(tmp_path):

@@ -243,8 +243,10 @@ def score_file(
     ``length_penalty``, ``reward``, ``error`` and ``reason`` (overwriting input
     fields of the same name). A line that is not a JSON object becomes
     ``{"line": N, ...}`` with the error, in its place. Blank lines are skipped.
-    Returns ``{"rows", "scored", "errors", "mean_reward"}``, where
-    ``mean_reward`` averages the scored rows only (0.0 when there are none).
+    Returns ``{"rows", "scored", "errors", "mean_reward", "mean_reward_all_rows", "first_errors"}``:
+    ``mean_reward`` averages the scored rows only (0.0 when there are none),
+    ``mean_reward_all_rows`` counts rows that could not be scored as 0, and ``first_errors``
+    lists up to 5 of those as ``{"line", "error"}``.
     """
     input_path, output_path = Path(input_path), Path(output_path)
     entries = _read_jsonl(input_path)
@@ -265,11 +267,15 @@ def score_file(
         for row in output_rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     scored = [row["reward"] for row in output_rows if row["error"] is None]
+    failed = [{"line": line_number, "error": row["error"]}
+              for (line_number, _, _), row in zip(entries, output_rows) if row["error"] is not None]
     return {
         "rows": len(output_rows),
         "scored": len(scored),
-        "errors": len(output_rows) - len(scored),
+        "errors": len(failed),
         "mean_reward": sum(scored) / len(scored) if scored else 0.0,
+        "mean_reward_all_rows": sum(scored) / len(output_rows) if output_rows else 0.0,
+        "first_errors": failed[:5],
     }
 
 
