@@ -168,3 +168,39 @@ def test_score_missing_input(tmp_path):
                    "--workers", "1", cwd=tmp_path)
     assert_clean_failure(proc, "nope.jsonl", "does not exist", code=None)
     assert not out.exists()
+
+
+def test_service_urls_that_cannot_work_fail_at_start(tmp_path):
+    # Issue 18: a URL without a scheme was retried forever; one ending in /v1 exited with a bare 404.
+    proc = swarmrl("worker", "--orchestrator", "127.0.0.1:8000", cwd=tmp_path)
+    assert_clean_failure(proc, "--orchestrator '127.0.0.1:8000' has no scheme", "http://127.0.0.1:8000")
+    proc = swarmrl("validator", "--orchestrator", "ftp://host:1", "--token-file", "t", cwd=tmp_path)
+    assert_clean_failure(proc, "must be http or https")
+    proc = swarmrl("relay", "--upstream", "http://ok:1,bad:2", "--cache-dir", str(tmp_path / "c"), cwd=tmp_path)
+    assert_clean_failure(proc, "--upstream 'bad:2' has no scheme")
+
+
+def test_service_url_rules_and_retry_messages(monkeypatch):
+    from swarmrl.protocol import client
+
+    assert client.service_url("http://h:8000/v1/") == "http://h:8000"  # the OpenAI form, accepted
+    assert client.service_url(" https://h/ ") == "https://h"
+    with pytest.raises(ValueError, match="no scheme"):
+        client.service_url("h:8000")
+    # A long outage is reported every 30 s, not only at its start, and its end is said.
+    clock = [0.0]
+    monkeypatch.setattr(client.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(client.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    failures = iter(range(40))
+
+    def call():
+        if next(failures) < 39:
+            raise client.Unavailable("connection refused")
+        return "ok"
+
+    lines = []
+    assert client.retrying(call, what="lease", give_up_s=600, log=lines.append) == "ok"
+    assert clock[0] > 150  # 39 tries, backing off up to 5 s
+    retried = [line for line in lines if "retrying" in line]
+    assert 5 <= len(retried) <= 7 and all("giving up after 600 s" in line for line in retried), lines  # ~176 s / 30
+    assert "reached again" in lines[-1]

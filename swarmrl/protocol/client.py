@@ -51,9 +51,26 @@ def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
     return reply
 
 
+def service_url(url: str, flag: str = "--orchestrator") -> str:
+    """A service's base URL as the clients use it, or ValueError saying what is wrong with it.
+
+    A URL without a scheme can never connect (httpx refuses it), so retrying it is pointless; a
+    trailing /v1, the form `swarmrl serve` and `swarmrl eval` teach for OpenAI endpoints, is
+    dropped because the clients add /v1/... themselves."""
+    url = url.strip().rstrip("/")
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"{flag} {url!r} has no scheme: write it as http://{url or 'HOST:PORT'} (or https://...)")
+    if scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{flag} {url!r}: the scheme must be http or https, not {scheme!r}")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
 class _Client:
     def __init__(self, url: str, timeout_s: float = 30.0, local_address: str | None = None):
-        self.url = url.rstrip("/")
+        self.url = service_url(url)
         # TCP_NODELAY: a request goes out as headers then body; with Nagle's algorithm and the
         # server's delayed ACK every POST waited ~40 ms (measured: lease p50 48 ms -> see docs).
         # local_address: the source address to connect from (a machine with several).
@@ -162,16 +179,22 @@ def retrying(call, *, what: str, give_up_s: float, check=lambda: None, log=print
              max_s: float = 5.0):
     """Run `call` until it succeeds, retrying on Unavailable with exponential backoff; raise after
     `give_up_s` seconds of continuous failure. `check` runs between tries (watchdogs)."""
-    delay, start, warned = base_s, time.monotonic(), False
+    delay, start, said = base_s, time.monotonic(), None
     while True:
         try:
-            return call()
+            result = call()
+            if said is not None:
+                log(f"{what}: reached again after {time.monotonic() - start:.0f} s")
+            return result
         except Unavailable as e:
-            if time.monotonic() - start > give_up_s:
+            waited = time.monotonic() - start
+            if waited > give_up_s:
                 raise Unavailable(f"{what}: orchestrator unreachable for {give_up_s:.0f} s; last error: {e}") from None
-            if not warned:
-                log(f"{what}: {e}; retrying with backoff")
-                warned = True
+            # Said at once, then every 30 s while it lasts: an operator watching a worker's log
+            # must see it is still trying, and until when.
+            if said is None or time.monotonic() - said >= 30:
+                log(f"{what}: {e}; retrying with backoff ({waited:.0f} s so far, giving up after {give_up_s:.0f} s)")
+                said = time.monotonic()
             check()
             time.sleep(e.retry_after if e.retry_after else delay)
             delay = min(max_s, delay * 2)
