@@ -41,7 +41,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code:
 def test_help_lists_every_command(tmp_path):
     proc = swarmrl("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "orchestrator", "trainer", "worker", "validator", "relay", "serve", "eval"}
+    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "orchestrator", "trainer", "worker", "validator", "relay", "serve", "eval", "status"}
     for name, text in COMMANDS.items():
         assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
         assert " ".join(text.split()[:3]) in " ".join(proc.stdout.split())
@@ -204,3 +204,22 @@ def test_service_url_rules_and_retry_messages(monkeypatch):
     retried = [line for line in lines if "retrying" in line]
     assert 5 <= len(retried) <= 7 and all("giving up after 600 s" in line for line in retried), lines  # ~176 s / 30
     assert "reached again" in lines[-1]
+
+
+def test_two_workers_cannot_share_a_cache_folder(tmp_path):
+    # Issue 18: two workers started from the README shared one cache folder and outbox. Now the
+    # default folder is per key file, and a folder in use is refused.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; os.makedirs(sys.argv[1], exist_ok=True); f = open(sys.argv[1] + '/.lock', 'a+');"
+        "fcntl.flock(f, fcntl.LOCK_EX); f.write('worker pid 4242'); f.flush(); print('held', flush=True); time.sleep(60)"),
+        str(tmp_path / "shared")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", "--cache-dir", str(tmp_path / "shared"),
+                       cwd=tmp_path)
+        assert_clean_failure(proc, "is in use by worker pid 4242", "give each worker its own --cache-dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    help_text = swarmrl("worker", "--help", cwd=tmp_path).stdout
+    assert "<key file name>" in help_text

@@ -449,3 +449,43 @@ def test_one_worker_cannot_hoard_leases_or_overfill_one(orch):
     w.submit({"lease_id": first["lease_id"], "groups": [group(p, 0, 1) for p in first["prompts"]]})
     assert new_worker(orch, "other").lease(0)["lease"] is not None
     assert w.lease(0)["lease"] is not None  # one lease done: room for another
+
+
+def test_dashboard_document_and_swarmrl_status(orch, tmp_path):
+    # Issue 18: the public view of a run (GET /v1/dashboard) and the terminal one (`swarmrl status`).
+    import subprocess
+    import sys
+
+    publish(orch, 0)
+    w = new_worker(orch, "board-me")
+    lease_and_submit(w, 0, right=1)
+    raw = httpx.get(orch.url + "/v1/dashboard")
+    assert raw.status_code == 200
+    doc = raw.json()
+    assert doc["run"]["run_id"] == run_of(orch) and doc["run"]["latest_version"] == 0
+    mine = [x for x in doc["workers"] if x["fingerprint"] == w.key_hex[:16]]
+    assert len(mine) == 1 and mine[0]["name"] == "board-me" and mine[0]["accepted"] >= 1
+    assert not mine[0]["banned"] and doc["workers_total"] >= 1
+    assert sum(doc["validation"]["groups"].values()) >= 1 and doc["broadcast"]["versions"][0]["version"] == 0
+    # Nothing secret: no token, no full key, no path of the run folder.
+    for secret in ((orch.run_dir / "trainer.token").read_text().strip(),
+                   (orch.run_dir / "validator.token").read_text().strip(), w.key_hex, str(orch.run_dir)):
+        assert secret not in raw.text
+    assert "/v1/dashboard" in httpx.get(orch.url + "/openapi.json").json()["paths"]
+    out = subprocess.run([sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url + "/v1"],
+                         capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert w.key_hex[:16] in out.stdout and "board-me" in out.stdout and "progress" in out.stdout
+    as_json = subprocess.run([sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url, "--json"],
+                             capture_output=True, text=True, timeout=60)
+    assert json.loads(as_json.stdout)["run"]["run_id"] == doc["run"]["run_id"]
+
+
+def test_dashboard_can_be_turned_off(tmp_path):
+    run = hand_run_dir(tmp_path / "run", "--orchestrator.dashboard", "false")
+    proc = OrchestratorProcess(run).start()
+    try:
+        r = httpx.get(proc.url + "/v1/dashboard")
+        assert r.status_code == 404 and "turned off" in r.json()["detail"]
+    finally:
+        proc.stop()

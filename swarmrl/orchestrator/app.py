@@ -34,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swarmrl.orchestrator.dashboard import add_dashboard_routes
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.manifest import BroadcastError, verify_manifest
@@ -232,6 +233,8 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     @app.get("/v1/status", response_model=Status)
     def status() -> dict:
         return orch.status()
+
+    add_dashboard_routes(app, orch, responses)
 
     @app.post("/v1/workers/register", responses=responses, response_model=Registered,
               openapi_extra=_body_schema(RegisterIn))

@@ -262,3 +262,63 @@ class Published(_Out):
 
 class Finished(_Out):
     finished: bool
+
+
+# ---- GET /v1/dashboard (public, read-only; orchestrator/dashboard.py) ------------------------
+
+
+class DashboardRun(_Out):
+    run_id: str
+    next_step: int
+    total_steps: int
+    latest_version: int | None
+    finished: bool
+    async_bound: int
+    group_size: int
+    prompts_per_step: int
+    protocol_version: int
+    time: float = Field(description="the orchestrator's clock (Unix seconds) when the document was built")
+
+
+class DashboardWorker(_Out):
+    fingerprint: str = Field(description="the first 16 hex digits of the worker's public key")
+    name: str = Field(description="the name the worker chose (shown as text, never as markup)")
+    accepted: int = Field(description="groups accepted (taken back if a later check fails)")
+    validated: int = Field(description="of those, groups the validator checked in full")
+    rejected: int
+    fraud: int = Field(description="rejections no honest worker can get")
+    banned: bool
+    trusted: bool
+    rejections: dict[str, int] = Field(description="rejections by reason (docs/protocol.md)")
+    last_seen_s: float = Field(description="seconds since its last signed request")
+    registered: float
+
+
+class DashboardVersion(_Out):
+    version: int
+    published: float
+    bytes: int | None
+    adapter: bool = Field(description="a LoRA adapter applied to its base (trainer.lora), not a full model")
+
+
+class DashboardValidation(_Out):
+    groups: dict[str, int] = Field(description="groups by state: pending, validating, queued, consumed, ...")
+    rejections: dict[str, int] = Field(description="all rejections by reason")
+    mode: str
+
+
+class DashboardBroadcast(_Out):
+    versions: list[DashboardVersion] = Field(description="the newest 20 policy versions")
+
+
+class Dashboard(_Out):
+    """GET /v1/dashboard: everything public about the run, rebuilt at most every
+    orchestrator.dashboard_cache_s."""
+
+    run: DashboardRun
+    progress: list[dict[str, float]] = Field(description="per step: batch metrics (reward/mean, length/mean, "
+                                                         "off_policy/max, ...) and held-out eval/accuracy when known")
+    workers: list[DashboardWorker] = Field(description="the leaderboard: most accepted groups first (500 at most)")
+    workers_total: int
+    validation: DashboardValidation
+    broadcast: DashboardBroadcast

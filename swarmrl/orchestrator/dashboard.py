@@ -1,0 +1,118 @@
+"""What anyone may see of a run: progress, the swarm, validation and broadcast, as one JSON
+document (GET /v1/dashboard; `swarmrl status` prints it as tables).
+
+Public by design, so it carries nothing secret: worker keys are public already and shown as
+fingerprints (their first 16 hex digits), names are what workers chose to call themselves, and
+no token, file path or configuration beyond the run's public settings appears. It is assembled
+from the orchestrator's store at most once per `cache_s` (a crowd of viewers costs one set of
+queries per interval, not one per viewer) and can be turned off (`orchestrator.dashboard`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from swarmrl.protocol import PROTOCOL_VERSION
+
+# Batch metrics worth charting (computed by the orchestrator for every batch it hands out).
+PROGRESS_KEYS = ("reward/mean", "reward/task_mean_all", "length/mean", "length/max", "length/truncated_frac",
+                 "length/target_mean", "length/abs_error_mean", "off_policy/mean", "off_policy/max",
+                 "batch/generated_tokens", "time/generation", "eval/accuracy")
+MAX_STEPS = 1000  # the newest steps in `progress` (a long run's chart is thinned by the page, not here)
+MAX_WORKERS = 500  # leaderboard rows
+
+
+def fingerprint(key: str) -> str:
+    return key[:16]
+
+
+def build(orch, *, now: float | None = None) -> dict:
+    """The dashboard document for orchestrator `orch` (service.Orchestrator)."""
+    now = time.time() if now is None else now
+    cfg = orch.cfg
+    store = orch.store
+    with store.read() as db:
+        next_step, latest, finished = orch._progress(db)
+        batches = db.execute("SELECT step, metrics, created FROM batches ORDER BY step DESC LIMIT ?",
+                             (MAX_STEPS,)).fetchall()
+        workers = db.execute(
+            "SELECT key, name, registered, last_seen, accepted, rejected, fraud, banned, validated FROM workers "
+            "ORDER BY accepted DESC, registered LIMIT ?", (MAX_WORKERS,)).fetchall()
+        n_workers = db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]
+        by_worker: dict[str, dict[str, int]] = {}
+        for key, reason, count in db.execute("SELECT worker, reason, COUNT(*) FROM rejections GROUP BY worker, reason"):
+            by_worker.setdefault(key, {})[reason] = count
+        states = store.group_state_counts(db)
+        reasons = store.rejection_counts(db)
+        policies = db.execute("SELECT version, manifest, published FROM policies ORDER BY version DESC LIMIT 20"
+                              ).fetchall()
+        trainer_metrics = store.get_meta(db, "trainer_metrics", {})
+    progress = []
+    for row in reversed(batches):
+        metrics = json.loads(row["metrics"])
+        point = {"step": row["step"], "time": row["created"]}
+        point.update({k: float(metrics[k]) for k in PROGRESS_KEYS if isinstance(metrics.get(k), (int, float))})
+        extra = trainer_metrics.get(str(row["step"] + 1))  # the trainer's figures after training on it
+        if extra:
+            point.update({k: float(v) for k, v in extra.items() if k in PROGRESS_KEYS})
+        progress.append(point)
+    versions = []
+    for row in policies:
+        manifest = json.loads(row["manifest"])
+        size = manifest.get("total_size")
+        versions.append({"version": row["version"], "published": row["published"],
+                         "bytes": int(size) if isinstance(size, int) else None,
+                         # a LoRA version names the base it applies to (trainer.lora)
+                         "adapter": "base" in manifest})
+    swarm = []
+    for w in workers:
+        swarm.append({"fingerprint": fingerprint(w["key"]), "name": w["name"], "accepted": w["accepted"],
+                      "validated": w["validated"], "rejected": w["rejected"], "fraud": w["fraud"],
+                      "banned": bool(w["banned"]), "trusted": orch.is_trusted(w["key"]),
+                      "rejections": by_worker.get(w["key"], {}), "last_seen_s": max(0.0, now - w["last_seen"]),
+                      "registered": w["registered"]})
+    return {
+        "run": {"run_id": orch.run_id, "next_step": next_step, "total_steps": cfg.trainer.steps,
+                "latest_version": latest, "finished": bool(finished), "async_bound": cfg.async_.bound,
+                "group_size": cfg.sampling.group_size, "prompts_per_step": cfg.sampling.prompts_per_step,
+                "protocol_version": PROTOCOL_VERSION, "time": now},
+        "progress": progress,
+        "workers": swarm,
+        "workers_total": n_workers,
+        "validation": {"groups": {s: int(states.get(s, 0)) for s in ("pending", "validating", "queued", "consumed",
+                                                                      "uninformative", "stale", "rejected")},
+                       "rejections": reasons, "mode": cfg.validator.mode},
+        "broadcast": {"versions": versions},
+    }
+
+
+class Cached:
+    """`build(orch)` at most once per `ttl_s`; concurrent viewers share one build."""
+
+    def __init__(self, orch, ttl_s: float = 2.0):
+        self.orch, self.ttl_s = orch, ttl_s
+        self._lock = threading.Lock()
+        self._at, self._doc = 0.0, None
+
+    def get(self) -> dict:
+        with self._lock:
+            if self._doc is None or time.monotonic() - self._at > self.ttl_s:
+                self._doc = build(self.orch)
+                self._at = time.monotonic()
+            return self._doc
+
+
+def add_dashboard_routes(app, orch, responses: dict) -> None:
+    """GET /v1/dashboard on the orchestrator's app (404 when `orchestrator.dashboard` is off)."""
+    from swarmrl.orchestrator.errors import ApiError
+    from swarmrl.protocol.messages import Dashboard
+
+    board = Cached(orch, orch.cfg.orchestrator.dashboard_cache_s)
+
+    @app.get("/v1/dashboard", response_model=Dashboard, responses=responses)
+    def dashboard() -> dict:
+        if not orch.cfg.orchestrator.dashboard:
+            raise ApiError(404, "dashboard_off", "this orchestrator's dashboard is turned off (orchestrator.dashboard)")
+        return board.get()
