@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox demo test test-fast bench clean
+.PHONY: install sandbox browser demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,10 +28,17 @@ sandbox:
 	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
 	  else echo "code tasks and their tests need bubblewrap: run 'sudo apt-get install bubblewrap'"; exit 1; fi; }
 
+# The dashboard's browser test drives Debian's Chromium (package `chromium`) with Playwright.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; \
+	  else echo "the dashboard's browser test needs Chromium: run 'sudo apt-get install chromium'"; exit 1; fi; }
+
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
-test: $(STAMP) sandbox
+test: $(STAMP) sandbox browser
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP) sandbox

@@ -489,3 +489,16 @@ def test_dashboard_can_be_turned_off(tmp_path):
         assert r.status_code == 404 and "turned off" in r.json()["detail"]
     finally:
         proc.stop()
+
+
+def test_trainer_reports_held_out_accuracy_to_the_dashboard(orch):
+    trainer = trainer_of(orch)
+    assert trainer.report(7, {"eval/accuracy": 0.625, "not/charted": 1.0})["recorded"] == 1
+    with pytest.raises(Refused):  # the trainer's token only
+        TrainerClient(orch.url, "wrong").report(7, {"eval/accuracy": 1.0})
+    import swarmrl.orchestrator.dashboard as dashboard
+
+    held = json.loads(sqlite3.connect(orch.run_dir / "orchestrator.sqlite").execute(
+        "SELECT value FROM meta WHERE key = 'trainer_metrics'").fetchone()[0])
+    assert held["7"] == {"eval/accuracy": 0.625}  # only charted keys are kept
+    assert "eval/accuracy" in dashboard.PROGRESS_KEYS

@@ -234,7 +234,6 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def status() -> dict:
         return orch.status()
 
-    add_dashboard_routes(app, orch, responses)
 
     @app.post("/v1/workers/register", responses=responses, response_model=Registered,
               openapi_extra=_body_schema(RegisterIn))
@@ -292,5 +291,6 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def finish() -> dict:
         return orch.finish()
 
+    add_dashboard_routes(app, orch, responses, trainer_only)
     return SizeLimit(app, orch.cfg.orchestrator.max_request_bytes, orch.cfg.orchestrator.body_timeout_s)
 

@@ -1,5 +1,6 @@
 """What anyone may see of a run: progress, the swarm, validation and broadcast, as one JSON
-document (GET /v1/dashboard; `swarmrl status` prints it as tables).
+document (GET /v1/dashboard), drawn by the page at GET / (static/: plain DOM and SVG, polling
+every 2 s) and printed as tables by `swarmrl status`.
 
 Public by design, so it carries nothing secret: worker keys are public already and shown as
 fingerprints (their first 16 hex digits), names are what workers chose to call themselves, and
@@ -13,13 +14,26 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
+from fastapi import Depends, Response
+
+from swarmrl.orchestrator.errors import ApiError
 from swarmrl.protocol import PROTOCOL_VERSION
+from swarmrl.protocol.messages import Dashboard, MetricsIn, Recorded
 
 # Batch metrics worth charting (computed by the orchestrator for every batch it hands out).
 PROGRESS_KEYS = ("reward/mean", "reward/task_mean_all", "length/mean", "length/max", "length/truncated_frac",
                  "length/target_mean", "length/abs_error_mean", "off_policy/mean", "off_policy/max",
                  "batch/generated_tokens", "time/generation", "eval/accuracy")
+STATIC = Path(__file__).parent / "static"  # the page: dashboard.html, .js, .css (no third-party code)
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
 MAX_STEPS = 1000  # the newest steps in `progress` (a long run's chart is thinned by the page, not here)
 MAX_WORKERS = 500  # leaderboard rows
 
@@ -49,15 +63,20 @@ def build(orch, *, now: float | None = None) -> dict:
         policies = db.execute("SELECT version, manifest, published FROM policies ORDER BY version DESC LIMIT 20"
                               ).fetchall()
         trainer_metrics = store.get_meta(db, "trainer_metrics", {})
-    progress = []
-    for row in reversed(batches):
+    # One point per step as metrics.jsonl counts them: batch n's figures at step n + 1 (the
+    # version trained on it), the trainer's held-out figures at the version they evaluated (0:
+    # before any training).
+    points: dict[int, dict] = {}
+    for row in batches:
         metrics = json.loads(row["metrics"])
-        point = {"step": row["step"], "time": row["created"]}
+        point = points.setdefault(row["step"] + 1, {"step": row["step"] + 1, "time": row["created"]})
         point.update({k: float(metrics[k]) for k in PROGRESS_KEYS if isinstance(metrics.get(k), (int, float))})
-        extra = trainer_metrics.get(str(row["step"] + 1))  # the trainer's figures after training on it
-        if extra:
+    oldest = min(points, default=0)
+    for step, extra in trainer_metrics.items():
+        if int(step) >= oldest - 1:
+            point = points.setdefault(int(step), {"step": int(step)})
             point.update({k: float(v) for k, v in extra.items() if k in PROGRESS_KEYS})
-        progress.append(point)
+    progress = [points[k] for k in sorted(points)]
     versions = []
     for row in policies:
         manifest = json.loads(row["manifest"])
@@ -104,12 +123,51 @@ class Cached:
             return self._doc
 
 
-def add_dashboard_routes(app, orch, responses: dict) -> None:
-    """GET /v1/dashboard on the orchestrator's app (404 when `orchestrator.dashboard` is off)."""
-    from swarmrl.orchestrator.errors import ApiError
-    from swarmrl.protocol.messages import Dashboard
+def record_trainer_metrics(orch, step: int, metrics: dict[str, float]) -> int:
+    """Keep the trainer's figures for `step` (only the charted keys; the newest MAX_STEPS steps)."""
+    kept = {k: float(v) for k, v in metrics.items() if k in PROGRESS_KEYS}
+    if not kept:
+        return 0
+    with orch.store.tx() as db:
+        held = orch.store.get_meta(db, "trainer_metrics", {})
+        held.setdefault(str(step), {}).update(kept)
+        for old in sorted(held, key=int)[:-MAX_STEPS]:
+            del held[old]
+        orch.store.set_meta(db, "trainer_metrics", held)
+    return 1
 
+
+def add_dashboard_routes(app, orch, responses: dict, trainer_only) -> None:
+    """GET /v1/dashboard on the orchestrator's app (404 when `orchestrator.dashboard` is off), and
+    POST /v1/trainer/metrics, where the trainer reports held-out accuracy for it."""
     board = Cached(orch, orch.cfg.orchestrator.dashboard_cache_s)
+
+    @app.post("/v1/trainer/metrics", responses=responses, response_model=Recorded,
+              dependencies=[Depends(trainer_only)])
+    def trainer_metrics(body: MetricsIn) -> dict:
+        return {"recorded": record_trainer_metrics(orch, body.step, body.metrics)}
+
+    def page(name: str, media_type: str) -> Response:
+        if not orch.cfg.orchestrator.dashboard:
+            raise ApiError(404, "dashboard_off", "this orchestrator's dashboard is turned off (orchestrator.dashboard)")
+        # Only this folder's own files: no inline script, nothing from another origin.
+        return Response((STATIC / name).read_bytes(), media_type=media_type, headers=_PAGE_HEADERS)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> Response:
+        return page("dashboard.html", "text/html; charset=utf-8")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:  # browsers ask for one; answering 204 keeps their consoles clean
+        return Response(status_code=204)
+
+    @app.get("/dashboard/dashboard.js", include_in_schema=False)
+    def script() -> Response:
+        return page("dashboard.js", "text/javascript; charset=utf-8")
+
+    @app.get("/dashboard/dashboard.css", include_in_schema=False)
+    def style() -> Response:
+        return page("dashboard.css", "text/css; charset=utf-8")
 
     @app.get("/v1/dashboard", response_model=Dashboard, responses=responses)
     def dashboard() -> dict:

@@ -163,6 +163,10 @@ class TrainerClient(_Client):
     def finish(self) -> dict:
         return _checked(Finished, self._post("/v1/trainer/finish"), "finish")
 
+    def report(self, step: int, metrics: dict[str, float]) -> dict:
+        """Figures for the dashboard (held-out accuracy after `step` steps)."""
+        return _checked(Recorded, self._post("/v1/trainer/metrics", {"step": step, "metrics": metrics}), "metrics")
+
 
 class ValidatorClient(TrainerClient):
     """A trusted validator (bearer token from <run-dir>/validator.token)."""

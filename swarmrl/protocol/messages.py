@@ -74,6 +74,13 @@ class PublishIn(_In):
     manifest: dict = Field(description="the version's signed broadcast manifest (publish_version())")
 
 
+class MetricsIn(_In):
+    """POST /v1/trainer/metrics: figures only the trainer has (held-out accuracy), for the dashboard."""
+
+    step: int = Field(ge=0, le=10**9, description="rollout steps completed (the policy version evaluated)")
+    metrics: dict[Annotated[str, Field(max_length=64)], float] = Field(max_length=32)
+
+
 class ClaimIn(_In):
     max_groups: int = Field(16, ge=1, le=1024)
 

@@ -1,0 +1,95 @@
+"""The dashboard in a real browser (issue 18): a short real run, headless Chromium (Debian's
+`chromium`, which `make test` installs) driven by Playwright for Python. The page must draw its
+charts and keep updating them, list the workers, show the cheating one as banned, and log no
+console error. The screenshot it takes is the one in docs/operating.md (set
+SWARMRL_SCREENSHOT_DIR to keep it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EASY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    time.sleep(0.2)  # written atomically, but give the server a moment to accept connections
+    return json.loads(path.read_text())
+
+
+def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_path):
+    if CHROMIUM is None:
+        pytest.fail("this test needs Chromium: `make test` installs Debian's package (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    run, log = tmp_path / "run", tmp_path / "rl.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path", str(easy_base),
+             "--trainer.steps", "40", "--async.adversaries", "cherry_pick", "--validator.ban_after", "2", *EASY,
+             "--eval.every", "2"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = _wait_for_file(run / "orchestrator.json", proc, log)["url"]
+        errors: list[str] = []
+        with sync_playwright() as p:
+            # --no-sandbox: CI runs as root, where Chromium's own sandbox refuses to start.
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            # bypass_csp: the page's policy forbids eval, which Playwright's wait_for_function uses;
+            # the page itself runs under its policy as any visitor's would (its own code has no eval).
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True).new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            points = "Number(document.querySelector('#chart-reward').dataset.points || 0)"
+            page.wait_for_function(f"{points} >= 2", timeout=300_000)
+            first = page.evaluate(points)
+            page.wait_for_function(f"{points} > {first}", timeout=300_000)  # the charts follow the run
+            page.wait_for_selector("#workers tr.banned", timeout=300_000)
+            # Held-out accuracy comes from the trainer (before training, then every eval.every steps).
+            page.wait_for_function("Number(document.querySelector('#chart-accuracy').dataset.points || 0) >= 2",
+                                   timeout=300_000)
+            page.wait_for_function("document.querySelectorAll('#workers tbody tr:not(.banned)').length >= 2",
+                                   timeout=120_000)
+            banned = page.locator("#workers tr.banned td:nth-child(3)").all_text_contents()
+            assert banned == ["adversary-0-cherry_pick"], banned
+            assert page.locator("#workers tr.banned .status-banned").all_text_contents() == ["banned"]
+            honest = page.locator("#workers tbody tr:not(.banned) td:nth-child(3)").all_text_contents()
+            assert {"worker-0", "worker-1"} <= set(honest), honest
+            assert page.locator("#chart-reward polyline").count() >= 1
+            assert page.locator("#versions tbody tr").count() >= 2
+            assert "step" in page.text_content("#run")
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+            if os.environ.get("SWARMRL_SCREENSHOT_DIR"):
+                shutil.copy(shot, Path(os.environ["SWARMRL_SCREENSHOT_DIR"]) / "dashboard.png")
+            browser.close()
+        assert errors == [], errors
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher stops its children
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
