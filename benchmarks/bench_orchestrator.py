@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -126,6 +127,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) per lease and submission")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--verify-workers", type=int, default=1)
+    ap.add_argument("--viewers", type=int, default=0,
+                    help="dashboard viewers during the load: threads each polling GET /v1/dashboard twice a second "
+                         "(run once with 0 and once with N, back to back, to see what the dashboard costs)")
     ap.add_argument("--attack", type=int, default=0, help="attacker keys: run the attack mix instead (see above)")
     ap.add_argument("--repeats", type=int, default=3, help="attack mix: how many times")
     args = ap.parse_args()
@@ -175,11 +179,30 @@ def main() -> None:
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             procs = [ctx.Process(target=_client, args=(url, args.seconds, answers, out)) for _ in range(args.clients)]
+            stop = threading.Event()
+            polls: list[float] = []
+
+            def viewer() -> None:
+                import httpx
+
+                with httpx.Client(timeout=30) as http:
+                    while not stop.is_set():
+                        t = time.perf_counter()
+                        assert http.get(url + "/v1/dashboard").status_code == 200
+                        polls.append(time.perf_counter() - t)
+                        stop.wait(0.5)
+
+            viewers = [threading.Thread(target=viewer, daemon=True) for _ in range(args.viewers)]
             t0 = time.monotonic()
             for p in procs:
                 p.start()
+            for v in viewers:
+                v.start()
             results = [out.get(timeout=args.seconds + 120) for _ in procs]
             wall = time.monotonic() - t0
+            stop.set()
+            for v in viewers:
+                v.join()
             for p in procs:
                 p.join()
         finally:
@@ -198,6 +221,9 @@ def main() -> None:
     print(f"submissions/s          {len(submit) / window:8.1f}")
     print(f"submit latency ms      p50 {1000 * statistics.median(submit):7.1f}   p99 {1000 * _percentile(submit, 0.99):7.1f}")
     print(f"lease latency ms       p50 {1000 * statistics.median(lease):7.1f}   p99 {1000 * _percentile(lease, 0.99):7.1f}")
+    if polls:
+        print(f"dashboard viewers {args.viewers}: {len(polls)} polls, latency ms p50 {1000 * statistics.median(polls):7.1f}"
+              f"   p99 {1000 * _percentile(polls, 0.99):7.1f}")
 
 
 if __name__ == "__main__":
