@@ -59,7 +59,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
 
 
 def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False,
-          start_validator=None) -> None:
+          start_validator=None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
     """Serve until stopped. With `validator.mode = "in-process"`, `start_validator(orch, run_dir)`
     starts the validator thread and returns (thread, stop event): passed in by the caller (the CLI
     passes `swarmrl.validator.runner.start_in_process`) because the validator is a client of the
@@ -67,7 +67,12 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     import uvicorn
 
     from swarmrl.orchestrator.app import create_app
+    from swarmrl.protocol.tls import server_context
 
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both")
+        server_context(tls_cert, tls_key)  # a clear error now, not uvicorn's at the first request
     run_dir = Path(run_dir)
     orch = build_orchestrator(run_dir)
     if resume:
@@ -84,9 +89,11 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     sock.listen(2048)
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    scheme = "https" if tls_cert else "http"
+    url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{bound}"
     config = uvicorn.Config(create_app(orch), log_level="warning", access_log=False, timeout_keep_alive=30,
-                            limit_concurrency=1000, h11_max_incomplete_event_size=64 * 1024)
+                            limit_concurrency=1000, h11_max_incomplete_event_size=64 * 1024,
+                            ssl_certfile=tls_cert, ssl_keyfile=tls_key)
     server = uvicorn.Server(config)
     thread = stop = None
     if orch.cfg.validator.mode == "in-process":

@@ -18,6 +18,7 @@ from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import (Batch, Claim, Finished, LeaseReply, Published, Recorded, Registered, Status,
                                        SubmitReply, WorkerRecord)
 from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
+from swarmrl.protocol.tls import TLSError, explain, tls_failure
 
 
 class Unavailable(RuntimeError):
@@ -85,6 +86,9 @@ class _Client:
         try:
             r = self.http.request(method, self.url + path, content=body, headers=headers)
         except httpx.HTTPError as e:
+            bad_tls = tls_failure(e)
+            if bad_tls is not None:  # no retry fixes a certificate: say so and stop
+                raise TLSError(explain(self.url, bad_tls)) from None
             raise Unavailable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code == 429 or r.status_code >= 500:
             retry = r.headers.get("retry-after")

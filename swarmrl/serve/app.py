@@ -430,7 +430,8 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
           dtype: str = "float32", model_name: str | None = None, max_batch_rows: int = 32,
           batch_window_ms: float = 5.0, max_n: int = 16, max_request_kb: int = 1024,
           default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None,
-          reload_token_file: str | None = None, engine: str = "builtin") -> None:
+          reload_token_file: str | None = None, engine: str = "builtin", tls_cert: str | None = None,
+          tls_key: str | None = None) -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
     `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder."""
     import socket
@@ -445,6 +446,12 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
         torch.set_num_threads(threads)
 
     engine_kind = engine  # `engine` is rebound to the running Engine below
+    if tls_cert or tls_key:
+        from swarmrl.protocol.tls import server_context
+
+        if not (tls_cert and tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both")
+        server_context(tls_cert, tls_key)  # a clear error before the model loads
 
     def load(folder: str) -> tuple[Engine, int, int]:
         model, tokenizer = load_policy(folder, device=device, dtype=getattr(torch, dtype))
@@ -464,12 +471,12 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    url = f"{'https' if tls_cert else 'http'}://{host}:{sock.getsockname()[1]}"
     print(f"serving {name} ({context}-token context) at {url}/v1"
           + ("; POST /v1/reload swaps the checkpoint" if reloader else ""), flush=True)
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

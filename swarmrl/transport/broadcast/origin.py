@@ -208,12 +208,22 @@ class _Server(ThreadingHTTPServer):
 
     def process_request_thread(self, request, client_address):
         try:
+            if self.owner.tls is not None:
+                request.settimeout(self.owner.client_timeout_s)
+                try:
+                    request.do_handshake()
+                except (OSError, ValueError):  # a failed or abandoned handshake: drop the connection
+                    self.shutdown_request(request)
+                    return
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
 
     def _refuse(self, request) -> None:
         """503 without reading the request, sent without blocking, then close."""
+        if self.owner.tls is not None:  # no handshake yet: nothing can be said, only closed
+            self.shutdown_request(request)
+            return
         try:
             request.setblocking(False)
             request.send(_BUSY)
@@ -243,7 +253,8 @@ class ShardServer:
     handler_class = ShardRequestHandler
 
     def __init__(self, root, host: str = "127.0.0.1", port: int = 0, *, busy_grace_s: float = 30.0,
-                 max_bytes_per_s: float | None = None, max_connections: int = 64, client_timeout_s: float = 20.0):
+                 max_bytes_per_s: float | None = None, max_connections: int = 64, client_timeout_s: float = 20.0,
+                 tls=None):
         if max_bytes_per_s is not None and not (isinstance(max_bytes_per_s, (int, float)) and max_bytes_per_s > 0):
             raise BroadcastError(f"max_bytes_per_s must be None (no cap) or a positive number, got {max_bytes_per_s!r}")
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
@@ -251,6 +262,9 @@ class ShardServer:
         if not (isinstance(client_timeout_s, (int, float)) and client_timeout_s > 0):
             raise BroadcastError(f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}")
         self.max_connections = max_connections
+        # An ssl.SSLContext (protocol/tls.py server_context): serve https. The handshake runs in
+        # the connection's own thread, under client_timeout_s, never in the accept loop.
+        self.tls = tls
         # 20 s: a 256 KiB write (CHUNK) then needs the client to read at >= 13 KiB/s, below the
         # 32 KiB/s (MIN_RATE) under which clients give up on a source themselves.
         self.client_timeout_s = float(client_timeout_s)
@@ -301,6 +315,9 @@ class ShardServer:
             raise BroadcastError(f"broadcast root {self.root} does not exist; create it (versions are published there)")
         try:
             self._server = _Server((self.host, self.port), self.handler_class, self)
+            if self.tls is not None:
+                self._server.socket = self.tls.wrap_socket(self._server.socket, server_side=True,
+                                                           do_handshake_on_connect=False)
         except OSError as e:
             raise BroadcastError(f"ShardServer cannot listen on {self.host}:{self.port}: {e}; "
                                  "choose another host or port") from e
@@ -314,7 +331,8 @@ class ShardServer:
         if self._server is None:
             raise BroadcastError("ShardServer has no URL until start() is called")
         host, port = self._server.server_address[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
     def close(self) -> None:
         server, self._server = self._server, None

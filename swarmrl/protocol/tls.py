@@ -1,0 +1,91 @@
+"""TLS for every service: server contexts from a certificate and key, clients that trust an
+operator's own CA, and errors that say what to do.
+
+Servers (orchestrator, weight origin, relays, `swarmrl serve`) take `--tls-cert/--tls-key` PEM
+files. Clients verify certificates by default whenever a URL is https (httpx and http.client both
+do); `--ca-file` adds a CA to the public ones they trust, for runs whose services carry
+certificates from the operator's own CA. It is process-wide (SSL_CERT_FILE, which httpx,
+http.client and OpenSSL all read) so every client of a role, and every process it starts,
+trusts the same CAs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import ssl
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+class TLSError(RuntimeError):
+    """A TLS problem no retry can fix (an untrusted or wrong-host certificate, a bad key file)."""
+
+
+def server_context(cert_file: str | Path, key_file: str | Path, *, flag: str = "--tls-cert") -> ssl.SSLContext:
+    """A server-side context for `cert_file` (PEM chain) and `key_file` (PEM), TLS 1.2 at least."""
+    for path, name in ((cert_file, flag), (key_file, flag.replace("cert", "key"))):
+        if not Path(path).is_file():
+            raise TLSError(f"{name} {path} does not exist")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(cert_file), str(key_file))
+    except (ssl.SSLError, ValueError) as e:
+        raise TLSError(f"cannot use {cert_file} with {key_file} ({e}): give a PEM certificate (chain) and its "
+                       "PEM private key") from None
+    return ctx
+
+
+def trust_ca_file(ca_file: str | Path) -> str:
+    """Trust `ca_file`'s CA certificates in this process and its children, on top of the public
+    CAs (certifi's bundle); returns the bundle's path."""
+    path = Path(ca_file)
+    try:
+        pem = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TLSError(f"--ca-file {ca_file}: {e}") from None
+    try:
+        ssl.create_default_context(cadata=pem)  # parses every certificate in it
+    except (ssl.SSLError, ValueError) as e:
+        raise TLSError(f"--ca-file {ca_file} holds no usable PEM CA certificate ({e})") from None
+    try:
+        import certifi
+
+        public = Path(certifi.where()).read_text()
+    except (ImportError, OSError):
+        public = ""
+    bundle = Path(tempfile.gettempdir()) / f"swarmrl-ca-{os.getpid()}.pem"
+    bundle.write_text(public + "\n" + pem)
+    os.environ["SSL_CERT_FILE"] = str(bundle)
+    return str(bundle)
+
+
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The SSL error behind `exc` (httpx wraps it), if it is one."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ssl.SSLError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def explain(url: str, err: ssl.SSLError) -> str:
+    reason = getattr(err, "verify_message", None) or getattr(err, "reason", None) or str(err)
+    hint = ("the certificate is not for this host: use the host name the certificate names"
+            if "mismatch" in str(reason).lower() or "hostname" in str(reason).lower()
+            else "if it is signed by your own CA, pass --ca-file CA.pem")
+    return f"TLS: cannot verify {url} ({reason}); {hint}"
