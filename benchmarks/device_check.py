@@ -7,18 +7,36 @@ Checks and figures, printed and written as JSON to --out:
                hidden-state max differences (what TOPLOC and logprob checks must tolerate)
   sampler      a ~200M-parameter Qwen2 in bf16: project sampler vs HF generate, tokens/s
   mismatch     bf16 sampler logprobs vs a bf16 prefill of the same tokens (inference/trainer gap)
-  trainer      one GRPO rollout step in bf16 on CUDA: time, tokens/s, finite metrics
+  trainer      one GRPO rollout step in pure bf16 (trainer.precision "bf16") on CUDA: time,
+               tokens/s, finite metrics
+  precision    one GRPO rollout step on a random Qwen2 of Qwen2-0.5B's shape (494M parameters,
+               vocab 151936) per trainer.precision: fp32, mixed (float32 master weights and AdamW
+               state, bf16 compute), mixed with activation checkpointing, pure bf16; time,
+               tokens/s, peak memory, the dtypes of masters / AdamW state / published weights,
+               and each grad norm against fp32's
+  fsdp2        with 2+ GPUs: the mixed step under torchrun on 2 ranks (nccl, FSDP2's
+               MixedPrecisionPolicy, and again with CPU offload) against one process; with one
+               GPU it is skipped (nccl needs a GPU per rank) and `precision` is the 1-GPU run
 
 Needs only torch, transformers, pydantic and tomli_w (no math-verify): rewards are synthetic.
 Usage: python benchmarks/device_check.py --out device_check.json
+       python benchmarks/device_check.py --smoke-cpu   # the precision check's plumbing on CPU, tiny model
+
+UNTESTED on CUDA: `precision` and `fsdp2` were written without a device machine (issue 17); only
+`--smoke-cpu` (the same code on a tiny model on CPU) and an import check have run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -29,7 +47,7 @@ from swarmrl.inference.seeded import seeded_choice, stream_keys, uniform_noise
 from swarmrl.model.checkpoint import build_tiny_policy
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.trainer.batch import build_train_batch
-from swarmrl.trainer.grpo import GRPOTrainer
+from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
 
 
 def sync():
@@ -100,7 +118,7 @@ def check_sampler(results, model, batch=64, new=256):
 
 
 def check_mismatch_and_trainer(results, model, prompts, outs):
-    cfg = load_config(None, ["--model.device", "cuda", "--model.dtype", "bfloat16", "--trainer.micro_batch_size", "16",
+    cfg = load_config(None, ["--model.device", "cuda", "--trainer.precision", "bf16", "--trainer.micro_batch_size", "16",
                              "--trainer.optimizer_steps", "2", "--sampling.group_size", "8",
                              "--sampling.prompts_per_step", "8", "--sampling.max_new_tokens", "256"])
     rng = random.Random(0)
@@ -126,10 +144,146 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
                           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
 
 
+# ---- trainer precision (issue 17) -------------------------------------------------------------
+QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, rope_theta=1e6)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=261)  # --smoke-cpu
+
+
+def random_qwen2(shape: dict, device: str) -> Qwen2ForCausalLM:
+    """Random weights, float32 (what a mixed-precision trainer loads: its masters)."""
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(device)
+
+
+def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, max_completion: int, vocab: int) -> list[Group]:
+    """Random prompts and completions of mixed lengths, each group with both rewards (informative)."""
+    rng = random.Random(0)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]
+        samples = []
+        for s in range(group_size):
+            n = rng.randint(max_completion // 4, max_completion)
+            samples.append(Sample([rng.randrange(5, vocab) for _ in range(n)], [-1.0] * n, "stop", g * group_size + s))
+        rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
+        rewards[0], rewards[1] = 1.0, 0.0
+        groups.append(Group(f"p{g}", "synthetic", "", "{}", prompt, samples, 0, "dev", 1.0,
+                            rewards=rewards, task_rewards=rewards))
+    return groups
+
+
+def precision_config(device: str, precision: str, ac: bool, n_groups: int, group_size: int, max_new: int,
+                     extra: list[str] = ()):
+    return load_config(None, ["--model.device", device, "--trainer.precision", precision,
+                              "--trainer.activation_checkpointing", str(ac).lower(), "--trainer.micro_batch_size", "8",
+                              "--trainer.optimizer_steps", "2", "--sampling.group_size", str(group_size),
+                              "--sampling.prompts_per_step", str(n_groups), "--sampling.max_new_tokens", str(max_new),
+                              *extra])
+
+
+def precision_step(shape: dict, device: str, precision: str, ac: bool, *, n_groups: int = 8, group_size: int = 8,
+                   prompt_len: int = 64, max_new: int = 512, dist_info=None, extra: list[str] = ()) -> dict:
+    """One GRPO rollout step (old logprobs, 2 optimizer steps) under `trainer.precision`."""
+    cuda = device.startswith("cuda")
+    cfg = precision_config(device.split(":")[0], precision, ac, n_groups, group_size, max_new, extra)
+    model = random_qwen2(shape, device)
+    batch = build_train_batch(synthetic_groups(n_groups, group_size, prompt_len, max_new, shape["vocab_size"]),
+                              pad_token_id=0, normalize_std=True, adv_eps=1e-6)
+    trainer = GRPOTrainer(model, cfg, dist_info)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    metrics = trainer.train_step(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    published = trainer.full_state_dict(torch.bfloat16)
+    out = {"precision": precision, "activation_checkpointing": ac, "seconds": dt, "tokens": metrics["train/tokens"],
+           "sequences": len(batch), "tokens_per_s": metrics["train/tokens"] / dt,
+           "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+           "grad_norm": metrics["grad_norm"], "loss_policy": metrics["loss/policy"],
+           "logprob_abs_diff_max": metrics["off_policy/logprob_abs_diff_max"],
+           "finite": all(v == v and abs(v) != float("inf") for v in metrics.values()),
+           "master_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+           "optimizer_state_dtypes": sorted({str(v.dtype) for st in trainer.optimizer.state.values()
+                                             for k, v in st.items() if k != "step"}),
+           "published_dtypes": sorted({str(v.dtype) for v in published.values()}) if published else None,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    del trainer, model, published
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def check_precision(results, shape: dict, device: str, **kw):
+    runs = [precision_step(shape, device, prec, ac, **kw)
+            for prec, ac in (("fp32", False), ("mixed", False), ("mixed", True), ("bf16", False))]
+    ref = runs[0]["grad_norm"]
+    for r in runs:
+        r["grad_norm_rel_diff_vs_fp32"] = abs(r["grad_norm"] - ref) / max(ref, 1e-12)
+    mixed = runs[1]
+    results["precision"] = {"runs": runs, "mixed_masters_fp32": mixed["master_dtypes"] == ["torch.float32"],
+                            "mixed_state_fp32": mixed["optimizer_state_dtypes"] == ["torch.float32"],
+                            "checkpointing_grad_norm_rel_diff": abs(runs[2]["grad_norm"] - mixed["grad_norm"])
+                            / max(mixed["grad_norm"], 1e-12)}
+
+
+def _fsdp_worker(out: str, offload: bool) -> None:
+    """Under torchrun: the mixed step on this rank's GPU; rank 0 writes the figures."""
+    info = init_distributed("cuda")
+    extra = ["--trainer.nproc", os.environ["WORLD_SIZE"]] + (["--trainer.cpu_offload", "true"] if offload else [])
+    r = precision_step(QWEN2_05B, info.device("cuda"), "mixed", False, dist_info=info, extra=extra)
+    peaks = [None] * info.world_size
+    torch.distributed.all_gather_object(peaks, r["peak_mem_gb"])
+    if info.is_main:
+        Path(out).write_text(json.dumps({**r, "world_size": info.world_size, "peak_mem_gb_per_rank": peaks}))
+    torch.distributed.destroy_process_group()
+
+
+def check_fsdp2(results):
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        results["fsdp2"] = {"skipped": f"{gpus} GPU: nccl needs one GPU per rank; `precision` is the 1-GPU run"}
+        return
+    one = results["precision"]["runs"][1]  # mixed, one process
+    out = {}
+    for offload in (False, True):
+        path = Path(f"device_check_fsdp2_{int(offload)}.json")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                               "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
+                               "--fsdp-worker", str(path)] + (["--offload"] if offload else []),
+                              capture_output=True, text=True, timeout=1200)
+        if proc.returncode != 0:
+            out["offload" if offload else "plain"] = {"error": proc.stderr[-3000:]}
+            continue
+        r = json.loads(path.read_text())
+        r["grad_norm_rel_diff_vs_one_process"] = abs(r["grad_norm"] - one["grad_norm"]) / max(one["grad_norm"], 1e-12)
+        out["offload" if offload else "plain"] = r
+    results["fsdp2"] = out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="device_check.json")
+    p.add_argument("--smoke-cpu", action="store_true", help="only the precision check, tiny model, on CPU")
+    p.add_argument("--fsdp-worker", help=argparse.SUPPRESS)  # internal: one torchrun rank of check_fsdp2
+    p.add_argument("--offload", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.fsdp_worker:
+        _fsdp_worker(args.fsdp_worker, args.offload)
+        return
+    if args.smoke_cpu:
+        results = {}
+        check_precision(results, TINY, "cpu", n_groups=2, group_size=4, prompt_len=8, max_new=16)
+        print(json.dumps(results, indent=1))
+        return
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
     for name, fn in [("noise", lambda: check_noise(results)), ("cpu_vs_cuda", lambda: check_cpu_vs_cuda(results))]:
         t = time.perf_counter(); fn(); print(name, json.dumps(results[name]), f"({time.perf_counter() - t:.1f}s)", flush=True)
@@ -139,6 +293,13 @@ def main():
     check_mismatch_and_trainer(results, model.train(), prompts, outs)
     print("mismatch", json.dumps(results["mismatch"]), flush=True)
     print("trainer", json.dumps(results["trainer"]), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    t = time.perf_counter()
+    check_precision(results, QWEN2_05B, "cuda")
+    print("precision", json.dumps(results["precision"]), f"({time.perf_counter() - t:.1f}s)", flush=True)
+    check_fsdp2(results)
+    print("fsdp2", json.dumps(results["fsdp2"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 COMMANDS = {
     "rl": "Run the whole asynchronous GRPO loop on this machine (orchestrator + trainer + workers on loopback).",
@@ -21,6 +22,7 @@ COMMANDS = {
     "relay": "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them.",
     "serve": "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint.",
     "eval": "Evaluate a checkpoint or an OpenAI-compatible endpoint on a benchmark: avg@k, pass@k, lengths.",
+    "status": "A run at a glance from its orchestrator: progress, every worker's record, validation, versions.",
 }
 
 CONFIG_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -59,6 +61,9 @@ def _add_local_commands(sub) -> None:
     sc.add_argument("--workers", type=int, default=2, help="grading processes")
     sc.add_argument("--timeout", type=float, default=5.0, help="hard per-row math grading timeout in seconds")
     sc.add_argument("--config", help="TOML config file; its [sandbox] section sets how code rows run")
+    sc.add_argument("--allow-errors", action="store_true",
+                    help="exit 0 even when some rows could not be scored (by default that exits 1; the output "
+                         "file is written either way, each such row with its `error`)")
     sc.epilog = ("Code rows (task_type prime_rl_code) run in bubblewrap; set its fields as --sandbox.FIELD "
                  "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md.")
 
@@ -71,6 +76,8 @@ def _add_local_commands(sub) -> None:
     sv.add_argument("--served-model-name", help="the model id clients ask for (default: the folder's name)")
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sv.add_argument("--tls-cert", help="PEM certificate (chain): serve https (with --tls-key)")
+    sv.add_argument("--tls-key", help="PEM private key of --tls-cert")
     sv.add_argument("--engine", choices=["builtin", "hf"], default="builtin",
                     help="builtin: continuous batching (Qwen2/Llama models; others fall back to hf); hf: the "
                          "generic engine over the model's own forward, in static batches")
@@ -104,7 +111,9 @@ def _add_local_commands(sub) -> None:
     ev.add_argument("--limit", type=int, help="only the first N problems")
     ev.add_argument("--k", type=int, default=4, help="samples per problem (avg@k, pass@1..k)")
     ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--max-tokens", type=int, default=512, help="generated tokens per sample at most")
+    ev.add_argument("--max-tokens", type=int, default=None,
+                    help="generated tokens per sample at most (default: 512, or fewer where an --endpoint's context "
+                         "leaves less room after a problem's prompt)")
     ev.add_argument("--length-target", type=int,
                     help="append ' Think for N tokens before giving a response.' and report adherence")
     ev.add_argument("--seed", type=int, default=0, help="sample j of problem i uses seed seed*1000003 + i*1000 + j")
@@ -129,6 +138,27 @@ def _add_local_commands(sub) -> None:
     tk.add_argument("--seed", type=int, default=0)
 
 
+def _add_trainer_command(sub) -> None:
+    """`swarmrl trainer`: one process, a node's ranks under torchrun, or one rank started by torchrun."""
+    tr = sub.add_parser("trainer", help=COMMANDS["trainer"], description=COMMANDS["trainer"] + (
+        " With trainer.nproc or trainer.nnodes above 1 in the run's config, it starts this node's ranks under "
+        "torchrun (python -m torch.distributed.run) and waits for them; node 0 is the one that reaches the "
+        "orchestrator and holds the run's files, every other node runs it with --node-rank and a copy of the run's "
+        "config.toml and policies/v000000. Started by torchrun itself (python -m torch.distributed.run ... -m "
+        "swarmrl.cli trainer ...), it is one rank. docs/deploy.md has the commands."))
+    tr.add_argument("--run-dir", required=True)
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint (with several nodes, every node needs it)")
+    tr.add_argument("--orchestrator", help="orchestrator URL (default: from <run-dir>/orchestrator.json)")
+    tr.add_argument("--ca-file", help="PEM CA certificate(s) to trust besides the public CAs, for services with "
+                    "certificates from your own CA (https is always verified)")
+    tr.add_argument("--token-file", help="trainer bearer token (default: <run-dir>/trainer.token)")
+    tr.add_argument("--node-rank", type=int, default=0,
+                    help="which of the trainer.nnodes nodes this is (0: the one holding global rank 0)")
+    tr.add_argument("--rank-logs", metavar="DIR",
+                    help="as a torchrun rank: write this rank's output to DIR/trainer-rank<RANK>.log")
+
+
 def _add_role_commands(sub) -> None:
     """The roles of a run started by hand: orchestrator, trainer, worker, validator, relay."""
     orc = sub.add_parser("orchestrator", help=COMMANDS["orchestrator"], description=COMMANDS["orchestrator"])
@@ -136,21 +166,26 @@ def _add_role_commands(sub) -> None:
     orc.add_argument("--host", help="bind address (default: orchestrator.host from the config)")
     orc.add_argument("--port", type=int, help="port (default: orchestrator.port; 0 picks a free one)")
     orc.add_argument("--resume", action="store_true", help="reopen a finished run (its trainer is resuming)")
+    orc.add_argument("--tls-cert", help="PEM certificate (chain): serve https (with --tls-key)")
+    orc.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
-    tr = sub.add_parser("trainer", help=COMMANDS["trainer"], description=COMMANDS["trainer"])
-    tr.add_argument("--run-dir", required=True)
-    tr.add_argument("--resume", action="store_true")
-    tr.add_argument("--orchestrator", help="orchestrator URL (default: from <run-dir>/orchestrator.json)")
-    tr.add_argument("--token-file", help="trainer bearer token (default: <run-dir>/trainer.token)")
+    _add_trainer_command(sub)
 
     wk = sub.add_parser("worker", help=COMMANDS["worker"], description=COMMANDS["worker"])
     wk.add_argument("--orchestrator", required=True, help="orchestrator URL, e.g. http://127.0.0.1:8000")
+    wk.add_argument("--ca-file", help="PEM CA certificate(s) to trust besides the public CAs, for services with "
+                    "certificates from your own CA (https is always verified)")
+    wk.add_argument("--insecure", action="store_true",
+                    help="allow a plain-http orchestrator that is not on this machine (by default refused: on the "
+                         "open internet plain http lets anyone read the traffic or pose as the orchestrator)")
     wk.add_argument("--run-id", help="the run to join (run_id of GET /v1/status, 32 hex): an orchestrator serving "
                                      "another run is refused before anything is signed for it")
     wk.add_argument("--key-file", default=".cache/swarmrl/worker/key.pem",
                     help="ed25519 private key (PEM), created on first start; its public key is this worker's identity")
-    wk.add_argument("--cache-dir", default=".cache/swarmrl/worker",
-                    help="downloaded policy versions and the outbox of unsent submissions")
+    wk.add_argument("--cache-dir", default=None,
+                    help="downloaded policy versions and the outbox of unsent submissions; one worker per folder "
+                         "(default: .cache/swarmrl/worker/<key file name>, so workers with their own keys never "
+                         "share one)")
     wk.add_argument("--name", default="worker", help="display name (letters, digits, _ . -)")
     wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
@@ -189,6 +224,16 @@ def _add_role_commands(sub) -> None:
                     help="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator bans the key). "
                          + "; ".join(f"{k}: {v}" for k, v in ADVERSARY_KINDS.items()))
 
+    st = sub.add_parser("status", help=COMMANDS["status"], description=COMMANDS["status"] + (
+        " It reads GET /v1/dashboard, which is public: no token needed."))
+    st.add_argument("--orchestrator", required=True, help="orchestrator URL, e.g. http://127.0.0.1:8000")
+    st.add_argument("--json", action="store_true", help="print the dashboard document as JSON instead of tables")
+    st.add_argument("--steps", type=int, default=10, help="progress rows to show (the newest)")
+    st.add_argument("--workers", type=int, default=20, help="leaderboard rows to show")
+    st.add_argument("--watch", type=float, default=0.0, help="refresh every this many seconds (0: print once)")
+    st.add_argument("--ca-file", help="PEM CA certificate(s) to trust besides the public CAs, for services with "
+                    "certificates from your own CA (https is always verified)")
+
     va = sub.add_parser("validator", help=COMMANDS["validator"], description=COMMANDS["validator"] + (
         " Claims groups from the orchestrator with the validator token, fetches the claimed policy versions "
         "from the trainer's weight URLs, and reports verdicts; thresholds come from the orchestrator's config. "
@@ -203,6 +248,8 @@ def _add_role_commands(sub) -> None:
                     help="default: prefill in the run's precision, which every claim names. Given, the validator "
                          "stops with a message if the run samples in another")
     va.add_argument("--relays", default="", help="comma-separated relay URLs for policy versions (origin last)")
+    va.add_argument("--ca-file", help="PEM CA certificate(s) to trust besides the public CAs, for services with "
+                    "certificates from your own CA (https is always verified)")
     va.add_argument("--trainer-key", help="the trainer's public key (64 hex) or a file holding it; default: the "
                                           "key the orchestrator's manifests name")
 
@@ -223,6 +270,10 @@ def _add_role_commands(sub) -> None:
                      help="tries to reach an upstream at start before giving up with an error")
     rel.add_argument("--url-file", help="write {\"url\": ...} here once listening (for launchers)")
     rel.add_argument("--max-bytes-per-s", type=float, help="cap on the bytes per second this relay serves in all")
+    rel.add_argument("--tls-cert", help="PEM certificate (chain): serve https (with --tls-key)")
+    rel.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    rel.add_argument("--ca-file", help="PEM CA certificate(s) to trust besides the public CAs, for services with "
+                    "certificates from your own CA (https is always verified)")
 
 
 def _key_arg(value: str | None) -> str | None:
@@ -279,7 +330,7 @@ def _run_eval(args, cfg) -> None:
     from swarmrl.sandbox.runner import SandboxUnavailable
 
     for name, value, low in (("--k", args.k, 1), ("--max-tokens", args.max_tokens, 1), ("--concurrency", args.concurrency, 1)):
-        if value < low:
+        if value is not None and value < low:
             _fail(f"{name} must be at least {low}, got {value}")
     if args.length_target is not None and args.length_target < 1:
         _fail(f"--length-target must be a positive number of tokens, got {args.length_target}")
@@ -336,7 +387,8 @@ def _run_eval(args, cfg) -> None:
         for r in results:
             handle.write(json.dumps(r, ensure_ascii=False) + "\n")
     summary = {**summary, "benchmark": args.benchmark, "backend": backend.describe(),
-               "settings": {"k": args.k, "temperature": args.temperature, "max_tokens": args.max_tokens,
+               "settings": {"k": args.k, "temperature": args.temperature,
+                            "max_tokens": args.max_tokens if args.max_tokens is not None else "auto",
                             "length_target": args.length_target, "seed": args.seed}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
@@ -365,7 +417,7 @@ def _cmd_sft(args, extra: list[str]) -> None:
 
     cfg = _config(args, extra)
     if args.dry_run:
-        print(cfg.to_toml())
+        print(cfg.to_toml(show_unset=True))
         return
     out = Path(args.output) if args.output else Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
     print(f"wrote {train_sft(cfg, out)}")
@@ -374,7 +426,7 @@ def _cmd_sft(args, extra: list[str]) -> None:
 def _cmd_rl(args, extra: list[str]) -> None:
     cfg = _config(args, extra)
     if args.dry_run:
-        print(cfg.to_toml())
+        print(cfg.to_toml(show_unset=True))
         return
     if args.resume and not args.run_dir:
         _fail("--resume needs --run-dir: the run to continue")
@@ -430,6 +482,13 @@ def _cmd_score(args, extra: list[str]) -> None:
     finally:
         graders.close()
     print(json.dumps(counts))
+    if counts["errors"] and not args.allow_errors:
+        first = "; ".join(f"line {e['line']}: {e['error']}" for e in counts["first_errors"][:2])
+        print(f"swarmrl score: {counts['errors']} of {counts['rows']} rows could not be scored ({first}); each has "
+              f"its `error` in {args.output}. mean_reward averages the {counts['scored']} scored rows, "
+              "mean_reward_all_rows counts the others as 0. Fix the rows, or pass --allow-errors to exit 0.",
+              file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _cmd_tasks(args, extra: list[str]) -> None:
@@ -463,7 +522,8 @@ def _cmd_serve(args, extra: list[str]) -> None:
               model_name=args.served_model_name, max_batch_rows=args.max_batch,
               batch_window_ms=args.batch_window_ms, max_n=args.max_n, max_request_kb=args.max_request_kb,
               default_max_tokens=args.default_max_tokens, url_file=args.url_file, threads=args.threads,
-              reload_token_file=args.reload_token_file, engine=args.engine)
+              reload_token_file=args.reload_token_file, engine=args.engine, tls_cert=args.tls_cert,
+              tls_key=args.tls_key)
     except (OSError, ValueError) as e:
         _fail(str(e))
 
@@ -474,12 +534,43 @@ def _cmd_orchestrator(args, extra: list[str]) -> None:
     from swarmrl.validator.runner import start_in_process
 
     try:
-        serve(args.run_dir, host=args.host, port=args.port, resume=args.resume, start_validator=start_in_process)
+        serve(args.run_dir, host=args.host, port=args.port, resume=args.resume, start_validator=start_in_process,
+              tls_cert=args.tls_cert, tls_key=args.tls_key)
     except (FileNotFoundError, OSError, SandboxUnavailable) as e:
         _fail(str(e))
 
 
 def _cmd_trainer(args, extra: list[str]) -> None:
+    from pathlib import Path
+
+    from swarmrl.launch import torchrun
+
+    if torchrun.under_torchrun():
+        if args.rank_logs:
+            torchrun.redirect_rank_output(args.rank_logs)
+    else:
+        from swarmrl.config import ConfigError, load_config
+
+        config = Path(args.run_dir) / "config.toml"
+        if not config.exists():
+            _fail(f"{config} does not exist: prepare the run first (swarmrl rl --prepare --run-dir {args.run_dir}), "
+                  "or on another trainer node copy config.toml and policies/v000000 there")
+        try:
+            cfg = load_config(config)
+        except ConfigError as e:
+            _fail(str(e))
+        if torchrun.world_size(cfg) > 1:
+            passed = ["--run-dir", args.run_dir] + (["--resume"] if args.resume else [])
+            for flag in ("--orchestrator", "--token-file", "--ca-file"):  # rank 0 reaches the orchestrator
+                value = getattr(args, flag[2:].replace("-", "_"), None)
+                passed += [flag, value] if value else []
+            try:
+                code = torchrun.run_node(cfg, args.run_dir, args.node_rank, passed)
+            except ValueError as e:
+                _fail(str(e))
+            raise SystemExit(1 if code else 0)
+        if args.node_rank:
+            _fail(f"--node-rank {args.node_rank}: the run's config has one trainer node (trainer.nnodes = 1)")
     from swarmrl.trainer.loop import run_trainer
 
     try:
@@ -519,10 +610,59 @@ def _endpoint_settings(args):
         _fail(str(e))
 
 
+def _check_urls(args) -> None:
+    """Service URLs checked before anything starts: one that cannot work fails now, clearly,
+    instead of being retried for minutes (issue 18); a trailing /v1 is accepted and dropped."""
+    from swarmrl.protocol.client import service_url
+
+    try:
+        if getattr(args, "orchestrator", None):
+            args.orchestrator = service_url(args.orchestrator, "--orchestrator")
+        for flag in ("relays", "upstream"):
+            value = getattr(args, flag, None)
+            if value:
+                setattr(args, flag, ",".join(service_url(u, f"--{flag}") for u in value.split(",") if u.strip()))
+    except ValueError as e:
+        _fail(str(e))
+
+
+_HELD: list = []  # open lock files: held until the process exits
+
+
+def _hold_folder(folder: str, role: str) -> None:
+    """Take `folder` for this process alone (an flock on <folder>/.lock, released when the process
+    ends, however it ends): two workers sharing a cache would share, and double-send, one outbox."""
+    import fcntl
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    handle = open(Path(folder) / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        _fail(f"--cache-dir {folder} is in use by {holder}: give each {role} its own --cache-dir")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{role} pid {os.getpid()}\n")
+    handle.flush()
+    _HELD.append(handle)
+
+
 def _cmd_worker(args, extra: list[str]) -> None:
     from swarmrl.inference.worker import Worker, run_worker
     from swarmrl.protocol.signing import AuthError
 
+    _check_urls(args)
+    from swarmrl.protocol.tls import is_loopback
+
+    if args.orchestrator.startswith("http://") and not is_loopback(args.orchestrator) and not args.insecure:
+        _fail(f"--orchestrator {args.orchestrator} is plain http to another machine: anyone on the path could read "
+              "this worker's traffic or pose as the orchestrator. Use its https URL, or pass --insecure on a network "
+              "you trust")
+    if args.cache_dir is None:
+        args.cache_dir = os.path.join(".cache", "swarmrl", "worker", Path(args.key_file).stem)
+    _hold_folder(args.cache_dir, "worker")
     endpoint = _endpoint_settings(args)
     worker_class = Worker
     if args.adversary:  # test-only cheats live outside the production inference package
@@ -542,19 +682,31 @@ def _cmd_relay(args, extra: list[str]) -> None:
     from swarmrl.transport.broadcast import BroadcastError
     from swarmrl.transport.relay import run_relay
 
+    _check_urls(args)
     key = _key_arg(args.trainer_key)
     try:
         run_relay([u.strip() for u in args.upstream.split(",") if u.strip()], args.cache_dir, host=args.host,
                   port=args.port, keep=args.keep, public_key=key, startup_tries=args.startup_tries,
-                  url_file=args.url_file, max_bytes_per_s=args.max_bytes_per_s)
+                  url_file=args.url_file, max_bytes_per_s=args.max_bytes_per_s, tls=_relay_tls(args))
     except BroadcastError as e:
         print(f"swarmrl relay: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
+def _relay_tls(args):
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        _fail("--tls-cert and --tls-key go together: give both")
+    from swarmrl.protocol.tls import server_context
+
+    return server_context(args.tls_cert, args.tls_key)
+
+
 def _cmd_validator(args, extra: list[str]) -> None:
     from swarmrl.validator.runner import run_external
 
+    _check_urls(args)
     try:
         run_external(args.orchestrator, token_file=args.token_file, cache_dir=args.cache_dir,
                      threads=args.threads, device=args.device, dtype=args.dtype,
@@ -562,6 +714,36 @@ def _cmd_validator(args, extra: list[str]) -> None:
                      trainer_key=_key_arg(args.trainer_key))
     except FileNotFoundError as e:
         _fail(str(e))
+
+
+def _cmd_status(args, extra: list[str]) -> None:
+    import time
+
+    import httpx
+
+    from swarmrl.launch.status import render
+
+    _check_urls(args)
+    url = args.orchestrator + "/v1/dashboard"
+    while True:
+        try:
+            response = httpx.get(url, timeout=30)
+        except httpx.HTTPError as e:
+            _fail(f"cannot reach {url}: {type(e).__name__}: {e}")
+        if response.status_code != 200:
+            try:
+                detail = response.json().get("detail", response.text[:200])
+            except ValueError:
+                detail = response.text[:200]
+            _fail(f"GET {url} answered {response.status_code}: {detail}")
+        doc = response.json()
+        if args.json:
+            print(json.dumps(doc, indent=1))
+        else:
+            render(doc, steps=args.steps, workers=args.workers)
+        if args.watch <= 0 or doc["run"]["finished"]:
+            return
+        time.sleep(args.watch)
 
 
 COMMAND_FUNCTIONS = {
@@ -576,6 +758,7 @@ COMMAND_FUNCTIONS = {
     "worker": _cmd_worker,
     "relay": _cmd_relay,
     "validator": _cmd_validator,
+    "status": _cmd_status,
 }
 
 
@@ -594,7 +777,14 @@ def main(argv: list[str] | None = None) -> None:
     # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    COMMAND_FUNCTIONS[args.command](args, extra)
+    from swarmrl.protocol.tls import TLSError, trust_ca_file
+
+    try:
+        if getattr(args, "ca_file", None):
+            trust_ca_file(args.ca_file)
+        COMMAND_FUNCTIONS[args.command](args, extra)
+    except TLSError as e:
+        _fail(str(e))
 
 
 if __name__ == "__main__":

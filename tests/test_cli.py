@@ -66,6 +66,9 @@ def test_rl_dry_run_prints_toml_with_overrides(tmp_path):
     dumped.write_text(proc.stdout)
     assert load_config(dumped) == load_config(None, overrides)
     assert not (tmp_path / "runs").exists()  # a dry run starts nothing
+    # Fields whose default is None are listed too (issue 18: the README sets trainer.weights_url,
+    # which the dry run never showed).
+    assert "# trainer.weights_url =" in proc.stdout and "# model.path =" in proc.stdout
 
 
 def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):

@@ -35,7 +35,7 @@ class LossInputs:
     ref_logprobs: Tensor | None = None  # [B, T] float, frozen reference policy
 
 
-# The defaults are the config's (swarmrl/config.py, AlgorithmConfig): one source of truth.
+# The defaults are the config's (swarmrl/config/training.py, AlgorithmConfig): one source of truth.
 _ALG = AlgorithmConfig()
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,14 +38,14 @@ from pydantic import ValidationError
 
 from swarmrl.inference.engine import RolloutEngine, build_engine
 from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
-from swarmrl.model.checkpoint import load_policy, load_tokenizer
+from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import Lease, LeaseReply
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
 from swarmrl.transport.filesystem import atomic_write_text
 
 
@@ -82,6 +83,7 @@ class Worker:
         self.parallel, self.timeout_s, self.scores = parallel, timeout_s, SourceScores()
         self.version: int | None = None
         self.digest: str | None = None
+        self.bases: set[str] = set()  # content digests of LoRA bases checked by this process
         self.sampler: RolloutEngine | None = None
         # An OpenAI-compatible server generates instead of a local model (trusted keys only).
         self.endpoint = endpoint
@@ -114,12 +116,20 @@ class Worker:
         before = {u: e["successes"] for u, e in self.scores.snapshot().items()}
         try:
             t0 = time.monotonic()
-            folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies", public_key=key,
+            sources = [*self.relays, policy["url"]]
+            folder = fetch_version(version, sources, self.cache / "policies", public_key=key,
                                    scores=self.scores, keep=2, parallel=self.parallel, timeout_s=self.timeout_s,
                                    expected_digest=digest)
+            # A LoRA run's version is an adapter: merged into the base it names (fetched once,
+            # checked against the digest the trainer signed), so the sampler sees plain weights.
+            base = fetch_base(policy["manifest"], sources, self.cache / "policies", public_key=key,
+                              verified=self.bases, scores=self.scores, keep=2, parallel=self.parallel,
+                              timeout_s=self.timeout_s)
             if self.server is None:
-                model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype))
+                model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
             else:
+                if base is not None:  # inference servers load whole models: the merged one
+                    folder = self._merged(folder, base, version)
                 tok = load_tokenizer(folder)
         except (BroadcastError, OSError, ValueError) as e:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
@@ -137,6 +147,15 @@ class Worker:
                  + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
         self.version, self.digest, self.policy_ref = version, digest, policy
         return True
+
+    def _merged(self, adapter: Path, base: Path, version: int) -> Path:
+        """An adapter version merged into its base, saved as a plain HF folder for an inference
+        server (<cache>/merged/vNNNNNN, the newest two kept), in the run's dtype."""
+        model, tok = load_policy(adapter, dtype=getattr(torch, self.dtype), base=base)
+        out = save_policy(model, tok, self.cache / "merged" / f"v{version:06d}")
+        for old in sorted(p for p in out.parent.iterdir() if p.name.startswith("v"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return out
 
     def _follow_precision(self, lease: Lease) -> bool:
         """Have the policy loaded in the dtype the lease names. False: it could not be reloaded

@@ -5,7 +5,9 @@ internet: workers have their own keys, lease from the orchestrator and fetch wei
 The launcher owns the children: each runs in its own session (so a terminal's Ctrl-C reaches
 only the launcher, which then stops everyone in order), logs to `<run-dir>/logs/`, and is
 killed with its whole process group. A child that dies is reported with its log path and the
-run stops instead of hanging. At the end it writes `summary.json` and PNG plots.
+run stops instead of hanging. With several trainer ranks (`trainer.nproc`, `trainer.nnodes`) the
+trainer child is torchrun (launch/torchrun.py): a rank that dies is reported with its own log.
+At the end it writes `summary.json` and PNG plots.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from datetime import datetime
 from pathlib import Path
 
 from swarmrl.config import Config, read_key_file
+from swarmrl.launch import torchrun
 from swarmrl.launch.progress import Progress
+from swarmrl.model.checkpoint import load_tokenizer
+from swarmrl.model.lora import check_lora_config
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards.registry import open_graders
 from swarmrl.sft.warmstart import ensure_base_model
-from swarmrl.tasks.source import task_rows
+from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
 
@@ -53,14 +58,21 @@ class Children:
         self.rd, self.log = rd, log
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
         self.gone: set[str] = set()  # adversarial workers that left (banned): expected
+        self.torchrun: str | None = None  # the child that is torchrun, whose ranks run in their own sessions
+        self.rank_pids: set[int] = set()
+        self.log_start = 0  # where this start's output begins in torchrun's log (a resumed run appends)
 
-    def start(self, name: str, args: list[str], threads: int, nice: int = 0) -> None:
+    def start(self, name: str, args: list[str], threads: int, nice: int = 0, *,
+              command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        """`swarmrl <args>` as child `name`, or `command` (torchrun) in its place."""
         log = self.rd.logs / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        if command:
+            self.torchrun, self.log_start = name, log.stat().st_size if log.exists() else 0
+        env = {**(env or os.environ), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                "SWARMRL_LAUNCHER_PID": str(os.getpid())}
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", *args], stdout=out,
+            proc = subprocess.Popen(command or [sys.executable, "-m", "swarmrl.cli", *args], stdout=out,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.procs[name] = (proc, log)
@@ -78,8 +90,13 @@ class Children:
             if code is not None and (code != 0 or name != "trainer"):
                 if name.startswith("worker") and code == 0 and self.rd.stop_requested():
                     continue  # a worker that exited because the run is over
+                why = torchrun.describe_failure(log, self.rd.logs, since=self.log_start) if name == self.torchrun else None
+                if why:
+                    raise ChildDied(why)  # the rank that died, and its own log
                 tail = log.read_text(errors="replace").strip().splitlines()[-15:]
                 raise ChildDied(f"{name} exited with code {code}; its log is {log}\n  " + "\n  ".join(tail))
+            if code is None and name == self.torchrun:
+                self.rank_pids |= torchrun.rank_pids(proc.pid)
         trainer = self.procs.get("trainer")
         return trainer is not None and trainer[0].poll() == 0
 
@@ -110,6 +127,7 @@ class Children:
                 os.killpg(proc.pid, signal.SIGKILL)  # the group: stray grandchildren too
             except ProcessLookupError:
                 pass
+        torchrun.kill_ranks(self.rank_pids)  # any rank torchrun had no time to stop
 
 
 class _Events:
@@ -169,6 +187,24 @@ def write_summary(rd: RunDir, cfg: Config, wall_seconds: float) -> dict:
     return summary
 
 
+def _check_packing_budget(cfg: Config, train: list[dict], base: Path) -> None:
+    """With packing on, the longest prompt the orchestrator can lease plus a full-length completion
+    must fit one pack (config validation could only check max_new_tokens). Prompts are built as
+    the orchestrator builds them; with length control, with the target written with most digits."""
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    tokenizer = load_tokenizer(base)
+    targets = cfg.length.targets if cfg.length.enabled else None
+    target = max(targets, key=lambda t: len(str(t))) if targets else None
+    longest = max((len(model_input(tokenizer, row["prompt"], target)[1]) for row in train), default=0)
+    need = longest + cfg.sampling.max_new_tokens
+    if budget < need:
+        raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} cannot hold one sequence: the longest prompt "
+                         f"is {longest} tokens and sampling.max_new_tokens is {cfg.sampling.max_new_tokens}, so a "
+                         f"sequence can be {need} tokens; set trainer.max_tokens_per_micro_batch to at least {need}")
+
+
 def _endpoint_dir(rd: RunDir, i: int) -> Path:
     return rd.root / "workers" / f"worker-openai-{i}"
 
@@ -211,14 +247,36 @@ def _start_endpoint_workers(children: "Children", rd: RunDir, cfg: Config, start
                      json.loads(url_file.read_text())["url"], "--endpoint-key-file", str(token), "--load", "reload")
 
 
+def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: list[str], log) -> float:
+    """The trainer as node 0 of trainer.nnodes, trainer.nproc ranks here under torchrun; returns
+    how long to wait for it to come up (with other nodes: until they join, or the rendezvous times out)."""
+    t = cfg.trainer
+    endpoint = torchrun.rendezvous(cfg)
+    children.start("trainer", [], cfg.async_.trainer_threads, env=torchrun.rank_env(cfg),
+                   command=torchrun.torchrun_command(cfg, node_rank=0, trainer_args=trainer_args, log_dir=rd.logs,
+                                                     endpoint=endpoint))
+    backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
+    log(f"trainer: {t.nproc} ranks x {t.nnodes} nodes under torchrun ({backend}), logs "
+        f"{torchrun.rank_log(rd.logs, '<RANK>')}")
+    if t.nnodes == 1:
+        return 300.0
+    log(f"trainer: waiting up to {t.dist_timeout_s:.0f} s for nodes 1..{t.nnodes - 1} to join at "
+        f"{endpoint[0]}:{endpoint[1]}; on each, with a copy of {rd.root}/config.toml and "
+        f"{rd.version_path(0)}: swarmrl trainer --run-dir <copy> --node-rank N")
+    return t.dist_timeout_s + 60.0
+
+
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
+    if torchrun.world_size(cfg) > 1 and not prepare_only:
+        torchrun.check_node(cfg, 0)  # e.g. GPUs this machine lacks: before a base is built or a process starts
     rd = RunDir(cfg.run_dir or new_run_dir())
     if not resume:
         if (rd.root / "metrics.jsonl").exists():
             raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
         # Fail here, with the config's own words, rather than in a child process later.
+        check_lora_config(cfg)  # LoRA targets the model lacks: before the base is even built
         train, held_out = task_rows(cfg, log=log)
         with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
             for name, grader in graders.items():
@@ -226,7 +284,9 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         if cfg.async_.endpoint_workers:
             cfg = _trust_endpoint_workers(rd, cfg)
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-        _install_base(rd, ensure_base_model(cfg, log=log))
+        base = ensure_base_model(cfg, log=log)
+        _check_packing_budget(cfg, train, base)
+        _install_base(rd, base)
     if prepare_only:
         log(f"prepared {rd.root}: config.toml and policies/v000000; start the roles on it")
         return {"run_dir": str(rd.root)}
@@ -243,10 +303,14 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         url = json.loads(info.read_text())["url"]
         log(f"orchestrator: {url}")
         (rd.root / "origin.json").unlink(missing_ok=True)
-        children.start("trainer", ["trainer", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
-                       cfg.async_.trainer_threads)
+        trainer_args = ["--run-dir", str(rd.root)] + (["--resume"] if resume else [])
+        if torchrun.world_size(cfg) == 1:
+            children.start("trainer", ["trainer", *trainer_args], cfg.async_.trainer_threads)
+            origin_wait_s = 120.0
+        else:
+            origin_wait_s = _start_torchrun(children, rd, cfg, trainer_args, log)
         # Weights: trainer (origin) -> relays -> workers, every version signed by the trainer.
-        children.wait_for_file(rd.root / "origin.json")
+        children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
         origin = json.loads((rd.root / "origin.json").read_text())["url"]
         relays = []
         for i in range(cfg.broadcast.relays):

@@ -8,9 +8,11 @@ sees half a version.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,19 +52,59 @@ def build_tiny_policy(seed: int = 0, **shape) -> tuple[PreTrainedModel, object]:
     return model, tokenizer
 
 
+# An adapter-only policy version (trainer.lora, swarmrl/model/lora.py): peft's two files.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_NAME = "v000000"  # an adapter's base: policy version 0, found beside it unless named
+
+
+def is_adapter(path: str | Path) -> bool:
+    """True for a LoRA adapter folder (a later version of a trainer.lora run), not a full model."""
+    path = Path(path)
+    return (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+
+
+def _base_of(path: Path, base: str | Path | None) -> Path:
+    base = Path(base) if base is not None else path.parent / BASE_NAME
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is a LoRA adapter (a version of a trainer.lora run) and needs its base model, policy "
+            f"version 0, which is not at {base}: keep {BASE_NAME} beside the adapter folders, or pass the base "
+            "folder explicitly")
+    return base
+
+
 def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32):
-    """Load any local HF causal-LM folder and its tokenizer. Never reaches a hub."""
+                dtype: torch.dtype = torch.float32, base: str | Path | None = None):
+    """Load any local HF causal-LM folder and its tokenizer. Never reaches a hub.
+
+    A LoRA adapter folder is merged into its base (`base`, default the v000000 folder beside
+    it) and returned as a plain model: every consumer (the built-in engine, TOPLOC, the
+    validator's prefill) runs the same modules as for a full version. The merge is peft's
+    `merge_and_unload` in `dtype`, the same code on workers and validators, so both hold
+    bit-identical weights."""
+    path = Path(path)
+    if is_adapter(path):
+        from peft import PeftModel
+
+        base = _base_of(path, base)
+        model, tokenizer = load_policy(base, device=device, dtype=dtype)
+        with warnings.catch_warnings():  # peft reads an attribute transformers 5 renamed: not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, str(path), is_trainable=False).merge_and_unload()
+        return model, tokenizer
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(Path(path), local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device)
     return model, tokenizer
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, *, base: str | Path | None = None):
     """The tokenizer of a local HF model folder, without its weights (a worker whose model runs
-    in an inference server needs only this)."""
+    in an inference server needs only this); an adapter folder's is its base's."""
     path = Path(path)
+    if is_adapter(path):
+        path = _base_of(path, base)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"{path} is not a Hugging Face model folder (no config.json). Pass a folder written "
@@ -72,6 +114,25 @@ def load_tokenizer(path: str | Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _floating_dtype(state_dict: dict | None) -> str | None:
+    """The one floating-point dtype of a state dict's tensors ("bfloat16"), or None."""
+    dtypes = {v.dtype for v in (state_dict or {}).values() if v.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
+
+def _declare_dtype(folder: Path, name: str | None) -> None:
+    """save_pretrained writes the model's own dtype into config.json. Weights passed in another
+    one (a trainer's float32 masters published in bf16, trainer/loop.py) declare theirs instead:
+    it is what vLLM's dtype="auto" and from_pretrained without a dtype load them in."""
+    config = folder / "config.json"
+    if name is None or not config.is_file():
+        return
+    data = json.loads(config.read_text())
+    if data.get("dtype") != name:
+        data["dtype"] = name
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
@@ -85,7 +146,11 @@ def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        # A shallow copy: save_pretrained empties the dict it is given, and callers reuse theirs
+        # (the trainer evaluates with the weights it just published).
+        sd = dict(state_dict) if state_dict is not None else None
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        _declare_dtype(tmp, _floating_dtype(state_dict))
         tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)

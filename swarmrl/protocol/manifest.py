@@ -5,7 +5,15 @@ A manifest names the version, its parent, the HF folder's files (name, size, sha
 shards they are cut into (size, sha256), and carries the trainer's ed25519 signature over its
 canonical JSON (`canonical`: sorted keys, no spaces, without the signature). `manifest_digest` is
 the sha256 of that canonical JSON: the identity of a version's content, which workers and
-validators compare. Pure functions: no files, no network (swarmrl.transport.broadcast does those)."""
+validators compare.
+
+A LoRA run's later versions are adapters (trainer.lora): their manifest also carries `base`, the
+version the adapter applies to and that version's `content_digest` (the sha256 of its files list:
+names, sizes and sha256s, so a republished base with the same bytes keeps its digest). The field
+is signed with the rest, so no relay can point an adapter at other weights; a receiver merges
+the adapter only into a base whose signed manifest has that content digest. Full versions carry
+no `base` field, and their manifests are unchanged. Pure functions: no files, no network
+(swarmrl.transport.broadcast does those)."""
 
 from __future__ import annotations
 
@@ -75,6 +83,23 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(canonical(manifest)).hexdigest()
 
 
+def content_digest(manifest: dict) -> str:
+    """sha256 hex of a version's files (name, size, sha256 each, in name order): what the version
+    holds, independent of when and how it was published. An adapter version names its base by it."""
+    files = sorted(({"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in manifest["files"]),
+                   key=lambda f: f["name"])
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _check_base(base, version, bad) -> None:
+    if not isinstance(base, dict) or set(base) != {"version", "digest"}:
+        raise bad("base must be an object with exactly version and digest (the adapter's base model)")
+    if not _is_int(base["version"]) or not 0 <= base["version"] < version:
+        raise bad(f"base.version must be an int below the version itself ({version}), got {base['version']!r}")
+    if not isinstance(base["digest"], str) or not _HEX64.fullmatch(base["digest"]):
+        raise bad("base.digest must be 64 lowercase hex characters (the base version's content_digest)")
+
+
 def _where(manifest, version: int | None) -> str:
     if version is not None:
         return f"manifest of policy {_vname(version)}"
@@ -95,7 +120,7 @@ def _check_shape(manifest, where: str) -> None:
     missing = sorted(_FIELDS - set(manifest))
     if missing:
         raise bad(f"missing field(s) {', '.join(missing)}: not a {FORMAT} manifest")
-    unknown = sorted(set(manifest) - _FIELDS - {"signature"})
+    unknown = sorted(set(manifest) - _FIELDS - {"signature", "base"})
     if unknown:
         raise bad(f"unknown field(s) {', '.join(map(str, unknown))}")
     v, parent = manifest["version"], manifest["parent"]
@@ -103,6 +128,8 @@ def _check_shape(manifest, where: str) -> None:
         raise bad(f"version must be an int in 0..999999, got {v!r}")
     if parent is not None and (not _is_int(parent) or not 0 <= parent <= 999_999):
         raise bad(f"parent must be null or an int in 0..999999, got {parent!r}")
+    if "base" in manifest:
+        _check_base(manifest["base"], v, bad)
     created = manifest["created"]
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
         raise bad(f"created must be a unix time (a number), got {created!r}")

@@ -43,7 +43,7 @@ from swarmrl.config import SandboxConfig
 from swarmrl.sandbox.cgroups import SlotCgroup, open_slot_cgroup
 from swarmrl.sandbox.uids import UidRange, UidsUnavailable
 
-# Defaults come from the config (swarmrl/config.py, SandboxConfig): one source of truth.
+# Defaults come from the config (swarmrl/config/task.py, SandboxConfig): one source of truth.
 _SB = SandboxConfig()
 
 HARNESS = Path(__file__).with_name("harness.py")

@@ -2,8 +2,11 @@
 
 Full (unsharded) state dicts are written by rank 0 and read by every rank, through
 torch.distributed.checkpoint's state-dict helpers, which handle plain and FSDP2-sharded modules
-alike. A checkpoint folder is renamed into place only when complete, so `--resume` after a kill
-finds either the previous checkpoint or this one, never half of one.
+alike. They hold the optimizer's own weights and state: float32 masters under mixed precision
+(`trainer.precision`; published versions are cast, checkpoints never), and plain HF key names
+under activation checkpointing (the wrapper's prefix is stripped). A checkpoint folder is
+renamed into place only when complete, so `--resume` after a kill finds either the previous
+checkpoint or this one, never half of one.
 """
 
 from __future__ import annotations
@@ -28,10 +31,21 @@ def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
 
 
+def _trainable_keys(model) -> set[str]:
+    """State-dict names of the parameters that train (the activation-checkpoint wrapper's part of
+    the name dropped, as DCP's helpers drop it)."""
+    return {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters() if p.requires_grad}
+
+
 def save_checkpoint(trainer, root: Path, step: int, extra: dict, *, keep: int = 2) -> Path | None:
     """`step` = rollout steps completed. Collective under FSDP2: every rank must call it."""
+    # Under trainer.lora only the adapters train: the frozen base is policy version 0, not saved again.
+    lora = getattr(trainer, "lora", False)
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=lora))
+    if lora:  # DCP keeps a tied frozen weight (lm_head = embeddings) anyway: the adapters only
+        model_sd = {k: v for k, v in model_sd.items() if k in _trainable_keys(trainer.model)}
     if trainer.dist.rank != 0:
         return None
     root.mkdir(parents=True, exist_ok=True)
@@ -61,8 +75,18 @@ def load_checkpoint(trainer, root: Path) -> dict | None:
         return None
     _, path = found[-1]
     state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    lora = getattr(trainer, "lora", False)
+    if lora:
+        # A LoRA checkpoint holds the adapters only (the base is policy version 0): exactly this
+        # trainer's adapters, or nothing is loaded (not strict below, for the absent base weights).
+        want = _trainable_keys(trainer.model)
+        if set(state["model"]) != want:
+            odd = sorted(set(state["model"]) ^ want)[:3]
+            raise ValueError(f"{path} does not match this trainer's LoRA adapters (differing tensors: {odd}...): it "
+                             "was written with other trainer.lora settings, or without LoRA. Resume with the settings "
+                             "it was written with, or start a new run")
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+                   optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True, strict=not lora))
     trainer.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])

@@ -4,6 +4,9 @@ The trainer is algorithm-blind beyond calling `grpo_loss`: advantages arrive wit
 It runs as one process, or under torchrun with FSDP2 (`fully_shard`) when the world size is > 1:
 every rank holds the whole batch, trains on its 1/world share of each mini-batch, and the loss
 normaliser is the whole mini-batch's, so sharded and single-process runs compute the same update.
+`trainer.precision` picks float32, mixed precision (float32 master weights and optimizer state,
+bf16 compute: FSDP2's MixedPrecisionPolicy, or `MasterWeights` in one process) or pure bf16;
+`trainer.activation_checkpointing` and `trainer.cpu_offload` trade compute for memory.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import copy
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -19,35 +24,148 @@ import torch.distributed as dist
 from swarmrl.algorithm.loss import LossInputs, grpo_loss, loss_normalizer, token_entropy, token_logprobs
 from swarmrl.algorithm.offpolicy import behaviour_weights
 from swarmrl.config import Config
+from swarmrl.model.lora import AdaptersOff, apply_lora
 from swarmrl.trainer.batch import TrainBatch
+from swarmrl.trainer.packing import Pack, pack_sequences
 
 
 @dataclass
 class DistInfo:
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0  # rank within its node: its GPU there
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def device(self, configured: str) -> str:
+        """This rank's torch device: "cuda" means cuda:<local rank> under torchrun."""
+        return f"cuda:{self.local_rank}" if configured == "cuda" and self.world_size > 1 else configured
 
-def init_distributed() -> DistInfo:
-    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on CUDA)."""
+
+def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
+    """Join the torchrun process group if launched by torchrun: nccl when the trainer runs on
+    CUDA (each rank on its node's GPU number LOCAL_RANK), gloo on CPU; SWARMRL_BACKEND=gloo forces
+    gloo. `device` None: CUDA if available. `timeout_s` bounds every collective's wait."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get("SWARMRL_BACKEND") != "gloo" else "gloo"
-        dist.init_process_group(backend)
-    return DistInfo(dist.get_rank(), dist.get_world_size())
+        backend = "nccl" if cuda and os.environ.get("SWARMRL_BACKEND") != "gloo" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local)  # before the group: nccl binds each rank to the current device
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend, **timeout)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local)
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: shard each decoder layer, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import fully_shard
+def weights_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the optimizer's weights (and checkpoints) are kept in: float32, except under
+    pure bf16 (`trainer.precision`); load a model in it, so masters start from the exact weights."""
+    return torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
 
-    units = [fully_shard(layer) for layer in model.base_model.layers] + [fully_shard(model)]
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers: the unit of FSDP2 sharding and of activation checkpointing."""
+    if hasattr(model, "get_base_model"):  # a peft model (trainer.lora): the HF model inside it
+        model = model.get_base_model()
+    return model.base_model.layers
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast floating-point parameters (not buffers) in place. Buffers keep their dtype, as under
+    FSDP2's mixed precision: Qwen2's rotary `inv_freq` stays float32 (HF computes the rotary
+    angles in float32 from it; a bf16 copy would shift every position's angle)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """Activation checkpointing per decoder layer (`trainer.activation_checkpointing`): a layer
+    keeps only its input from the forward and recomputes its intermediates in backward (about one
+    more forward of compute; activation memory of one layer's intermediates instead of all).
+
+    One mechanism for one process and FSDP2: torch's non-reentrant `checkpoint_wrapper`, applied
+    before `fully_shard` so each sharded unit is the wrapper and the all-gathers stay outside the
+    recomputed region (the order torchtitan uses). The wrapper strips its own name from state-dict
+    keys (and DCP's helpers from optimizer keys), so checkpoints and published versions keep the
+    plain HF names, and it forwards attribute lookups (the sampler reads `layer.self_attn`...).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def _accumulate_into(master: torch.Tensor, param: torch.Tensor) -> None:
+    grad = param.grad.to(master.dtype)  # this backward's bf16 gradient, widened before it is summed
+    if master.grad is None:
+        master.grad = grad
+    else:
+        master.grad.add_(grad)
+    param.grad = None  # the bf16 gradient is not kept past its backward
+
+
+class MasterWeights:
+    """Mixed precision in one process (`trainer.precision = "mixed"`, world size 1).
+
+    The recipe FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` runs under
+    torchrun, by hand: the trainer's model holds float32 master weights (the optimizer, its state,
+    checkpoints, published versions and held-out evaluation use them); `model` here is a copy of
+    it with bf16 parameters that runs every training forward and backward; each backward's bf16
+    gradient is widened and accumulated into the masters' float32 `.grad` (over micro-batches
+    too, as FSDP2 accumulates its float32 sharded gradients), and `sync` rounds the stepped
+    masters back into the copy, as FSDP2's next all-gather does.
+
+    Why not FSDP2 on a one-process group: every single-process trainer, test and tool would need
+    a process group, and DTensor weights send held-out evaluation through the HF sampler in bf16
+    (the project's decoder reads plain tensors), ~100x slower on CPU. Why not torch.autocast: it
+    is another recipe. It casts per op (matmuls in bf16; norms, softmax and the residual stream in
+    float32) where FSDP2 casts parameters per module, so everything runs in bf16; the numbers
+    would differ between one and several ranks. tests/test_precision_train.py checks one process
+    against two FSDP2 ranks.
+    """
+
+    def __init__(self, masters: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.model = cast_parameters(copy.deepcopy(masters), dtype)  # deepcopy keeps tied weights tied
+        # Only trainable weights change after the copy (a LoRA run's frozen base never does).
+        self._pairs = [(low, master) for low, master in zip(self.model.parameters(), masters.parameters())
+                       if master.requires_grad]
+        for low, master in self._pairs:
+            low.register_post_accumulate_grad_hook(partial(_accumulate_into, master))
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Round the trainable masters into the compute copy (after an optimizer step or a
+        checkpoint load)."""
+        for low, master in self._pairs:
+            low.copy_(master)
+
+
+def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None,
+                cpu_offload: bool = False) -> torch.nn.Module:
+    """FSDP2: shard each decoder layer, then the root (embeddings, norm, head).
+
+    `param_dtype` (mixed precision): each unit all-gathers its float32 shards cast to it, so
+    forward and backward run in it, and reduce-scatters gradients in float32 into the float32
+    shards the optimizer steps: float32 master weights, optimizer state and gradient reduction.
+    `cpu_offload`: the shards, their gradients and the optimizer state live in CPU memory and the
+    optimizer step runs there (`CPUOffloadPolicy`); parameters are copied to the device per unit.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # Pinned host memory needs an accelerator; on a CPU device offloading only changes the code path.
+    on_accelerator = next(model.parameters()).device.type != "cpu"
+    offload = CPUOffloadPolicy(pin_memory=on_accelerator) if cpu_offload else OffloadPolicy()
+    units = [fully_shard(layer, mp_policy=mp, offload_policy=offload) for layer in decoder_layers(model)]
+    units.append(fully_shard(model, mp_policy=mp, offload_policy=offload))
     for unit in units:
         # Each rank's loss is already divided by the whole mini-batch's normaliser, so rank
         # gradients must be summed; FSDP2's default averages them (1/world the true gradient,
@@ -77,30 +195,111 @@ class GRPOTrainer:
         self.cfg = cfg
         self.dist = dist_info or DistInfo()
         self.device = next(model.parameters()).device
-        self.reference = None
-        if cfg.algorithm.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.model = shard_model(model) if self.dist.world_size > 1 else model
         t = cfg.trainer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas,
-                                           weight_decay=t.weight_decay)
+        # trainer.precision (config/training.py): the optimizer steps float32 weights unless pure bf16. The
+        # model's parameters are cast in place to that (widening a bf16-loaded model is exact).
+        precision = t.precision or "fp32"  # None only in a Config built without its validator
+        compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        cast_parameters(model, weights_dtype(cfg))
+        if t.cpu_offload and self.dist.world_size == 1 and self.device.type != "cpu":
+            raise ValueError("trainer.cpu_offload offloads FSDP2's sharded state, and one trainer rank runs "
+                             "without FSDP2: run several ranks, or set trainer.cpu_offload = false")
+        # trainer.lora: peft adapters on a frozen base (model/lora.py); the optimizer sees only them.
+        self.lora = t.lora.rank > 0
+        if self.lora:
+            if self.dist.world_size > 1:  # the config refuses nproc > 1 with LoRA; this is a manual torchrun
+                raise ValueError("trainer.lora.rank > 0 needs a single trainer rank: start the trainer without "
+                                 "torchrun, or set trainer.lora.rank = 0")
+            model = apply_lora(model, t.lora)
+        self.reference = None
+        if cfg.algorithm.kl_coef > 0 and self.lora:
+            # The reference is the base: the same module with its adapters switched off, no copy.
+            self.reference = AdaptersOff(model)
+        elif cfg.algorithm.kl_coef > 0:
+            # Frozen, in the policy's compute dtype: the KL term starts at exactly 0.
+            self.reference = cast_parameters(copy.deepcopy(model).eval().requires_grad_(False), compute_dtype)
+        if t.activation_checkpointing:
+            checkpoint_layers(model)
+        # `model` holds the weights the optimizer steps (float32 masters under "mixed");
+        # `compute_model` runs the training forwards: the same module, except for mixed precision
+        # in one process, where it is MasterWeights' bf16 copy (FSDP2 casts inside its units).
+        self._masters: MasterWeights | None = None
+        if self.dist.world_size > 1:
+            self.model = shard_model(model, param_dtype=torch.bfloat16 if precision == "mixed" else None,
+                                     cpu_offload=t.cpu_offload)
+            self.compute_model = self.model
+        else:
+            self.model = self.compute_model = model
+            if precision == "mixed":
+                self._masters = MasterWeights(model, torch.bfloat16)
+                self.compute_model = self._masters.model
+        # Trainable parameters only: all of them, or the adapters under trainer.lora.
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=t.lr,
+                                           betas=t.betas, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
 
     # ---- forward passes --------------------------------------------------------------------
-    def _logits(self, model, mb: TrainBatch) -> torch.Tensor:
-        out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device))
-        return out.logits[:, :-1].float()  # [n, L-1, V]: position t predicts token t+1
+    def _micro_batches(self, batch: TrainBatch,
+                       rows: torch.Tensor) -> list[tuple[torch.Tensor, TrainBatch, Pack | None]]:
+        """`rows` of the batch as micro-batches: (their rows, the trimmed slice, its pack or None).
+
+        Padded: `trainer.micro_batch_size` sequences each. Packed (`trainer.max_tokens_per_micro_batch`
+        set): whole sequences laid end to end, at most that many tokens per pass (trainer/packing.py).
+        """
+        budget = self.cfg.trainer.max_tokens_per_micro_batch
+        if budget is None:
+            return [(r, batch.slice(r).trimmed(), None) for r in rows.split(self.cfg.trainer.micro_batch_size)]
+        packs = pack_sequences(batch.input_ids[rows], batch.attention_mask[rows].sum(1), budget)
+        return [(rows[p.rows], batch.slice(rows[p.rows]).trimmed(), p) for p in packs]
+
+    def _logits(self, model, mb: TrainBatch, pack: Pack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, target ids) in the forward's own layout, position t predicting token t+1:
+        [n, w, V] and [n, w] padded, [1, T-1, V] and [1, T-1] packed (`_unpacked` maps to [n, w])."""
+        if pack is None:
+            # No KV cache either: a training forward never reads one back, it costs every layer's
+            # keys and values, and under activation checkpointing a layer's recompute would append
+            # to it a second time (then attend over twice the keys the mask covers).
+            out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                        use_cache=False)
+            ids = mb.input_ids
+        else:
+            # No attention mask and no KV cache: only then does transformers read position ids that
+            # restart at 0 as sequence boundaries and keep attention within each sequence (with a
+            # cache, which use_cache's default creates, it silently attends across sequences).
+            out = model(input_ids=pack.input_ids.to(self.device), position_ids=pack.position_ids.to(self.device),
+                        use_cache=False)
+            ids = pack.input_ids
+        return out.logits[:, :-1].float(), ids[:, 1:].to(self.device)
+
+    @staticmethod
+    def _unpacked(pack: Pack | None, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values of `_logits`' layout -> [n, w], batch.py's layout."""
+        return values if pack is None else pack.unpack(values)
+
+    def _missing_passes(self, mine: int) -> int:
+        """FSDP2 all-gathers in every forward and reduce-scatters in every backward, so all ranks
+        must run as many micro-batches. Packs per rank vary with the lengths in each share: this
+        many zero-loss passes make up a rank's shortfall. Call before the first pass (a collective)."""
+        if self.dist.world_size == 1 or self.cfg.trainer.max_tokens_per_micro_batch is None:
+            return 0
+        most = torch.tensor([mine], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - mine
+
+    def _zero_loss_passes(self, n: int) -> None:
+        """One-token forward + backward of 0 x logits: the collectives of a pass, exact zero gradient."""
+        for _ in range(n):
+            out = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=False)
+            (out.logits.sum() * 0.0).backward()
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         """No-grad logprobs of every batch position under `model` [N, L-1]."""
         out = torch.zeros_like(batch.inference_logprobs)
-        mbs = self.cfg.trainer.micro_batch_size
-        for i in range(0, len(batch), mbs):
-            mb = batch.slice(slice(i, i + mbs)).trimmed()
-            lp = token_logprobs(self._logits(model, mb), mb.input_ids[:, 1:].to(self.device),
-                                self.cfg.sampling.temperature)
-            out[i : i + len(mb), : lp.shape[1]] = lp.cpu()
+        for rows, mb, pack in self._micro_batches(batch, torch.arange(len(batch))):
+            logits, targets = self._logits(model, mb, pack)
+            lp = self._unpacked(pack, token_logprobs(logits, targets, self.cfg.sampling.temperature))  # [n, w]
+            out[rows, : lp.shape[1]] = lp.cpu()
         return out
 
     def _my_share(self, n: int) -> slice:
@@ -114,14 +313,15 @@ class GRPOTrainer:
     # ---- one rollout step ------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         cfg, alg = self.cfg, self.cfg.algorithm
-        self.model.train()
+        self._sync_compute()  # a checkpoint load or a caller may have changed the masters
+        self.compute_model.train()
         metrics: dict[str, float] = {}
         inf_lp = batch.inference_logprobs
         mask = batch.loss_mask
         if alg.old_logprobs == "recompute":
             # Every rank computes the full batch's old logprobs: cheap next to the update, and
             # it keeps ranks free of another collective.
-            old_lp = self._logprobs(self.model, batch)  # [N, L-1]
+            old_lp = self._logprobs(self.compute_model, batch)  # [N, L-1]
             gap = (old_lp - inf_lp).abs()[mask]
             metrics["off_policy/logprob_abs_diff"] = float(gap.mean()) if gap.numel() else 0.0
             metrics["off_policy/logprob_abs_diff_max"] = float(gap.max()) if gap.numel() else 0.0
@@ -149,16 +349,14 @@ class GRPOTrainer:
             idx = torch.arange(lo, lo + per_opt)[share]
             self.optimizer.zero_grad(set_to_none=True)
             step_metrics: dict[str, float] = {}
-            mbs = cfg.trainer.micro_batch_size
-            for j in range(0, len(idx), mbs):
-                rows = idx[j : j + mbs]
-                mb = batch.slice(rows).trimmed()
+            micro = self._micro_batches(batch, idx)
+            missing = self._missing_passes(len(micro))
+            for rows, mb, pack in micro:
                 width = mb.loss_mask.shape[1]
-                logits = self._logits(self.model, mb)  # [n, w, V]
-                targets = mb.input_ids[:, 1:].to(self.device)
-                lp = token_logprobs(logits, targets, cfg.sampling.temperature)  # [n, w]
+                logits, targets = self._logits(self.compute_model, mb, pack)  # [n, w, V] (packed: [1, T-1, V])
+                lp = self._unpacked(pack, token_logprobs(logits, targets, cfg.sampling.temperature))  # [n, w]
                 want_entropy = alg.entropy_coef > 0
-                ent = token_entropy(logits, cfg.sampling.temperature) if want_entropy else None
+                ent = self._unpacked(pack, token_entropy(logits, cfg.sampling.temperature)) if want_entropy else None
                 inputs = LossInputs(
                     logprobs=lp,
                     old_logprobs=old_lp[rows, :width].to(self.device),
@@ -175,17 +373,19 @@ class GRPOTrainer:
                     m["entropy/mean"] = m["loss/entropy"]  # same masked mean; one key either way
                 else:
                     with torch.no_grad():
-                        e = token_entropy(logits.detach(), cfg.sampling.temperature)
+                        e = self._unpacked(pack, token_entropy(logits.detach(), cfg.sampling.temperature))
                         m["entropy/mean"] = float(e[mb.loss_mask.to(self.device)].mean()) if mb.loss_mask.any() else 0.0
                 weight = float(mb.loss_mask.sum())
                 for key, v in m.items():
                     step_metrics[key] = step_metrics.get(key, 0.0) + v * weight
                 step_metrics["_w"] = step_metrics.get("_w", 0.0) + weight
+            self._zero_loss_passes(missing)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             self.optimizer.step()
             self.scheduler.step()
+            self._sync_compute()
             if self.dist.world_size > 1:
                 # Each rank saw only its share: sum the token-weighted metrics so rank 0 logs
                 # the whole mini-batch's (same keys, same order on every rank).
@@ -203,12 +403,23 @@ class GRPOTrainer:
         metrics["train/tokens"] = float(mask.sum())
         return metrics
 
-    # ---- weights out -----------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full, unsharded weights on CPU (on rank 0 only when distributed)."""
-        if self.dist.world_size == 1:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def _sync_compute(self) -> None:
+        if self._masters is not None:
+            self._masters.sync()
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.dist.is_main else None
+    # ---- weights out -----------------------------------------------------------------------
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded weights on CPU (on rank 0 only when distributed): the optimizer's own
+        (float32 masters under mixed precision), or their floating-point tensors cast to `dtype`,
+        the run's inference precision, for a published version (trainer/loop.py)."""
+        if self.dist.world_size == 1:
+            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if not self.dist.is_main:
+                return None
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        return sd

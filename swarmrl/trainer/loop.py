@@ -15,6 +15,7 @@ batch by broadcast and take part in the sharded update.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -26,17 +27,25 @@ import torch.distributed as dist
 from swarmrl.config import load_config
 from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import load_policy, save_policy
-from swarmrl.protocol.client import Refused, TrainerClient, retrying
+from swarmrl.model.lora import save_adapter
+from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, retrying
 from swarmrl.protocol.rollouts import Group
+from swarmrl.protocol.manifest import content_digest
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards import registry
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders, open_graders
 from swarmrl.tasks.source import task_rows
 from swarmrl.trainer.batch import build_train_batch
-from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
-from swarmrl.transport.broadcast import ShardServer, prune_versions, publish_version, unpublish_version
+from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer, init_distributed, weights_dtype
+from swarmrl.transport.broadcast import (
+    ShardServer,
+    prune_versions,
+    publish_version,
+    published_manifest,
+    unpublish_version,
+)
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
 
@@ -46,14 +55,39 @@ def _log_metrics(rd: RunDir, record: dict) -> None:
 
 
 def _parent_watchdog():
-    """Started by `swarmrl rl`: exit when the launcher is gone instead of running on orphaned."""
+    """Started by `swarmrl rl`: exit when the launcher is gone instead of running on orphaned.
+    Under torchrun the launcher is the grandparent (torchrun's agent in between), so a parent
+    other than the launcher only means it is gone once the launcher's pid is gone too."""
     parent = os.environ.get("SWARMRL_LAUNCHER_PID")
 
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
     def check() -> None:
-        if parent and str(os.getppid()) != parent:
+        if parent and str(os.getppid()) != parent and not alive(int(parent)):
             raise SystemExit("the swarmrl rl launcher is gone; stopping the trainer")
 
     return check
+
+
+def _same_checkpoint_on_every_rank(root: Path) -> None:
+    """Every rank reads the newest checkpoint from its own disk; ranks on other nodes that hold
+    another one (or none) would train from other weights, or hang in mismatched collectives."""
+    found = checkpoint_dirs(root)
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, found[-1][0] if found else None)
+    if len(set(steps)) > 1:
+        newest = max(s for s in steps if s is not None)
+        behind = [r for r, s in enumerate(steps) if s != newest]
+        raise RuntimeError(f"--resume: ranks {behind} do not hold checkpoint step {newest} (per rank: {steps}); "
+                           f"copy {root}/step_{newest:06d} from node 0 to the same place on every trainer node "
+                           "(or share the run directory's filesystem), then start again")
 
 
 def _broadcast(obj, dist_info):
@@ -95,12 +129,34 @@ class _Link:
         """Shard and sign version `version` into <run>/broadcast (atomically), then announce it.
         A version number already there is from before a resume: its steps are being redone."""
         root = self.rd.root / "broadcast"
+        lora = self.cfg.trainer.lora.rank > 0
+        base = self._lora_base(root) if lora and version else None
         unpublish_version(root, version)
         manifest = publish_version(self.rd.version_path(version), root, version, key=self.key,
-                                   parent=version - 1 if version else None, shard_size=self.cfg.broadcast.shard_size)
+                                   parent=version - 1 if version else None, shard_size=self.cfg.broadcast.shard_size,
+                                   base=base)
         self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
         keep = max(self.cfg.trainer.keep_versions, self.cfg.async_.bound + 2)
-        prune_versions(root, keep, in_use=self.server.in_use)
+        # Under LoRA every later version is an adapter on version 0: the base stays served.
+        prune_versions(root, keep, in_use=lambda v: (lora and v == 0) or self.server.in_use(v))
+
+    def _lora_base(self, root: Path) -> dict:
+        """What an adapter version's manifest names as its base: version 0 by content digest,
+        published first if this broadcast root lacks it (a resume after it was lost)."""
+        held = published_manifest(root, 0)
+        if held is None:
+            held = publish_version(self.rd.version_path(0), root, 0, key=self.key,
+                                   shard_size=self.cfg.broadcast.shard_size)
+        return {"version": 0, "digest": content_digest(held)}
+
+    def report(self, step: int, metrics: dict) -> None:
+        """Held-out figures for the orchestrator's dashboard: best effort (the run does not wait
+        on it, and an orchestrator from before the dashboard answers 404)."""
+        numbers = {k: float(v) for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        try:
+            self.client.report(step, numbers)
+        except (Refused, Unavailable) as e:
+            print(f"dashboard: could not report held-out figures for step {step}: {e}", flush=True)
 
     def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
         t0 = last = time.monotonic()
@@ -119,50 +175,95 @@ class _Link:
             time.sleep(poll_s)
 
 
+def _write_version(trainer, model, tokenizer, path: Path, full_sd, dtype: torch.dtype) -> None:
+    """policies/vNNNNNN: the whole model (`full_sd`: its gathered weights in the run's inference
+    precision), or under trainer.lora the adapter alone, in that precision."""
+    if trainer.lora:
+        save_adapter(trainer.model, path, dtype=dtype)
+    else:
+        save_policy(model, tokenizer, path, state_dict=full_sd)
+
+
+class _EvalPolicy:
+    """What rank 0 samples held-out answers with. An FSDP2 model's forward is a collective (each
+    layer all-gathers its shards), so rank 0 cannot sample alone with it: under torchrun it loads
+    the full weights it gathers anyway (to publish) into an unsharded copy. Under trainer.lora: a
+    plain copy with the adapters merged in, as workers merge them."""
+
+    def __init__(self, trainer: GRPOTrainer, base: Path, device: str, dtype: torch.dtype):
+        self.trainer, self.base, self.device, self.dtype = trainer, base, device, dtype
+        self.unsharded = None
+
+    def __call__(self, full_sd):
+        trainer = self.trainer
+        if trainer.lora:  # (the built-in sampler runs plain modules, not peft's)
+            return copy.deepcopy(trainer.model).merge_and_unload().to(self.dtype).eval()
+        if trainer.dist.world_size == 1:
+            return trainer.model
+        if self.unsharded is None:
+            self.unsharded = load_policy(self.base, device=self.device, dtype=self.dtype)[0]
+        if full_sd is not None:
+            self.unsharded.load_state_dict(full_sd)
+        return self.unsharded.eval()
+
+
 def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str | None = None,
                 token_file: str | None = None) -> dict:
     rd = RunDir(run_dir)
     cfg = load_config(rd.root / "config.toml")
     registry.load(cfg.tasks.types)  # the run's own task types, for held-out grading
-    dinfo = init_distributed()
+    dinfo = init_distributed(cfg.model.device, cfg.trainer.dist_timeout_s)
     torch.set_num_threads(cfg.async_.trainer_threads)
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_policy(rd.version_path(0), device=cfg.model.device, dtype=getattr(torch, cfg.model.dtype))
+    device = dinfo.device(cfg.model.device)
+    # In the optimizer's dtype (float32 masters if "mixed"); published in the inference precision.
+    model, tokenizer = load_policy(rd.version_path(0), device=device, dtype=weights_dtype(cfg))
+    publish_dtype = getattr(torch, cfg.sampling.dtype)
     trainer = GRPOTrainer(model, cfg, dinfo)
     main = dinfo.is_main
     start, extra = 0, {}
     if resume:
+        if dinfo.world_size > 1:
+            _same_checkpoint_on_every_rank(rd.root / "checkpoints")
         state = load_checkpoint(trainer, rd.root / "checkpoints")
         if state is not None:
             start, extra = state["step"], state["extra"]
             print(f"resumed from checkpoint at step {start}", flush=True)
     pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
                         memory_bytes=cfg.rewards.verify_memory_mb << 20) if main else None
-    _, held_out = task_rows(cfg, log=lambda *_: None)
+    # Only rank 0 evaluates: the other ranks (on other nodes too) need no task files.
+    held_out = task_rows(cfg, log=lambda *_: None)[1] if main else []
     graders = open_graders(held_out, cfg.sandbox) if main else Graders()
+    policy_for_eval = _EvalPolicy(trainer, rd.version_path(0), device, publish_dtype)
     server = link = None
     t_run = time.monotonic()
     try:
         if main:
             (rd.root / "broadcast").mkdir(exist_ok=True)
-            server = ShardServer(rd.root / "broadcast", host=cfg.trainer.weights_host,
+            tls = None
+            if cfg.broadcast.tls_cert:
+                from swarmrl.protocol.tls import server_context
+
+                tls = server_context(cfg.broadcast.tls_cert, cfg.broadcast.tls_key, flag="broadcast.tls_cert")
+            server = ShardServer(rd.root / "broadcast", tls=tls, host=cfg.trainer.weights_host,
                                  port=cfg.trainer.weights_port).start()
             origin = cfg.trainer.weights_url or server.url
             link = _Link(_orchestrator(rd, orchestrator, token_file), origin, rd, _parent_watchdog(), cfg, server)
             # Where relays find the origin (`swarmrl rl` starts them once this exists).
             atomic_write_text(rd.root / "origin.json", json.dumps({"url": origin}))
-        sd = trainer.full_state_dict() if start else None
+        sd = trainer.full_state_dict(publish_dtype) if start and not trainer.lora else None
         if main:
             if start:
                 # The checkpoint's weights are version `start`; versions written after it belong to
                 # steps that will be redone (on the same frozen batches), so they are replaced.
-                save_policy(model, tokenizer, rd.version_path(start), state_dict=sd)
+                _write_version(trainer, model, tokenizer, rd.version_path(start), sd, publish_dtype)
             link.publish(start)
         if start == 0 and main:
-            before = evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders)
+            before = evaluate(policy_for_eval(sd), tokenizer, held_out, cfg, pool, graders=graders)
             extra["accuracy_before"] = before["eval/accuracy"]
             _log_metrics(rd, {"step": 0, **before})
             print(f"held-out accuracy before: {before['eval/accuracy']:.3f}", flush=True)
+            link.report(0, before)
         for step in range(start, cfg.trainer.steps):
             t0 = time.monotonic()
             groups, metrics = None, {}
@@ -178,9 +279,9 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             t1 = time.monotonic()
             metrics.update(trainer.train_step(batch))
             t2 = time.monotonic()
-            sd = trainer.full_state_dict()
+            sd = None if trainer.lora else trainer.full_state_dict(publish_dtype)
             if main:
-                save_policy(model, tokenizer, rd.version_path(step + 1), state_dict=sd)
+                _write_version(trainer, model, tokenizer, rd.version_path(step + 1), sd, publish_dtype)
                 link.publish(step + 1)
                 rd.prune_versions(keep_from=min(step + 1 - cfg.async_.bound, step + 2 - cfg.trainer.keep_versions))
             t3 = time.monotonic()
@@ -188,7 +289,10 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(t3 - t0, 1e-9)
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.trainer.steps and main:
-                metrics.update(evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders))
+                held = evaluate(policy_for_eval(sd), tokenizer, held_out, cfg, pool, graders=graders)
+                metrics.update(held)
+                print(f"held-out accuracy after step {done}: {held['eval/accuracy']:.3f}", flush=True)
+                link.report(done, held)
             if done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps:
                 save_checkpoint(trainer, rd.root / "checkpoints", done, extra)
             if main:
@@ -199,8 +303,9 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
         if main:
             rd.request_stop()  # first: the launcher must know workers leaving now are done, not dead
             link._call(link.client.finish, "finish")
-            after = evaluate(trainer.model, tokenizer, held_out, cfg, pool, graders=graders)
+            after = evaluate(policy_for_eval(sd), tokenizer, held_out, cfg, pool, graders=graders)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
+            link.report(cfg.trainer.steps, after)
             summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
                        "steps": cfg.trainer.steps, "trainer_seconds": time.monotonic() - t_run}
             atomic_write_text(rd.root / "trainer_summary.json", json.dumps(summary, indent=1))

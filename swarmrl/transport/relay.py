@@ -55,7 +55,7 @@ class Relay:
     def __init__(self, upstreams: list[str], cache_dir: str | Path, *, public_key: str, host: str = "127.0.0.1",
                  port: int = 0, keep: int = 3, poll_s: float = 0.5, parallel: int = 4, timeout_s: float = 10.0,
                  max_bytes_per_s: float | None = None, max_connections: int = 64, retry_s: float = 5.0,
-                 max_retry_s: float = 600.0, failures_per_poll: int = 2, log=print):
+                 max_retry_s: float = 600.0, failures_per_poll: int = 2, log=print, tls=None):
         if not upstreams:
             raise BroadcastError("a relay needs at least one upstream URL (the origin or another relay)")
         self.public_key = require_trainer_key(public_key)
@@ -66,7 +66,7 @@ class Relay:
         self.parallel, self.timeout_s, self.log = parallel, timeout_s, log
         self.retry_s, self.max_retry_s, self.failures_per_poll = retry_s, max_retry_s, failures_per_poll
         self.server = ShardServer(self.root, host, port, max_bytes_per_s=max_bytes_per_s,
-                                  max_connections=max_connections)
+                                  max_connections=max_connections, tls=tls)
         self.scores = SourceScores()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,30 +108,51 @@ class Relay:
         for v in sorted(set().union(*advertised.values()), reverse=True):
             if sum(h > v for h in held) >= self.keep:
                 break  # older than every version kept: it would be pruned at once
-            if v in held:
-                continue
-            sources = [u for u in self.upstreams if v in advertised.get(u, ())
-                       and self._failed.get((u, v), (0, 0.0))[1] <= now and failures[u] < self.failures_per_poll]
-            if not sources:
-                continue
-            t0 = time.monotonic()
-            try:
-                mirror_version(v, sources, self.root, public_key=self.public_key, scores=self.scores,
-                               parallel=self.parallel, timeout_s=self.timeout_s, log=self.log)
-            except BroadcastError as e:
-                for u in sources:
-                    failures[u] += 1
-                    n = self._failed.get((u, v), (0, 0.0))[0] + 1
-                    backoff = min(self.max_retry_s, self.retry_s * 2 ** min(n - 1, 30))
-                    self._failed[(u, v)] = (n, time.monotonic() + backoff)
-                self._skip(v, sources, str(e))
-                continue
-            self.log(f"relay: mirrored {_vname(v)} in {time.monotonic() - t0:.2f} s")
-            held.add(v)
-            done.append(v)
-            self.skipped.pop(v, None)
-        prune_versions(self.root, self.keep, in_use=self.server.in_use)
+            if v not in held and self._mirror(v, advertised, failures, now):
+                held.add(v)
+                done.append(v)
+        # A LoRA run's versions are adapters on a base (version 0): held as long as they name it,
+        # so workers get the base from relays too, not only from the origin.
+        bases = self._bases()
+        for v in sorted(bases - held):
+            if self._mirror(v, advertised, failures, now):
+                done.append(v)
+        prune_versions(self.root, self.keep, in_use=lambda v: v in bases or self.server.in_use(v))
         return done
+
+    def _mirror(self, v: int, advertised: dict[str, set[int]], failures: dict[str, int], now: float) -> bool:
+        """Mirror version v from the upstreams listing it (not backing off from it); True if held now."""
+        sources = [u for u in self.upstreams if v in advertised.get(u, ())
+                   and self._failed.get((u, v), (0, 0.0))[1] <= now and failures[u] < self.failures_per_poll]
+        if not sources:
+            return False
+        t0 = time.monotonic()
+        try:
+            mirror_version(v, sources, self.root, public_key=self.public_key, scores=self.scores,
+                           parallel=self.parallel, timeout_s=self.timeout_s, log=self.log)
+        except BroadcastError as e:
+            for u in sources:
+                failures[u] += 1
+                n = self._failed.get((u, v), (0, 0.0))[0] + 1
+                backoff = min(self.max_retry_s, self.retry_s * 2 ** min(n - 1, 30))
+                self._failed[(u, v)] = (n, time.monotonic() + backoff)
+            self._skip(v, sources, str(e))
+            return False
+        self.log(f"relay: mirrored {_vname(v)} in {time.monotonic() - t0:.2f} s")
+        self.skipped.pop(v, None)
+        return True
+
+    def _bases(self) -> set[int]:
+        """The versions the held versions' (verified) manifests name as their LoRA base."""
+        out = set()
+        for v in read_versions(self.root):
+            try:
+                base = _load_manifest_file(self.root / _vname(v) / "manifest.json").get("base")
+            except BroadcastError:
+                continue
+            if isinstance(base, dict) and isinstance(base.get("version"), int):
+                out.add(base["version"])
+        return out
 
     def _skip(self, version: int, sources: list[str], why: str) -> None:
         self.last_error = f"{_vname(version)}: {why}"
@@ -216,7 +237,8 @@ def wait_for_upstream(upstreams: list[str], *, tries: int, backoff_s: float = 0.
 
 
 def run_relay(upstreams: list[str], cache_dir: str, *, host: str, port: int, keep: int, public_key: str | None,
-              startup_tries: int = 10, url_file: str | None = None, max_bytes_per_s: float | None = None) -> None:
+              startup_tries: int = 10, url_file: str | None = None, max_bytes_per_s: float | None = None,
+              tls=None) -> None:
     """`swarmrl relay`: mirror and serve until interrupted. BroadcastError at once without the trainer key."""
     import json
     import os
@@ -226,7 +248,7 @@ def run_relay(upstreams: list[str], cache_dir: str, *, host: str, port: int, kee
     require_trainer_key(public_key)  # before waiting for upstreams: the fix is on this command line
     wait_for_upstream(upstreams, tries=startup_tries)
     relay = Relay(upstreams, cache_dir, host=host, port=port, keep=keep, public_key=public_key,
-                  max_bytes_per_s=max_bytes_per_s).start()
+                  max_bytes_per_s=max_bytes_per_s, tls=tls).start()
     print(f"relay listening on {relay.url}, mirroring {', '.join(upstreams)} into {cache_dir}", flush=True)
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": relay.url, "pid": os.getpid()}))

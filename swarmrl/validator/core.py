@@ -40,7 +40,7 @@ from swarmrl.config import ValidatorConfig
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_version
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
 
@@ -168,6 +168,8 @@ class Validator:
         # that the run uses it (a validator provisioned for one precision stops on another).
         self.device, self.pinned_dtype, self.log = device, dtype, log
         self.models: dict[tuple[int, str], tuple[str, object]] = {}  # (version, dtype) -> (manifest digest, model)
+        self.bases: set[str] = set()  # content digests of LoRA bases checked by this process
+        self._load_failures: dict[int, tuple[str, float]] = {}  # version -> (last error logged, when)
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
 
@@ -178,10 +180,14 @@ class Validator:
         if held is not None and held[0] == digest:
             return held[1]
         key = self.trainer_key() if callable(self.trainer_key) else self.trainer_key
-        folder = fetch_version(version, [*self.relays, policy["url"]], self.cache / "policies",
-                               public_key=key or str(policy["manifest"].get("public_key", "")), scores=self.scores,
-                               keep=max(2, len(self.models) + 2), expected_digest=digest)
-        model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype))
+        key = key or str(policy["manifest"].get("public_key", ""))
+        sources, keep = [*self.relays, policy["url"]], max(2, len(self.models) + 2)
+        folder = fetch_version(version, sources, self.cache / "policies", public_key=key, scores=self.scores,
+                               keep=keep, expected_digest=digest)
+        # A LoRA adapter is merged into the base its signed manifest names, exactly as workers do.
+        base = fetch_base(policy["manifest"], sources, self.cache / "policies", public_key=key, verified=self.bases,
+                          scores=self.scores, keep=keep)
+        model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype), base=base)
         self.models[(version, dtype)] = (digest, model.eval())
         return model
 
@@ -314,9 +320,15 @@ class Validator:
                     raise BroadcastError(f"policy v{version} is not announced")
                 model = self.model(version, policy, dtype)
             except (BroadcastError, OSError, ValueError) as e:
-                self.log(f"validator: cannot load policy v{version} ({e}); {len(group)} groups wait")
+                # Said once per version and error (and every 30 s while it lasts), not once per
+                # claim: a validator whose trainer is down retries many times a minute.
+                said = self._load_failures.get(version)
+                if said is None or said[0] != str(e) or time.monotonic() - said[1] > 30:
+                    self.log(f"validator: cannot load policy v{version} ({e}); {len(group)} groups wait")
+                    self._load_failures[version] = (str(e), time.monotonic())
                 retry.extend(it["id"] for it in group)
                 continue
+            self._load_failures.pop(version, None)
             outs = self.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in group])
             samples = [s for it in group for s in it["samples"]]
             temps = [it["temperature"] for it in group for _ in it["samples"]]

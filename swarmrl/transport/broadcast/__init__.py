@@ -25,19 +25,26 @@ version folder exists only when complete. Standard library HTTP only (`http.serv
 
 Modules: publish (the origin writes versions), origin (`ShardServer`), download (manifests and
 shards from the fastest sources), install (`mirror_version` for relays, `fetch_version` for
-workers and validators), common (shared helpers). The manifest itself, its schema and its
+workers and validators; `fetch_base` for the base of a LoRA adapter version), common (shared
+helpers). The manifest itself, its schema and its
 signature check, is part of the protocol: swarmrl/protocol/manifest.py.
 """
 
 from swarmrl.protocol.manifest import BroadcastError
 from swarmrl.transport.broadcast.common import INSTALLED_MANIFEST
 from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest, list_versions
-from swarmrl.transport.broadcast.install import fetch_version, mirror_version
+from swarmrl.transport.broadcast.install import fetch_base, fetch_version, mirror_version
 from swarmrl.transport.broadcast.origin import ShardRequestHandler, ShardServer
-from swarmrl.transport.broadcast.publish import prune_versions, publish_version, read_versions, unpublish_version
+from swarmrl.transport.broadcast.publish import (
+    prune_versions,
+    publish_version,
+    published_manifest,
+    read_versions,
+    unpublish_version,
+)
 
 __all__ = [
     "BroadcastError", "INSTALLED_MANIFEST", "ShardRequestHandler", "ShardServer", "SourceScores", "download_shards",
-    "fetch_manifest", "fetch_version", "list_versions", "mirror_version", "prune_versions", "publish_version",
-    "read_versions", "unpublish_version",
+    "fetch_base", "fetch_manifest", "fetch_version", "list_versions", "mirror_version", "prune_versions",
+    "publish_version", "published_manifest", "read_versions", "unpublish_version",
 ]

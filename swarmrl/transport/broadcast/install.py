@@ -15,6 +15,7 @@ from swarmrl.protocol.manifest import (
     _check_version,
     _is_int,
     _vname,
+    content_digest,
     manifest_digest,
     verify_manifest,
 )
@@ -239,12 +240,14 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     dest_root = Path(dest_root)
     dest = dest_root / vname
 
-    def finish() -> Path:
+    def finish(installed: dict) -> Path:
         _clean_temps(dest_root)
         _clean_temps(dest_root / ".shards", below=version)  # partials of older versions will not be resumed
         versions = sorted(int(m.group(1)) for p in dest_root.iterdir()
                           if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir())
-        _prune(dest_root, versions, keep, lambda v: v == version)
+        # An adapter's base stays beside it (fetch_base puts it there) however old it is.
+        base = installed.get("base", {}).get("version")
+        _prune(dest_root, versions, keep, lambda v: v in (version, base))
         return dest
 
     # A version number can be republished with other weights (a trainer resumed from an older
@@ -255,7 +258,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
             held_manifest = _load_manifest_file(dest / INSTALLED_MANIFEST)
             verify_manifest(held_manifest, public_key, version)
             if manifest_digest(held_manifest) == expected_digest and _folder_matches(dest, held_manifest):
-                return finish()
+                return finish(held_manifest)
         except BroadcastError:
             pass
     # Otherwise the sources' current signed manifest says what the version is.
@@ -266,7 +269,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
             _atomic_write(dest / INSTALLED_MANIFEST, _manifest_bytes(manifest))
         except OSError:
             pass
-        return finish()
+        return finish(manifest)
 
     shard_root = dest_root / ".shards"
     held = shard_root / vname
@@ -287,7 +290,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         except FileNotFoundError:
             # Another fetcher of this version in dest_root finished and deleted the shard copy.
             if dest.is_dir() and _folder_matches(dest, manifest):
-                return finish()
+                return finish(manifest)
             raise BroadcastError(f"fetching {vname}: the shard copy in {held} vanished while rebuilding the files "
                                  "(a concurrent fetch into the same dest_root?); try again") from None
         except OSError as e:
@@ -302,7 +305,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         if dest.is_dir() and _folder_matches(dest, manifest):
             # A concurrent fetch installed it meanwhile: keep that one (its caller may be loading it).
             _remove_dir(held)
-            return finish()
+            return finish(manifest)
         if dest.exists():
             _remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
         try:
@@ -315,4 +318,47 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         shutil.rmtree(tmp, ignore_errors=True)
     _remove_dir(held)
     log(f"{vname}: installed in {dest}")
-    return finish()
+    return finish(manifest)
+
+
+def fetch_base(manifest: dict, sources: list[str], dest_root, *, public_key: str, verified: set | None = None,
+               scores=None, keep: int = 2, parallel: int = 4, timeout_s: float = 10.0,
+               log=lambda msg: None) -> Path | None:
+    """For an adapter version (trainer.lora), the base it applies to: fetched like any version
+    into dest_root/vNNNNNN, beside the adapter (where `load_policy` looks for it), and checked to
+    hold exactly the files the adapter's signed manifest names by content digest. None for a
+    full version.
+
+    `manifest` is the adapter version's manifest and must verify against `public_key` (the
+    trainer's): the base it names is signed with it, so a relay can neither swap the base nor
+    point an adapter at other weights. A base whose content differs is refused (BroadcastError),
+    never merged. `verified` (a set the caller keeps) holds content digests already checked in
+    this process, so a multi-GB base is re-hashed once per process rather than once per version."""
+    verify_manifest(manifest, public_key)
+    base = manifest.get("base")
+    if base is None:
+        return None
+    version, want = base["version"], base["digest"]
+    where = f"policy {_vname(manifest['version'])} is a LoRA adapter for base {_vname(version)}"
+    dest = Path(dest_root) / _vname(version)
+    if verified is not None and want in verified and (dest / INSTALLED_MANIFEST).is_file():
+        try:
+            if content_digest(_load_manifest_file(dest / INSTALLED_MANIFEST)) == want:
+                return dest
+        except (BroadcastError, KeyError, TypeError):
+            pass
+    path = fetch_version(version, sources, dest_root, public_key=public_key, scores=scores, keep=keep,
+                         parallel=parallel, timeout_s=timeout_s, log=log)
+    held = _load_manifest_file(path / INSTALLED_MANIFEST)
+    verify_manifest(held, public_key, version)
+    got = content_digest(held)
+    if got != want:
+        raise BroadcastError(
+            f"{where} with content digest {want[:16]}..., but the {_vname(version)} the sources serve (signed by the "
+            f"trainer) holds other weights ({got[:16]}...): refusing to merge the adapter into it. The trainer "
+            "republished its base with other weights (a new run under the same key?): fetch a version the current "
+            "trainer published, or start this worker with an empty cache directory")
+    if verified is not None:
+        verified.add(want)
+    log(f"{where}: base checked ({want[:16]}...)")
+    return path

@@ -16,6 +16,7 @@ from swarmrl.protocol.manifest import (
     BroadcastError,
     FORMAT,
     MAX_SHARDS,
+    _check_base,
     _check_version,
     _is_int,
     _is_plain_name,
@@ -115,15 +116,20 @@ def _split(paths: list[Path], shard_dir: Path | None, shard_size: int) -> tuple[
 
 
 def publish_version(model_dir, root, version: int, *, key, parent: int | None = None,
-                    shard_size: int = 1 << 20) -> dict:
+                    shard_size: int = 1 << 20, base: dict | None = None) -> dict:
     """Shard and sign HF folder `model_dir` as root/vNNNNNN (written whole, atomically); return the manifest.
 
+    `base` ({"version": b, "digest": content_digest of version b's manifest}) marks the folder as
+    a LoRA adapter that applies to version b: the manifest names it, under the signature.
+
     Versions are immutable: an existing root/vNNNNNN with the same content (same files, shard size,
-    parent and key) is returned as is; with other content, BroadcastError (use unpublish_version
+    parent, base and key) is returned as is; with other content, BroadcastError (use unpublish_version
     first to replace it on purpose)."""
     _check_version(version)
     if parent is not None:
         _check_version(parent, "parent")
+    if base is not None:
+        _check_base(base, version, lambda msg: BroadcastError(f"cannot publish {_vname(version)}: {msg}"))
     if not _is_int(shard_size) or shard_size <= 0:
         raise BroadcastError(f"shard_size must be a positive int (bytes), got {shard_size!r}")
     if not isinstance(key, Ed25519PrivateKey):
@@ -147,6 +153,8 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
         m = {"format": FORMAT, "version": version, "parent": parent, "created": time.time(),
              "model_config": model_config, "files": files, "shard_size": shard_size, "total_size": total,
              "shards": shards, "public_key": key.public_key().public_bytes_raw().hex()}
+        if base is not None:
+            m["base"] = {"version": base["version"], "digest": base["digest"]}
         m["signature"] = key.sign(canonical(m)).hex()
         return m
 
@@ -198,6 +206,13 @@ def unpublish_version(root, version: int) -> bool:
     For a trainer that redoes steps after a resume and must replace a version number."""
     _check_version(version)
     return _remove_dir(Path(root) / _vname(version))
+
+
+def published_manifest(root, version: int) -> dict | None:
+    """The manifest of root/vNNNNNN as published there, or None when that version is not there."""
+    _check_version(version)
+    path = Path(root) / _vname(version) / "manifest.json"
+    return _load_manifest_file(path) if path.is_file() else None
 
 
 def read_versions(root) -> list[int]:

@@ -1,0 +1,27 @@
+"""What every config section shares, and names a config must know without importing the roles."""
+
+from __future__ import annotations
+
+
+from pydantic import BaseModel, ConfigDict
+
+
+# The scripted cheats `swarmrl worker --adversary` and `async.adversaries` can run (implemented in
+# swarmrl/adversary/workers.py; named here so that validating a config imports nothing above it).
+ADVERSARY_KINDS = {
+    "other_model": "samples with another model of the same architecture (re-initialised weights)",
+    "old_version": "keeps sampling with the first policy version it loaded, claiming each newer one",
+    "edit_tokens": "changes one token of every completion; proofs and logprobs rebuilt for the edit",
+    "edit_logprobs": "reports every logprob as more confident than it was",
+    "cherry_pick": "best of 4 samples with its own seeds (by total logprob), proofs and logprobs honest",
+    "claim_reward": "attaches a reward of 1.0 to every completion",
+    "replay": "answers each lease with the completions (and proofs) of its previous lease",
+    "garbage_proofs": "sends well-formed proofs of random polynomials",
+    "truncated_proofs": "sends its proofs cut short",
+    "missing_proofs": "sends no proofs",
+    "wrong_group_size": "drops one completion from every group",
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)

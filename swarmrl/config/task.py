@@ -1,0 +1,146 @@
+"""The model, the tasks and how they are sampled and rewarded: what a rollout is made of."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from swarmrl.config.base import _Section
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """HF model folder to start from (any local causal LM). None: the project's tiny Qwen2 warm
+    started by `swarmrl sft`, built on first use and cached under `base_cache_dir`."""
+    base_cache_dir: str = ".cache/swarmrl/base"
+    """Where the built-in base model is cached (relative to the working directory)."""
+    device: str = "cpu"
+    """Torch device for trainer and workers: "cpu", "cuda", "cuda:1"..."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trainer's compute dtype. float32 on CPU (bf16 matmuls are ~100x slower on these CPUs);
+    bfloat16 on GPUs, as in the seed run, where `trainer.precision` says how the weights are kept
+    (by default "mixed": float32 master weights and optimizer state). Workers and validators
+    compute in `sampling.dtype`, the run's inference precision."""
+
+
+class TasksConfig(_Section):
+    source: str = "arithmetic"
+    """"arithmetic" for the built-in procedural task, or a path to tasks in the INTELLECT-2 RL
+    dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    types: list[str] = Field(default_factory=list)
+    """Task types beyond the built-in ones (verifiable_math, prime_rl_code, multiple_choice), as
+    "module:ATTRIBUTE" naming a swarmrl.rewards.registry.TaskType in a module on the Python path;
+    every process of the run registers them (docs/architecture.md, "Adding a task type")."""
+    eval_source: str | None = None
+    """Held-out tasks for a file `source` (same formats). None with "arithmetic": its held-out split."""
+    digits: int = Field(2, ge=1, le=9)
+    """Arithmetic difficulty: digits per operand."""
+    ops: str = Field("+-", pattern=r"^[+-]+$")
+    """Arithmetic operators to draw from."""
+    train_size: int = Field(5000, ge=1)
+    """Number of distinct arithmetic training problems."""
+    eval_size: int = Field(200, ge=1)
+    """Number of held-out problems used for `eval/accuracy`."""
+    solve_rate_column: str | None = None
+    """Column used for offline difficulty filtering (the seed used a 7B model's solve rate)."""
+    solve_rate_range: tuple[float, float] | None = None
+    """Keep rows whose solve rate lies in [lo, hi]. Seed run: [0.1, 0.8] (INTELLECT-2 report)."""
+    seed: int = 0
+    """Seed for task generation and shuffling."""
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(8, ge=2)
+    """Completions per prompt (G in GRPO). Seed run: 16."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Informative groups in one training batch; samples per step = this x group_size.
+    Seed run: 32 prompts x 16 = 512 samples."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; logprobs are taken under the same temperature. Seed run: 0.6
+    (later raised to 1.0 in their ablations)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Token limit per completion; hitting it gives finish reason "length"."""
+    worker_batch_prompts: int = Field(8, ge=1)
+    """Prompts (groups) in one lease: what a worker samples in one batched generate call.
+    Smaller leases let the orchestrator stop handing out work with a version closer to exactly
+    what the next batch needs (less dropped as stale); larger ones batch the sampler better."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The run's inference precision: leases carry it, workers sample in it (a worker set to
+    another refuses the lease with a message) and validators prefill in it, so honest work is
+    judged against its own numerics (docs/validation.md calibrates both). float32 on CPU;
+    bfloat16 for GPU fleets, as in the seed run."""
+    uninformative_limit: int = Field(2000, ge=1)
+    """Stop the run with an error after this many consecutive groups with all-equal rewards
+    (no GRPO signal at all), rather than wait forever for an informative one."""
+
+
+class LengthConfig(_Section):
+    enabled: bool = False
+    """Length-controlled reasoning: append " Think for {N} tokens before giving a response."
+    to each prompt and shape the reward by how well the completion meets N."""
+    targets: list[int] = Field(default_factory=lambda: [48, 64, 96])
+    """Target lengths sampled uniformly per prompt. Seed run: 2000-10000 in steps of 2000."""
+    mode: Literal["exact", "max", "clip"] = "max"
+    """exact: task - coef*|len - N|; max: task * clip(coef*(N - len) + 0.5, 0, 1);
+    clip: task if len <= N else 0 (the three modes of the INTELLECT-2 report)."""
+    coef: float = Field(0.01, ge=0.0)
+    """Penalty slope per token. Seed run: 0.001 for 2000-10000 token targets."""
+
+
+class RewardsConfig(_Section):
+    verify_workers: int = Field(1, ge=1)
+    """Processes grading answers with math-verify."""
+    verify_timeout_s: float = Field(5.0, gt=0)
+    """Hard per-completion grading timeout; a completion that exceeds it scores 0."""
+    verify_memory_mb: int = Field(1024, ge=64)
+    """Address-space limit (RLIMIT_AS) of each grading process; an answer needing more scores 0
+    and the process is replaced."""
+
+
+class SandboxConfig(_Section):
+    """How code rewards (`prime_rl_code` rows) run untrusted programs: each test in a fresh
+    bubblewrap sandbox (see docs/sandbox.md)."""
+
+    workers: int | None = Field(None, ge=1)
+    """Sandboxes running at once (completions graded in parallel). None: one per CPU core."""
+    test_timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock limit of one test; RLIMIT_CPU is this rounded up plus 1 s. Sandbox startup
+    (about 40 ms here) gets `startup_grace_s` on top."""
+    total_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit for all tests of one completion; tests that no longer fit fail."""
+    partial_credit: bool = False
+    """False: reward 1 only if every test passes, stopping at the first failure (the seed run).
+    True: the fraction of tests passed, running them all."""
+    memory_mb: int = Field(512, ge=32)
+    """Address-space limit (RLIMIT_AS) of each process in the sandbox; the slot's cgroup gets
+    this plus `tmp_mb` plus 64 MB for the whole sandbox."""
+    max_procs: int = Field(32, ge=1)
+    """Processes and threads a program may have (RLIMIT_NPROC, and the cgroup's pids.max)."""
+    max_output_kb: int = Field(1024, ge=1)
+    """Stdout and stderr each read up to this; a program writing more is killed and fails."""
+    max_file_mb: int = Field(16, ge=1)
+    """Largest file a program may write (RLIMIT_FSIZE)."""
+    max_open_files: int = Field(64, ge=8)
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    tmp_mb: int = Field(64, ge=1)
+    """Size of the sandbox's private /tmp (a tmpfs, the only writable place)."""
+    startup_grace_s: float = Field(1.0, ge=0)
+    """Added to each test's wall-clock limit for starting the sandbox and the interpreter."""
+    uid_base: int = Field(61000, ge=1000)
+    """Run as root, each sandbox pool claims `workers` consecutive uids from uid_base up that no
+    other pool on the machine holds (lock files under /run/swarmrl/sandbox-uids), and slot i's
+    programs run as the i-th (no account needed): never root, and one uid per slot, in no other
+    pool, so each slot's process limit is its own."""
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    """Per-slot pids+memory cgroup (v2 if delegated, else v1). "auto": use one where the
+    cgroup filesystem is writable (root), else rely on rlimits and namespaces; "required":
+    refuse to start without; "off": never."""
+    bwrap: str = "bwrap"
+    """The bubblewrap executable (Debian package `bubblewrap`)."""
+    python: str | None = None
+    """Interpreter run inside the sandbox (standard library only). None: this Python's base
+    interpreter."""
+    unsafe_no_sandbox: bool = False
+    """DANGEROUS: run programs with no sandbox (as this user, with network and files), for code
+    you trust on machines where bubblewrap cannot run. Prints a warning at every start."""

@@ -1,0 +1,367 @@
+"""LoRA (trainer.lora) with adapter-only policy versions, on real parts: peft adapters trained by
+real steps, versions signed and sharded by the broadcast origin, fetched over HTTP on 127.0.0.1
+by a real worker, which merges them into the base it holds and submits to a real orchestrator
+whose validator re-runs the merged policy (TOPLOC, seeded sampling, logprobs).
+
+Covers: a bad `trainer.lora.target_modules` fails before any process starts, naming the field;
+adapter versions are over 10x smaller than full ones; a worker given only adapters produces work
+the validator passes; a base other than the one the adapter's signed manifest names is refused;
+the trainer trains adapters only and its checkpoints hold them and their optimizer state; and
+`swarmrl rl --trainer.lora.rank 8` end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from orchestrator_harness import (
+    TRAINER_KEY,
+    OrchestratorProcess,
+    answers,
+    completion_ids,
+    make_run_dir,
+    signed_version,
+)
+
+from swarmrl.config import ConfigError, LoRAConfig, load_config
+from swarmrl.inference.worker import Worker
+from swarmrl.model.checkpoint import build_tiny_policy, is_adapter, load_policy, save_policy
+from swarmrl.model.lora import adapter_parameters, apply_lora, check_lora_config, save_adapter
+from swarmrl.protocol.client import TrainerClient
+from swarmrl.protocol.manifest import content_digest
+from swarmrl.protocol.signing import public_key_hex
+from swarmrl.tasks.source import model_input
+from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer
+from swarmrl.transport.broadcast import BroadcastError, ShardRequestHandler, ShardServer, fetch_base, publish_version
+from swarmrl.validator.core import Validator
+
+pytestmark = pytest.mark.timeout(300)
+
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def train_adapter(base: Path, out: Path, steps: int = 8, lr: float = 3e-3, rank: int = 8):
+    """A later policy version of a LoRA run: real AdamW steps on the adapters (next-token loss on
+    worked answers), saved adapter-only. Returns the peft model (the trainer's view of it)."""
+    model, tok = load_policy(base)
+    model = apply_lora(model, LoRAConfig(rank=rank))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    texts = []
+    for pid, answer in list(answers().items())[:16]:
+        _, prompt = model_input(tok, f"What is {pid}?", None)
+        texts.append(prompt + completion_ids(tok, answer))
+    width = max(len(t) for t in texts)
+    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
+    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_adapter(model, out)
+    return model.eval()
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def test_missing_target_modules_fail_before_anything_starts(tmp_path):
+    cfg = load_config(None, ["--trainer.lora.rank", "8", "--trainer.lora.target_modules", "q_proj,c_attn"])
+    with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: the built-in tiny Qwen2 has no linear "
+                                         r"layer named 'c_attn'.*down_proj"):
+        check_lora_config(cfg)
+    check_lora_config(load_config(None, ["--trainer.lora.rank", "8"]))  # the defaults fit the built-in model
+    check_lora_config(load_config(None, ["--trainer.lora.target_modules", "c_attn"]))  # rank 0: LoRA is off
+
+    # model.path: the folder's architecture (config.json only: nothing is loaded), here GPT-2's names.
+    from transformers import GPT2Config
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: model\.path .* has no linear layer named "
+                                         r"'q_proj', .*its linear layers are c_attn, c_fc, c_proj, lm_head"):
+        check_lora_config(load_config(None, ["--trainer.lora.rank", "8", "--model.path", str(gpt2)]))
+
+    # `swarmrl rl` stops on it before building a base or starting a child process.
+    from conftest import swarmrl
+
+    run = tmp_path / "run"
+    proc = swarmrl("rl", "--run-dir", str(run), "--trainer.lora.rank", "8", "--trainer.lora.target_modules",
+                   "qkv", "--logging.progress", "false", check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "trainer.lora.target_modules" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert not (run / "policies" / "v000000").exists() and not list(run.glob("logs/*.log"))
+
+    # One trainer rank only, said at config load.
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.rank=8 needs a single trainer rank"):
+        load_config(None, ["--trainer.lora.rank", "8", "--trainer.nproc", "2"])
+
+
+# ---- size ---------------------------------------------------------------------------------------
+
+
+def test_adapter_versions_are_over_10x_smaller_than_full_ones(tmp_path):
+    model, tok = build_tiny_policy(seed=0)  # the shape of the built-in base, the default task's model
+    save_policy(model, tok, tmp_path / "policies" / "v000000")
+    peft_model = apply_lora(model, LoRAConfig(rank=8))
+    save_adapter(peft_model, tmp_path / "policies" / "v000001")
+    assert sorted(p.name for p in (tmp_path / "policies" / "v000001").iterdir()) == ADAPTER_FILES
+    full = publish_version(tmp_path / "policies" / "v000000", tmp_path / "broadcast", 0, key=TRAINER_KEY)
+    adapter = publish_version(tmp_path / "policies" / "v000001", tmp_path / "broadcast", 1, key=TRAINER_KEY,
+                              parent=0, base={"version": 0, "digest": content_digest(full)})
+    ratio = full["total_size"] / adapter["total_size"]
+    print(f"full {full['total_size']} bytes, adapter {adapter['total_size']} bytes: {ratio:.1f}x")
+    assert ratio >= 10, (full["total_size"], adapter["total_size"])
+    assert adapter["base"] == {"version": 0, "digest": content_digest(full)}
+
+    # The same count on real shapes, from their configs on the meta device (no weights): rank 8 on
+    # every projection is ~1% of a 0.5B Qwen2 and ~0.2% of a 32B one.
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    for shape, at_least in ((dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936), 100),
+                            (dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064), 400)):
+        with torch.device("meta"):
+            tied = shape["hidden_size"] < 1000  # 0.5B ties its embeddings, 32B does not
+            big = AutoModelForCausalLM.from_config(Qwen2Config(**shape, tie_word_embeddings=tied))
+        total = sum(p.numel() for p in big.parameters())
+        lora = adapter_parameters(big, LoRAConfig(rank=8))
+        assert total / lora >= at_least, (total, lora)
+
+
+def test_relays_keep_the_base_their_adapters_name(tmp_path):
+    from swarmrl.transport.relay import Relay
+
+    model, tok = build_tiny_policy(seed=0, hidden_size=32, num_layers=1, intermediate_size=64)
+    save_policy(model, tok, tmp_path / "v000000")
+    save_adapter(apply_lora(model, LoRAConfig(rank=2)), tmp_path / "adapter")
+    root = tmp_path / "broadcast"
+    base = {"version": 0, "digest": content_digest(publish_version(tmp_path / "v000000", root, 0, key=TRAINER_KEY))}
+    for v in (1, 2, 3):
+        publish_version(tmp_path / "adapter", root, v, key=TRAINER_KEY, parent=v - 1, base=base)
+    with ShardServer(root) as origin:
+        relay = Relay([origin.url], tmp_path / "relay", public_key=public_key_hex(TRAINER_KEY), keep=1,
+                      log=lambda *_: None)
+        try:
+            relay.sync_once()
+            relay.sync_once()  # and pruning keeps it
+        finally:
+            relay.server.close()
+    assert sorted(p.name for p in (tmp_path / "relay").iterdir() if not p.name.startswith(".")) == [
+        "v000000", "v000003"]
+
+
+# ---- a worker given only adapters, and the validator ---------------------------------------------
+
+
+class Logged(ShardRequestHandler):
+    paths: list[str] = []
+
+    def do_GET(self):
+        Logged.paths.append(self.path)
+        super().do_GET()
+
+
+class LoggingServer(ShardServer):
+    handler_class = Logged
+
+
+class World:
+    def __init__(self, root: Path):
+        self.run = make_run_dir(root / "run", "--validator.ban_after", "1000", "--async.max_pending_groups", "10000",
+                                "--sampling.prompts_per_step", "1000", "--trainer.lora.rank", "8")
+        policies = self.run / "policies"
+        self.peft_model = train_adapter(policies / "v000000", policies / "v000001")
+        m0 = signed_version(self.run, 0)
+        self.base = {"version": 0, "digest": content_digest(m0)}
+        m1 = publish_version(policies / "v000001", self.run / "broadcast", 1, key=TRAINER_KEY, parent=0,
+                             base=self.base)
+        self.server = LoggingServer(self.run / "broadcast").start()
+        self.orch = OrchestratorProcess(self.run).start()
+        self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
+        self.policy = {}
+        for v, manifest in ((0, m0), (1, m1)):
+            self.trainer.publish(v, self.server.url, manifest)
+            self.policy[v] = {"version": v, "url": self.server.url, "manifest": manifest}
+        self.logs: list[str] = []
+
+    def worker(self, name: str) -> Worker:
+        d = self.run.parent / "workers" / name
+        w = Worker(self.orch.url, key_file=d / "key.pem", cache_dir=d, name=name, log=self.logs.append,
+                   trainer_key=public_key_hex(TRAINER_KEY))
+        w.client.register(name)
+        return w
+
+    def close(self) -> None:
+        self.orch.stop()
+        self.server.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("lora"))
+    yield w
+    w.close()
+    assert "internal error" not in w.orch.log()
+
+
+def test_a_worker_given_only_adapters_produces_work_the_validator_passes(world):
+    w = world.worker("honest")
+    assert w._ensure_policy(world.policy[0])  # the base, once, as every worker starts
+    Logged.paths.clear()
+    assert w._ensure_policy(world.policy[1]), world.logs
+    # Only the adapter crossed the network: its shards and nothing of the base's.
+    shards = [p for p in Logged.paths if "/shards/" in p]
+    assert shards and all(p.startswith("/v000001/") for p in shards), Logged.paths
+    cache = w.cache / "policies"
+    assert sorted(p.name for p in (cache / "v000001").iterdir() if not p.name.startswith(".")) == ADAPTER_FILES
+    assert is_adapter(cache / "v000001") and (cache / "v000000" / "model.safetensors").is_file()
+
+    # The worker samples with plain merged weights that compute what the trainer trained.
+    merged = w.sampler.model
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    base, _ = load_policy(world.run / "policies" / "v000000")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged.state_dict()[q] - base.state_dict()[q]).abs().max() > 1e-4  # the adapter is in it
+    ids = torch.tensor([list(range(5, 40))])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, world.peft_model(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+    # Real leases, real sampling with proofs; the validator (in the orchestrator) fetches the same
+    # adapter and base and re-runs the merged policy: every group passes the full check.
+    for _ in range(2):
+        lease = w.client.lease(1)["lease"]
+        assert lease is not None
+        result = w.client.submit(w.generate(lease))
+        assert result["rejected"] == [] and len(result["accepted"]) == 2, result
+    deadline = time.monotonic() + 120
+    while (me := w.client.me())["awaiting_validation"]:
+        assert time.monotonic() < deadline, me
+        time.sleep(0.1)
+    assert me["accepted"] >= 4 and me["rejected"] == 0 and me["fraud"] == 0 and not me["banned"], me
+    with sqlite3.connect(world.run / "orchestrator.sqlite") as db:
+        verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
+    assert len(verdicts) >= 4 and all(v["reason"] is None for v in verdicts), verdicts
+    assert all(v["stats"]["chunks"] > 0 for v in verdicts)  # TOPLOC proofs were compared
+
+
+def test_a_base_other_than_the_signed_one_is_refused(world, tmp_path):
+    key = public_key_hex(TRAINER_KEY)
+    sources = [world.server.url]
+    policies = world.run / "policies"
+    # The trainer's own signature over an adapter naming another base (a stale cache, a mixed-up
+    # run): workers and validators refuse to merge it into the v0 they can get.
+    wrong = publish_version(policies / "v000001", world.run / "broadcast", 2, key=TRAINER_KEY, parent=1,
+                            base={"version": 0, "digest": "ab" * 32})
+    with pytest.raises(BroadcastError, match="refusing to merge the adapter"):
+        fetch_base(wrong, sources, tmp_path / "cache", public_key=key)
+    w = world.worker("fooled")
+    world.logs.clear()
+    assert not w._ensure_policy({"version": 2, "url": world.server.url, "manifest": wrong})
+    assert any("refusing to merge the adapter" in line for line in world.logs), world.logs
+    cfg = load_config(world.run / "config.toml")
+    with pytest.raises(BroadcastError, match="refusing to merge the adapter"):
+        Validator(cfg.validator, tmp_path / "validator", log=lambda *_: None).model(
+            2, {"version": 2, "url": world.server.url, "manifest": wrong})
+
+    # A relay that rewrites the base an adapter names breaks the trainer's signature.
+    forged = copy.deepcopy(world.policy[1]["manifest"])
+    forged["base"]["digest"] = "cd" * 32
+    with pytest.raises(BroadcastError, match="bad signature"):
+        fetch_base(forged, sources, tmp_path / "cache", public_key=key)
+    # A full version names no base.
+    assert fetch_base(world.policy[0]["manifest"], sources, tmp_path / "cache", public_key=key) is None
+
+
+def test_run_dir_adapters_load_with_their_base_beside_them(world, tmp_path):
+    """`swarmrl eval`, `swarmrl serve` and the trainer's evaluation load a run's policies/vN;
+    an adapter there is merged with policies/v000000, and without it the error says what to do."""
+    model, tok = load_policy(world.run / "policies" / "v000001")
+    assert type(model).__name__ == "Qwen2ForCausalLM" and tok.eos_token_id is not None
+    lonely = tmp_path / "v000001"
+    lonely.mkdir()
+    for name in ADAPTER_FILES:
+        (lonely / name).write_bytes((world.run / "policies" / "v000001" / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match="needs its base model, policy version 0"):
+        load_policy(lonely)
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+
+
+def test_the_trainer_trains_adapters_only_and_checkpoints_them(tmp_path):
+    from test_trainer import make_model, prepare
+
+    cfg, model, _, _, batch = prepare("--trainer.lora.rank", "4", "--trainer.lr", "1e-2")
+    n_base = len(list(model.parameters()))
+    trainer = GRPOTrainer(model, cfg)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(trainable)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    assert len(frozen) == n_base  # every weight of the base, none trainable
+    trainer.train_step(batch)
+    for n, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            assert n.endswith("lora_A.default.weight") or p.abs().max() > 0, n  # B moved off its zero init
+        else:
+            torch.testing.assert_close(p, frozen[n], rtol=0, atol=0)  # the base is frozen: bitwise the same
+
+    save_checkpoint(trainer, tmp_path, 1, {})
+    state = torch.load(tmp_path / "step_000001" / "trainer.pt", weights_only=False)
+    assert len(state["model"]) == len(trainable)  # adapters only: the base is policy version 0
+    m2 = trainer.train_step(batch)
+    expected = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    fresh = GRPOTrainer(make_model(seed=0)[0], cfg)
+    load_checkpoint(fresh, tmp_path)
+    assert fresh.train_step(batch) == m2
+    for n, p in fresh.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p, expected[n], rtol=0, atol=0)
+
+    # A checkpoint of other adapters (here on fewer modules) is refused, not half loaded.
+    other = prepare("--trainer.lora.rank", "4", "--trainer.lora.target_modules", "q_proj,v_proj")[0]
+    with pytest.raises(ValueError, match="does not match this trainer's LoRA adapters"):
+        load_checkpoint(GRPOTrainer(make_model(seed=0)[0], other), tmp_path)
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_swarmrl_rl_with_lora_publishes_adapters_that_workers_use_and_the_validator_passes(easy_base, tmp_path):
+    from conftest import EASY, swarmrl
+
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3",
+            "--trainer.lora.rank", "8", "--trainer.lr", "1e-3", "--async.bound", "1", *EASY)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["accuracy_after"] is not None
+    m0 = json.loads((run / "broadcast" / "v000000" / "manifest.json").read_text())
+    m3 = json.loads((run / "broadcast" / "v000003" / "manifest.json").read_text())
+    assert "base" not in m0 and m3["base"] == {"version": 0, "digest": content_digest(m0)}
+    assert sorted(f["name"] for f in m3["files"]) == ADAPTER_FILES
+    assert m0["total_size"] / m3["total_size"] >= 10, (m0["total_size"], m3["total_size"])
+    assert sorted(p.name for p in (run / "policies" / "v000003").iterdir()) == ADAPTER_FILES
+    # Workers loaded adapter versions (merged into the base they hold) and their work passed.
+    logs = (run / "logs" / "worker-0.log").read_text() + (run / "logs" / "worker-1.log").read_text()
+    assert re.search(r"policy v[123] loaded", logs), logs
+    with sqlite3.connect(run / "orchestrator.sqlite") as db:
+        verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
+        versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM groups")}
+    assert verdicts and all(v["reason"] is None for v in verdicts), [v for v in verdicts if v["reason"]][:3]
+    assert versions & {1, 2, 3}, versions  # adapter versions were sampled and validated, not only the base
+    # The checkpoint holds the adapters, not the base.
+    state = torch.load(run / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert state["model"] and all("lora_" in k for k in state["model"])

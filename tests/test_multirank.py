@@ -1,0 +1,289 @@
+"""Several trainer ranks from `swarmrl rl` (torchrun + FSDP2 over gloo), as a user starts them.
+
+- Config: a world size that does not divide the mini-batch, several nodes without a rendezvous
+  endpoint and the like fail at load time, naming the field, before any process starts.
+- `swarmrl rl --trainer.nproc 2` trains and publishes, version for version, what one process
+  trained on the same batches publishes. The orchestrator draws each lease's sampling seeds with
+  `secrets` (orchestrator/leasing.py), so two runs never see the same batches: the single-rank
+  reference is replayed here, in this process, on the batches the 2-rank run recorded
+  (orchestrator.sqlite) through the trainer's own code (build_train_batch, GRPOTrainer). That
+  makes every version comparable, not only the first.
+- A rank killed mid-run ends the run, with that rank's log named; no process is left behind.
+- Two "nodes" on this machine (nnodes 2, one rank each), the second started as on another
+  machine (`swarmrl trainer --node-rank 1` on a copy of the run's config and base).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EASY, swarmrl
+
+# Weights must move by far more than the tolerance for the comparison to mean anything: no
+# warmup, lr 3e-4, so each optimizer step moves every weight by ~3e-4 (Adam) and 1e-5 is ~3%
+# of one step. A wrong shard, a dropped or duplicated sample or a wrong normaliser moves them
+# by a sizeable part of a step; float32 reduction order by ~1e-7.
+FAST = [*EASY, "--trainer.lr", "3e-4", "--trainer.warmup_steps", "0", "--async.workers", "1",
+        "--trainer.keep_versions", "20", "--logging.plots", "false", "--broadcast.relays", "0"]
+TOL = 1e-5
+
+
+def _processes_of(run: Path) -> list[str]:
+    """Every process of the run (launcher children, torchrun and its ranks) names the run dir."""
+    time.sleep(0.5)
+    return subprocess.run(["pgrep", "-f", f"swarmrl.cli .*{run}"], capture_output=True, text=True).stdout.split()
+
+
+def _steps(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if "time/step" in r]
+
+
+# ---------------------------------------------------------------------------- config (fast)
+
+
+def test_a_world_size_that_does_not_split_the_mini_batch_fails_at_load():
+    from swarmrl.config import ConfigError, load_config
+
+    # EASY: 4 prompts x 4 completions / 2 optimizer steps = 8 sequences per optimizer step.
+    load_config(None, [*EASY, "--trainer.nproc", "4"])
+    load_config(None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "4", "--trainer.rdzv_endpoint", "h:29500"])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*EASY, "--trainer.nproc", "3"])
+    assert "trainer.nproc=3" in str(e.value) and "8 sequences" in str(e.value) and "1, 2, 4, 8" in str(e.value)
+    with pytest.raises(ConfigError, match=r"trainer.nproc=2 x trainer.nnodes=3"):
+        load_config(None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "3", "--trainer.rdzv_endpoint", "h:1"])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["--trainer.nnodes", "2"], "trainer.rdzv_endpoint"),
+    (["--trainer.rdzv_endpoint", "node0"], "trainer.rdzv_endpoint"),
+    (["--trainer.rdzv_endpoint", "node0:99999"], "trainer.rdzv_endpoint"),
+    (["--trainer.nproc", "2", "--model.device", "cuda:1"], "model.device"),
+    (["--trainer.nproc", "0"], "trainer.nproc"),
+])
+def test_settings_that_cannot_work_fail_at_load_naming_the_field(overrides, field):
+    from swarmrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(None, [*EASY, *overrides])
+    load_config(None, [*EASY, "--trainer.rdzv_endpoint", "[fd00::1]:29500"])  # IPv6 is fine
+
+
+def test_swarmrl_rl_refuses_before_starting_anything(tmp_path):
+    run = tmp_path / "run"
+    proc = swarmrl("rl", "--run-dir", str(run), "--trainer.nproc", "3", *EASY, check=False, timeout=60)
+    assert proc.returncode == 2 and "trainer.nproc=3" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run.exists()
+    # More CUDA ranks than this machine has GPUs: refused before the base is built or anything starts.
+    n = max(2, torch.cuda.device_count() + 1)
+    proc = swarmrl("rl", "--run-dir", str(run), "--trainer.nproc", str(n), "--model.device", "cuda", *EASY,
+                   check=False, timeout=60)
+    assert proc.returncode == 2 and f"trainer.nproc={n}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run.exists()
+
+
+def test_torchrun_failure_summary_names_the_killed_rank(tmp_path):
+    """The summary torchrun prints is parsed from torch's own formatter; a rank killed by a signal
+    is the cause even when torchrun's "root cause" (same-second timestamps) is a bystander."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from swarmrl.launch import torchrun
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    torchrun.rank_log(logs, 0).write_text("RuntimeError: Connection closed by peer\n")
+    torchrun.rank_log(logs, 1).write_text("trainer rank 1 of 2\n")
+    failures = {0: ProcessFailure(0, 101, 1, "/nonexistent"), 1: ProcessFailure(1, 102, -9, "/nonexistent")}
+    (logs / "trainer.log").write_text(ChildFailedError("swarmrl.cli", failures).format_msg())
+    assert sorted(torchrun.rank_failures((logs / "trainer.log").read_text())) == [(0, 1), (1, -9)]
+    why = torchrun.describe_failure(logs / "trainer.log", logs)
+    assert why.startswith(f"trainer rank 1 exited with signal 9 (SIGKILL); its log is {logs / 'trainer-rank1.log'}")
+    assert "then: rank 0 (code 1" in why
+
+
+def test_the_torchrun_command_for_a_second_node():
+    from swarmrl.config import load_config
+    from swarmrl.launch import torchrun
+
+    cfg = load_config(None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "2",
+                             "--trainer.rdzv_endpoint", "10.0.0.1:29500"])
+    cmd = torchrun.torchrun_command(cfg, node_rank=1, trainer_args=["--run-dir", "r"], log_dir="r/logs")
+    text = " ".join(cmd)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    for part in ("--nnodes 2", "--nproc-per-node 2", "--node-rank 1", "--master-addr 10.0.0.1",
+                 "--master-port 29500", "--max-restarts 0", "-m swarmrl.cli trainer --run-dir r --rank-logs r/logs"):
+        assert part in text, part
+    assert torchrun.rank_env(cfg)["SWARMRL_BACKEND"] == "gloo"  # CPU trainer: gloo even where CUDA exists
+
+
+# ---------------------------------------------------------------------------- e2e (slow)
+
+
+def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], list[dict]]:
+    """One process trains on the batches the run recorded, as run_trainer does; its weights
+    after each step and its metrics."""
+    from swarmrl.config import load_config
+    from swarmrl.model.checkpoint import load_policy
+    from swarmrl.orchestrator.store import Store
+    from swarmrl.protocol.rollouts import Group
+    from swarmrl.trainer.batch import build_train_batch
+    from swarmrl.trainer.grpo import GRPOTrainer
+
+    cfg = load_config(run / "config.toml")
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_policy(run / "policies" / "v000000")
+    trainer = GRPOTrainer(model, cfg)
+    store = Store(run / "orchestrator.sqlite")
+    states, metrics = [], []
+    try:
+        for step in range(steps):
+            with store.read() as db:
+                ids = json.loads(store.batch(db, step)["group_ids"])
+                groups = [Group.from_json(p) for p in store.payloads(db, ids)]
+            batch = build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
+                                      normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+            metrics.append(trainer.train_step(batch))
+            # One process: the state dict holds the live parameters, which the next step updates.
+            states.append({k: v.clone() for k, v in trainer.full_state_dict().items()})
+    finally:
+        store.close()
+    return states, metrics
+
+
+def _assert_matches_one_rank(run: Path, steps: int) -> float:
+    """Every published version equals the single-process replay's; returns the largest diff."""
+    states, replay = _replay_one_rank(run, steps)
+    worst = 0.0
+    for v, want in enumerate(states, start=1):
+        got = load_file(run / "policies" / f"v{v:06d}" / "model.safetensors")
+        for k, g in got.items():
+            diff = float((g.float() - want[k].float()).abs().max())
+            worst = max(worst, diff)
+            assert diff < TOL, f"v{v} {k}: |2 ranks - 1 rank| = {diff:.3g}"
+    logged = _steps(run)
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    for r, m in zip(logged, replay):
+        # The gradient itself, not only Adam's scale-free step (a gradient averaged over ranks
+        # instead of summed moves the weights the same way); loss-side metrics are the whole
+        # mini-batch's, not rank 0's half.
+        assert r["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4)
+        for key in ("loss/policy", "entropy/mean", "train/tokens"):
+            assert r[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), key
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_torch_thread):
+    run = tmp_path / "run"
+    steps = 3
+    t0 = time.monotonic()
+    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", str(steps),
+                   "--trainer.nproc", "2", *FAST)
+    wall = time.monotonic() - t0
+    assert "2 ranks x 1 nodes under torchrun (gloo)" in proc.stdout
+    for rank in (0, 1):
+        log = (run / "logs" / f"trainer-rank{rank}.log").read_text()
+        assert f"trainer rank {rank} of 2 (node 0, local rank {rank})" in log, log
+    assert "held-out accuracy after" in (run / "logs" / "trainer-rank0.log").read_text()
+    worst = _assert_matches_one_rank(run, steps)
+    # It learned: finite losses, and the weights moved by far more than the tolerance.
+    assert all(math.isfinite(r["loss/policy"]) and r["grad_norm"] > 0 for r in _steps(run))
+    v0 = load_file(run / "policies" / "v000000" / "model.safetensors")
+    vn = load_file(run / "policies" / f"v{steps:06d}" / "model.safetensors")
+    moved = max(float((vn[k] - v0[k]).abs().max()) for k in v0)
+    assert moved > 50 * TOL, moved
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["accuracy_after"] is not None
+    print(f"2 ranks vs 1: max |diff| {worst:.3g} over {steps} versions; weights moved {moved:.3g}; "
+          f"run {wall:.0f} s")
+    assert _processes_of(run) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dead_rank_ends_the_run_naming_its_log(easy_base, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
+                             str(easy_base), "--trainer.steps", "500", "--trainer.nproc", "2", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rank1 = run / "logs" / "trainer-rank1.log"
+    try:
+        rank0 = run / "logs" / "trainer-rank0.log"
+        deadline = time.time() + 180
+        # Mid-run: rank 0 has evaluated the base and waits for batch 0, rank 1 waits in the
+        # collective that hands it over.
+        while time.time() < deadline and proc.poll() is None and not (
+                rank0.exists() and "held-out accuracy before" in rank0.read_text()):
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        pid = int(re.search(r"pid (\d+)", rank1.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(err)
+    assert proc.returncode == 2, err
+    assert f"trainer rank 1 exited with signal 9 (SIGKILL); its log is {rank1}" in err, err
+    assert _processes_of(run) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thread):
+    """docs/deploy.md's recipe on one machine: node 0 is `swarmrl rl` with trainer.nnodes 2; node 1
+    is `swarmrl trainer --node-rank 1` on its own copy of config.toml and policies/v000000."""
+    run, node1 = tmp_path / "run", tmp_path / "node1"
+    steps = 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
+                                 str(easy_base), "--trainer.steps", str(steps), "--trainer.nnodes", "2",
+                                 "--trainer.rdzv_endpoint", f"127.0.0.1:{_free_port()}", *FAST],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    second = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and launcher.poll() is None and not (run / "logs" / "trainer.log").exists():
+            time.sleep(0.2)  # node 0's torchrun is up: the run dir is prepared
+        (node1 / "policies").mkdir(parents=True)
+        shutil.copy(run / "config.toml", node1 / "config.toml")
+        shutil.copytree(run / "policies" / "v000000", node1 / "policies" / "v000000")
+        second = subprocess.run([sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(node1),
+                                 "--node-rank", "1"], capture_output=True, text=True, env=env, timeout=300)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+            launcher.wait(timeout=30)
+    assert launcher.returncode == 0, err
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "trainer node 1 of 2: 1 ranks under torchrun" in second.stdout
+    assert "trainer rank 1 of 2 (node 1, local rank 0)" in (node1 / "logs" / "trainer-rank1.log").read_text()
+    assert not (node1 / "metrics.jsonl").exists()  # only global rank 0 writes the run's files
+    _assert_matches_one_rank(run, steps)
+    assert _processes_of(run) == [] and _processes_of(node1) == []
