@@ -577,6 +577,16 @@ def _cmd_trainer(args, extra: list[str]) -> None:
         run_trainer(args.run_dir, resume=args.resume, orchestrator=args.orchestrator, token_file=args.token_file)
     except FileNotFoundError as e:
         _fail(str(e))
+    except (SystemExit, KeyboardInterrupt) as e:
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        from swarmrl.trainer.checkpoint import checkpoint_dirs
+
+        done = checkpoint_dirs(Path(args.run_dir) / "checkpoints")
+        where = f"its newest checkpoint is step {done[-1][0]}" if done else "it has no checkpoint yet (it starts over)"
+        print(f"trainer stopped; {where}. Continue with: swarmrl trainer --run-dir {args.run_dir} --resume "
+              "(steps after the checkpoint are redone on the same batches)", file=sys.stderr, flush=True)
+        raise
 
 
 def _endpoint_settings(args):

@@ -226,3 +226,51 @@ def test_two_workers_cannot_share_a_cache_folder(tmp_path):
         holder.wait()
     help_text = swarmrl("worker", "--help", cwd=tmp_path).stdout
     assert "<key file name>" in help_text
+
+
+def test_a_stopped_trainer_says_how_to_resume_and_resume_drops_redone_rows(tmp_path):
+    # Issue 18: SIGTERM to the trainer printed nothing, and after --resume metrics.jsonl and
+    # consumed.jsonl listed the redone steps twice.
+    import signal
+    import time
+
+    from orchestrator_harness import make_run_dir
+
+    run = make_run_dir(tmp_path / "run")
+    (tmp_path / "tok").write_text("x")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(run),
+                             "--orchestrator", "http://127.0.0.1:9", "--token-file", str(tmp_path / "tok")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    line = ""
+    while "retrying" not in line:  # it is up and waiting for the (absent) orchestrator
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        line = proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert "it has no checkpoint yet" in err and f"swarmrl trainer --run-dir {run} --resume" in err
+
+    from swarmrl.trainer.loop import _forget_after
+    from swarmrl.transport.filesystem import RunDir
+
+    rows = [{"step": 0, "eval/accuracy": 0.1}, *({"step": s, "reward/mean": 0.5} for s in (1, 2, 3, 4)),
+            {"step": 4, "final": True}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "consumed.jsonl").write_text("".join(json.dumps({"step": s, "group_ids": [s]}) + "\n" for s in range(4)))
+    _forget_after(RunDir(run), 2)  # resumed from the checkpoint at step 2: steps 3 and 4 are redone
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(x)["step"] for x in (run / "consumed.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_prepare_says_what_to_start_next():
+    # Issue 18: `swarmrl rl --prepare` said only "start the roles on it".
+    from swarmrl.launch.launcher import prepared_next_steps
+
+    text = prepared_next_steps(load_config(None, ["--validator.mode", "external", "--trainer.steps", "7"]), Path("runs/x"))
+    order = [text.index(f"swarmrl {role}") for role in ("orchestrator", "trainer", "relay", "worker", "validator")]
+    assert order == sorted(order) and "7 steps" in text and "runs/x/validator.token" in text
+    inline = prepared_next_steps(load_config(None, []), Path("runs/x"))
+    assert "swarmrl validator --orchestrator" not in inline and "--validator.mode external" in inline
+    assert "swarmrl status" in inline

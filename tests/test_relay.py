@@ -279,3 +279,31 @@ def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_pa
             wait_mirrored(tmp_path / "relay2", 4, timeout_s=30)
             wait_mirrored(tmp_path / "relay2", 2, timeout_s=30)
         assert time.monotonic() - t0 < 15
+
+
+def test_workers_wait_briefly_for_a_relay_instead_of_going_to_the_origin(tmp_path):
+    # Issue 18: a worker hears of a version before the relays have mirrored it; it went to the
+    # origin for nearly every version. Now it asks the relays again for a few seconds first.
+    model = fake_model(tmp_path / "model")
+    (tmp_path / "origin").mkdir()
+    with ShardServer(tmp_path / "origin") as origin:
+        with Relay([origin.url], tmp_path / "relay", public_key=PUB, poll_s=0.5, log=lambda *_: None) as relay:
+            publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+            scores = SourceScores()
+            t0 = time.monotonic()
+            folder = fetch_version(1, [relay.url, origin.url], tmp_path / "client", public_key=PUB, scores=scores,
+                                   relay_wait_s=10)
+            assert same_files(folder, model) and time.monotonic() - t0 < 10
+            snap = scores.snapshot()
+            assert snap[relay.url.rstrip("/")]["successes"] > 0, snap
+            assert origin.url.rstrip("/") not in snap or snap[origin.url.rstrip("/")]["successes"] == 0, snap
+    # A relay that never gets the version costs the wait, then the origin serves it.
+    (tmp_path / "origin2").mkdir()
+    with ShardServer(tmp_path / "origin2") as origin, ShardServer(tmp_path / "origin") as stale_relay:
+        publish_version(model, tmp_path / "origin2", 2, key=KEY, shard_size=64 << 10)
+        scores = SourceScores()
+        t0 = time.monotonic()
+        folder = fetch_version(2, [stale_relay.url, origin.url], tmp_path / "client2", public_key=PUB, scores=scores,
+                               relay_wait_s=1.0)
+        assert same_files(folder, model) and 1.0 <= time.monotonic() - t0 < 20
+        assert scores.snapshot()[origin.url.rstrip("/")]["successes"] > 0

@@ -266,6 +266,27 @@ def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: l
     return t.dist_timeout_s + 60.0
 
 
+def prepared_next_steps(cfg: Config, root: Path) -> str:
+    """What `swarmrl rl --prepare` tells the operator to start next, in order (README, docs/deploy.md)."""
+    o = cfg.orchestrator
+    scheme = "https" if cfg.broadcast.tls_cert else "http"
+    lines = [f"prepared {root}: config.toml and policies/v000000 ({cfg.trainer.steps} steps). Start, in this order:",
+             f"  swarmrl orchestrator --run-dir {root} --host {o.host} --port {o.port or 8000}"
+             "   [--tls-cert CERT --tls-key KEY]   (writes trainer.token, validator.token)",
+             f"  swarmrl trainer --run-dir {root}   (serves the weights on {scheme}://{cfg.trainer.weights_host}:"
+             f"{cfg.trainer.weights_port or 'a free port'}; writes trainer.pub, the key relays and workers check)",
+             "  swarmrl relay --upstream ORIGIN_URL --cache-dir DIR --trainer-key <trainer.pub>   (any number)",
+             "  swarmrl worker --orchestrator ORCHESTRATOR_URL --trainer-key <trainer.pub> --relays RELAY_URLS"
+             "   (any number, each with its own --key-file)"]
+    if cfg.validator.mode == "external":
+        lines.append(f"  swarmrl validator --orchestrator ORCHESTRATOR_URL --token-file {root}/validator.token")
+    else:
+        lines.append("  (validation runs inside the orchestrator: prepare with --validator.mode external to run "
+                     "`swarmrl validator` on its own machine)")
+    lines.append("Watch it: open the orchestrator's URL in a browser, or `swarmrl status --orchestrator URL`.")
+    return "\n".join(lines)
+
+
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     if torchrun.world_size(cfg) > 1 and not prepare_only:
@@ -288,7 +309,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         _check_packing_budget(cfg, train, base)
         _install_base(rd, base)
     if prepare_only:
-        log(f"prepared {rd.root}: config.toml and policies/v000000; start the roles on it")
+        log(prepared_next_steps(cfg, rd.root))
         return {"run_dir": str(rd.root)}
     log(f"run directory: {rd.root}")
     children = Children(rd, log=log)

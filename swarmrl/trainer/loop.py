@@ -49,6 +49,20 @@ from swarmrl.transport.broadcast import (
 from swarmrl.transport.filesystem import RunDir, atomic_write_text
 
 
+def _forget_after(rd: RunDir, step: int) -> None:
+    """On resume: the records of steps after the checkpoint are of steps that will be redone, so
+    they go (metrics.jsonl and consumed.jsonl would otherwise list them twice)."""
+    for name, keep in (("metrics.jsonl", lambda r: r.get("step", 0) <= step and not r.get("final")),
+                       ("consumed.jsonl", lambda r: r.get("step", 0) < step)):
+        path = rd.root / name
+        if not path.exists():
+            continue
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if keep(json.loads(line))]
+        if len(kept) != len(rows):
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 def _log_metrics(rd: RunDir, record: dict) -> None:
     with open(rd.root / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -229,6 +243,8 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
         if state is not None:
             start, extra = state["step"], state["extra"]
             print(f"resumed from checkpoint at step {start}", flush=True)
+            if main:
+                _forget_after(rd, start)
     pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
                         memory_bytes=cfg.rewards.verify_memory_mb << 20) if main else None
     # Only rank 0 evaluates: the other ranks (on other nodes too) need no task files.
