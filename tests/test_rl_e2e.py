@@ -306,3 +306,18 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     steps = [r for r in metrics(run) if "time/step" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert _processes_of(run) == []
+
+
+def test_rl_over_tls_on_loopback(easy_base, tmp_path):
+    # Issue 18: the same run with every service on https (a CA made for the run; children trust it).
+    run = tmp_path / "run"
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3", "--async.tls", "true",
+            *EASY)
+    assert json.loads((run / "orchestrator.json").read_text())["url"].startswith("https://127.0.0.1:")
+    assert json.loads((run / "origin.json").read_text())["url"].startswith("https://")
+    relay = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
+    assert relay.startswith("https://127.0.0.1:")
+    assert "shards from https://" in (run / "logs" / "worker-0.log").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["accuracy_after"] is not None
+    assert (run / "tls" / "ca.pem").exists() and "tls_cert" in (run / "config.toml").read_text()

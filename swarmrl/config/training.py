@@ -249,6 +249,10 @@ class AsyncConfig(_Section):
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
     trainer trains. A deeper queue only makes data staler (on the default run, staleness 2
     learned far slower than staleness 0-1)."""
+    tls: bool = False
+    """`swarmrl rl` serves every role it starts over https on loopback (orchestrator, weight
+    origin, relays) with a CA made for the run (<run-dir>/tls/), which its children trust: the
+    path a real deployment takes (docs/operating.md), on one machine."""
 
     @field_validator("adversaries", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
+from swarmrl.protocol.tls import make_loopback_certificates, trust_ca_file
 from swarmrl.rewards.registry import open_graders
 from swarmrl.sft.warmstart import ensure_base_model
 from swarmrl.tasks.source import model_input, task_rows
@@ -304,6 +305,10 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
         if cfg.async_.endpoint_workers:
             cfg = _trust_endpoint_workers(rd, cfg)
+        if cfg.async_.tls:  # the origin's certificate goes into the run's config: the trainer reads it there
+            _, cert, key = make_loopback_certificates(rd.root / "tls")
+            cfg = cfg.model_copy(update={"broadcast": cfg.broadcast.model_copy(
+                update={"tls_cert": str(cert), "tls_key": str(key)})})
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         base = ensure_base_model(cfg, log=log)
         _check_packing_budget(cfg, train, base)
@@ -313,13 +318,18 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         return {"run_dir": str(rd.root)}
     log(f"run directory: {rd.root}")
     children = Children(rd, log=log)
+    serve_tls: list[str] = []
+    if cfg.async_.tls:
+        ca, cert, key = make_loopback_certificates(rd.root / "tls")
+        trust_ca_file(ca)  # every child inherits the trust (SSL_CERT_FILE)
+        serve_tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     interrupted = False
     try:
         info = rd.root / "orchestrator.json"
         info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
-        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root)] + (["--resume"] if resume else []),
-                       1)
+        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root), *serve_tls]
+                       + (["--resume"] if resume else []), 1)
         children.wait_for_file(info)
         url = json.loads(info.read_text())["url"]
         log(f"orchestrator: {url}")
@@ -339,7 +349,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             url_file.unlink(missing_ok=True)
             children.start(f"relay-{i}", ["relay", "--upstream", origin, "--cache-dir", str(rd.root / "relays" / f"relay-{i}"),
                                           "--trainer-key", str(rd.root / "trainer.pub"), "--keep", str(cfg.broadcast.keep),
-                                          "--url-file", str(url_file)], 1)
+                                          "--url-file", str(url_file), *serve_tls], 1)
             children.wait_for_file(url_file)
             relays.append(json.loads(url_file.read_text())["url"])
         if relays:
