@@ -727,33 +727,13 @@ def _cmd_validator(args, extra: list[str]) -> None:
 
 
 def _cmd_status(args, extra: list[str]) -> None:
-    import time
-
-    import httpx
-
-    from swarmrl.launch.status import render
+    from swarmrl.launch.status import watch
 
     _check_urls(args)
-    url = args.orchestrator + "/v1/dashboard"
-    while True:
-        try:
-            response = httpx.get(url, timeout=30)
-        except httpx.HTTPError as e:
-            _fail(f"cannot reach {url}: {type(e).__name__}: {e}")
-        if response.status_code != 200:
-            try:
-                detail = response.json().get("detail", response.text[:200])
-            except ValueError:
-                detail = response.text[:200]
-            _fail(f"GET {url} answered {response.status_code}: {detail}")
-        doc = response.json()
-        if args.json:
-            print(json.dumps(doc, indent=1))
-        else:
-            render(doc, steps=args.steps, workers=args.workers)
-        if args.watch <= 0 or doc["run"]["finished"]:
-            return
-        time.sleep(args.watch)
+    try:
+        watch(args.orchestrator, as_json=args.json, steps=args.steps, workers=args.workers, every_s=args.watch)
+    except ValueError as e:
+        _fail(str(e))
 
 
 COMMAND_FUNCTIONS = {

@@ -61,3 +61,41 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
         shown = ", ".join(f"v{x['version']}" + (f" {x['bytes'] / 1e6:.1f} MB" if x["bytes"] else "")
                           + (" (adapter)" if x["adapter"] else "") for x in versions)
         console.print(Text(f"newest versions: {shown}"))
+
+
+def fetch(orchestrator: str) -> dict:
+    """GET /v1/dashboard, or ValueError saying why not (the TLS errors of protocol/tls.py pass)."""
+    import httpx
+
+    from swarmrl.protocol.tls import TLSError, explain, tls_failure
+
+    url = orchestrator + "/v1/dashboard"
+    try:
+        response = httpx.get(url, timeout=30)
+    except httpx.HTTPError as e:
+        bad = tls_failure(e)
+        if bad is not None:
+            raise TLSError(explain(orchestrator, bad)) from None
+        raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if response.status_code != 200:
+        try:
+            detail = response.json().get("detail", response.text[:200])
+        except ValueError:
+            detail = response.text[:200]
+        raise ValueError(f"GET {url} answered {response.status_code}: {detail}")
+    return response.json()
+
+
+def watch(orchestrator: str, *, as_json: bool, steps: int, workers: int, every_s: float) -> None:
+    """`swarmrl status`: print the dashboard once, or every `every_s` seconds until the run ends."""
+    import json
+
+    while True:
+        doc = fetch(orchestrator)
+        if as_json:
+            print(json.dumps(doc, indent=1))
+        else:
+            render(doc, steps=steps, workers=workers)
+        if every_s <= 0 or doc["run"]["finished"]:
+            return
+        time.sleep(every_s)
