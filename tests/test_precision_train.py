@@ -217,12 +217,17 @@ def test_activation_checkpointing_same_gradients(precision, tmp_path):
     assert ckpt["calls"] == plain["calls"] + training_micro_batches
     # Same gradients (of the last mini-batch), same update, same names (no wrapper prefix).
     assert [n.replace("_checkpoint_wrapped_module.", "") for n in ckpt["grads"]] == list(plain["grads"])
+    # fp32: the recomputed forward is the same arithmetic. bf16 (mixed): oneDNN may block a
+    # recomputed product differently (a CI run differed from a local one), so bf16's own rounding
+    # (2**-8 relative) bounds the agreement; a missing or doubled recompute would be far off.
+    g_tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2e-2, atol=1e-5)
     for (name, g), g0 in zip(ckpt["grads"].items(), plain["grads"].values()):
-        torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(g, g0, **g_tol, msg=lambda m, name=name: f"{name}: {m}")
     assert ckpt["sd"].keys() == plain["sd"].keys()
     for k in plain["sd"]:
-        torch.testing.assert_close(ckpt["sd"][k], plain["sd"][k], rtol=0, atol=1e-6)
-    assert ckpt["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"], rel=1e-5)
+        torch.testing.assert_close(ckpt["sd"][k], plain["sd"][k], rtol=0, atol=1e-6 if precision == "fp32" else 2e-5)
+    assert ckpt["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"],
+                                                        rel=1e-5 if precision == "fp32" else 1e-2)
     # A checkpoint written with it loads without it (and Adam's state lines up by name).
     save_checkpoint(ckpt["trainer"], tmp_path, 1, {})
     cfg = make_cfg("--trainer.precision", precision)

@@ -67,7 +67,7 @@ def _claim_partial(root: Path, vname: str, digest: str) -> Path:
 
 
 def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, scores, parallel: int,
-            timeout_s: float, log) -> dict:
+            timeout_s: float, log, tries_per_shard: int | None = None) -> dict:
     vname = _vname(version)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
@@ -77,7 +77,7 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
     tmp = _claim_partial(root, vname, digest)
     try:
         download_shards(manifest, sources, tmp / "shards", scores=scores, parallel=parallel, timeout_s=timeout_s,
-                        log=log)
+                        log=log, tries_per_shard=tries_per_shard)
         (tmp / ".digest").unlink(missing_ok=True)
         for leftover in (tmp / "shards").glob("*.part"):
             leftover.unlink(missing_ok=True)
@@ -226,15 +226,18 @@ def _prefer_relays(version: int, sources: list[str], scores, *, public_key: str,
     if len(sources) < 2:
         return fetch_manifest(version, sources, public_key=public_key, timeout_s=timeout_s,
                               expected_digest=expected_digest), sources
-    relays, origin = sources[:-1], sources[-1:]
+    relays = sources[:-1]
     deadline = time.monotonic() + wait_s
     while True:
         try:
             manifest = fetch_manifest(version, scores.order(relays), public_key=public_key, timeout_s=timeout_s,
                                       expected_digest=expected_digest)
             return manifest, relays
-        except BroadcastError:
-            if time.monotonic() >= deadline:
+        except BroadcastError as e:
+            # Wait only while every relay says "not here yet" (404); a relay that is down, slow or
+            # lying is no reason to wait: the others and the origin are tried at once.
+            not_yet = str(e).count("HTTP 404") >= len(relays)
+            if not not_yet or time.monotonic() >= deadline:
                 break
             time.sleep(0.25)
     return fetch_manifest(version, sources, public_key=public_key, timeout_s=timeout_s,
@@ -309,8 +312,10 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         if not same:
             _remove_dir(held)
     try:
+        # From the relays first, each tried once per shard; what they fail to serve comes from
+        # every source, the origin included (the shards already fetched are kept and resumed).
         _mirror(version, manifest, shard_sources, shard_root, scores=scores, parallel=parallel, timeout_s=timeout_s,
-                log=log)
+                log=log, tries_per_shard=len(shard_sources) if shard_sources != sources else None)
     except BroadcastError:
         if shard_sources == sources:
             raise
