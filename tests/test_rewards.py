@@ -339,7 +339,9 @@ def test_score_file_round_trip(pool, tmp_path):
 
     counts = score_file(input_path, output_path, pool=pool, count_tokens=_count_words)
 
-    assert counts == {"rows": 4, "scored": 2, "errors": 2, "mean_reward": 0.5}
+    assert {k: counts[k] for k in ("rows", "scored", "errors", "mean_reward")} == {"rows": 4, "scored": 2, "errors": 2,
+                                                                                   "mean_reward": 0.5}
+    assert counts["mean_reward_all_rows"] == 0.25 and [e["line"] for e in counts["first_errors"]] == [2, 5]
     out = [json.loads(line) for line in output_path.read_text(encoding="utf-8").splitlines()]
     assert [row.get("problem_id") for row in out] == ["right", None, "wrong", None]
     assert out[0]["extra_field"] == "kept" and out[0]["reward"] == 1.0 and out[0]["error"] is None
