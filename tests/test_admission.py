@@ -208,6 +208,42 @@ def test_a_hoarder_loses_its_allowance_and_new_keys_share_a_cap(tmp_path):
         proc.stop()
 
 
+def test_hoarded_leases_do_not_take_proven_workers_capacity(tmp_path):
+    """Unproven keys' open slots have their own cap (unproven_share), so a proven key's lease is
+    held to the back-pressure limit counting proven work only: hoarders holding their whole
+    share cost proven workers nothing. (A trusted key counts as proven; proving one for real
+    needs validated groups, which other tests do.)"""
+    proven = [Ed25519PrivateKey.generate() for _ in range(2)]
+    keys_file = tmp_path / "trusted.txt"
+    keys_file.write_text("".join(WorkerClient("http://127.0.0.1:9", k).key_hex + "\n" for k in proven))
+    run = make_run_dir(tmp_path / "run", "--validator.rate", "0", "--orchestrator.new_key_slots", "2",
+                       "--sampling.worker_batch_prompts", "2", "--async.max_pending_groups", "4",
+                       "--sampling.prompts_per_step", "2", "--orchestrator.trusted_keys_file", str(keys_file))
+    proc = OrchestratorProcess(run).start()
+    try:
+        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
+            0, "http://127.0.0.1:9", signed_version(run, 0))
+        hoarders = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(2)]
+        for i, w in enumerate(hoarders):
+            w.register(f"hoarder-{i}")
+        # The share: max(one lease = 2, 0.5 * 4) = 2 prompts, taken by the first hoarder.
+        got = [w.lease(0) for w in hoarders]
+        assert got[0]["lease"] is not None and got[1]["lease"] is None
+        assert "new workers hold 2 of the 2" in got[1]["reason"]
+        a, b = (WorkerClient(proc.url, k) for k in proven)
+        a.register("proven-a")
+        b.register("proven-b")
+        assert len(a.lease(0)["lease"]["prompts"]) == 2
+        # 4 slots are open now (the limit), 2 of them hoarded: b still gets the other 2.
+        assert len(b.lease(0)["lease"]["prompts"]) == 2
+        # The proven workers' own 4 are the limit; a new key is still held to it.
+        late = WorkerClient(proc.url, Ed25519PrivateKey.generate())
+        late.register("late")
+        assert late.lease(0)["lease"] is None
+    finally:
+        proc.stop()
+
+
 def test_a_closed_run_admits_listed_keys_only(tmp_path):
     allowed = tmp_path / "allowed.txt"
     invited, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()

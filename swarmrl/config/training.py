@@ -248,7 +248,8 @@ class AsyncConfig(_Section):
     """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
     trainer trains. A deeper queue only makes data staler (on the default run, staleness 2
-    learned far slower than staleness 0-1)."""
+    learned far slower than staleness 0-1). A proven worker's lease counts proven work only:
+    what unproven keys hold (orchestrator.unproven_share of this, at most) comes on top."""
     tls: bool = False
     """`swarmrl rl` serves every role it starts over https on loopback (orchestrator, weight
     origin, relays) with a CA made for the run (<run-dir>/tls/), which its children trust: the

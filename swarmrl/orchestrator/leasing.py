@@ -70,9 +70,10 @@ class Leasing:
                 self.store.penalise(db, worker, slots, now)
                 self._count("slots_expired", slots)
 
-    def _admit(self, db, key: str, now: float) -> tuple[int, dict | None]:
+    def _admit(self, db, key: str, now: float) -> tuple[int, dict | None, bool]:
         """How many prompts `key` may lease now (admission.py), or why none: (0, a no-lease reply)
-        while it waits for its own work or the new workers' share, 429 once its allowance is used up."""
+        while it waits for its own work or the new workers' share, 429 once its allowance is used up;
+        and whether the key is proven (or trusted)."""
         o, s = self.cfg.orchestrator, self.cfg.sampling
         standing = Standing(*self.store.standing(db, key, now - o.penalty_window_s, sorted(FRAUD_REASONS)))
         allowed = allowance(standing, o, s.worker_batch_prompts)
@@ -91,15 +92,16 @@ class Leasing:
             return 0, {"lease": None, "retry_after_s": 0.5,
                        "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
                                  f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
-                                 "submit them first, or wait for the validator"}
-        if not is_proven(standing.validated, o) and not trusted:
+                                 "submit them first, or wait for the validator"}, False
+        proven = trusted or is_proven(standing.validated, o)
+        if not proven:
             share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
             held = self.store.unproven_slots(db, o.proven_after)
             if held + n > share:
                 return 0, {"lease": None, "retry_after_s": 1.0,
                            "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
-                                     f"a key is proven after {o.proven_after} groups passed validation"}
-        return n, None
+                                     f"a key is proven after {o.proven_after} groups passed validation"}, False
+        return n, None, proven
 
     def _informative_rate(self, db, window: int = 256) -> float | None:
         rate, n = self.store.recent_informative(db, window)
@@ -119,7 +121,7 @@ class Leasing:
             raise
 
     def _lease(self, key: str, policy_version: int, now: float) -> dict:
-        cfg, s = self.cfg, self.cfg.sampling
+        cfg, s, o = self.cfg, self.cfg.sampling, self.cfg.orchestrator
         with self.store.tx() as db:
             next_step, latest, finished = self._progress(db)
             if finished:
@@ -132,7 +134,7 @@ class Leasing:
                 raise ApiError(409, "version_not_allowed",
                                f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
                                f"fetch version {latest} (GET /v1/status says where)")
-            n, no_lease = self._admit(db, key, now)
+            n, no_lease, proven = self._admit(db, key, now)
             if no_lease is not None:
                 return no_lease
             queued = self.store.count_groups(db, WAITING)
@@ -140,6 +142,12 @@ class Leasing:
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
             outstanding = queued + open_slots
+            if proven:
+                # A lease costs a free key nothing to hold, and unproven keys may together hold
+                # `unproven_share` of the limit: counted here, hoarders would take that much
+                # capacity from proven workers. Their slots have their own cap (_admit), so a
+                # proven key sees only the rest (the total may exceed the limit by that share).
+                outstanding -= self.store.unproven_slots(db, o.proven_after, leased_only=True)
             if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
                 return {"lease": None, "retry_after_s": 0.1,
                         "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}

@@ -247,12 +247,15 @@ class Store:
                              (worker,)).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)
 
-    def unproven_slots(self, db: Db, proven_after: int) -> int:
+    def unproven_slots(self, db: Db, proven_after: int, *, leased_only: bool = False) -> int:
         """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
-        leases, and groups awaiting the validator."""
+        leases, and (unless `leased_only`) groups awaiting the validator."""
+        state = "('open')" if leased_only else "('open', 'scoring')"
         leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
-                            "leases.worker = workers.key WHERE slots.state IN ('open', 'scoring') AND "
+                            f"leases.worker = workers.key WHERE slots.state IN {state} AND "
                             "leases.state = 'open' AND workers.validated < ?", (proven_after,)).fetchone()[0]
+        if leased_only:
+            return leased
         waiting = db.execute("SELECT COUNT(*) FROM groups JOIN workers ON groups.worker = workers.key WHERE "
                              "groups.state IN ('pending', 'validating') AND workers.validated < ?",
                              (proven_after,)).fetchone()[0]
