@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox browser demo test test-fast bench clean
+.PHONY: install sandbox browser openssl demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,10 +35,18 @@ browser:
 	    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; \
 	  else echo "the dashboard's browser test needs Chromium: run 'sudo apt-get install chromium'"; exit 1; fi; }
 
+# The operating rehearsal (docs/operating.md, tests/test_operating.py) makes its certificates
+# with openssl (Debian package `openssl`).
+openssl:
+	@command -v openssl >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q openssl >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q openssl; }; \
+	  else echo "the operating rehearsal's test needs openssl: run 'sudo apt-get install openssl'"; exit 1; fi; }
+
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
-test: $(STAMP) sandbox browser
+test: $(STAMP) sandbox browser openssl
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP) sandbox
