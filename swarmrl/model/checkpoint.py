@@ -8,11 +8,13 @@ sees half a version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -135,28 +137,18 @@ def _declare_dtype(folder: Path, name: str | None) -> None:
         config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
-                state_dict: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
-    """Write an HF folder atomically: assemble in `<path>.tmp-<id>`, then rename.
-
-    `state_dict` lets a distributed trainer pass gathered full weights; `extra_files` are small
-    text files (e.g. version metadata) written into the folder before it becomes visible.
-    """
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `path`; on a clean exit it becomes `path`,
+    replacing any folder there, and on an error it is removed. Replacing a folder is two renames:
+    the old one is moved aside first, so readers see either the old or the new, never a mix."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        # A shallow copy: save_pretrained empties the dict it is given, and callers reuse theirs
-        # (the trainer evaluates with the weights it just published).
-        sd = dict(state_dict) if state_dict is not None else None
-        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        _declare_dtype(tmp, _floating_dtype(state_dict))
-        tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        tmp.mkdir()
+        yield tmp
         if path.exists():
-            # Replacing a folder is two renames; the old one is moved aside first so readers
-            # see either the old or the new version, never a mix.
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(path, old)
             os.replace(tmp, path)
@@ -166,4 +158,22 @@ def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
+                state_dict: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
+    """Write an HF folder atomically: assemble in `<path>.tmp-<id>`, then rename.
+
+    `state_dict` lets a distributed trainer pass gathered full weights; `extra_files` are small
+    text files (e.g. version metadata) written into the folder before it becomes visible.
+    """
+    with atomic_folder(path) as tmp:
+        # A shallow copy: save_pretrained empties the dict it is given, and callers reuse theirs
+        # (the trainer evaluates with the weights it just published).
+        sd = dict(state_dict) if state_dict is not None else None
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        _declare_dtype(tmp, _floating_dtype(state_dict))
+        tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return path

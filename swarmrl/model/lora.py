@@ -12,9 +12,6 @@ of an adapter version names its base by content digest (swarmrl/protocol/manifes
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from swarmrl.config import Config, LoRAConfig
-from swarmrl.model.checkpoint import ADAPTER_WEIGHTS, tiny_qwen2_config
+from swarmrl.model.checkpoint import ADAPTER_WEIGHTS, atomic_folder, tiny_qwen2_config
 from swarmrl.model.tokenizer import build_char_tokenizer
 
 FIELD = "trainer.lora.target_modules"
@@ -107,10 +104,7 @@ def save_adapter(peft_model, path: str | Path, *, dtype: torch.dtype | None = No
     written in it (the run's inference precision, as full versions are; workers and validators
     merge the same bytes, so they agree whatever it is)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+    with atomic_folder(path) as tmp:
         config = peft_model.peft_config["default"]
         base_name, config.base_model_name_or_path = config.base_model_name_or_path, None
         try:
@@ -121,16 +115,6 @@ def save_adapter(peft_model, path: str | Path, *, dtype: torch.dtype | None = No
         if dtype is not None:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         save_file(sd, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

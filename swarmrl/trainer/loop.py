@@ -74,14 +74,7 @@ def _parent_watchdog():
     other than the launcher only means it is gone once the launcher's pid is gone too."""
     parent = os.environ.get("SWARMRL_LAUNCHER_PID")
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    from swarmrl.transport.broadcast.common import pid_alive as alive
 
     def check() -> None:
         if parent and str(os.getppid()) != parent and not alive(int(parent)):

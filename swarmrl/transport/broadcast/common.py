@@ -68,7 +68,7 @@ def _check_sources(sources, who: str) -> list[str]:
     return out
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True  # ours: maybe another thread's work in progress; callers decide
     try:

@@ -30,7 +30,7 @@ from swarmrl.transport.broadcast.common import (
     _check_sources,
     _load_manifest_file,
     _manifest_bytes,
-    _pid_alive,
+    pid_alive,
     _remove_dir,
     _sha256_file,
     _temp_name,
@@ -47,7 +47,7 @@ def _claim_partial(root: Path, vname: str, digest: str) -> Path:
             if m is None or p in _ACTIVE or not (p / ".digest").is_file():
                 continue
             pid = int(m.group(1))
-            if pid != os.getpid() and _pid_alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 continue  # another live process is working on it
             try:
                 os.rename(p, fresh)  # only one claimer wins

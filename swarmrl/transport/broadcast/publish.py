@@ -33,7 +33,7 @@ from swarmrl.transport.broadcast.common import (
     _VERSION_DIR,
     _load_manifest_file,
     _manifest_bytes,
-    _pid_alive,
+    pid_alive,
     _remove_dir,
     _temp_name,
 )
@@ -249,7 +249,7 @@ def _clean_temps(root: Path, below: int | None = None) -> None:
                 except OSError:
                     continue
             shutil.rmtree(gone, ignore_errors=True)
-        elif not _pid_alive(pid):
+        elif not pid_alive(pid):
             shutil.rmtree(p, ignore_errors=True)
 
 
