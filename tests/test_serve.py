@@ -73,6 +73,25 @@ def local_samples(model_dir: Path, messages, seeds, max_tokens, temperature=1.0)
 def test_models_lists_the_checkpoint(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    # Not one of this project's trained policies (no swarmrl_sft.json): no prompt format claimed.
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["swarmrl_prompt_format"] is None
+
+
+def test_a_policy_says_which_prompts_it_was_trained_on(tmp_path):
+    from swarmrl.serve.app import trained_prompt_format
+
+    run = tmp_path / "policies"
+    (run / "v000000").mkdir(parents=True)
+    (run / "v000007").mkdir()
+    meta = {"digits": 3, "ops": "-", "length_targets": [48, 96]}
+    (run / "v000000" / "swarmrl_sft.json").write_text(json.dumps(meta))
+    # A version the trainer published finds its base's metadata beside it.
+    fmt = trained_prompt_format(str(run / "v000007"))
+    assert fmt["task"] == "3-digit arithmetic (-)"
+    assert fmt["example"] == "Compute 777 - 222. Think for 48 tokens before giving a response."
+    assert fmt["length_targets"] == [48, 96] and "/v1/chat/completions" in fmt["how"]
+    (run / "v000000" / "swarmrl_sft.json").write_text("{not json")
+    assert trained_prompt_format(str(run / "v000007")) is None
 
 
 def test_chat_matches_the_local_sampler_token_for_token_with_logprobs(server, model_dir):

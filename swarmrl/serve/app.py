@@ -68,6 +68,39 @@ class Settings:
         self.vocab_size, self.model_path = vocab_size, model_path
 
 
+def trained_prompt_format(model_path: str | None) -> dict | None:
+    """What prompts the served model was trained on, when it is one of this project's policies:
+    read from the `swarmrl_sft.json` its base was written with (in the folder itself, or in the
+    run's `v000000` beside it). A 1M-parameter model answers only prompts of its training form:
+    anything else gets nonsense, so /v1/models and the start-up line say which form that is.
+    None for any other checkpoint."""
+    if not model_path:
+        return None
+    folder = Path(model_path)
+    for meta_file in (folder / "swarmrl_sft.json", folder.parent / "v000000" / "swarmrl_sft.json"):
+        if meta_file.is_file():
+            break
+    else:
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+        digits, ops = int(meta["digits"]), str(meta["ops"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    from swarmrl.rewards.length import LENGTH_SUFFIX
+    from swarmrl.tasks.arithmetic import Problem, prompt_for
+
+    a, b = (10**digits - 1) * 7 // 9, (10**digits - 1) * 2 // 9  # e.g. 77 and 22, or 7 and 2
+    example = prompt_for(Problem(a, b, ops[0]))
+    targets = meta.get("length_targets")
+    if targets:
+        example += LENGTH_SUFFIX.format(N=targets[0])
+    return {"task": f"{digits}-digit arithmetic ({' and '.join(ops)})", "example": example,
+            "length_targets": targets,
+            "how": "send the prompt as the user message of /v1/chat/completions (the chat template the "
+                   "model was trained with); /v1/completions takes the templated text"}
+
+
 class Reloader:
     """What `POST /v1/reload` needs: `load(folder)` returns (a started Engine, the model's
     context, its vocabulary size) and may take long (it runs off the event loop); `token` is the
@@ -406,9 +439,11 @@ def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = No
     @app.get("/v1/models")
     async def models():
         # `root` is the checkpoint folder being served (vLLM's field), so a caller can check a reload.
+        # `swarmrl_prompt_format`: the prompts the model was trained on, for this project's policies.
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
                                             "owned_by": "swarmrl", "max_model_len": settings.context,
-                                            "root": settings.model_path}]}
+                                            "root": settings.model_path,
+                                            "swarmrl_prompt_format": trained_prompt_format(settings.model_path)}]}
 
     @app.get("/health")
     async def health():
@@ -474,6 +509,10 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
     url = f"{'https' if tls_cert else 'http'}://{host}:{sock.getsockname()[1]}"
     print(f"serving {name} ({context}-token context) at {url}/v1"
           + ("; POST /v1/reload swaps the checkpoint" if reloader else ""), flush=True)
+    fmt = trained_prompt_format(model_path)
+    if fmt is not None:
+        print(f"trained on {fmt['task']} prompts such as {fmt['example']!r}; other prompts get nonsense. "
+              f"{fmt['how'][0].upper()}{fmt['how'][1:]}.", flush=True)
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
     config = uvicorn.Config(app, log_level="warning", access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
