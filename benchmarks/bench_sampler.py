@@ -11,6 +11,9 @@ Three sides, one process, the same model object and prompts, interleaved runs:
   model's own forward with a growing `DynamicCache`, static batches.
 - builtin: the project's "builtin" engine (`inference/batch.py`): pre-allocated per-slot KV
   cache, fused projections, one prefill per distinct prompt, continuous batching.
+- streams (CPU, --streams S > 1; S = --threads by default): the same engine as S independent
+  streams, each over its share of the rows on one intra-op thread (`inference/streams.py`),
+  where the other sides split each kernel over the --threads cores.
 
 How the comparison is kept fair:
 - Exactly the same number of new tokens per row on every side, checked after every run: HF gets
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmrl.inference.batch import BatchEngine  # noqa: E402
 from swarmrl.inference.sampler import Sampler  # noqa: E402
+from swarmrl.inference.streams import StreamedEngine  # noqa: E402
 from swarmrl.model.checkpoint import build_tiny_policy  # noqa: E402
 
 
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--streams", type=int, default=None,
+                    help="decoding streams of the 'streams' side (default: --threads on a CPU, none on CUDA; 1: no such side)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per point (median reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    streams = args.streams if args.streams is not None else (args.threads if device.type == "cpu" else 1)
     model, tok = build_tiny_policy(**MODELS[args.model])
     model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     vocab = model.config.vocab_size
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"generic": Sampler(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id),
                "builtin": BatchEngine(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id,
                                       max_batch=max(args.batch_sizes))}
+    if streams > 1:
+        engines["streams"] = StreamedEngine(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id,
+                                            streams=streams, max_batch=max(args.batch_sizes))
 
     def run_engine(name, prompts, call):
         seeds = [call * 1_000_003 + i for i in range(len(prompts))]
@@ -170,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         sides = {"hf": lambda call: run_hf(ids, mask, call),
                  "generic": lambda call: run_engine("generic", prompts, call),
                  "builtin": lambda call: run_engine("builtin", prompts, call)}
+        if "streams" in engines:
+            sides["streams"] = lambda call: run_engine("streams", prompts, call)
         for run in sides.values():  # warm-up
             run(0)
         times = {name: [] for name in sides}
@@ -183,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                "builtin_vs_hf": med["hf"] / med["builtin"], "builtin_vs_generic": med["generic"] / med["builtin"],
                "generic_vs_hf": med["hf"] / med["generic"], "builtin_gflops": useful,
                "matmul_share": useful / peak, "seconds": times}
+        if "streams" in med:
+            row["streams_vs_hf"] = med["hf"] / med["streams"]
+            row["streams_matmul_share"] = useful * med["builtin"] / med["streams"] / peak
         rows.append(row)
         print(f"  batch {B}: HF {row['hf_tok_s']:.0f}, generic {row['generic_tok_s']:.0f}, "
-              f"builtin {row['builtin_tok_s']:.0f} tok/s", flush=True)
+              f"builtin {row['builtin_tok_s']:.0f}" + (f", streams x{streams} {row['streams_tok_s']:.0f}"
+                                                       if "streams" in med else "") + " tok/s", flush=True)
 
     print()
     print(f"{'batch':>5} | {'HF tok/s':>9} | {'generic':>9} | {'builtin':>9} | {'builtin/HF':>10} | "
@@ -194,13 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['batch']:>5} | {row['hf_tok_s']:>9.0f} | {row['generic_tok_s']:>9.0f} | {row['builtin_tok_s']:>9.0f} | "
               f"{row['builtin_vs_hf']:>10.2f} | {row['builtin_vs_generic']:>15.2f} | {row['matmul_share']:>11.1%}")
+    if streams > 1:
+        print(f"\n{'batch':>5} | streams x{streams} tok/s | streams/HF | streams/builtin | matmul share")
+        for row in rows:
+            print(f"{row['batch']:>5} | {row['streams_tok_s']:>17.0f} | {row['streams_vs_hf']:>10.2f} | "
+                  f"{row['streams_tok_s'] / row['builtin_tok_s']:>15.2f} | {row['streams_matmul_share']:>11.1%}")
 
     if args.out:
         import transformers
 
         report = {
             "config": {
-                "device": str(device), "threads": torch.get_num_threads(), "new_tokens": N,
+                "device": str(device), "threads": torch.get_num_threads(), "streams": streams, "new_tokens": N,
                 "prompt_len": args.prompt_len, "group": args.group, "temperature": args.temperature,
                 "runs": args.runs, "model": args.model, "dtype": args.dtype, "model_params": n_params,
                 "vocab_size": vocab, "matmul_gflops": peak,

@@ -63,13 +63,18 @@ def quantised(model, bits: int, group: int = 32):
 ENGINE = "builtin"  # --engine: which rollout engine honest workers (and cheats) sample with
 
 
-def sample(model, tok, prompts, seeds, batch, cfg):
+def sample(model, tok, prompts, seeds, batch, cfg, streams=1):
     """Completions as a worker samples them; ``batch`` rows at once (the built-in engine gets
-    all prompts and keeps ``batch`` slots busy, refilling them; the generic one gets chunks)."""
-    sampler = build_engine(model, tok, kind=ENGINE, max_batch=batch)
+    all prompts and keeps ``batch`` slots busy, refilling them; the generic one gets chunks);
+    ``streams`` above 1: the built-in engine in that many processes (`worker --streams`)."""
+    sampler = build_engine(model, tok, kind=ENGINE, max_batch=batch, streams=streams)
     if sampler.continuous:
-        return sampler.generate(prompts, seeds, max_new_tokens=cfg.sampling.max_new_tokens,
-                                temperature=cfg.sampling.temperature, return_hidden=True)
+        try:
+            return sampler.generate(prompts, seeds, max_new_tokens=cfg.sampling.max_new_tokens,
+                                    temperature=cfg.sampling.temperature, return_hidden=True)
+        finally:
+            if hasattr(sampler, "close"):
+                sampler.close()
     outs = []
     for i in range(0, len(prompts), batch):
         outs += sampler.generate(prompts[i:i + batch], seeds[i:i + batch], max_new_tokens=cfg.sampling.max_new_tokens,
@@ -153,6 +158,11 @@ def main() -> None:
     ap.add_argument("--cheat-groups", type=int, default=8, help="groups per cheat")
     ap.add_argument("--engine", choices=ENGINES, default="builtin",
                     help="the rollout engine honest workers sample with (hf: the generic one, before issue 16)")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="also sample honest work with the built-in engine in this many processes "
+                         "(`swarmrl worker --streams`), batch 64, one thread each")
+    ap.add_argument("--only-streams", action="store_true",
+                    help="with --streams: honest work from the streams only (all --completions of it)")
     ap.add_argument("--out", default="calibration.json")
     args = ap.parse_args()
     global ENGINE
@@ -190,19 +200,25 @@ def main() -> None:
         return summary(chunks, comps, vcfg, judged_as, g)
 
     # ---- honest: versions x sampler batch sizes x threads --------------------------------------
-    settings = [(v, b, t) for v in (versions[0], versions[len(versions) // 2], newest)
+    settings = [(v, b, t, 1) for v in (versions[0], versions[len(versions) // 2], newest)
                 for b, t in ((1, 1), (8, 1), (64, 1), (64, 2), (16, 2))]
+    if args.streams > 1:
+        streamed = [(v, 64, 1, args.streams) for v in (versions[0], versions[len(versions) // 2], newest)]
+        settings = streamed if args.only_streams else settings + streamed
+    elif args.only_streams:
+        raise SystemExit("--only-streams needs --streams 2 or more")
     per = max(1, args.completions // (len(settings) * g))
     all_chunks, all_comps = [], []
     t0 = time.time()
-    for v, batch, threads in settings:
+    for v, batch, threads, streams in settings:
         torch.set_num_threads(threads)
         prompts, seeds = prompts_for(per)
-        outs = sample(models[v], tok, prompts, seeds, batch, cfg)
+        outs = sample(models[v], tok, prompts, seeds, batch, cfg, streams)
         torch.set_num_threads(1)  # the validator runs with other settings than the worker
         chunks, comps = check(validator, models[v], to_items(prompts, seeds, outs, v, vcfg, g, cfg.sampling.temperature),
                               vcfg.batch_groups)
-        results["honest"][f"v{v}-batch{batch}-threads{threads}"] = summary(chunks, comps, vcfg, dtype, g)
+        name = f"v{v}-batch{batch}-threads{threads}" + (f"-streams{streams}" if streams > 1 else "")
+        results["honest"][name] = summary(chunks, comps, vcfg, dtype, g)
         all_chunks += chunks
         all_comps += comps
     results["honest"]["all"] = summary(all_chunks, all_comps, vcfg, dtype, g)

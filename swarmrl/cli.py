@@ -188,6 +188,10 @@ def _add_role_commands(sub) -> None:
                          "share one)")
     wk.add_argument("--name", default="worker", help="display name (letters, digits, _ . -)")
     wk.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    wk.add_argument("--streams", type=int, default=1,
+                    help="built-in engine on a CPU: decode in this many independent streams of one thread each "
+                         "(e.g. one per core; then leave --threads unset). At small model sizes this beats "
+                         "splitting each kernel over threads (docs/engines.md). Default 1")
     wk.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is checked on the device machine only)")
     wk.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="default: the run's precision, which every lease names (the validator prefills in it). "
@@ -666,6 +670,8 @@ def _cmd_worker(args, extra: list[str]) -> None:
     _check_urls(args)
     from swarmrl.protocol.tls import is_loopback
 
+    if args.streams < 1:
+        _fail(f"--streams {args.streams}: give at least 1 decoding stream (one per core is the usual choice)")
     if args.orchestrator.startswith("http://") and not is_loopback(args.orchestrator) and not args.insecure:
         _fail(f"--orchestrator {args.orchestrator} is plain http to another machine: anyone on the path could read "
               "this worker's traffic or pose as the orchestrator. Use its https URL, or pass --insecure on a network "
@@ -683,7 +689,8 @@ def _cmd_worker(args, extra: list[str]) -> None:
         run_worker(args.orchestrator, key_file=args.key_file, cache_dir=args.cache_dir, name=args.name,
                    threads=args.threads, device=args.device, dtype=args.dtype, worker_class=worker_class,
                    relays=[u.strip() for u in args.relays.split(",") if u.strip()],
-                   trainer_key=_key_arg(args.trainer_key), run_id=args.run_id, endpoint=endpoint)
+                   trainer_key=_key_arg(args.trainer_key), run_id=args.run_id, endpoint=endpoint,
+                   streams=args.streams)
     except AuthError as e:
         _fail(str(e))
 

@@ -181,6 +181,8 @@ def test_service_urls_that_cannot_work_fail_at_start(tmp_path):
     assert_clean_failure(proc, "must be http or https")
     proc = swarmrl("relay", "--upstream", "http://ok:1,bad:2", "--cache-dir", str(tmp_path / "c"), cwd=tmp_path)
     assert_clean_failure(proc, "--upstream 'bad:2' has no scheme")
+    proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", "--streams", "0", cwd=tmp_path)
+    assert_clean_failure(proc, "--streams 0: give at least 1 decoding stream")
 
 
 def test_service_url_rules_and_retry_messages(monkeypatch):

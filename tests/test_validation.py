@@ -82,11 +82,11 @@ class World:
         self.count = 0
         self.honest = self.worker("honest")
 
-    def worker(self, name: str, kind: str | None = None, version: int = 1) -> Worker:
+    def worker(self, name: str, kind: str | None = None, version: int = 1, **extra) -> Worker:
         self.count += 1
         d = self.root / "workers" / f"{name}-{self.count}"
         args = dict(key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None,
-                    trainer_key=public_key_hex(TRAINER_KEY))
+                    trainer_key=public_key_hex(TRAINER_KEY), **extra)
         w = AdversarialWorker(self.orch.url, kind=kind, **args) if kind else Worker(self.orch.url, **args)
         w.client.register(name)
         assert w._ensure_policy(self.policy[version])
@@ -164,6 +164,24 @@ def test_honest_workers_pass_the_full_check(world):
         s = v["stats"]
         assert s["chunks"] >= 2 and s["exp_mismatches_max"] <= 2 and s["sampling_margin_max"] < 1e-3
         assert s["logprob_err_max"] < 1e-3
+
+
+def test_a_worker_decoding_in_streams_passes_the_full_check(world):
+    from swarmrl.inference.streams import StreamedEngine
+
+    w = world.worker("streams", streams=2)
+    engine = w.sampler
+    assert isinstance(engine, StreamedEngine)
+    # A new version goes to the running stream processes (none are started per version).
+    assert w._ensure_policy(world.policy[0]) and w._ensure_policy(world.policy[1])
+    assert w.sampler is engine and w.version == 1
+    for _ in range(2):
+        result = w.client.submit(w.generate(lease_of(w)))
+        assert result["rejected"] == [] and len(result["accepted"]) == 2
+    me = settled(w)
+    assert me["rejected"] == 0 and me["fraud"] == 0 and not me["banned"], me
+    checked = verdicts(world, w.client.key_hex)
+    assert len(checked) >= 4 and all(v["ok"] for v in checked)
 
 
 # ---- cheats caught by the validator's prefill -----------------------------------------------------

@@ -37,6 +37,7 @@ import torch
 from pydantic import ValidationError
 
 from swarmrl.inference.engine import RolloutEngine, build_engine
+from swarmrl.inference.streams import StreamedEngine
 from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
 from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
@@ -61,7 +62,8 @@ class Worker:
     def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
                  device: str = "cpu", dtype: str | None = None, unreachable_s: float = float("inf"), log=_log,
                  relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
-                 timeout_s: float = 10.0, run_id: str | None = None, endpoint: EndpointSettings | None = None):
+                 timeout_s: float = 10.0, run_id: str | None = None, endpoint: EndpointSettings | None = None,
+                 streams: int = 1):
         self.key = load_or_create_key(key_file)
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
         self.client = WorkerClient(orchestrator, self.key, run_id=run_id)
@@ -85,6 +87,7 @@ class Worker:
         self.digest: str | None = None
         self.bases: set[str] = set()  # content digests of LoRA bases checked by this process
         self.sampler: RolloutEngine | None = None
+        self.streams = streams  # built-in engine: decoding streams, one core each (inference/streams.py)
         # An OpenAI-compatible server generates instead of a local model (trusted keys only).
         self.endpoint = endpoint
         self.server = ServerLink(endpoint, self.cache, log=log) if endpoint is not None else None
@@ -136,7 +139,10 @@ class Worker:
             self.log(f"could not load policy v{version}: {e}")
             return False
         if self.server is None:
-            self.sampler = build_engine(model.eval(), tok)
+            if isinstance(self.sampler, StreamedEngine):
+                self.sampler.model = model.eval()  # the running stream processes take the new version
+            else:
+                self.sampler = build_engine(model.eval(), tok, streams=self.streams)
             where = f"({self.dtype})"
         else:
             self.server.load(folder, version)  # EndpointError stops the worker: the server needs fixing
@@ -326,7 +332,7 @@ class Worker:
 def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
                device: str = "cpu", dtype: str | None = None, worker_class=None,
                relays: list[str] = (), trainer_key: str | None = None, run_id: str | None = None,
-               endpoint: EndpointSettings | None = None) -> None:
+               endpoint: EndpointSettings | None = None, streams: int = 1) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
     arguments (the CLI passes a scripted adversary's class for `--adversary`); `endpoint` makes
     it generate through an OpenAI-compatible server."""
@@ -334,7 +340,7 @@ def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, t
         torch.set_num_threads(threads)
     worker = (worker_class or Worker)(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
                                       dtype=dtype, relays=relays, trainer_key=trainer_key, run_id=run_id,
-                                      endpoint=endpoint)
+                                      endpoint=endpoint, streams=streams)
     try:
         worker.run()
     except (Unavailable, Refused, WrongPrecision, EndpointError) as e:
