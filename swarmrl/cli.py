@@ -672,6 +672,9 @@ def _cmd_worker(args, extra: list[str]) -> None:
 
     if args.streams < 1:
         _fail(f"--streams {args.streams}: give at least 1 decoding stream (one per core is the usual choice)")
+    if args.streams > 1 and not args.device.startswith("cpu"):
+        _fail(f"--streams {args.streams} is for CPU workers; on --device {args.device} one engine fills the device: "
+              "drop --streams")
     if args.orchestrator.startswith("http://") and not is_loopback(args.orchestrator) and not args.insecure:
         _fail(f"--orchestrator {args.orchestrator} is plain http to another machine: anyone on the path could read "
               "this worker's traffic or pose as the orchestrator. Use its https URL, or pass --insecure on a network "

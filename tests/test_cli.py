@@ -183,6 +183,8 @@ def test_service_urls_that_cannot_work_fail_at_start(tmp_path):
     assert_clean_failure(proc, "--upstream 'bad:2' has no scheme")
     proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", "--streams", "0", cwd=tmp_path)
     assert_clean_failure(proc, "--streams 0: give at least 1 decoding stream")
+    proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", "--streams", "2", "--device", "cuda", cwd=tmp_path)
+    assert_clean_failure(proc, "--streams 2 is for CPU workers", "drop --streams")
 
 
 def test_service_url_rules_and_retry_messages(monkeypatch):

@@ -15,7 +15,9 @@ its steps (`inference/batch.py`), so which stream a row runs in is invisible; ro
 The model is handed to the streams through shared memory (torch.multiprocessing moves the
 parameters' storage there, without copying; the caller's model keeps working on it). A stream
 sees the weights it was given: after changing them in place, assign `engine.model` again. CPU
-only: on a GPU one engine fills the device.
+only: on a GPU one engine fills the device. Each stream is a process with its own torch (RSS
+figures in docs/engines.md); as with any spawned process, a script that builds streams keeps its
+work under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -123,7 +125,13 @@ class StreamedEngine:
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inboxes)
         self.stats: dict[str, int] = {}
         self._model = None
-        self.model = model
+        try:
+            self.model = model
+        except RuntimeError as e:
+            self.close()
+            raise RuntimeError(f"{e}. A stream could not start: a process that builds streams re-runs its main "
+                               "script in each stream (Python's spawn), so the script must keep its work under "
+                               "`if __name__ == '__main__':` and cannot come from stdin") from None
 
     @property
     def model(self):
