@@ -121,6 +121,9 @@ def _add_local_commands(sub) -> None:
     ev.add_argument("--concurrency", type=int, default=8, help="endpoint requests in flight")
     ev.add_argument("--device", default="cpu", help="--model only (cuda is untested: no GPU here)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--model only")
+    ev.add_argument("--streams", type=int, default=1,
+                    help="--model on a CPU: decode in this many processes of one thread each (one per core is "
+                         "fastest at small sizes; the same samples as 1, docs/engines.md). Default 1")
     ev.add_argument("--workers", type=int, default=2, help="math grading processes")
     ev.add_argument("--config", help="TOML config file: its [tasks] and [sandbox] sections are used")
 
@@ -340,6 +343,8 @@ def _run_eval(args, cfg) -> None:
         _fail(f"--length-target must be a positive number of tokens, got {args.length_target}")
     if args.temperature < 0:
         _fail(f"--temperature must be >= 0, got {args.temperature}")
+    if args.streams < 1 or (args.streams > 1 and (not args.model or not args.device.startswith("cpu"))):
+        _fail(f"--streams {args.streams}: give 1, or more with --model on a CPU (one per core)")
     try:
         if args.benchmark == "arithmetic":  # the held-out split `swarmrl rl` evaluates on
             from swarmrl.tasks import arithmetic
@@ -364,7 +369,7 @@ def _run_eval(args, cfg) -> None:
         if args.model:
             if not os.path.isdir(args.model):
                 _fail(f"--model {args.model} is not a folder; pass a local Hugging Face checkpoint folder")
-            backend = ModelBackend.from_path(args.model, device=args.device, dtype=args.dtype)
+            backend = ModelBackend.from_path(args.model, device=args.device, dtype=args.dtype, streams=args.streams)
         else:
             backend = EndpointBackend(args.endpoint, model=args.served_model,
                                       api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),

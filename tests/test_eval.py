@@ -38,6 +38,10 @@ def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
         assert remote[key] == local[key], key
     assert [r["completions"] for r in remote_rows] == [r["completions"] for r in local_rows]
     assert [r["lengths"] for r in remote_rows] == [r["lengths"] for r in local_rows]
+    # Decoding streams (one process per core) sample exactly what one engine samples.
+    streamed, streamed_rows = run_eval(tmp_path / "streams", "--model", str(easy_base), "--streams", "2", *args)
+    assert streamed["avg@4"] == local["avg@4"]
+    assert [r["completions"] for r in streamed_rows] == [r["completions"] for r in local_rows]
     assert local["samples_per_problem"] == 4
     assert remote["backend"].startswith("endpoint") and local["backend"].startswith("local model")
     first = local_rows[0]
@@ -106,3 +110,6 @@ def test_eval_errors_are_clear(tmp_path):
     proc = swarmrl("eval", "--model", str(tmp_path), "--benchmark", "code", "--k", "0", "--output-dir",
                    str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "--k must be at least 1" in proc.stderr
+    proc = swarmrl("eval", "--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code", "--streams", "2",
+                   "--output-dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "--streams 2: give 1, or more with --model on a CPU" in proc.stderr

@@ -68,23 +68,26 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 class ModelBackend:
     """A local checkpoint through the project's batched, seeded sampler."""
 
-    def __init__(self, model, tokenizer, *, batch_rows: int = 64):
+    def __init__(self, model, tokenizer, *, batch_rows: int = 64, streams: int = 1):
         from swarmrl.inference.engine import build_engine
 
         self.tokenizer = tokenizer
         self.stop_ids = [tokenizer.eos_token_id]
-        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids, max_batch=batch_rows)
+        # streams > 1: processes that hold the weights as given (a fixed checkpoint, not a model
+        # still training: the in-run eval keeps one engine).
+        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids, max_batch=batch_rows,
+                                    streams=streams)
         self.batch_rows = batch_rows
         self.model = model
 
     @classmethod
-    def from_path(cls, path: str, *, device: str = "cpu", dtype: str = "float32") -> ModelBackend:
+    def from_path(cls, path: str, *, device: str = "cpu", dtype: str = "float32", streams: int = 1) -> ModelBackend:
         import torch
 
         from swarmrl.model.checkpoint import load_policy
 
         model, tokenizer = load_policy(path, device=device, dtype=getattr(torch, dtype))
-        return cls(model.eval(), tokenizer)
+        return cls(model.eval(), tokenizer, streams=streams)
 
     def describe(self) -> str:
         return f"local model ({type(self.model).__name__})"
