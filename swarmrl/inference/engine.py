@@ -60,10 +60,10 @@ def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: lis
     if streams < 1:
         raise ValueError(f"streams must be at least 1, got {streams}")
     stop = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
-    if kind == "builtin" and supports(model) is None and streams > 1:
-        return StreamedEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, streams=streams,
-                              max_batch=max_batch, capacity=capacity)
     if kind == "builtin" and supports(model) is None:
+        if streams > 1:
+            return StreamedEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, streams=streams,
+                                  max_batch=max_batch, capacity=capacity)
         return BatchEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
                            max_batch=max_batch, capacity=capacity)
     if kind in ("builtin", "hf"):

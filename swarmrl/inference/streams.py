@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from swarmrl.inference.batch import BatchEngine
 from swarmrl.inference.sampler import Completion, check_rows
 
 #: Exception types a stream's error is raised as in the caller (anything else: RuntimeError).
@@ -53,8 +54,6 @@ def _stream_main(inbox, outbox, parent: int) -> None:
     """One stream: a BatchEngine on one thread, fed by `inbox` until told to stop (None) or
     orphaned (its parent gone: a killed worker leaves no decoding processes behind)."""
     torch.set_num_threads(1)
-    from swarmrl.inference.batch import BatchEngine
-
     engine = None
     while True:
         try:

@@ -37,8 +37,8 @@ import torch
 from pydantic import ValidationError
 
 from swarmrl.inference.engine import RolloutEngine, build_engine
-from swarmrl.inference.streams import StreamedEngine
 from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
+from swarmrl.inference.streams import StreamedEngine
 from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
