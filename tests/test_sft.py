@@ -16,10 +16,12 @@ from swarmrl.tasks import arithmetic
 
 
 def test_cache_key_keeps_old_bases_and_separates_new_settings():
-    default = base_cache_key(load_config(None, []))
+    assert base_cache_key(load_config(None, [])) == "d2-pm-s500-b64-lr0.003-n5000-slip0.7-seed0-mb4"
+    one_pass = ["--sft.micro_batches", "1"]
+    default = base_cache_key(load_config(None, one_pass))
     assert default.endswith("-seed0")  # bases cached before dtype/threads existed stay valid
-    assert base_cache_key(load_config(None, ["--sft.dtype", "float64"])) == default + "-float64"
-    assert base_cache_key(load_config(None, ["--sft.threads", "1"])) == default + "-t1"
+    assert base_cache_key(load_config(None, [*one_pass, "--sft.dtype", "float64"])) == default + "-float64"
+    assert base_cache_key(load_config(None, [*one_pass, "--sft.threads", "1"])) == default + "-t1"
     lc = load_config("configs/length-control.toml", [])
     assert base_cache_key(lc).endswith("-v02-len32-80-match0.3")
     # target_match 0 adds nothing: length-control bases cached before the field existed stay valid.
@@ -97,3 +99,40 @@ def test_float64_warm_start_saves_float32_and_records_how(tmp_path):
         assert 0.0 < diff < 1e-3
     finally:
         torch.set_num_threads(torch_threads)
+
+
+def test_micro_batches_give_the_one_pass_gradient_with_less_padding():
+    from swarmrl.sft.warmstart import _accumulate, micro_batches
+
+    model, tokenizer = build_tiny_policy(seed=0)
+    rows = arithmetic.generate(24, digits=2, ops="+-", split="train", seed=5, with_trace=True, slip_rate=0.5)
+    batch = [encode_example(tokenizer, r["prompt"], r["trace"]) for r in rows]
+    parts = micro_batches(batch, 4)
+    assert [len(p) for p in parts] == [6, 6, 6, 6]
+    lengths = [len(ids) for p in parts for ids, _ in p]
+    assert lengths == sorted(len(ids) for ids, _ in batch)  # every trace once, in length order
+    assert sum(max(len(ids) for ids, _ in p) * len(p) for p in parts) < max(lengths) * len(batch)
+    assert micro_batches(batch, 1) == [batch]
+
+    def gradient(n: int) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = _accumulate(model, batch, n, tokenizer.pad_token_id)
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    loss1, g1 = gradient(1)
+    loss4, g4 = gradient(4)
+    assert abs(loss1 - loss4) < 1e-5 and loss1 > 0.1
+    for a, b in zip(g1, g4):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert max(float(a.abs().max()) for a in g1) > 1e-3  # a gradient worth comparing
+
+
+def test_micro_batches_train_a_base_and_name_it_in_the_cache_key(tmp_path):
+    cfg = load_config(None, ["--sft.steps", "2", "--sft.batch_size", "8", "--sft.examples", "64",
+                             "--sft.micro_batches", "2", "--sft.threads", "1"])
+    out = train_sft(cfg, tmp_path / "base", log=lambda *_: None)
+    meta = json.loads((out / "swarmrl_sft.json").read_text())
+    assert meta["micro_batches"] == 2 and meta["sft_steps"] == 2
+    assert base_cache_key(cfg).endswith("-t1-mb2")
+    with pytest.raises(ConfigError, match="sft.micro_batches"):
+        load_config(None, ["--sft.micro_batches", "0"])

@@ -101,10 +101,10 @@ class LoRAConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: int = Field(60, ge=1)
-    """Rollout steps (policy versions) to train. 60 took the default bases from 0.23-0.31 to
-    0.74-0.83 held-out over 3 seeds (docs/learning.md); 120 reached 0.91 in one run, at twice the
-    time."""
+    steps: int = Field(40, ge=1)
+    """Rollout steps (policy versions) to train. 40 is where the default's gains level off: over
+    3 seeds on two machines, most of the 60-step gain was there by step 40 (docs/learning.md),
+    and each later step spends most of its generation on groups already solved."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
@@ -273,12 +273,12 @@ class EvalConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(600, ge=1)
-    """Optimizer steps of supervised warm start on worked traces. 600 takes the model past
+    steps: int = Field(500, ge=1)
+    """Optimizer steps of supervised warm start on worked traces. 500 takes the model past
     learning column arithmetic itself, so its accuracy is set by the slips in the data rather
-    than by how far a noise-sensitive transition got: at 400 steps the same seed gave 0.166 or
-    0.274 depending on the CPU's vector kernels, at 600 (slip rate 0.7) 0.309 and 0.310
-    (docs/learning.md)."""
+    than by how far a noise-sensitive transition got: at 400 steps (slip rate 0.6) the same seed
+    gave 0.166 or 0.274 depending on the CPU's vector kernels; at 600 (slip rate 0.7) 0.309 and
+    0.310, at 500 0.261 and 0.258 (docs/learning.md)."""
     batch_size: int = Field(64, ge=1)
     """Traces per step."""
     lr: float = Field(3e-3, gt=0)
@@ -307,6 +307,14 @@ class SFTConfig(_Section):
     levels give a base that can think at different lengths. With `length.enabled`, each trace's
     prompt carries a target drawn independently of its level, so the base does not follow
     targets and RL has to learn it (configs/length-control.toml)."""
+
+    micro_batches: int = Field(4, ge=1)
+    """Forward/backward passes per step. The step's traces are sorted by length and split into
+    this many passes, each padded only to its own longest trace; gradients accumulate, so the
+    batch and its gradient are those of one pass (up to float rounding), with less padding:
+    the default's traces are 59-87 tokens, and one pass of 64 random traces is ~20% padding.
+    1: one pass, as bases built before this field existed were. (Drawing whole batches of
+    similar length instead, which pads less still, slowed learning: docs/learning.md.)"""
 
     target_match: float = Field(0.0, ge=0.0, le=1.0)
     """With `length.enabled`: share of traces whose prompt names the target nearest the trace's

@@ -42,6 +42,39 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[to
     return ids, mask, attn
 
 
+def micro_batches(batch: list[tuple[list[int], list[int]]], parts: int) -> list[list]:
+    """The batch as `parts` micro-batches of consecutive lengths (sorted, stably), so each is
+    padded to its own longest trace. One part: the batch as drawn."""
+    if parts == 1:
+        return [batch]
+    ordered = sorted(batch, key=lambda example: len(example[0]))
+    size = -(-len(ordered) // parts)
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def _accumulate(model, batch: list[tuple[list[int], list[int]]], parts: int, pad_id: int) -> torch.Tensor:
+    """Forward and backward of the mean token loss over the whole batch, in `parts` passes.
+    Returns the loss (detached). Each pass adds its tokens' summed loss / the batch's token count,
+    so the accumulated gradient is the one-pass gradient."""
+    if parts == 1:  # bit for bit the loop of bases built before micro-batches existed
+        ids, mask, attn = _batch(batch, pad_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [B, T-1, V]
+        targets, tmask = ids[:, 1:], mask[:, 1:]  # [B, T-1]
+        loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask])
+        loss.backward()
+        return loss.detach()
+    total = sum(sum(m[1:]) for _, m in batch)  # learned tokens (position 0 is never a target)
+    loss = torch.zeros(())
+    for part in micro_batches(batch, parts):
+        ids, mask, attn = _batch(part, pad_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        targets, tmask = ids[:, 1:], mask[:, 1:]
+        part_loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask], reduction="sum") / total
+        part_loss.backward()
+        loss += part_loss.detach()
+    return loss
+
+
 def _sft_target(tokenizer, trace: str, cfg: Config, rng: random.Random) -> int | None:
     """The length target a training prompt names (None without length control)."""
     if not cfg.length.enabled:
@@ -63,6 +96,8 @@ def base_cache_key(cfg: Config) -> str:
         key += f"-{s.dtype}"
     if s.threads is not None:
         key += f"-t{s.threads}"
+    if s.micro_batches != 1:
+        key += f"-mb{s.micro_batches}"
     if s.verbosity != [0]:
         key += "-v" + "".join(str(level) for level in s.verbosity)
     if cfg.length.enabled:
@@ -104,12 +139,8 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
     t0 = time.time()
     for step in range(cfg.sft.steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.sft.batch_size)]
-        ids, mask, attn = _batch(batch, tokenizer.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [B, T-1, V]
-        targets, tmask = ids[:, 1:], mask[:, 1:]  # [B, T-1]
-        loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = _accumulate(model, batch, cfg.sft.micro_batches, tokenizer.pad_token_id)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -117,7 +148,7 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
             log(f"sft step {step + 1}/{cfg.sft.steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     model = model.float().eval()
     meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "slip_rate": cfg.sft.slip_rate,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "micro_batches": cfg.sft.micro_batches, "slip_rate": cfg.sft.slip_rate,
             "verbosity": cfg.sft.verbosity, "length_targets": cfg.length.targets if cfg.length.enabled else None,
             "target_match": cfg.sft.target_match if cfg.length.enabled else None,
             "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
