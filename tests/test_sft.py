@@ -16,7 +16,7 @@ from swarmrl.tasks import arithmetic
 
 
 def test_cache_key_keeps_old_bases_and_separates_new_settings():
-    assert base_cache_key(load_config(None, [])) == "d2-pm-s500-b64-lr0.003-n5000-slip0.7-seed0-mb4"
+    assert base_cache_key(load_config(None, [])) == "d2-pm-s600-b64-lr0.003-n5000-slip0.7-seed0-mb4"
     one_pass = ["--sft.micro_batches", "1"]
     default = base_cache_key(load_config(None, one_pass))
     assert default.endswith("-seed0")  # bases cached before dtype/threads existed stay valid
