@@ -105,7 +105,7 @@ class TrainerConfig(_Section):
     """Rollout steps (policy versions) to train. 40 is where the default's gains level off: with
     60, 3 seeds on each of two machines had most of their gain by step 40, and each later step
     spends most of its generation on groups already solved. At 40, 3 seeds on machine Y gained
-    +44.0 to +48.1 held-out (docs/learning.md)."""
+    +45.5 to +48.9 held-out (docs/learning.md)."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
