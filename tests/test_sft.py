@@ -130,7 +130,11 @@ def test_micro_batches_give_the_one_pass_gradient_with_less_padding():
 def test_micro_batches_train_a_base_and_name_it_in_the_cache_key(tmp_path):
     cfg = load_config(None, ["--sft.steps", "2", "--sft.batch_size", "8", "--sft.examples", "64",
                              "--sft.micro_batches", "2", "--sft.threads", "1"])
-    out = train_sft(cfg, tmp_path / "base", log=lambda *_: None)
+    seen = []
+    out = train_sft(cfg, tmp_path / "base", log=lambda *_: None,
+                    on_step=lambda step, model, loss: seen.append((step, model.training, float(loss))))
+    assert [(step, training) for step, training, _ in seen] == [(1, True), (2, True)]
+    assert all(loss > 0 for _, _, loss in seen)
     meta = json.loads((out / "swarmrl_sft.json").read_text())
     assert meta["micro_batches"] == 2 and meta["sft_steps"] == 2
     assert base_cache_key(cfg).endswith("-t1-mb2")

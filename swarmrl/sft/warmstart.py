@@ -13,6 +13,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,20 +57,17 @@ def _accumulate(model, batch: list[tuple[list[int], list[int]]], parts: int, pad
     """Forward and backward of the mean token loss over the whole batch, in `parts` passes.
     Returns the loss (detached). Each pass adds its tokens' summed loss / the batch's token count,
     so the accumulated gradient is the one-pass gradient."""
-    if parts == 1:  # bit for bit the loop of bases built before micro-batches existed
-        ids, mask, attn = _batch(batch, pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [B, T-1, V]
-        targets, tmask = ids[:, 1:], mask[:, 1:]  # [B, T-1]
-        loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask])
-        loss.backward()
-        return loss.detach()
-    total = sum(sum(m[1:]) for _, m in batch)  # learned tokens (position 0 is never a target)
+    # One part takes the mean directly: bit for bit the loop of bases built before micro-batches.
+    total = None if parts == 1 else sum(sum(m[1:]) for _, m in batch)  # learned tokens (not position 0)
     loss = torch.zeros(())
     for part in micro_batches(batch, parts):
         ids, mask, attn = _batch(part, pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        targets, tmask = ids[:, 1:], mask[:, 1:]
-        part_loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask], reduction="sum") / total
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [n, T-1, V]
+        targets, tmask = ids[:, 1:], mask[:, 1:]  # [n, T-1]
+        if total is None:
+            part_loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask])
+        else:
+            part_loss = torch.nn.functional.cross_entropy(logits[tmask], targets[tmask], reduction="sum") / total
         part_loss.backward()
         loss += part_loss.detach()
     return loss
@@ -107,8 +105,11 @@ def base_cache_key(cfg: Config) -> str:
     return key
 
 
-def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
-    """Train the tiny base from scratch on arithmetic traces and save it to `out_dir`."""
+def train_sft(cfg: Config, out_dir: str | Path, *, log=print,
+              on_step: Callable[[int, torch.nn.Module, torch.Tensor], None] | None = None) -> Path:
+    """Train the tiny base from scratch on arithmetic traces and save it to `out_dir`.
+    `on_step(step, model, loss)` runs after each optimizer step (1-based), e.g. to score the
+    model mid-way (benchmarks/study_sft_curve.py); it must leave the model in train mode."""
     if cfg.sft.threads is not None:
         torch.set_num_threads(cfg.sft.threads)
     torch.manual_seed(cfg.sft.seed)
@@ -146,6 +147,8 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print) -> Path:
         sched.step()
         if step % 50 == 0 or step == cfg.sft.steps - 1:
             log(f"sft step {step + 1}/{cfg.sft.steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+        if on_step is not None:
+            on_step(step + 1, model, loss)
     model = model.float().eval()
     meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "micro_batches": cfg.sft.micro_batches, "slip_rate": cfg.sft.slip_rate,
