@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarmrl.protocol.manifest import _check_public_key, _vname, verify_manifest
+from swarmrl.protocol.manifest import check_public_key, verify_manifest, version_name
 from swarmrl.transport.broadcast import (
     BroadcastError,
     ShardServer,
@@ -32,7 +32,7 @@ from swarmrl.transport.broadcast import (
     prune_versions,
     read_versions,
 )
-from swarmrl.transport.broadcast.common import _load_manifest_file, _remove_dir
+from swarmrl.transport.broadcast.common import load_manifest_file, remove_dir
 
 NEED_KEY = ("a relay mirrors only versions the trainer signed, so it needs the trainer's public key: pass "
             "--trainer-key <run-dir>/trainer.pub (the file, or the 64 hex characters in it; the trainer writes it "
@@ -43,7 +43,7 @@ def require_trainer_key(public_key) -> str:
     """The trainer's public key, checked; BroadcastError saying where to find it when missing."""
     if public_key is None or public_key == "":
         raise BroadcastError(NEED_KEY)
-    return _check_public_key(public_key, "relay --trainer-key")
+    return check_public_key(public_key, "relay --trainer-key")
 
 
 class Relay:
@@ -138,7 +138,7 @@ class Relay:
                 self._failed[(u, v)] = (n, time.monotonic() + backoff)
             self._skip(v, sources, str(e))
             return False
-        self.log(f"relay: mirrored {_vname(v)} in {time.monotonic() - t0:.2f} s")
+        self.log(f"relay: mirrored {version_name(v)} in {time.monotonic() - t0:.2f} s")
         self.skipped.pop(v, None)
         return True
 
@@ -147,7 +147,7 @@ class Relay:
         out = set()
         for v in read_versions(self.root):
             try:
-                base = _load_manifest_file(self.root / _vname(v) / "manifest.json").get("base")
+                base = load_manifest_file(self.root / version_name(v) / "manifest.json").get("base")
             except BroadcastError:
                 continue
             if isinstance(base, dict) and isinstance(base.get("version"), int):
@@ -155,9 +155,9 @@ class Relay:
         return out
 
     def _skip(self, version: int, sources: list[str], why: str) -> None:
-        self.last_error = f"{_vname(version)}: {why}"
+        self.last_error = f"{version_name(version)}: {why}"
         if version not in self.skipped:  # once per version, not every poll
-            self.log(f"relay: skipping {_vname(version)} listed by {', '.join(sources)}: it does not verify or "
+            self.log(f"relay: skipping {version_name(version)} listed by {', '.join(sources)}: it does not verify or "
                      f"cannot be fetched ({why}); mirroring the other versions, will ask again later")
         self.skipped[version] = why
 
@@ -175,12 +175,12 @@ class Relay:
         written by another run, or by a relay of an older swarmrl that mirrored unsigned ones)."""
         dropped = []
         for v in read_versions(self.root):
-            vdir = self.root / _vname(v)
+            vdir = self.root / version_name(v)
             try:
-                verify_manifest(_load_manifest_file(vdir / "manifest.json"), self.public_key, v)
+                verify_manifest(load_manifest_file(vdir / "manifest.json"), self.public_key, v)
             except BroadcastError as e:
                 self.log(f"relay: removing {vdir}: {e}")
-                _remove_dir(vdir)
+                remove_dir(vdir)
                 dropped.append(v)
         return dropped
 

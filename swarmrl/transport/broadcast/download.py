@@ -16,24 +16,24 @@ from urllib.parse import urlsplit
 
 from swarmrl.protocol.manifest import (
     BroadcastError,
-    _check_public_key,
-    _check_shape,
-    _check_version,
-    _is_int,
-    _vname,
-    _where,
+    check_manifest_shape,
+    check_public_key,
+    check_version,
+    describe_manifest,
+    is_int,
     manifest_digest,
     verify_manifest,
+    version_name,
 )
 from swarmrl.transport.broadcast.common import (
     CHUNK,
+    CONTENT_RANGE,
     MAX_MANIFEST_BYTES,
     MIN_RATE,
-    _CONTENT_RANGE,
-    _SourceFailure,
-    _check_sources,
-    _hash_file,
-    _sha256_file,
+    SourceFailure,
+    check_sources,
+    hash_file,
+    sha256_file,
 )
 
 
@@ -109,7 +109,7 @@ def _connect(source: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
 
 
 def _get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
-    """GET source+path, 200 only, body at most `limit` bytes; _SourceFailure otherwise."""
+    """GET source+path, 200 only, body at most `limit` bytes; SourceFailure otherwise."""
     conn, prefix = _connect(source, timeout_s)
     try:
         t0 = time.monotonic()
@@ -117,30 +117,30 @@ def _get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
             conn.request("GET", prefix + path)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
-            raise _SourceFailure(f"no answer ({e!r})") from e
+            raise SourceFailure(f"no answer ({e!r})") from e
         if resp.status != 200:
             hint = " (not published there yet, or pruned)" if resp.status == 404 else ""
-            raise _SourceFailure(f"HTTP {resp.status} {resp.reason}{hint}")
+            raise SourceFailure(f"HTTP {resp.status} {resp.reason}{hint}")
         cl = resp.getheader("Content-Length")
         announced = int(cl) if cl and cl.isdigit() else None
         if announced is not None and announced > limit:
-            raise _SourceFailure(f"answer of {announced} bytes is larger than the {limit} allowed")
+            raise SourceFailure(f"answer of {announced} bytes is larger than the {limit} allowed")
         deadline = t0 + timeout_s + (announced or limit) / MIN_RATE
         body = bytearray()
         while True:
             try:
                 chunk = resp.read(min(CHUNK, limit + 1 - len(body)))
             except (OSError, http.client.HTTPException) as e:
-                raise _SourceFailure(f"connection lost after {len(body)} bytes ({e!r})") from e
+                raise SourceFailure(f"connection lost after {len(body)} bytes ({e!r})") from e
             if not chunk:
                 break
             body += chunk
             if len(body) > limit:
-                raise _SourceFailure(f"answer larger than the {limit} bytes allowed")
+                raise SourceFailure(f"answer larger than the {limit} bytes allowed")
             if time.monotonic() > deadline:
-                raise _SourceFailure(f"too slow: {len(body)} bytes in {time.monotonic() - t0:.1f} s")
+                raise SourceFailure(f"too slow: {len(body)} bytes in {time.monotonic() - t0:.1f} s")
         if announced is not None and len(body) != announced:
-            raise _SourceFailure(f"transfer ended after {len(body)} of {announced} bytes")
+            raise SourceFailure(f"transfer ended after {len(body)} of {announced} bytes")
         return bytes(body)
     finally:
         conn.close()
@@ -152,10 +152,10 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     Entries that are not version numbers (ints in 0..999999) are dropped, not an error: a source
     is untrusted, and one garbage entry must not hide the real versions listed beside it. What is
     listed is only a claim; each version is believed once its signed manifest verifies."""
-    (source,) = _check_sources([source], "list_versions")
+    (source,) = check_sources([source], "list_versions")
     try:
         data = json.loads(_get_small(source, "/versions", timeout_s, 16 << 20))
-    except _SourceFailure as e:
+    except SourceFailure as e:
         raise BroadcastError(f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
                              "there and reachable from this machine?") from None
     except ValueError:
@@ -165,7 +165,7 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     if not isinstance(versions, list):
         raise BroadcastError(f"cannot list versions at {source}: expected {{\"versions\": [ints]}}; is that URL a "
                              "swarmrl broadcast server?")
-    return sorted({v for v in versions if _is_int(v) and 0 <= v <= 999_999})
+    return sorted({v for v in versions if is_int(v) and 0 <= v <= 999_999})
 
 
 def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, timeout_s: float = 10.0,
@@ -173,11 +173,11 @@ def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, 
     """The manifest of `version` from the first source (in order) whose answer verifies: signed by
     `public_key` when given, well formed and for `version` otherwise; and with manifest digest
     `expected_digest` when given (to skip copies of a version number that was republished)."""
-    _check_version(version)
-    vname = _vname(version)
-    sources = _check_sources(sources, f"fetching the manifest of {vname}")
+    check_version(version)
+    vname = version_name(version)
+    sources = check_sources(sources, f"fetching the manifest of {vname}")
     if public_key is not None:
-        _check_public_key(public_key, f"fetching {vname}")
+        check_public_key(public_key, f"fetching {vname}")
     errors = []
     for src in sources:
         try:
@@ -185,19 +185,19 @@ def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, 
             try:
                 manifest = json.loads(raw)
             except ValueError:
-                raise _SourceFailure("the manifest is not JSON") from None
+                raise SourceFailure("the manifest is not JSON") from None
             if public_key is not None:
                 verify_manifest(manifest, public_key, version)
             else:
-                _check_shape(manifest, f"manifest of policy {vname}")
+                check_manifest_shape(manifest, f"manifest of policy {vname}")
                 if manifest["version"] != version:
-                    raise _SourceFailure(f"the manifest is for {_vname(manifest['version'])}")
+                    raise SourceFailure(f"the manifest is for {version_name(manifest['version'])}")
             if expected_digest is not None and manifest_digest(manifest) != expected_digest:
-                raise _SourceFailure(f"it holds another {vname} (manifest digest {manifest_digest(manifest)[:16]}..., "
+                raise SourceFailure(f"it holds another {vname} (manifest digest {manifest_digest(manifest)[:16]}..., "
                                      f"expected {expected_digest[:16]}...): a stale copy from before the trainer "
                                      "republished it")
             return manifest
-        except (_SourceFailure, BroadcastError) as e:
+        except (SourceFailure, BroadcastError) as e:
             errors.append(f"{src}: {e}")
     raise BroadcastError(
         f"cannot get a valid manifest of policy {vname} from any source: " + "; ".join(errors)
@@ -208,11 +208,11 @@ def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, 
 def _download_shard(src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path,
                     timeout_s: float) -> int:
     """One attempt at one shard from one source, resuming `part` with a Range request.
-    Returns the bytes transferred; _SourceFailure (source's fault) or BroadcastError (local)."""
+    Returns the bytes transferred; SourceFailure (source's fault) or BroadcastError (local)."""
     have, h = 0, hashlib.sha256()
     if part.exists():
         try:
-            have, h = _hash_file(part)
+            have, h = hash_file(part)
         except OSError:
             have, h = 0, hashlib.sha256()
         if have > size:
@@ -234,26 +234,26 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
                          headers={"Range": f"bytes={have}-"} if have else {})
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
-            raise _SourceFailure(f"no answer for {what} ({e!r})") from e
+            raise SourceFailure(f"no answer for {what} ({e!r})") from e
         if resp.status == 206 and have:
             cr = resp.getheader("Content-Range", "")
-            m = _CONTENT_RANGE.fullmatch(cr.strip())
+            m = CONTENT_RANGE.fullmatch(cr.strip())
             if m is None or tuple(map(int, m.groups())) != (have, size - 1, size):
-                raise _SourceFailure(f"{what}: Content-Range {cr!r} for bytes={have}-, expected "
+                raise SourceFailure(f"{what}: Content-Range {cr!r} for bytes={have}-, expected "
                                      f"'bytes {have}-{size - 1}/{size}'", corrupt=True)
             mode = "ab"
         elif resp.status == 200:
             have, h, mode = 0, hashlib.sha256(), "wb"  # no Range, or the source ignored it: start over
             cl = resp.getheader("Content-Length")
             if cl and cl.isdigit() and int(cl) != size:
-                raise _SourceFailure(f"{what} is {cl} bytes there, the signed manifest says {size}", corrupt=True)
+                raise SourceFailure(f"{what} is {cl} bytes there, the signed manifest says {size}", corrupt=True)
         elif resp.status == 416:
-            raise _SourceFailure(f"{what}: 416 for bytes={have}-: its copy is shorter than the signed manifest says",
+            raise SourceFailure(f"{what}: 416 for bytes={have}-: its copy is shorter than the signed manifest says",
                                  corrupt=True)
         elif resp.status == 404:
-            raise _SourceFailure(f"{what}: 404 (the source does not hold {vname}: not mirrored yet, or pruned)")
+            raise SourceFailure(f"{what}: 404 (the source does not hold {vname}: not mirrored yet, or pruned)")
         else:
-            raise _SourceFailure(f"{what}: HTTP {resp.status} {resp.reason}")
+            raise SourceFailure(f"{what}: HTTP {resp.status} {resp.reason}")
         got, too_long = 0, False
         try:
             f = open(part, mode)
@@ -265,7 +265,7 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
                 try:
                     chunk = resp.read(min(CHUNK, size - have - got + 1))
                 except (OSError, http.client.HTTPException) as e:
-                    raise _SourceFailure(f"{what}: connection lost after {have + got} of {size} bytes ({e!r})") from e
+                    raise SourceFailure(f"{what}: connection lost after {have + got} of {size} bytes ({e!r})") from e
                 if not chunk:
                     break
                 if have + got + len(chunk) > size:
@@ -278,16 +278,16 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
                 h.update(chunk)
                 got += len(chunk)
                 if time.monotonic() > deadline:
-                    raise _SourceFailure(f"{what}: too slow ({have + got} of {size} bytes after "
+                    raise SourceFailure(f"{what}: too slow ({have + got} of {size} bytes after "
                                          f"{time.monotonic() - t0:.1f} s)")
         if too_long:
             part.unlink(missing_ok=True)
-            raise _SourceFailure(f"{what}: more than the {size} bytes the signed manifest says", corrupt=True)
+            raise SourceFailure(f"{what}: more than the {size} bytes the signed manifest says", corrupt=True)
         if have + got < size:
-            raise _SourceFailure(f"{what}: transfer ended after {have + got} of {size} bytes")
+            raise SourceFailure(f"{what}: transfer ended after {have + got} of {size} bytes")
         if h.hexdigest() != digest:
             part.unlink(missing_ok=True)
-            raise _SourceFailure(f"{what}: sha256 mismatch (got {h.hexdigest()[:16]}..., the signed manifest says "
+            raise SourceFailure(f"{what}: sha256 mismatch (got {h.hexdigest()[:16]}..., the signed manifest says "
                                  f"{digest[:16]}...)", corrupt=True)
         os.replace(part, final)
         return got
@@ -300,16 +300,16 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
                     log=lambda msg: None) -> None:
     """Fetch every shard of `manifest` (verified by the caller) into shard_dir/NNNNN, each checked
     against its sha256; see the module doc. BroadcastError after `tries_per_shard` failures of one shard."""
-    where = _where(manifest, None)
-    _check_shape(manifest, where)
-    vname = _vname(manifest["version"])
-    sources = _check_sources(sources, f"fetching {vname}")
-    if not _is_int(parallel) or parallel < 1:
+    where = describe_manifest(manifest, None)
+    check_manifest_shape(manifest, where)
+    vname = version_name(manifest["version"])
+    sources = check_sources(sources, f"fetching {vname}")
+    if not is_int(parallel) or parallel < 1:
         raise BroadcastError(f"parallel must be a positive int, got {parallel!r}")
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise BroadcastError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     tries = 3 * len(sources) if tries_per_shard is None else tries_per_shard
-    if not _is_int(tries) or tries < 1:
+    if not is_int(tries) or tries < 1:
         raise BroadcastError(f"tries_per_shard must be a positive int, got {tries_per_shard!r}")
     scores = SourceScores() if scores is None else scores
     shard_dir = Path(shard_dir)
@@ -320,7 +320,7 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
         final = shard_dir / f"{i:05d}"
         if final.is_file():
             try:
-                if _sha256_file(final) == (s["size"], s["sha256"]):
+                if sha256_file(final) == (s["size"], s["sha256"]):
                     continue
             except OSError:
                 pass
@@ -353,7 +353,7 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
             t0 = time.monotonic()
             try:
                 n = _download_shard(src, vname, i, s["size"], s["sha256"], part, final, timeout_s)
-            except _SourceFailure as e:
+            except SourceFailure as e:
                 failed[src] = failed.get(src, 0) + 1
                 last_error[src] = str(e)
                 scores.bad(src, str(e), corrupt=e.corrupt)

@@ -11,40 +11,40 @@ from pathlib import Path
 
 from swarmrl.protocol.manifest import (
     BroadcastError,
-    _check_public_key,
-    _check_version,
-    _is_int,
-    _vname,
+    check_public_key,
+    check_version,
     content_digest,
+    is_int,
     manifest_digest,
     verify_manifest,
+    version_name,
 )
 from swarmrl.transport.broadcast.common import (
     CHUNK,
     INSTALLED_MANIFEST,
-    _ACTIVE,
-    _ACTIVE_LOCK,
-    _TEMP_DIR,
-    _VERSION_DIR,
-    _atomic_write,
-    _check_sources,
-    _load_manifest_file,
-    _manifest_bytes,
+    TEMP_DIR,
+    VERSION_DIR,
+    active_temp_dirs,
+    atomic_write,
+    check_sources,
+    clean_temps,
+    load_manifest_file,
+    manifest_bytes,
     pid_alive,
-    _remove_dir,
-    _sha256_file,
-    _temp_name,
+    remove_dir,
+    remove_old_versions,
+    sha256_file,
+    temp_name,
 )
 from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest
-from swarmrl.transport.broadcast.publish import _clean_temps, _prune
 
 
 def _claim_partial(root: Path, vname: str, digest: str) -> Path:
-    fresh = root / _temp_name("tmp", vname)
-    with _ACTIVE_LOCK:
+    fresh = root / temp_name("tmp", vname)
+    with active_temp_dirs() as active:
         for p in sorted(root.glob(f".tmp-{vname}-*")):
-            m = _TEMP_DIR.fullmatch(p.name)
-            if m is None or p in _ACTIVE or not (p / ".digest").is_file():
+            m = TEMP_DIR.fullmatch(p.name)
+            if m is None or p in active or not (p / ".digest").is_file():
                 continue
             pid = int(m.group(1))
             if pid != os.getpid() and pid_alive(pid):
@@ -62,16 +62,16 @@ def _claim_partial(root: Path, vname: str, digest: str) -> Path:
             break
         (fresh / "shards").mkdir(parents=True, exist_ok=True)
         (fresh / ".digest").write_text(digest)
-        _ACTIVE.add(fresh)
+        active.add(fresh)
     return fresh
 
 
 def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, scores, parallel: int,
             timeout_s: float, log, tries_per_shard: int | None = None) -> dict:
-    vname = _vname(version)
+    vname = version_name(version)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
-        return _load_manifest_file(vdir / "manifest.json")
+        return load_manifest_file(vdir / "manifest.json")
     root.mkdir(parents=True, exist_ok=True)
     digest = manifest_digest(manifest)
     tmp = _claim_partial(root, vname, digest)
@@ -81,7 +81,7 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
         (tmp / ".digest").unlink(missing_ok=True)
         for leftover in (tmp / "shards").glob("*.part"):
             leftover.unlink(missing_ok=True)
-        (tmp / "manifest.json").write_bytes(_manifest_bytes(manifest))
+        (tmp / "manifest.json").write_bytes(manifest_bytes(manifest))
         # Other fetchers into the same root may finish first, and may remove their copy again
         # (fetch_version deletes the shard copy once the files are rebuilt): a few rounds settle it.
         for _ in range(5):
@@ -91,7 +91,7 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
             except OSError:
                 pass
             try:
-                existing = _load_manifest_file(vdir / "manifest.json")
+                existing = load_manifest_file(vdir / "manifest.json")
             except (BroadcastError, OSError):
                 time.sleep(0.05)  # gone again, or still being moved: try the rename once more
                 continue
@@ -105,8 +105,8 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
     except OSError as e:
         raise BroadcastError(f"cannot mirror {vname} into {root}: {e}; check free space and permissions") from e
     finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(tmp)
+        with active_temp_dirs() as active:
+            active.discard(tmp)
 
 
 def mirror_version(version: int, sources: list[str], root, *, public_key: str, scores=None,
@@ -117,26 +117,26 @@ def mirror_version(version: int, sources: list[str], root, *, public_key: str, s
     required), every shard against its sha256; a failed call leaves its partial shards for the
     next call to resume. Returns the manifest; a complete copy already there is returned at once
     if it still verifies (unless `expected_digest` is given and it differs: then it is replaced)."""
-    _check_version(version)
-    vname = _vname(version)
+    check_version(version)
+    vname = version_name(version)
     # A mirror of an unsigned version would be served on to clients that then refuse it (or,
     # worse, to a chained relay): a relay holds only what the trainer signed.
     if public_key is None:
         raise BroadcastError(f"mirroring {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
                              "relays never mirror versions they cannot verify")
-    _check_public_key(public_key, f"mirroring {vname}")
-    sources = _check_sources(sources, f"mirroring {vname}")
+    check_public_key(public_key, f"mirroring {vname}")
+    sources = check_sources(sources, f"mirroring {vname}")
     root = Path(root)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
         try:
-            held = _load_manifest_file(vdir / "manifest.json")
+            held = load_manifest_file(vdir / "manifest.json")
             if expected_digest is None or manifest_digest(held) == expected_digest:
                 verify_manifest(held, public_key, version)
                 return held
         except BroadcastError as e:  # from before the key was required, or damaged: fetched again
             log(f"{vname}: the copy in {vdir} does not verify ({e}); replacing it")
-        _remove_dir(vdir)
+        remove_dir(vdir)
     scores = SourceScores() if scores is None else scores
     manifest = fetch_manifest(version, scores.order(sources), public_key=public_key, timeout_s=timeout_s,
                               expected_digest=expected_digest)
@@ -155,7 +155,7 @@ def _folder_matches(folder: Path, manifest: dict) -> bool:
         if [p.name for p in paths] != sorted(f["name"] for f in manifest["files"]):
             return False
         want = {f["name"]: (f["size"], f["sha256"]) for f in manifest["files"]}
-        return all(p.stat().st_size == want[p.name][0] and _sha256_file(p) == want[p.name] for p in paths)
+        return all(p.stat().st_size == want[p.name][0] and sha256_file(p) == want[p.name] for p in paths)
     except OSError:
         return False
 
@@ -258,27 +258,27 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     `expected_digest` (manifest_digest of the manifest the orchestrator announced) skips sources
     holding another publication of the same version number. The last source is the origin: it
     is used only when no relay has the version after `relay_wait_s` (`_prefer_relays`)."""
-    _check_version(version)
-    vname = _vname(version)
+    check_version(version)
+    vname = version_name(version)
     if public_key is None:
         raise BroadcastError(f"fetching {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
                              "workers never accept unsigned versions")
-    _check_public_key(public_key, f"fetching {vname}")
-    sources = _check_sources(sources, f"fetching {vname}")
-    if not _is_int(keep) or keep < 0:
+    check_public_key(public_key, f"fetching {vname}")
+    sources = check_sources(sources, f"fetching {vname}")
+    if not is_int(keep) or keep < 0:
         raise BroadcastError(f"keep must be a non-negative int, got {keep!r}")
     scores = SourceScores() if scores is None else scores
     dest_root = Path(dest_root)
     dest = dest_root / vname
 
     def finish(installed: dict) -> Path:
-        _clean_temps(dest_root)
-        _clean_temps(dest_root / ".shards", below=version)  # partials of older versions will not be resumed
+        clean_temps(dest_root)
+        clean_temps(dest_root / ".shards", below=version)  # partials of older versions will not be resumed
         versions = sorted(int(m.group(1)) for p in dest_root.iterdir()
-                          if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir())
+                          if (m := VERSION_DIR.fullmatch(p.name)) and p.is_dir())
         # An adapter's base stays beside it (fetch_base puts it there) however old it is.
         base = installed.get("base", {}).get("version")
-        _prune(dest_root, versions, keep, lambda v: v in (version, base))
+        remove_old_versions(dest_root, versions, keep, lambda v: v in (version, base))
         return dest
 
     # A version number can be republished with other weights (a trainer resumed from an older
@@ -286,7 +286,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     # caller names the publication it wants (expected_digest) and the folder is that one.
     if expected_digest is not None and (dest / INSTALLED_MANIFEST).is_file():
         try:
-            held_manifest = _load_manifest_file(dest / INSTALLED_MANIFEST)
+            held_manifest = load_manifest_file(dest / INSTALLED_MANIFEST)
             verify_manifest(held_manifest, public_key, version)
             if manifest_digest(held_manifest) == expected_digest and _folder_matches(dest, held_manifest):
                 return finish(held_manifest)
@@ -297,7 +297,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
                                              expected_digest=expected_digest, wait_s=relay_wait_s)
     if dest.is_dir() and _folder_matches(dest, manifest):
         try:
-            _atomic_write(dest / INSTALLED_MANIFEST, _manifest_bytes(manifest))
+            atomic_write(dest / INSTALLED_MANIFEST, manifest_bytes(manifest))
         except OSError:
             pass
         return finish(manifest)
@@ -306,11 +306,11 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     held = shard_root / vname
     if held.is_dir():  # a complete shard copy from an interrupted call: usable only if it is this publication
         try:
-            same = manifest_digest(_load_manifest_file(held / "manifest.json")) == manifest_digest(manifest)
+            same = manifest_digest(load_manifest_file(held / "manifest.json")) == manifest_digest(manifest)
         except BroadcastError:
             same = False
         if not same:
-            _remove_dir(held)
+            remove_dir(held)
     try:
         # From the relays first, each tried once per shard; what they fail to serve comes from
         # every source, the origin included (the shards already fetched are kept and resumed).
@@ -322,7 +322,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         log(f"{vname}: the relays failed to serve its shards; fetching the rest from every source")
         _mirror(version, manifest, sources, shard_root, scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
 
-    tmp = dest_root / _temp_name("tmp", vname)
+    tmp = dest_root / temp_name("tmp", vname)
     tmp.mkdir()
     try:
         try:
@@ -337,17 +337,17 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
             raise BroadcastError(f"fetching {vname}: cannot rebuild the files in {dest_root}: {e}; check free space "
                                  "and permissions") from e
         if bad is not None:
-            _remove_dir(held)
+            remove_dir(held)
             raise BroadcastError(f"fetching {vname}: file {bad!r} rebuilt from verified shards has the wrong sha256 "
                                  "(the shard copy was damaged on disk, or the trainer published an inconsistent "
                                  "manifest); the shard copy was deleted, try again")
-        (tmp / INSTALLED_MANIFEST).write_bytes(_manifest_bytes(manifest))
+        (tmp / INSTALLED_MANIFEST).write_bytes(manifest_bytes(manifest))
         if dest.is_dir() and _folder_matches(dest, manifest):
             # A concurrent fetch installed it meanwhile: keep that one (its caller may be loading it).
-            _remove_dir(held)
+            remove_dir(held)
             return finish(manifest)
         if dest.exists():
-            _remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
+            remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -356,7 +356,7 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
                                      "remove it and try again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _remove_dir(held)
+    remove_dir(held)
     log(f"{vname}: installed in {dest}")
     return finish(manifest)
 
@@ -379,23 +379,23 @@ def fetch_base(manifest: dict, sources: list[str], dest_root, *, public_key: str
     if base is None:
         return None
     version, want = base["version"], base["digest"]
-    where = f"policy {_vname(manifest['version'])} is a LoRA adapter for base {_vname(version)}"
-    dest = Path(dest_root) / _vname(version)
+    where = f"policy {version_name(manifest['version'])} is a LoRA adapter for base {version_name(version)}"
+    dest = Path(dest_root) / version_name(version)
     if verified is not None and want in verified and (dest / INSTALLED_MANIFEST).is_file():
         try:
-            if content_digest(_load_manifest_file(dest / INSTALLED_MANIFEST)) == want:
+            if content_digest(load_manifest_file(dest / INSTALLED_MANIFEST)) == want:
                 return dest
         except (BroadcastError, KeyError, TypeError):
             pass
     path = fetch_version(version, sources, dest_root, public_key=public_key, scores=scores, keep=keep,
                          parallel=parallel, timeout_s=timeout_s, log=log)
-    held = _load_manifest_file(path / INSTALLED_MANIFEST)
+    held = load_manifest_file(path / INSTALLED_MANIFEST)
     verify_manifest(held, public_key, version)
     got = content_digest(held)
     if got != want:
         raise BroadcastError(
-            f"{where} with content digest {want[:16]}..., but the {_vname(version)} the sources serve (signed by the "
-            f"trainer) holds other weights ({got[:16]}...): refusing to merge the adapter into it. The trainer "
+            f"{where} with content digest {want[:16]}..., but the {version_name(version)} the sources serve (signed "
+            f"by the trainer) holds other weights ({got[:16]}...): refusing to merge the adapter into it. The trainer "
             "republished its base with other weights (a new run under the same key?): fetch a version the current "
             "trainer published, or start this worker with an empty cache directory")
     if verified is not None:

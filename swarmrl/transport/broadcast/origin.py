@@ -19,8 +19,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from swarmrl.protocol.manifest import BroadcastError, _vname
-from swarmrl.transport.broadcast.common import CHUNK, _PATH_MANIFEST, _PATH_SHARD, _RANGE
+from swarmrl.protocol.manifest import BroadcastError, version_name
+from swarmrl.transport.broadcast.common import CHUNK, PATH_MANIFEST, PATH_SHARD, RANGE
 from swarmrl.transport.broadcast.publish import read_versions
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,12 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
             if path == "/versions":
                 body = json.dumps({"versions": read_versions(self.server.root)}).encode()
                 return self._send_small(200, body, "application/json", send_body)
-            if m := _PATH_MANIFEST.fullmatch(path):
+            if m := PATH_MANIFEST.fullmatch(path):
                 v = int(m.group(1))
-                return self._send_file(v, self.server.root / _vname(v) / "manifest.json", send_body)
-            if m := _PATH_SHARD.fullmatch(path):
+                return self._send_file(v, self.server.root / version_name(v) / "manifest.json", send_body)
+            if m := PATH_SHARD.fullmatch(path):
                 v = int(m.group(1))
-                return self._send_file(v, self.server.root / _vname(v) / "shards" / m.group(2), send_body)
+                return self._send_file(v, self.server.root / version_name(v) / "shards" / m.group(2), send_body)
             return self._not_found(send_body)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away; it will retry elsewhere
@@ -90,7 +90,7 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
         header = self.headers.get("Range")
         if header is None:
             return None
-        m = _RANGE.fullmatch(header.strip())
+        m = RANGE.fullmatch(header.strip())
         if m is None or m.group(1) == m.group(2) == "":
             return None  # other units, several ranges, nonsense: ignored, as RFC 9110 allows
         a, b = m.groups()

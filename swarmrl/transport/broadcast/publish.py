@@ -16,26 +16,25 @@ from swarmrl.protocol.manifest import (
     BroadcastError,
     FORMAT,
     MAX_SHARDS,
-    _check_base,
-    _check_version,
-    _is_int,
-    _is_plain_name,
-    _same_content,
-    _vname,
     canonical,
+    check_base,
+    check_version,
+    is_int,
+    is_plain_name,
     manifest_digest,
+    same_content,
+    version_name,
 )
 from swarmrl.transport.broadcast.common import (
     CHUNK,
-    _ACTIVE,
-    _ACTIVE_LOCK,
-    _TEMP_DIR,
-    _VERSION_DIR,
-    _load_manifest_file,
-    _manifest_bytes,
-    pid_alive,
-    _remove_dir,
-    _temp_name,
+    VERSION_DIR,
+    active_temp_dirs,
+    clean_temps,
+    load_manifest_file,
+    manifest_bytes,
+    remove_dir,
+    remove_old_versions,
+    temp_name,
 )
 
 
@@ -49,7 +48,7 @@ def _model_files(model_dir: Path) -> list[Path]:
     for p in sorted(model_dir.iterdir(), key=lambda p: p.name):
         if p.name.startswith(".") or not p.is_file():
             continue
-        if not _is_plain_name(p.name):
+        if not is_plain_name(p.name):
             raise BroadcastError(f"cannot publish {p}: file names may only use letters, digits, '.', '_' and '-'; "
                                  "rename the file")
         out.append(p)
@@ -125,16 +124,16 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
     Versions are immutable: an existing root/vNNNNNN with the same content (same files, shard size,
     parent, base and key) is returned as is; with other content, BroadcastError (use unpublish_version
     first to replace it on purpose)."""
-    _check_version(version)
+    check_version(version)
     if parent is not None:
-        _check_version(parent, "parent")
+        check_version(parent, "parent")
     if base is not None:
-        _check_base(base, version, lambda msg: BroadcastError(f"cannot publish {_vname(version)}: {msg}"))
-    if not _is_int(shard_size) or shard_size <= 0:
+        check_base(base, version, lambda msg: BroadcastError(f"cannot publish {version_name(version)}: {msg}"))
+    if not is_int(shard_size) or shard_size <= 0:
         raise BroadcastError(f"shard_size must be a positive int (bytes), got {shard_size!r}")
     if not isinstance(key, Ed25519PrivateKey):
         raise BroadcastError(f"key must be an Ed25519PrivateKey (auth.load_or_create_key), got {type(key).__name__}")
-    model_dir, root, vname = Path(model_dir), Path(root), _vname(version)
+    model_dir, root, vname = Path(model_dir), Path(root), version_name(version)
     paths = _model_files(model_dir)
     n = -(-sum(p.stat().st_size for p in paths) // shard_size)
     if n > MAX_SHARDS:
@@ -164,8 +163,8 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
         if not (dest / "manifest.json").is_file():
             raise BroadcastError(f"cannot publish {vname}: {dest} exists but holds no manifest.json (not a complete "
                                  "version); delete it and publish again")
-        old = _load_manifest_file(dest / "manifest.json")
-        if _same_content(old, new):
+        old = load_manifest_file(dest / "manifest.json")
+        if same_content(old, new):
             return old
         raise BroadcastError(
             f"cannot publish {vname}: {dest} already holds a different {vname} (manifest digest "
@@ -178,14 +177,14 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
         except OSError as e:
             raise BroadcastError(f"cannot publish {vname}: cannot read {model_dir}: {e}") from e
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / _temp_name("tmp", vname)
+    tmp = root / temp_name("tmp", vname)
     (tmp / "shards").mkdir(parents=True)
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(tmp)
+    with active_temp_dirs() as active:
+        active.add(tmp)
     try:
         try:
             manifest = sign(*_split(paths, tmp / "shards", shard_size))
-            (tmp / "manifest.json").write_bytes(_manifest_bytes(manifest))
+            (tmp / "manifest.json").write_bytes(manifest_bytes(manifest))
         except OSError as e:
             raise BroadcastError(f"cannot publish {vname} into {root}: {e}; check free space and permissions") from e
         try:
@@ -197,22 +196,22 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
         return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(tmp)
+        with active_temp_dirs() as active:
+            active.discard(tmp)
 
 
 def unpublish_version(root, version: int) -> bool:
     """Delete root/vNNNNNN (renamed aside first, so it vanishes whole); True if it was there.
     For a trainer that redoes steps after a resume and must replace a version number."""
-    _check_version(version)
-    return _remove_dir(Path(root) / _vname(version))
+    check_version(version)
+    return remove_dir(Path(root) / version_name(version))
 
 
 def published_manifest(root, version: int) -> dict | None:
     """The manifest of root/vNNNNNN as published there, or None when that version is not there."""
-    _check_version(version)
-    path = Path(root) / _vname(version) / "manifest.json"
-    return _load_manifest_file(path) if path.is_file() else None
+    check_version(version)
+    path = Path(root) / version_name(version) / "manifest.json"
+    return load_manifest_file(path) if path.is_file() else None
 
 
 def read_versions(root) -> list[int]:
@@ -222,50 +221,17 @@ def read_versions(root) -> list[int]:
         return []
     out = []
     for p in root.iterdir():
-        if (m := _VERSION_DIR.fullmatch(p.name)) and (p / "manifest.json").is_file():
+        if (m := VERSION_DIR.fullmatch(p.name)) and (p / "manifest.json").is_file():
             out.append(int(m.group(1)))
     return sorted(out)
-
-
-def _clean_temps(root: Path, below: int | None = None) -> None:
-    """Remove temp folders of processes that are gone (a crash's leftovers) and, when `below` is
-    given, this process's idle ones (partial downloads kept for a resume) of versions below it."""
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        m = _TEMP_DIR.fullmatch(p.name)
-        if m is None or not p.is_dir():
-            continue
-        pid = int(m.group(1))
-        if pid == os.getpid():
-            if below is None or int(p.name[6:12]) >= below:
-                continue
-            with _ACTIVE_LOCK:  # claimed under the lock (a rename), deleted outside it
-                if p in _ACTIVE:
-                    continue
-                gone = p.parent / _temp_name("old", p.name[5:12])
-                try:
-                    os.rename(p, gone)
-                except OSError:
-                    continue
-            shutil.rmtree(gone, ignore_errors=True)
-        elif not pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _prune(root: Path, versions: list[int], keep: int, in_use) -> None:
-    for v in versions[: max(len(versions) - keep, 0)]:
-        if in_use(v):
-            continue
-        _remove_dir(root / _vname(v))
 
 
 def prune_versions(root, keep: int, in_use=lambda version: False) -> None:
     """Keep the newest `keep` complete versions under `root`; delete the older ones except those
     `in_use(version)` says are being downloaded; remove temp folders of dead processes."""
-    if not _is_int(keep) or keep < 0:
+    if not is_int(keep) or keep < 0:
         raise BroadcastError(f"keep must be a non-negative int, got {keep!r}")
     root = Path(root)
     versions = read_versions(root)
-    _clean_temps(root, below=versions[-keep] if keep and len(versions) >= keep else None)
-    _prune(root, versions, keep, in_use)
+    clean_temps(root, below=versions[-keep] if keep and len(versions) >= keep else None)
+    remove_old_versions(root, versions, keep, in_use)
