@@ -18,7 +18,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -101,7 +101,7 @@ class Config(_Section):
         """trainer.precision against model.dtype, its compute dtype: either one alone sets the
         other (written out, so a reload agrees); both set and disagreeing is an error."""
         t, m = self.trainer, self.model
-        computes = {"fp32": "float32", "mixed": "bfloat16", "bf16": "bfloat16"}
+        computes: dict[str, Literal["float32", "bfloat16"]] = {"fp32": "float32", "mixed": "bfloat16", "bf16": "bfloat16"}
         if t.precision is None:
             t.precision = "mixed" if m.dtype == "bfloat16" else "fp32"
         elif "dtype" not in m.model_fields_set and m.dtype != computes[t.precision]:
@@ -182,7 +182,7 @@ def _set_dotted(data: dict, dotted: str, text: str) -> None:
     as written when it reads as another TOML type (`--run_dir 2024` is the string "2024")."""
     keys = dotted.split(".")
     node: Any = data
-    cls: type[BaseModel] | None = Config
+    cls: type[BaseModel] = Config
     for i, key in enumerate(keys):
         fields = {**cls.model_fields, **{f.alias: f for f in cls.model_fields.values() if f.alias}}
         if key not in fields:

@@ -51,8 +51,8 @@ class AlgorithmConfig(_Section):
 
     @field_validator("tis_cap")
     @classmethod
-    def _cap_positive(cls, v: float | str) -> float | str:
-        if v != "off" and not v > 0:
+    def _cap_positive(cls, v: float | Literal["off"]) -> float | Literal["off"]:
+        if not isinstance(v, str) and not v > 0:
             raise ValueError(f'must be greater than 0 (the largest importance weight), or "off"; got {v}')
         return v
 

@@ -74,12 +74,13 @@ def is_loopback(url: str) -> bool:
 
 def tls_failure(exc: BaseException) -> ssl.SSLError | None:
     """The SSL error behind `exc` (httpx wraps it), if it is one."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, ssl.SSLError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ssl.SSLError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
     return None
 
 
