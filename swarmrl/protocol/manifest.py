@@ -46,24 +46,31 @@ class BroadcastError(RuntimeError):
 # ---- small helpers ------------------------------------------------------------------------------
 
 
-def _vname(version: int) -> str:
+def version_name(version: int) -> str:
+    """The name of a version's folder and of the version in messages: 3 -> v000003."""
     return f"v{version:06d}"
 
 
-def _is_int(x: object) -> TypeGuard[int]:
+def is_int(x: object) -> TypeGuard[int]:
+    """An int and not a bool (JSON's true is no version number or size)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_version(version, what: str = "version") -> None:
-    if not _is_int(version) or not 0 <= version <= 999_999:
+def check_version(version, what: str = "version") -> None:
+    """BroadcastError unless `version` is an int in 0..999999; `what` names it in the message."""
+    if not is_int(version) or not 0 <= version <= 999_999:
         raise BroadcastError(f"{what} must be an int in 0..999999, got {version!r}")
 
 
-def _is_plain_name(name) -> bool:
+def is_plain_name(name) -> bool:
+    """A plain file name (letters, digits, '.', '_', '-'; no '..', not starting with '.'): safe
+    as a path component, needs no URL quoting."""
     return isinstance(name, str) and bool(_NAME.fullmatch(name)) and ".." not in name
 
 
-def _check_public_key(public_key, who: str) -> str:
+def check_public_key(public_key, who: str) -> str:
+    """`public_key` if it is an ed25519 public key as 64 lowercase hex characters; else
+    BroadcastError, the message starting with `who`."""
     if not isinstance(public_key, str) or not _HEX64.fullmatch(public_key):
         raise BroadcastError(
             f"{who}: public_key must be the trainer's ed25519 public key as 64 lowercase hex characters "
@@ -92,23 +99,26 @@ def content_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
-def _check_base(base, version, bad) -> None:
+def check_base(base, version, bad) -> None:
+    """Raises bad(message) unless `base` is an adapter version's base field: exactly `version`
+    (below the adapter's own `version`) and `digest` (the base's content_digest)."""
     if not isinstance(base, dict) or set(base) != {"version", "digest"}:
         raise bad("base must be an object with exactly version and digest (the adapter's base model)")
-    if not _is_int(base["version"]) or not 0 <= base["version"] < version:
+    if not is_int(base["version"]) or not 0 <= base["version"] < version:
         raise bad(f"base.version must be an int below the version itself ({version}), got {base['version']!r}")
     if not isinstance(base["digest"], str) or not _HEX64.fullmatch(base["digest"]):
         raise bad("base.digest must be 64 lowercase hex characters (the base version's content_digest)")
 
 
-def _where(manifest, version: int | None) -> str:
+def describe_manifest(manifest, version: int | None) -> str:
+    """How messages name a manifest: "manifest of policy v000003" when its version is known."""
     if version is not None:
-        return f"manifest of policy {_vname(version)}"
+        return f"manifest of policy {version_name(version)}"
     v = manifest.get("version") if isinstance(manifest, dict) else None
-    return f"manifest of policy {_vname(v)}" if _is_int(v) and 0 <= v <= 999_999 else "manifest"
+    return f"manifest of policy {version_name(v)}" if is_int(v) and 0 <= v <= 999_999 else "manifest"
 
 
-def _check_shape(manifest, where: str) -> None:
+def check_manifest_shape(manifest, where: str) -> None:
     """Well-formedness only (no signature): every field, types, and internal consistency."""
     def bad(msg: str) -> BroadcastError:
         return BroadcastError(f"{where}: {msg}; the source is misconfigured or malicious, use another source")
@@ -125,12 +135,12 @@ def _check_shape(manifest, where: str) -> None:
     if unknown:
         raise bad(f"unknown field(s) {', '.join(map(str, unknown))}")
     v, parent = manifest["version"], manifest["parent"]
-    if not _is_int(v) or not 0 <= v <= 999_999:
+    if not is_int(v) or not 0 <= v <= 999_999:
         raise bad(f"version must be an int in 0..999999, got {v!r}")
-    if parent is not None and (not _is_int(parent) or not 0 <= parent <= 999_999):
+    if parent is not None and (not is_int(parent) or not 0 <= parent <= 999_999):
         raise bad(f"parent must be null or an int in 0..999999, got {parent!r}")
     if "base" in manifest:
-        _check_base(manifest["base"], v, bad)
+        check_base(manifest["base"], v, bad)
     created = manifest["created"]
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
         raise bad(f"created must be a unix time (a number), got {created!r}")
@@ -139,9 +149,9 @@ def _check_shape(manifest, where: str) -> None:
     if not (isinstance(manifest["public_key"], str) and _HEX64.fullmatch(manifest["public_key"])):
         raise bad("public_key must be 64 lowercase hex characters")
     shard_size, total = manifest["shard_size"], manifest["total_size"]
-    if not _is_int(shard_size) or shard_size <= 0:
+    if not is_int(shard_size) or shard_size <= 0:
         raise bad(f"shard_size must be a positive int, got {shard_size!r}")
-    if not _is_int(total) or total < 0:
+    if not is_int(total) or total < 0:
         raise bad(f"total_size must be a non-negative int, got {total!r}")
     files = manifest["files"]
     if not isinstance(files, list) or not files:
@@ -151,15 +161,15 @@ def _check_shape(manifest, where: str) -> None:
     for i, f in enumerate(files):
         if not isinstance(f, dict) or set(f) != {"name", "offset", "size", "sha256"}:
             raise bad(f"files[{i}] must be an object with exactly name, offset, size, sha256")
-        if not _is_plain_name(f["name"]):
+        if not is_plain_name(f["name"]):
             raise bad(f"files[{i}] has a bad name {f['name']!r} (plain names only: letters, digits, '.', '_', '-'; "
                       "no '..', not starting with '.')")
         if f["name"] in names:
             raise bad(f"file {f['name']!r} is listed twice")
         names.add(f["name"])
-        if not _is_int(f["size"]) or f["size"] < 0:
+        if not is_int(f["size"]) or f["size"] < 0:
             raise bad(f"size of {f['name']!r} must be a non-negative int, got {f['size']!r}")
-        if f["offset"] != offset or not _is_int(f["offset"]):
+        if f["offset"] != offset or not is_int(f["offset"]):
             raise bad(f"offset of {f['name']!r} is {f['offset']!r}, expected {offset} (files are contiguous from 0)")
         if not isinstance(f["sha256"], str) or not _HEX64.fullmatch(f["sha256"]):
             raise bad(f"sha256 of {f['name']!r} must be 64 lowercase hex characters")
@@ -176,7 +186,7 @@ def _check_shape(manifest, where: str) -> None:
         want = shard_size if i < n - 1 else total - (n - 1) * shard_size
         if not isinstance(s, dict) or set(s) != {"size", "sha256"}:
             raise bad(f"shards[{i}] must be an object with exactly size and sha256")
-        if s["size"] != want or not _is_int(s["size"]):
+        if s["size"] != want or not is_int(s["size"]):
             raise bad(f"shards[{i}] has size {s['size']!r}, expected {want}")
         if not isinstance(s["sha256"], str) or not _HEX64.fullmatch(s["sha256"]):
             raise bad(f"sha256 of shards[{i}] must be 64 lowercase hex characters")
@@ -186,10 +196,10 @@ def verify_manifest(manifest, public_key: str, version: int | None = None) -> No
     """BroadcastError unless `manifest` is well formed, names `public_key`, carries a valid signature
     by that key, and (when given) is for `version`."""
     if version is not None:
-        _check_version(version)
-    where = _where(manifest, version)
-    pk = _check_public_key(public_key, f"verifying the {where}")
-    _check_shape(manifest, where)
+        check_version(version)
+    where = describe_manifest(manifest, version)
+    pk = check_public_key(public_key, f"verifying the {where}")
+    check_manifest_shape(manifest, where)
     sig = manifest.get("signature")
     if sig is None or sig == "":
         raise BroadcastError(f"{where}: unsigned (no 'signature' field); only manifests signed by the trainer key "
@@ -210,11 +220,12 @@ def verify_manifest(manifest, public_key: str, version: int | None = None) -> No
         raise BroadcastError(f"{where}: bad signature: the manifest was altered after the trainer signed it (or "
                              "signed by another key); refuse it and use another source") from None
     if version is not None and manifest["version"] != version:
-        raise BroadcastError(f"{where}: the manifest is for {_vname(manifest['version'])}, not {_vname(version)}; "
+        raise BroadcastError(f"{where}: the manifest is for {version_name(manifest['version'])}, "
+                             f"not {version_name(version)}; "
                              "the source serves the wrong version, use another source")
 
 
-def _same_content(a: dict, b: dict) -> bool:
+def same_content(a: dict, b: dict) -> bool:
     """Same version, same bytes, same signer: all but the time of publishing and the signature."""
     def strip(m):
         return {k: v for k, v in m.items() if k not in ("created", "signature")}
