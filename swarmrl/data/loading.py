@@ -223,13 +223,15 @@ def _sources(path: Path, split: str | None) -> list[tuple[str | None, Iterator[_
         files = _data_files(path, split)
         # Row numbers restart per file, so name the file when there are several.
         label = (lambda p: str(p.relative_to(path))) if len(files) > 1 else (lambda p: None)
-        return [(label(p), _read_file(p)) for p in files]
+        return [(label(p), read_records(p)) for p in files]
     if split is not None:
         raise ValueError(f"{path} is a single file; split={split!r} only applies to folders")
-    return [(None, _read_file(path))]
+    return [(None, read_records(path))]
 
 
-def _read_file(path: Path) -> Iterator[_Raw]:
+def read_records(path: Path) -> Iterator[_Raw]:
+    """The records of one .jsonl, .json or .parquet file, unvalidated, as (1-based row, record, why it
+    could not be parsed or None); ValueError for another extension."""
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     reader = readers.get(path.suffix.lower())
     if reader is None:

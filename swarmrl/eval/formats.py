@@ -25,7 +25,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from swarmrl.data.loading import _read_file
+from swarmrl.data.loading import read_records
 from swarmrl.data.schema import (
     CODE,
     MATH,
@@ -421,7 +421,7 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
     rows: list[dict] = []
     first_row_of: dict[str, int] = {}
     chosen = None if fmt == "auto" else fmt
-    records = _read_file(path)
+    records = read_records(path)
     try:
         for index, (row_no, record, parse_error) in enumerate(records):
             if parse_error is not None:

@@ -33,11 +33,9 @@ from __future__ import annotations
 import re
 import string
 
-from swarmrl.rewards.answer import answer_region, missing_answer_reason
-
-# Reused from the math grader so both read \boxed{} the same way (escaped
+# Shared with the math grader so both read \boxed{} the same way (escaped
 # braces, nesting, unclosed boxes skipped).
-from swarmrl.rewards.math import _BOXED_START, _matching_brace
+from swarmrl.rewards.answer import answer_region, boxed_contents, missing_answer_reason
 
 MULTIPLE_CHOICE = "multiple_choice"
 
@@ -80,21 +78,6 @@ def check_choice(verification_info: dict) -> str | None:
     return None
 
 
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every top-level, balanced ``\\boxed{...}`` in ``text``, in order."""
-    contents = []
-    position = 0
-    while (match := _BOXED_START.search(text, position)) is not None:
-        open_index = match.end() - 1
-        close_index = _matching_brace(text, open_index)
-        if close_index is None:  # unclosed: skip it, a later box may be fine
-            position = match.end()
-            continue
-        contents.append(text[open_index + 1 : close_index])
-        position = close_index + 1
-    return contents
-
-
 def _box_letter(content: str) -> str | None:
     """The capital letter a box's content names, if it is one of the accepted forms."""
     content = content.strip()
@@ -109,7 +92,7 @@ def _box_letter(content: str) -> str | None:
 
 def _final_letter(region: str) -> str | None:
     """The letter the region commits to, any capital A-Z; range is checked by callers."""
-    for content in reversed(_boxed_contents(region)):
+    for content in reversed(boxed_contents(region)):
         letter = _box_letter(content)
         if letter is not None:
             return letter

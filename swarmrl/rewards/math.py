@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from decimal import Decimal
 
 from math_verify import parse, verify
 from sympy import Basic, Float, Mul, Pow, Rational, factorial
 
-from swarmrl.rewards.answer import answer_region, missing_answer_reason
-
-# ``\boxed`` optionally followed by whitespace, then the opening brace.
-_BOXED_START = re.compile(r"\\boxed\s*\{")
+from swarmrl.rewards.answer import answer_region, boxed_contents, missing_answer_reason
 
 # How much of a wrong answer to quote in the reason string, so one runaway
 # completion does not bloat the scored JSONL.
@@ -51,29 +47,6 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
 
 
-def _matching_brace(text: str, open_index: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``open_index``, or None if unbalanced.
-
-    A backslash escapes the next character, so ``\\{`` and ``\\}`` (literal
-    braces in LaTeX) do not count towards the nesting depth.
-    """
-    depth = 0
-    i = open_index
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
 def _last_boxed(text: str) -> str | None:
     """Content of the last top-level, balanced ``\\boxed{...}`` in ``text``.
 
@@ -81,17 +54,8 @@ def _last_boxed(text: str) -> str | None:
     the scan resumes after each complete box; an unclosed ``\\boxed{`` is
     skipped so a later well-formed one can still be found.
     """
-    found = None
-    position = 0
-    while (match := _BOXED_START.search(text, position)) is not None:
-        open_index = match.end() - 1
-        close_index = _matching_brace(text, open_index)
-        if close_index is None:
-            position = match.end()
-            continue
-        found = text[open_index + 1 : close_index]
-        position = close_index + 1
-    return found
+    contents = boxed_contents(text)
+    return contents[-1] if contents else None
 
 
 def extract_answer(completion: str) -> str | None:
