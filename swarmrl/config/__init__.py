@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from swarmrl.config.base import ADVERSARY_KINDS, _Section
+from swarmrl.config.base import ADVERSARY_KINDS, Section
 from swarmrl.config.services import (BroadcastConfig, LoggingConfig, OrchestratorConfig, ValidatorConfig,
                                      read_key_file)
 from swarmrl.config.task import (LengthConfig, ModelConfig, RewardsConfig, SamplingConfig, SandboxConfig,
@@ -32,7 +32,7 @@ from swarmrl.config.training import (LORA_TARGETS_DEFAULT, AlgorithmConfig, Asyn
                                      SFTConfig, TrainerConfig)
 
 
-class Config(_Section):
+class Config(Section):
     run_dir: str | None = None
     """Run directory; None: a new folder under runs/."""
     seed: int = 0

@@ -23,5 +23,8 @@ ADVERSARY_KINDS = {
 }
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """What every config section shares: unknown keys are errors, each field's docstring is its
+    documentation, and an assignment is validated like a loaded value."""
+
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)

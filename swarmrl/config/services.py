@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from swarmrl.config.base import _Section
+from swarmrl.config.base import Section
 
 
-class OrchestratorConfig(_Section):
+class OrchestratorConfig(Section):
     host: str = "127.0.0.1"
     """Address the orchestrator binds. Keep loopback unless workers on other machines must reach it."""
     port: int = Field(0, ge=0, le=65535)
@@ -115,7 +115,7 @@ def read_key_file(path: str | Path) -> set[str]:
     return keys
 
 
-class BroadcastConfig(_Section):
+class BroadcastConfig(Section):
     shard_size: int = Field(1 << 20, ge=4096)
     """Bytes per shard of a published version. Shards are fetched in parallel, verified one by one
     (sha256 in the signed manifest) and resumed with HTTP Range requests. 1 MiB splits the default
@@ -142,7 +142,7 @@ class BroadcastConfig(_Section):
         return self
 
 
-class ValidatorConfig(_Section):
+class ValidatorConfig(Section):
     mode: Literal["in-process", "external"] = "in-process"
     """in-process: the orchestrator validates in a thread of its own process (local runs).
     external: it only queues groups; `swarmrl validator` processes (trusted, with the
@@ -245,7 +245,7 @@ class ValidatorConfig(_Section):
                 "sampling_margin": self.sampling_margin, "logprob_tol": self.logprob_tol}
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when wandb is installed; never required."""
     plots: bool = True

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from swarmrl.config.base import _Section
+from swarmrl.config.base import Section
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str | None = None
     """HF model folder to start from (any local causal LM). None: the project's tiny Qwen2 warm
     started by `swarmrl sft`, built on first use and cached under `base_cache_dir`."""
@@ -24,7 +24,7 @@ class ModelConfig(_Section):
     compute in `sampling.dtype`, the run's inference precision."""
 
 
-class TasksConfig(_Section):
+class TasksConfig(Section):
     source: str = "arithmetic"
     """"arithmetic" for the built-in procedural task, or a path to tasks in the INTELLECT-2 RL
     dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
@@ -50,7 +50,7 @@ class TasksConfig(_Section):
     """Seed for task generation and shuffling."""
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     group_size: int = Field(8, ge=2)
     """Completions per prompt (G in GRPO). Seed run: 16."""
     prompts_per_step: int = Field(16, ge=1)
@@ -75,7 +75,7 @@ class SamplingConfig(_Section):
     (no GRPO signal at all), rather than wait forever for an informative one."""
 
 
-class LengthConfig(_Section):
+class LengthConfig(Section):
     enabled: bool = False
     """Length-controlled reasoning: append " Think for {N} tokens before giving a response."
     to each prompt and shape the reward by how well the completion meets N."""
@@ -88,7 +88,7 @@ class LengthConfig(_Section):
     """Penalty slope per token. Seed run: 0.001 for 2000-10000 token targets."""
 
 
-class RewardsConfig(_Section):
+class RewardsConfig(Section):
     verify_workers: int = Field(1, ge=1)
     """Processes grading answers with math-verify."""
     verify_timeout_s: float = Field(5.0, gt=0)
@@ -98,7 +98,7 @@ class RewardsConfig(_Section):
     and the process is replaced."""
 
 
-class SandboxConfig(_Section):
+class SandboxConfig(Section):
     """How code rewards (`prime_rl_code` rows) run untrusted programs: each test in a fresh
     bubblewrap sandbox (see docs/sandbox.md)."""
 

@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from swarmrl.config.base import _Section
+from swarmrl.config.base import Section
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     delta: float = Field(4.0, gt=1.0)
     """Upper bound on the ratio for negative advantages (two-sided clipping). Seed run: 4."""
     eps_low: float = Field(0.2, ge=0.0, lt=1.0)
@@ -68,7 +68,7 @@ class AlgorithmConfig(_Section):
 LORA_TARGETS_DEFAULT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class LoRAConfig(_Section):
+class LoRAConfig(Section):
     """`trainer.lora`: train low-rank adapters through peft instead of every weight (Hu et al.
     2021, "LoRA: Low-Rank Adaptation of Large Language Models"). The base model (policy version 0)
     stays frozen; every later version publishes the adapter alone (peft's adapter_config.json +
@@ -100,7 +100,7 @@ class LoRAConfig(_Section):
         return [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else value
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     steps: int = Field(40, ge=1)
     """Rollout steps (policy versions) to train. 40 is where the default's gains level off: with
     60, 3 seeds on each of two machines had most of their gain by step 40, and each later step
@@ -216,7 +216,7 @@ class TrainerConfig(_Section):
         return v
 
 
-class AsyncConfig(_Section):
+class AsyncConfig(Section):
     bound: int = Field(2, ge=0)
     """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
     Seed run: 2, as here since the async study (docs/learning.md): with decoupled PPO (the
@@ -263,7 +263,7 @@ class AsyncConfig(_Section):
         return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     every: int = Field(20, ge=0)
     """Evaluate held-out accuracy every N steps during training (0: only before and after)."""
     temperature: float = Field(1.0, ge=0.0)
@@ -273,7 +273,7 @@ class EvalConfig(_Section):
     """Samples per held-out problem (accuracy is their mean: avg@k)."""
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     steps: int = Field(600, ge=1)
     """Optimizer steps of supervised warm start on worked traces. 600 takes the model past
     learning column arithmetic itself, so its accuracy is set by the slips in the data rather
