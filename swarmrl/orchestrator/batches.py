@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 from swarmrl.config import Config
+from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError, WAITING
+from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
+from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol.rollouts import Group
 
 
@@ -47,7 +51,17 @@ def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: i
 
 
 class Batches:
-    """The Orchestrator's batches (a mixin: state and helpers live on the Orchestrator)."""
+    """The trainer's side: batches, published policy versions, finished or not.
+
+    Owns no state in memory: batches, policies and the run's progress (next step, newest
+    version, finished) are in the store, each change one store transaction (its lock). Calls
+    the validation queue (`metrics`, for a batch's metrics) and leasing (`expire`, when the
+    trainer goes back a version)."""
+
+    def __init__(self, store: Store, cfg: Config, counters: Counters, validation: ValidationQueue, leasing: Leasing,
+                 log: Callable[[str], None]):
+        self.store, self.cfg, self.counters, self.log = store, cfg, counters, log
+        self.validation, self.leasing = validation, leasing
 
     def build_batch(self, step: int) -> dict:
         """Batch `step`: the frozen batch if it exists, else build it now if enough informative
@@ -58,7 +72,7 @@ class Batches:
             row = self.store.batch(db, step)
             if row is not None:
                 return self._batch_response(db, row)
-            next_step, _, _ = self._progress(db)
+            next_step, _, _ = Store.progress(db)
             if step != next_step:
                 raise ApiError(409, "wrong_step", f"batch {step} cannot be built: the next batch is {next_step}")
             streak = Store.get_meta(db, "uninformative_streak", 0)
@@ -74,7 +88,7 @@ class Batches:
             oldest = step - k
             stale = self.store.drop_older(db, ("queued",), oldest, step)
             if stale:
-                self._count("off_policy_dropped", stale)
+                self.counters.count("off_policy_dropped", stale)
             ids = self.store.queued_ids(db, want)
             if len(ids) < want:
                 return {"ready": False, "step": step, "queued": len(ids), "needed": want}
@@ -85,11 +99,11 @@ class Batches:
             n_stale = self.store.resolved_stale_count(db, step)
             metrics = batch_metrics(step, taken, resolved, n_stale, cfg)
             metrics["off_policy/dropped_total"] = float(self.store.count_groups(db, ("stale",)))
-            metrics.update(self._validation_metrics(db))
+            metrics.update(self.validation.metrics(db))
             self.store.save_batch(db, step, json.dumps(ids), json.dumps(metrics), time.time())
             Store.set_meta(db, "next_step", step + 1)
             row = self.store.batch(db, step)
-            self._count("batches_built")
+            self.counters.count("batches_built")
             return self._batch_response(db, row)
 
     def _batch_response(self, db, row) -> dict:
@@ -109,12 +123,12 @@ class Batches:
                 next_step = Store.get_meta(db, "next_step", 0)
                 dropped = self.store.drop_newer(db, WAITING, version, next_step)
                 self.store.end_leases_above(db, version)
-                self._expire(db, time.time())
+                self.leasing.expire(db, time.time())
                 self.log(f"trainer went back to version {version} (was {latest}): {dropped} queued groups dropped")
             Store.set_meta(db, "latest_version", version)
             Store.set_meta(db, "finished", False)  # a trainer publishing means the run is live (resumed)
             self.store.forget_policies(db, version - self.cfg.async_.bound - 8)
-        self._count("policies_published")
+        self.counters.count("policies_published")
         return {"latest_version": version}
 
     def reopen(self) -> None:

@@ -48,7 +48,7 @@ def build(orch, *, now: float | None = None) -> dict:
     cfg = orch.cfg
     store = orch.store
     with store.read() as db:
-        next_step, latest, finished = orch._progress(db)
+        next_step, latest, finished = store.progress(db)
         batches = db.execute("SELECT step, metrics, created FROM batches ORDER BY step DESC LIMIT ?",
                              (MAX_STEPS,)).fetchall()
         workers = db.execute(

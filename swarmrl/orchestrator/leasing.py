@@ -9,11 +9,14 @@ import json
 import random
 import secrets
 import time
+from collections.abc import Sequence
 
 from swarmrl.config import Config
 from swarmrl.orchestrator.admission import (Standing, allowance, is_proven, lease_size, lease_timeout,
                                             unproven_share)
+from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError, WAITING
+from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.store import Store
 from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
 from swarmrl.protocol.reasons import FRAUD_REASONS
@@ -38,7 +41,41 @@ def wants_more_work(batches: int, prompts_per_step: int, queued: int, open_slots
 
 
 class Leasing:
-    """The Orchestrator's leasing (a mixin: state and helpers live on the Orchestrator)."""
+    """Leases: which problems go out, how many, to whom, and their expiry.
+
+    Owns `_perms` (the task order of the current epoch), touched only inside a store
+    transaction and so guarded by the store's lock, and `_refused` (keys refused leases a
+    moment ago, with until when), a dict without a lock: each access is one dict operation
+    (atomic under the GIL), and a race at worst forgets a refusal, which costs a transaction.
+    The leases, slots, task cursor and reissued problems are in the store. Calls the gate
+    (`is_trusted`); `expire` is called by the validation queue (bans) and batches (a trainer
+    going back a version)."""
+
+    def __init__(self, store: Store, cfg: Config, rows: Sequence[dict], tokenizer, counters: Counters, gate: Gate):
+        self.store, self.cfg, self.rows, self.tokenizer = store, cfg, rows, tokenizer
+        self.counters, self.gate = counters, gate
+        self._perms: dict[int, list[int]] = {}
+        self._refused: dict[str, tuple[float, ApiError]] = {}
+
+    def check_refusal(self, key: str) -> None:
+        """A key refused leases a moment ago (its allowance is used up) is refused again from
+        memory until its Retry-After has passed: one that ignores Retry-After costs a dict lookup,
+        not a nonce write and two transactions. Only leases: it may still submit and ask /me."""
+        boxed = self._refused.get(key)
+        if boxed is None:
+            return
+        until, error = boxed
+        left = until - time.monotonic()
+        if left <= 0:
+            self._refused.pop(key, None)
+            return
+        self.counters.count("refused/remembered")
+        raise ApiError(error.status, error.code, error.message, retry_after=left)
+
+    def _remember_refusal(self, key: str, error: ApiError) -> None:
+        if len(self._refused) >= 100_000:
+            self._refused.clear()  # bounded memory; forgetting only costs a transaction per key
+        self._refused[key] = (time.monotonic() + error.retry_after, error)
 
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
@@ -59,16 +96,18 @@ class Leasing:
         Store.set_meta(db, "task_cursor", cursor)
         return out
 
-    def _expire(self, db, now: float) -> None:
+    def expire(self, db, now: float) -> None:
+        """Inside the caller's transaction: expire the leases past their time (their open slots'
+        problems go back to the pool), counting unsubmitted slots against their keys."""
         expired = self.store.expire_leases(db, now)
         if expired:
-            self._count("leases_expired", len(expired))
+            self.counters.count("leases_expired", len(expired))
         for _, worker, slots, ran_out in expired:
             if ran_out and slots:
                 # Unsubmitted work counts against its key's allowance (admission.py): holding a
                 # lease must cost a key that never submits.
                 self.store.penalise(db, worker, slots, now)
-                self._count("slots_expired", slots)
+                self.counters.count("slots_expired", slots)
 
     def _admit(self, db, key: str, now: float) -> tuple[int, dict | None, bool]:
         """How many prompts `key` may lease now (admission.py), or why none: (0, a no-lease reply)
@@ -84,7 +123,7 @@ class Leasing:
                            "which used up its lease allowance: submit what you lease before it expires "
                            f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
                            retry_after=min(60.0, o.penalty_window_s))
-        trusted = self.is_trusted(key)  # counts as proven (docs/engines.md)
+        trusted = self.gate.is_trusted(key)  # counts as proven (docs/engines.md)
         held = standing.leased if trusted else standing.held(o)
         n = lease_size(allowed - held, s.worker_batch_prompts, allowed)
         mine = self.store.open_lease_count(db, key)
@@ -112,18 +151,18 @@ class Leasing:
         now = time.time()
         with self.store.tx() as db:
             # Its own transaction: the refusals below roll theirs back, expiries must stay done.
-            self._expire(db, now)
+            self.expire(db, now)
         try:
             return self._lease(key, policy_version, now)
         except ApiError as e:
             if e.code == "allowance_exhausted":
-                self.remember_refusal(key, e)
+                self._remember_refusal(key, e)
             raise
 
     def _lease(self, key: str, policy_version: int, now: float) -> dict:
         cfg, s, o = self.cfg, self.cfg.sampling, self.cfg.orchestrator
         with self.store.tx() as db:
-            next_step, latest, finished = self._progress(db)
+            next_step, latest, finished = Store.progress(db)
             if finished:
                 raise ApiError(409, "run_finished", "the run is finished; nothing more to sample")
             lo = max(0, next_step - cfg.async_.bound)
@@ -170,7 +209,7 @@ class Leasing:
                 prompt, ids = model_input(self.tokenizer, row["prompt"], target)
                 prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
                                 "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})
-        self._count("leases_issued")
+        self.counters.count("leases_issued")
         lease = Lease(lease_id=lease_id, expires_at=expires, expires_in_s=expires - now, min_version=lo,
                       max_version=latest, group_size=s.group_size, temperature=s.temperature,
                       max_new_tokens=s.max_new_tokens, dtype=s.dtype,

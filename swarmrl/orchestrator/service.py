@@ -1,8 +1,9 @@
-"""The orchestrator's logic, independent of HTTP: leases (leasing.py), submissions
-(submissions.py), the validation queue (validation.py), batches and policies (batches.py), composed
-here with the workers' identities and the run's state.
+"""The orchestrator's logic, independent of HTTP: the door checks and key lists (gate.py), leases
+(leasing.py), submissions (submissions.py), the validation queue (validation.py), batches and
+policies (batches.py), each a component that is handed what it uses; `Orchestrator` builds and
+wires them and is the one object the app, the server and the in-process validator talk to.
 
-`app.py` maps requests onto these methods; every refusal is an `ApiError` whose code and message
+`app.py` maps requests onto its methods; every refusal is an `ApiError` whose code and message
 reach the client as JSON. The rules it enforces:
 
   * workers never choose problems: a lease names them, with the group size, sampling settings,
@@ -27,61 +28,43 @@ reach the client as JSON. The rules it enforces:
 from __future__ import annotations
 
 import json
-import os
-import random
-import threading
-import time
 from pathlib import Path
 
-from swarmrl.config import Config, read_key_file
-from swarmrl.orchestrator.admission import GradingLanes, Standing, allowance, is_proven
+from swarmrl.config import Config
+from swarmrl.orchestrator.admission import GradingLanes
 from swarmrl.orchestrator.batches import Batches
-from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.counters import Counters
+from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.submissions import Submissions
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol import PROTOCOL_VERSION
-from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import open_graders
 from swarmrl.tasks.source import task_rows
 
 
-class RateLimiter:
-    """Token bucket per key, in memory (a restart forgives everyone, which is harmless)."""
+class Orchestrator:
+    """The composition root: opens the store, the run's rows, graders and grading lanes, builds
+    the components with what each uses, and answers for them (the methods below delegate).
 
-    def __init__(self, rate: float, burst: int, max_keys: int = 100_000):
-        self.rate, self.burst, self.max_keys = rate, burst, max_keys
-        self.buckets: dict[str, tuple[float, float]] = {}
-        self.lock = threading.Lock()
-
-    def take(self, key: str, now: float | None = None) -> float:
-        """0 if allowed, else seconds until the next request would be."""
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            tokens, last = self.buckets.get(key, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-            if tokens < 1.0:
-                self.buckets[key] = (tokens, now)
-                return (1.0 - tokens) / self.rate
-            if len(self.buckets) >= self.max_keys and key not in self.buckets:
-                self.buckets.clear()  # bounded memory under a flood of fresh keys
-            self.buckets[key] = (tokens - 1.0, now)
-            return 0.0
-
-
-class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
-    """The orchestrator's state and rules; each concern is a mixin in its own module (leasing,
-    submissions, validation, batches), all sharing one store, config and set of counters."""
+    Who owns what (each component's docstring says more):
+      * `store` (store.py): every durable state, behind one re-entrant lock; one transaction
+        per operation, and the components' `db`-taking methods join their caller's;
+      * `counters`: the /metrics totals, behind their own lock;
+      * `gate`: the rate limiters (a lock each) and the allowed/trusted key files' contents;
+      * `leasing`: the epoch's task order (under the store's lock) and the remembered refusals;
+      * `submissions`: the resource graders' lock and the full-check draw; uses `lanes`
+        (their own lock) and `graders`, which this object opens and closes;
+      * `validation`, `batches`: nothing in memory.
+    Calls go one way: submissions -> validation -> leasing -> gate, batches -> validation
+    and leasing."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, tokenizer, vocab_size: int, hidden_size: int,
                  trainer_token: str, validator_token: str | None = None, pool: VerifierPool | None = None, log=print):
         self.cfg, self.rd = cfg, Path(run_dir)
-        self.tokenizer, self.vocab_size, self.hidden_size = tokenizer, vocab_size, hidden_size
         self.trainer_token, self.validator_token = trainer_token, validator_token
-        self.stop_ids = [tokenizer.eos_token_id]
-        self.rng = random.SystemRandom()  # which groups get the full check: not predictable by workers
         self.log = log
         self.store = Store(self.rd / "orchestrator.sqlite")
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
@@ -94,51 +77,28 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                                memory_bytes=cfg.rewards.verify_memory_mb << 20)
                   for _ in range(o.grading_lanes - len(pools))]
         self.lanes = GradingLanes(pools, o.grading_wait_s)
-        # A resource grader (the code sandbox) is one object: lanes take turns on it (_grade).
-        self.resource_lock = threading.Lock()
         self.run_id = self.store.run_id()
-        # Keys refused leases for a while (allowance used up): check_lease_refusal.
-        self.refused: dict[str, tuple[float, ApiError]] = {}
-        self._allowed: tuple[float, set[str]] | None = None  # (mtime, keys) of allowed_keys_file
-        self._trusted: tuple[float, frozenset[str]] = (-1.0, frozenset())  # (mtime, keys) of trusted_keys_file
+        self.counters = Counters()
+        self.gate = Gate(self.store, cfg, self.counters, log)
         if o.trusted_keys_file is not None:
-            log(f"trusted keys: {len(self.trusted_keys())} from {o.trusted_keys_file} may submit groups without proofs")
-        self.limiter = RateLimiter(o.rate_per_s, o.rate_burst)
-        self.sources = RateLimiter(o.requests_per_s_per_source, int(2 * o.requests_per_s_per_source))
-        self.registrations = RateLimiter(o.registrations_per_min / 60.0, o.registrations_per_min)
-        self.all_registrations = RateLimiter(o.registrations_per_min_total / 60.0, o.registrations_per_min_total)
-        self._perms: dict[int, list[int]] = {}
-        self.counters: dict[str, float] = {}  # in-process totals for /metrics
-        self._counters_lock = threading.Lock()
+            log(f"trusted keys: {len(self.gate.trusted_keys())} from {o.trusted_keys_file} may submit groups "
+                "without proofs")
+        self.leasing = Leasing(self.store, cfg, self.rows, tokenizer, self.counters, self.gate)
+        self.validation = ValidationQueue(self.store, cfg, self.counters, self.leasing, log)
+        self.submissions = Submissions(self.store, cfg, self.rows, tokenizer, self.counters, self.gate,
+                                       self.validation, self.lanes, self.graders, vocab_size=vocab_size,
+                                       hidden_size=hidden_size)
+        self.batches = Batches(self.store, cfg, self.counters, self.validation, self.leasing, log)
 
     def close(self) -> None:
         self.lanes.close()
         self.graders.close()
         self.store.close()
 
-    def _count(self, name: str, by: float = 1.0) -> None:
-        with self._counters_lock:
-            self.counters[name] = self.counters.get(name, 0.0) + by
-
-    def totals(self) -> dict[str, float]:
-        with self._counters_lock:
-            return dict(self.counters)
-
-    def trainer_public_key(self) -> str | None:
-        """The trainer's broadcast signing key, once the trainer has written it to the run directory."""
-        try:
-            return (self.rd / "trainer.pub").read_text().strip() or None
-        except OSError:
-            return None
-
-    # ---- state -------------------------------------------------------------------------------
-    def _progress(self, db) -> tuple[int, int | None, bool]:
-        return (Store.get_meta(db, "next_step", 0), Store.get_meta(db, "latest_version"),
-                Store.get_meta(db, "finished", False))
-
+    # ---- the run -----------------------------------------------------------------------------
     def status(self) -> dict:
         with self.store.read() as db:
-            next_step, latest, finished = self._progress(db)
+            next_step, latest, finished = Store.progress(db)
             policy = None
             if latest is not None:
                 row = self.store.policy(db, latest)
@@ -148,131 +108,19 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                 "min_version": max(0, next_step - k), "finished": finished, "policy": policy,
                 "total_steps": self.cfg.trainer.steps, "protocol_version": PROTOCOL_VERSION, "run_id": self.run_id}
 
-    # ---- workers -----------------------------------------------------------------------------
-    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
-                     allow_banned: bool = False) -> dict:
-        """After the signature checked out: rate, registration, ban and replay checks, cheapest
-        first (an unknown or banned key is refused before it can write a nonce row)."""
-        wait = self.limiter.take(key)
-        if wait:
-            raise ApiError(429, "rate_limited", f"too many requests from this key; retry in {wait:.2f} s",
-                           retry_after=wait)
-        worker = self.store.worker(key)
-        if worker is None and not registering:
-            raise ApiError(403, "not_registered", "unknown worker key: POST /v1/workers/register first")
-        if worker is not None and worker["banned"] and not allow_banned:
-            raise ApiError(403, "banned", "this worker key is banned for submitting work that failed validation "
-                                          "(POST /v1/workers/me says why)")
-        skew = self.cfg.orchestrator.max_clock_skew_s
-        if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
-            raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
-        return worker or {}
-
-    def check_lease_refusal(self, key: str) -> None:
-        """A key refused leases a moment ago (its allowance is used up) is refused again from
-        memory until its Retry-After has passed: one that ignores Retry-After costs a dict lookup,
-        not a nonce write and two transactions. Only leases: it may still submit and ask /me."""
-        boxed = self.refused.get(key)
-        if boxed is None:
-            return
-        until, error = boxed
-        left = until - time.monotonic()
-        if left <= 0:
-            self.refused.pop(key, None)
-            return
-        self._count("refused/remembered")
-        raise ApiError(error.status, error.code, error.message, retry_after=left)
-
-    def remember_refusal(self, key: str, error: ApiError) -> None:
-        if len(self.refused) >= 100_000:
-            self.refused.clear()  # bounded memory; forgetting only costs a transaction per key
-        self.refused[key] = (time.monotonic() + error.retry_after, error)
-
-    def admit_source(self, source: str) -> None:
-        """Requests per source address, counted before any signature is checked or body parsed."""
-        wait = self.sources.take(source)
-        if wait:
-            self._count("rate_limited/source")
-            raise ApiError(429, "rate_limited", f"too many requests from {source}; retry in {wait:.2f} s",
-                           retry_after=wait)
-
-    def _invited(self, key: str) -> bool:
-        """Whether `key` is in orchestrator.allowed_keys_file (always, when there is none)."""
-        path = self.cfg.orchestrator.allowed_keys_file
-        if path is None:
-            return True
+    def trainer_public_key(self) -> str | None:
+        """The trainer's broadcast signing key, once the trainer has written it to the run directory."""
         try:
-            mtime = os.stat(path).st_mtime
+            return (self.rd / "trainer.pub").read_text().strip() or None
         except OSError:
-            return False  # a closed run whose list is missing admits no one new
-        if self._allowed is None or self._allowed[0] != mtime:
-            lines = Path(path).read_text().splitlines()
-            self._allowed = (mtime, {line.split("#")[0].strip().lower() for line in lines} - {""})
-        return key in self._allowed[1]
+            return None
 
-    def trusted_keys(self) -> frozenset[str]:
-        """The keys of orchestrator.trusted_keys_file, read again when the file changes. A file
-        gone or broken meanwhile trusts nobody (the safe side) and says so in the log."""
-        path = self.cfg.orchestrator.trusted_keys_file
-        if path is None:
-            return frozenset()
-        try:
-            mtime = os.stat(path).st_mtime
-        except OSError:
-            mtime = None
-        if mtime != self._trusted[0]:
-            try:
-                keys = frozenset(read_key_file(path))
-            except ValueError as e:
-                self.log(f"trusted keys: {e}; trusting no key until the file is fixed")
-                keys = frozenset()
-            self._trusted = (mtime, keys)
-        return self._trusted[1]
-
-    def is_trusted(self, key: str) -> bool:
-        return key in self.trusted_keys()
-
-    def admit_registration(self, key: str, source: str = "local") -> None:
-        """Before a registration writes anything (even its nonce): the invitation list of a
-        closed run, and for a new key the per-source and total registration rates."""
-        if not self._invited(key):
-            self._count("refused/not_invited")
-            raise ApiError(403, "not_invited", "this run admits listed keys only (orchestrator.allowed_keys_file); "
-                                               f"send your public key {key} to the run's operator")
-        if self.store.worker(key) is None:
-            # Per source first, so one address flooding fresh keys is stopped before it can use
-            # up the bucket every newcomer shares.
-            for limiter, bucket, who in ((self.registrations, source, f"from {source}"),
-                                         (self.all_registrations, "all", "in all")):
-                wait = limiter.take(bucket)
-                if wait:
-                    self._count("rate_limited/registrations")
-                    raise ApiError(429, "rate_limited", f"too many new workers {who}; retry in {wait:.1f} s",
-                                   retry_after=wait)
-
-    def register(self, key: str, name: str) -> dict:
-        w = self.store.register(key, name)
-        self._count("workers_registered")
-        return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"]}
-
-    def worker_record(self, key: str) -> dict:
-        """What the orchestrator holds against (and for) a worker key."""
-        o = self.cfg.orchestrator
-        with self.store.read() as db:
-            w = self.store.worker(key)
-            reasons = self.store.rejection_counts(db, key)
-            waiting = self.store.count_groups(db, ("pending", "validating"), worker=key)
-            standing = Standing(*self.store.standing(db, key, time.time() - o.penalty_window_s,
-                                                     sorted(FRAUD_REASONS)))
-        return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
-                "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
-                "rejections": reasons, "expired_slots": w["expired"],
-                "proven": is_proven(w["validated"], o) or self.is_trusted(key), "trusted": self.is_trusted(key),
-                "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts)}
+    def totals(self) -> dict[str, float]:
+        return self.counters.totals()
 
     def gauges(self) -> dict[str, float]:
         with self.store.read() as db:
-            next_step, latest, _ = self._progress(db)
+            next_step, latest, _ = Store.progress(db)
             counts = self.store.group_state_counts(db)
             open_leases = self.store.open_lease_count(db)
             workers = self.store.worker_count(db)
@@ -281,3 +129,52 @@ class Orchestrator(Leasing, Submissions, ValidationQueue, Batches):
                 "open_leases": open_leases, "workers": workers, "workers_banned": banned,
                 **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative",
                                                                       "pending", "validating", "rejected")}}
+
+    # ---- workers (gate.py, leasing.py, submissions.py) ---------------------------------------
+    def admit_source(self, source: str) -> None:
+        self.gate.admit_source(source)
+
+    def admit_registration(self, key: str, source: str = "local") -> None:
+        self.gate.admit_registration(key, source)
+
+    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
+                     allow_banned: bool = False) -> dict:
+        return self.gate.authenticate(key, nonce, ts, registering=registering, allow_banned=allow_banned)
+
+    def register(self, key: str, name: str) -> dict:
+        return self.gate.register(key, name)
+
+    def is_trusted(self, key: str) -> bool:
+        return self.gate.is_trusted(key)
+
+    def worker_record(self, key: str) -> dict:
+        return self.gate.worker_record(key)
+
+    def check_lease_refusal(self, key: str) -> None:
+        self.leasing.check_refusal(key)
+
+    def lease(self, key: str, policy_version: int) -> dict:
+        return self.leasing.lease(key, policy_version)
+
+    def submit(self, key: str, lease_id: str, groups: list) -> dict:
+        return self.submissions.submit(key, lease_id, groups)
+
+    # ---- validator (validation.py) -----------------------------------------------------------
+    def claim_validation(self, max_groups: int) -> dict:
+        return self.validation.claim_validation(max_groups)
+
+    def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:
+        return self.validation.record_verdicts(verdicts, retry)
+
+    # ---- trainer (batches.py) ----------------------------------------------------------------
+    def build_batch(self, step: int) -> dict:
+        return self.batches.build_batch(step)
+
+    def publish(self, version: int, url: str, manifest: dict) -> dict:
+        return self.batches.publish(version, url, manifest)
+
+    def reopen(self) -> None:
+        self.batches.reopen()
+
+    def finish(self) -> dict:
+        return self.batches.finish()

@@ -3,7 +3,7 @@
 Everything the run cannot afford to lose or double-count lives here: registered workers, seen
 nonces, leases and their slots (one slot = one prompt = one group), accepted groups with their
 trusted rewards, and the frozen content of every batch. All of the orchestrator's SQL is here; its
-logic (service.py and the mixins) calls the named methods below. One logical operation is one
+logic (service.py and its components) calls the named methods below. One logical operation is one
 transaction: a method without a `db` argument is one by itself, and the methods taking `db` run
 inside their caller's `with store.tx() as db:`, which groups them. So a `kill -9` at any instant
 leaves either the state before an operation or the state after it:
@@ -173,6 +173,12 @@ class Store:
     def set_meta(db: Db, key: str, value) -> None:
         db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                    (key, json.dumps(value)))
+
+    @staticmethod
+    def progress(db: Db) -> tuple[int, int | None, bool]:
+        """The run's position: (next step, newest published version or None, finished)."""
+        return (Store.get_meta(db, "next_step", 0), Store.get_meta(db, "latest_version"),
+                Store.get_meta(db, "finished", False))
 
     def run_id(self) -> str:
         """This run's id, made on first use and kept: every signed request is bound to it."""

@@ -9,19 +9,28 @@ an OpenAI-compatible server cannot build proofs, docs/engines.md); they go to th
 from __future__ import annotations
 
 import json
+import random
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from swarmrl.algorithm.advantages import is_informative
-from swarmrl.orchestrator.admission import Busy, is_proven
+from swarmrl.config import Config
+from swarmrl.orchestrator.admission import Busy, GradingLanes, is_proven
+from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.scoring import score_groups
+from swarmrl.orchestrator.store import Store
+from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.proofs.toploc import check_format
 from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.protocol.rules import termination_problem
+from swarmrl.rewards.registry import Graders
 from swarmrl.tasks.source import model_input
 
 
@@ -36,7 +45,26 @@ class SlotCheck:
 
 
 class Submissions:
-    """The Orchestrator's submissions (a mixin: state and helpers live on the Orchestrator)."""
+    """Submissions: the cheap checks, grading, storing accepted groups.
+
+    Owns `_resource_lock`, which serialises the resource graders (the code sandbox is one
+    object the grading lanes take turns on), and `_rng` (SystemRandom, safe across threads:
+    which groups get the validator's full check, not predictable by workers). The grading lanes
+    and graders are handed in (the orchestrator opens and closes them); the lanes have their own
+    lock. Slots and groups are in the store: the slots are claimed in one transaction, graded
+    outside the store's lock, stored in another. Calls the gate (`is_trusted`) and the
+    validation queue (`settled`, `record_fraud`)."""
+
+    def __init__(self, store: Store, cfg: Config, rows: Sequence[dict], tokenizer, counters: Counters, gate: Gate,
+                 validation: ValidationQueue, lanes: GradingLanes, graders: Graders, *, vocab_size: int,
+                 hidden_size: int):
+        self.store, self.cfg, self.rows, self.tokenizer = store, cfg, rows, tokenizer
+        self.counters, self.gate, self.validation = counters, gate, validation
+        self.lanes, self.graders = lanes, graders
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.stop_ids = [tokenizer.eos_token_id]
+        self._rng = random.SystemRandom()
+        self._resource_lock = threading.Lock()
 
     def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int, trusted: bool = False) -> SlotCheck:
         s, k = self.cfg.sampling, self.cfg.async_.bound
@@ -115,18 +143,18 @@ class Submissions:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
         keys share one lane); Busy when no lane comes free in time."""
         proven = is_proven((self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator) \
-            or self.is_trusted(key)
+            or self.gate.is_trusted(key)
         with self.lanes.lane(key, proven) as pool:
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
             shared = any(self.graders.get(g.task_type) is not None for g in groups)
-            if shared and not self.resource_lock.acquire(timeout=self.cfg.orchestrator.grading_wait_s):
+            if shared and not self._resource_lock.acquire(timeout=self.cfg.orchestrator.grading_wait_s):
                 raise Busy("the code sandbox is busy grading another submission")
             try:
                 score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
             finally:
                 if shared:
-                    self.resource_lock.release()
+                    self._resource_lock.release()
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
@@ -137,10 +165,10 @@ class Submissions:
             if lease["worker"] != key:
                 # Not counted against the key: a lease id can reach an honest worker from a
                 # malicious orchestrator or a tampered connection, so this proves nothing.
-                self._count("rejected/foreign_lease")
+                self.counters.count("rejected/foreign_lease")
                 raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
             if lease["state"] == "expired" or lease["expires"] < now:
-                self._count("rejected/late")
+                self.counters.count("rejected/late")
                 raise ApiError(410, "lease_expired",
                                f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
                                "reissued to other workers. Lease again.")
@@ -148,9 +176,9 @@ class Submissions:
                 raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
             else:
                 slot_rows = self.store.lease_slots(db, lease_id)
-                next_step, _, _ = self._progress(db)
+                next_step, _, _ = Store.progress(db)
                 seen: set[int] = set()
-                trusted = self.is_trusted(key)
+                trusted = self.gate.is_trusted(key)
                 checks = [self._check_group(g, lease, slot_rows, seen, next_step, trusted) for g in groups]
                 # Claim the slots before the (slow) scoring, so a concurrent copy of this request is
                 # refused at once instead of being scored again.
@@ -175,7 +203,7 @@ class Submissions:
                         # the problem goes back to the pool instead of into a dead lease.
                         self.store.reissue_slot(db, lease_id, c.slot)
             if isinstance(e, Busy):
-                self._count("grading_busy")
+                self.counters.count("grading_busy")
                 raise ApiError(429, "grading_busy", f"{e}; retry in a moment (nothing was lost: the slots stay "
                                                     "open until the lease expires)", retry_after=1.0) from None
             raise
@@ -200,27 +228,26 @@ class Submissions:
                     fraud = self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail,
                                                        fraud=c.reason in FRAUD_REASONS)
                     rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
-                    self._count(f"rejected/{c.reason}")
+                    self.counters.count(f"rejected/{c.reason}")
                     if c.reason in FRAUD_REASONS:
-                        self._log_rejection(db, key, c.reason, c.detail)
-                        self._maybe_ban(db, key, fraud)
+                        self.validation.record_fraud(db, key, c.reason, c.detail, fraud)
                     continue
                 self.store.mark_slot(db, lease_id, c.slot, "submitted")
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
                 v = self.cfg.validator
-                full = self.rng.random() < (v.trusted_rate if c.proofless else v.rate)
+                full = self._rng.random() < (v.trusted_rate if c.proofless else v.rate)
                 if c.proofless:
-                    self._count("groups_accepted/without_proofs")
+                    self.counters.count("groups_accepted/without_proofs")
                 self.store.add_group(db, lease_id, c.slot, key, g.policy_version, now, g.to_json(), informative,
                                      "pending" if full else "queued" if informative else "uninformative",
                                      json.dumps(c.proofs, separators=(",", ":")))
                 if not full:
-                    self._settled(db, key, informative, validated=False)
+                    self.validation.settled(db, key, informative, validated=False)
                 accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
                                  "validation": "pending" if full else "cheap checks only"})
             fresh = [a for a in accepted if not a.get("already_accepted")]
             self.store.close_lease_if_settled(db, lease_id)
-        self._count("groups_accepted", len(fresh))
+        self.counters.count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}

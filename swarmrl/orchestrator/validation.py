@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
+from swarmrl.config import Config
+from swarmrl.orchestrator.counters import Counters
+from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 
 
 class ValidationQueue:
-    """The Orchestrator's validation (a mixin: state and helpers live on the Orchestrator)."""
+    """The validation queue and what its verdicts do to a worker (accepted counts, the
+    uninformative streak, fraud, bans).
 
-    def _settled(self, db, key: str, informative: bool, *, validated: bool) -> None:
+    Owns no state in memory: the groups' states, claims, verdicts, workers' counts and bans are
+    in the store, and every change is one store transaction (its lock). The methods taking `db`
+    run inside their caller's transaction (submissions settle and reject through them, batches
+    read `metrics`). Calls leasing (`expire`) when it bans a key."""
+
+    def __init__(self, store: Store, cfg: Config, counters: Counters, leasing: Leasing, log: Callable[[str], None]):
+        self.store, self.cfg, self.counters, self.leasing, self.log = store, cfg, counters, leasing, log
+
+    def settled(self, db, key: str, informative: bool, *, validated: bool) -> None:
         """A group passed every check it was given: it counts for its worker (as validated when
         the validator checked it) and the streak."""
         self.store.add_accepted(db, key, validated=validated)
@@ -23,8 +36,11 @@ class ValidationQueue:
         name = self.store.worker_name(db, key)
         return f"{name if name is not None else '?'} ({key[:12]}…)"
 
-    def _log_rejection(self, db, key: str, reason: str, detail: str) -> None:
+    def record_fraud(self, db, key: str, reason: str, detail: str, total: int) -> None:
+        """A fraudulent group of `key` was rejected, its `total`-th: log it, and ban the key once
+        that reaches the limit."""
         self.log(f"rejected: worker {self._name(db, key)}: {reason}: {detail}")
+        self._maybe_ban(db, key, total)
 
     def _maybe_ban(self, db, key: str, fraud: int) -> None:
         """Ban a worker once its fraud count reaches the limit: refuse its key from now on, give
@@ -35,16 +51,17 @@ class ValidationQueue:
         if not self.store.ban(db, key):
             return
         self.store.end_worker_leases(db, key)
-        self._expire(db, time.time())
+        self.leasing.expire(db, time.time())
         # Everything not yet trained or counted in a batch's metrics; each was counted as accepted,
         # and is again only if it passes.
         recheck = self.store.recheck_worker_groups(db, key)
         self.store.add_accepted(db, key, -recheck)
-        self._count("workers_banned")
+        self.counters.count("workers_banned")
         self.log(f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
                  f"{recheck} of its queued groups go back to the validator")
 
-    def _validation_metrics(self, db) -> dict[str, float]:
+    def metrics(self, db) -> dict[str, float]:
+        """Rejections by reason, banned workers and groups awaiting the validator, for a batch's metrics."""
         m = {f"rejected/{reason}": float(n) for reason, n in self.store.rejection_counts(db).items()}
         m["workers/banned"] = float(self.store.worker_count(db, banned=True))
         m["validator/pending"] = float(self.store.count_groups(db, ("pending", "validating")))
@@ -55,14 +72,14 @@ class ValidationQueue:
         cfg = self.cfg
         now = time.time()
         with self.store.tx() as db:
-            next_step, _, _ = self._progress(db)
+            next_step, _, _ = Store.progress(db)
             lo = max(0, next_step - cfg.async_.bound)
             # Claims of a validator that died go back to the queue.
             self.store.release_claims(db, now - cfg.validator.claim_timeout_s)
             # Work too old to be trained now needs no check: it is dropped like any stale group.
             stale = self.store.drop_older(db, ("pending",), lo, next_step)
             if stale:
-                self._count("off_policy_dropped", stale)
+                self.counters.count("off_policy_dropped", stale)
             rows = self.store.claim_pending(db, max_groups, now, cfg.orchestrator.proven_after)
             versions = sorted({r["policy_version"] for r in rows})
             policies = {}
@@ -83,7 +100,7 @@ class ValidationQueue:
                           # logprobs are all that can be checked.
                           "checks": "full" if any(proofs) else "logprobs",
                           "engine_dtype": g.get("engine_dtype")})
-        self._count("validator/claimed", len(items))
+        self.counters.count("validator/claimed", len(items))
         return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump(),
                 "dtype": cfg.sampling.dtype}
 
@@ -102,8 +119,8 @@ class ValidationQueue:
                 if v["ok"]:
                     state = "queued" if row["informative"] else "uninformative"
                     self.store.set_verdict(db, v["id"], state, verdict)
-                    self._settled(db, row["worker"], bool(row["informative"]), validated=True)
-                    self._count("validator/passed")
+                    self.settled(db, row["worker"], bool(row["informative"]), validated=True)
+                    self.counters.count("validator/passed")
                     continue
                 reason = v.get("reason") or "validation"
                 self.store.set_verdict(db, v["id"], "rejected", verdict)
@@ -111,9 +128,8 @@ class ValidationQueue:
                 self.store.reissue_slot(db, row["lease_id"], row["slot"])
                 fraud = self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], reason,
                                                    v.get("detail", ""), fraud=True)
-                self._count(f"rejected/{reason}")
-                self._log_rejection(db, row["worker"], reason, v.get("detail", ""))
-                self._maybe_ban(db, row["worker"], fraud)
+                self.counters.count(f"rejected/{reason}")
+                self.record_fraud(db, row["worker"], reason, v.get("detail", ""), fraud)
             for gid in retry:
                 self.store.unclaim(db, gid)
         return {"recorded": recorded}
