@@ -1,5 +1,15 @@
 """The package's shape, read from its source: imports point down the layers, no module imports
-itself through others, and no file or function grows past what one reader can hold.
+itself through others, no module uses another's private names, and no file or function grows past
+what one reader can hold.
+
+Private names: a name with a leading underscore (`_x`, not a dunder like `__version__`) belongs to
+the module that binds it. Another swarmrl module may not name it, by `from m import _x` (absolute
+or relative, inside functions too) nor by `m._x` after `import m` or `from pkg import m`. A package's
+`__init__` is a module like any other: it may not import its submodules' private names either (a
+name it needs, or re-exports, is part of that submodule's interface: make it public). A module
+naming its own private names is fine; tests and benchmarks are not checked (they may test private
+helpers). Reaching into a private attribute of an object (`obj._x`) cannot be told from the source
+alone and is left to review.
 
 The layers are docs/architecture.md's; a new package gets a line here and there.
 """
@@ -19,7 +29,8 @@ LAYERS = {
     "tasks": 3, "inference": 3,
     "eval": 4, "sft": 4, "validator": 4, "orchestrator": 4, "serve": 4,
     "trainer": 5, "adversary": 5, "launch": 5,
-    "cli": 6,
+    "entrypoints": 6,
+    "cli": 7,
 }
 MAX_FILE_LINES = 800
 MAX_FUNCTION_LINES = 120
@@ -52,6 +63,45 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
             if name in known:
                 found.add(name)
     return found - {module}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(module: str, source: str, known: set[str], is_package: bool = False) -> list[str]:
+    """Where `module` (whose text is `source`; `is_package` for an `__init__`) names another
+    swarmrl module's private names: `from m import _x`, or `m._x` with `m` bound by an import."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    tree = ast.parse(source)
+    out, bound = [], {}  # bound: local name -> the swarmrl module it names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+                if _is_private(alias.name) and base in known and base != module:
+                    out.append(f"{module}:{node.lineno} imports {alias.name} from {base}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:  # `import a.b` binds `a`; `import a.b as c` binds `c` to a.b
+                    top = alias.name.split(".")[0]
+                    bound[alias.asname or top] = alias.name if alias.asname else top
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                target = ".".join([bound[value.id], *reversed(chain)])
+                if target in known and target != module:
+                    out.append(f"{module}:{node.lineno} uses {target}.{node.attr}")
+    return sorted(out)
 
 
 def _room(module: str) -> str:
@@ -110,6 +160,14 @@ def test_no_import_loops():
     assert not loops, "import loops:\n  " + "\n  ".join(loops)
 
 
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    found = [line for module, path in sorted(modules.items())
+             for line in private_imports(module, path.read_text(), set(modules), path.name == "__init__.py")]
+    assert not found, ("private names used outside their module (make them public, or move the shared "
+                       "helper where it belongs):\n  " + "\n  ".join(found))
+
+
 def test_the_checkers_catch_what_they_look_for():
     # The loop that existed before the protocol package (config -> adversary -> worker -> adversary).
     graph = {"swarmrl.config": {"swarmrl.inference.adversary"},
@@ -121,7 +179,23 @@ def test_the_checkers_catch_what_they_look_for():
     # The real graph is read, lazy imports inside functions included.
     real = _graph()
     assert "swarmrl.protocol.rollouts" in real["swarmrl.trainer.batch"]
-    assert "swarmrl.validator.runner" in real["swarmrl.cli"]  # imported inside main()
+    assert "swarmrl.validator.runner" in real["swarmrl.entrypoints.orchestrator"]  # imported inside main()
+    # Private names: relative and absolute imports, attribute access through an imported module,
+    # lazily inside a function; not dunders, not the module's own names, not public ones.
+    known = {"swarmrl.a", "swarmrl.a.b", "swarmrl.a.c", "swarmrl.a.d"}
+    planted = ("from .b import _x, y, __version__\n"
+               "from swarmrl.a import c\n"
+               "import swarmrl.a.b, swarmrl.a.c as cc\n"
+               "from swarmrl.a.d import _mine\n"
+               "def f():\n"
+               "    from swarmrl.a.b import _lazy\n"
+               "    return c._z + swarmrl.a.b._w + cc._q + c.__name__ + c.public\n")
+    assert private_imports("swarmrl.a.d", planted, known) == [
+        "swarmrl.a.d:1 imports _x from swarmrl.a.b", "swarmrl.a.d:6 imports _lazy from swarmrl.a.b",
+        "swarmrl.a.d:7 uses swarmrl.a.b._w", "swarmrl.a.d:7 uses swarmrl.a.c._q", "swarmrl.a.d:7 uses swarmrl.a.c._z"]
+    # A package's __init__ is no exception: `from .b import _x` in swarmrl.a reaches into swarmrl.a.b.
+    assert private_imports("swarmrl.a", "from .b import _x\n", known, is_package=True) == [
+        "swarmrl.a:1 imports _x from swarmrl.a.b"]
 
 
 def test_files_and_functions_stay_readable():
