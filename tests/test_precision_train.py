@@ -249,6 +249,7 @@ def _precision_run(out: str, overrides: list[str]) -> None:
     cfg, model, _, _, batch = prepare(*overrides)
     trainer = GRPOTrainer(model, cfg, dist_info)
     metrics = [trainer.train_step(batch)]
+    masters_step1 = {k: v.clone() for k, v in (trainer.full_state_dict() or {}).items()}  # None off rank 0
     ckpt = Path(out + ".ckpt")
     save_checkpoint(trainer, ckpt, 1, {})
     if dist_info.world_size > 1:
@@ -263,7 +264,7 @@ def _precision_run(out: str, overrides: list[str]) -> None:
     resumed_metrics = fresh.train_step(batch)
     resumed = fresh.full_state_dict()
     if dist_info.is_main:
-        torch.save({"masters": masters, "published": published, "metrics": metrics, "opt_dtypes": opt_dtypes,
+        torch.save({"masters": masters, "masters_step1": masters_step1, "published": published, "metrics": metrics, "opt_dtypes": opt_dtypes,
                     "param_dtypes": param_dtypes, "world_size": dist_info.world_size,
                     "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
     if dist_info.world_size > 1:
@@ -299,14 +300,34 @@ def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
     assert m1b["grad_norm"] == pytest.approx(m1a["grad_norm"], rel=1e-5)
     for key in ("loss/policy", "entropy/mean", "ratio/mean", "off_policy/logprob_abs_diff"):
         assert m1b[key] == pytest.approx(m1a[key], rel=1e-4, abs=1e-6), key
-    # After 2 steps of lr 1e-3 (weights move by ~2e-3). Observed: 7.5e-9 (float32 rounding in the
-    # sharded AdamW and grad norm). 1e-6 leaves room for that rounding to flip a bf16 rounding of
-    # a weight in step 2; a wrong cast, a gradient accumulated in bf16 or reduced averaged instead
-    # of summed is off by far more.
-    diffs = {k: float((a["masters"][k] - b["masters"][k]).abs().max()) for k in a["masters"]}
-    worst = max(diffs, key=diffs.get)
-    print(f"mixed precision, FSDP2 vs one process: max |diff| {diffs[worst]:.3g} ({worst})")
-    assert diffs[worst] < 1e-6, (worst, diffs[worst])
+    # Bounded by the arithmetic, not by what one CPU printed (issue 27: an AVX2-only EPYC found
+    # 8.8e-4 where an AVX-512 Xeon found 7.5e-9). lr = 1e-3, and AdamW's first step is
+    # lr * g / (|g| + eps): +-lr for every coordinate, whatever the gradient's float32 rounding, so
+    # after step 1 the masters agree to float32 rounding of that step. The exception is a
+    # coordinate whose exact gradient is zero: a key bias adds q.b to every score of a row, which
+    # softmax ignores, so its computed gradient is rounding noise of about Adam's eps and its step
+    # can take any value in [-lr, lr] on either side. Those coordinates are bounded by two steps.
+    lr = 1e-3
+    zero_grad = {k for k in a["masters"] if k.endswith("k_proj.bias")}
+    step1 = {k: float((a["masters_step1"][k] - b["masters_step1"][k]).abs().max()) for k in a["masters"]}
+    worst1 = max(set(step1) - zero_grad, key=step1.get)
+    print(f"step 1, FSDP2 vs one process: max |diff| {step1[worst1]:.3g} ({worst1}); key biases "
+          f"{max(step1[k] for k in zero_grad):.3g}")
+    assert step1[worst1] < 1e-6, (worst1, step1[worst1])
+    assert all(step1[k] <= 2 * lr * (1 + 1e-3) for k in zero_grad), {k: step1[k] for k in zero_grad}
+    # Step 2 runs its forward on the bf16 rounding of the step-1 masters, and a master that sits
+    # on a bf16 rounding boundary may round either way (seen on the AVX2 kind: step-2 gradient norms
+    # 3.6060 against 3.6069, weights 6e-5 apart). What still holds: the step-2 gradient norm within
+    # bf16's relative precision (2**-8), every coordinate within the sum of two AdamW steps on
+    # either side, and the typical coordinate far closer than one step (a reduce that averages,
+    # a dropped shard or a wrong cast moves most coordinates by a sizeable part of a step).
+    assert b["metrics"][1]["grad_norm"] == pytest.approx(a["metrics"][1]["grad_norm"], rel=2**-8)
+    diffs = {k: (a["masters"][k] - b["masters"][k]).abs() for k in a["masters"]}
+    worst = max(diffs, key=lambda k: float(diffs[k].max()))
+    mean = float(torch.cat([d.flatten() for d in diffs.values()]).mean())
+    print(f"after step 2: max |diff| {float(diffs[worst].max()):.3g} ({worst}), mean {mean:.3g}")
+    assert float(diffs[worst].max()) <= 4 * lr * (1 + 1e-3), (worst, float(diffs[worst].max()))
+    assert mean < 0.05 * lr, mean
     # The checkpoint round trip (float32 masters and state, sharded and offloaded) is exact.
     for run in (a, b):
         for k in run["masters"]:
