@@ -1,0 +1,157 @@
+"""`swarmrl eval`: a checkpoint or an OpenAI-compatible endpoint on a benchmark (avg@k, pass@k, lengths)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import model_validator
+
+from swarmrl.config import Config
+from swarmrl.entrypoints.common import fail
+from swarmrl.entrypoints.flags import RoleSettings, flag
+
+HELP = "Evaluate a checkpoint or an OpenAI-compatible endpoint on a benchmark: avg@k, pass@k, lengths."
+EPILOG = ("Built-in sets take --tasks.FIELD overrides (e.g. --tasks.digits 3), code rows --sandbox.FIELD ones. "
+          "See docs/eval.md.")
+RUN_CONFIG = "flags"
+CONFIG_HELP = "TOML config file: its [tasks] and [sandbox] sections are used"
+OVERRIDE_SECTIONS = ("tasks", "sandbox")
+
+
+class Settings(RoleSettings):
+    model: str | None = flag(None, exclusive="source")
+    """local HF checkpoint folder, sampled with the project's seeded sampler"""
+    endpoint: str | None = flag(None, exclusive="source")
+    """OpenAI-compatible server URL, e.g. http://127.0.0.1:8080/v1 (swarmrl serve, vLLM, SGLang)"""
+    served_model: str | None = None
+    """model id at the endpoint (default: the first in /v1/models)"""
+    api_key: str | None = None
+    """bearer token for the endpoint (default: $OPENAI_API_KEY if set)"""
+    benchmark: str
+    """a JSONL/parquet file, or a built-in set: 'arithmetic' (the held-out split) or 'code'"""
+    format: Literal["auto", "schema", "math", "code", "mcq"] = "auto"
+    """the file's format (auto: decided from the first row's fields)"""
+    limit: int | None = None
+    """only the first N problems"""
+    k: int = 4
+    """samples per problem (avg@k, pass@1..k)"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    max_tokens: int | None = None
+    """generated tokens per sample at most (default: 512, or fewer where an --endpoint's context leaves less room
+    after a problem's prompt)"""
+    length_target: int | None = None
+    """append ' Think for N tokens before giving a response.' and report adherence"""
+    seed: int = 0
+    """sample j of problem i uses seed seed*1000003 + i*1000 + j"""
+    output_dir: str
+    """writes results.jsonl (per problem) and summary.json"""
+    concurrency: int = 8
+    """endpoint requests in flight"""
+    device: str = "cpu"
+    """--model only (cuda is untested: no GPU here)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """--model only"""
+    streams: int = 1
+    """--model on a CPU: decode in this many processes of one thread each (one per core is fastest at small
+    sizes; the same samples as 1, docs/engines.md). Default 1"""
+    workers: int = 2
+    """math grading processes"""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if bool(self.model) == bool(self.endpoint):
+            raise ValueError("give one of --model (a local checkpoint folder) or --endpoint (a server URL)")
+        for name, value in (("--k", self.k), ("--max-tokens", self.max_tokens), ("--concurrency", self.concurrency)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.length_target is not None and self.length_target < 1:
+            raise ValueError(f"--length-target must be a positive number of tokens, got {self.length_target}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.streams < 1 or (self.streams > 1 and (not self.model or not self.device.startswith("cpu"))):
+            raise ValueError(f"--streams {self.streams}: give 1, or more with --model on a CPU (one per core)")
+        return self
+
+
+def _rows(settings: Settings, cfg: Config) -> list[dict]:
+    """The benchmark's problems: a built-in set or a file."""
+    from swarmrl.eval.formats import load_benchmark
+
+    try:
+        if settings.benchmark == "arithmetic":  # the held-out split `swarmrl rl` evaluates on
+            from swarmrl.tasks import arithmetic
+
+            t = cfg.tasks
+            rows = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
+        elif settings.benchmark == "code":
+            from swarmrl.tasks import code as code_tasks
+
+            rows = code_tasks.generate()
+        else:
+            rows = load_benchmark(settings.benchmark, settings.format)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if settings.limit is not None:
+        rows = rows[: settings.limit]
+    if not rows:
+        fail(f"{settings.benchmark} has no problems")
+    return rows
+
+
+def _backend(settings: Settings):
+    from swarmrl.eval.runner import EndpointBackend, ModelBackend
+
+    if settings.model:
+        if not os.path.isdir(settings.model):
+            fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
+        return ModelBackend.from_path(settings.model, device=settings.device, dtype=settings.dtype,
+                                      streams=settings.streams)
+    return EndpointBackend(settings.endpoint, model=settings.served_model,
+                           api_key=settings.api_key or os.environ.get("OPENAI_API_KEY"),
+                           concurrency=settings.concurrency)
+
+
+def main(settings: Settings, cfg: Config) -> None:
+    """Load the benchmark, pick the backend, run, write results.jsonl and summary.json."""
+    from swarmrl.eval.runner import EvalSettings, evaluate_rows, progress_bar
+    from swarmrl.rewards.pool import VerifierPool
+    from swarmrl.rewards.registry import open_graders
+    from swarmrl.sandbox.runner import SandboxUnavailable
+
+    rows = _rows(settings, cfg)
+    sampling = EvalSettings(k=settings.k, temperature=settings.temperature, max_tokens=settings.max_tokens,
+                            length_target=settings.length_target, seed=settings.seed)
+    try:
+        backend = _backend(settings)
+        graders = open_graders(rows, cfg.sandbox)
+    except (ValueError, OSError, SandboxUnavailable) as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - e.g. an unreachable endpoint (httpx errors)
+        fail(f"{type(e).__name__}: {e}")
+    print(f"evaluating {len(rows)} problems x {settings.k} samples on {backend.describe()}", file=sys.stderr)
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with VerifierPool(settings.workers, 5.0) as pool:
+            results, summary = evaluate_rows(rows, backend, sampling, pool=pool, graders=graders,
+                                             progress=progress_bar(len(rows), "eval"))
+    except ValueError as e:
+        fail(str(e))
+    except Exception as e:  # noqa: BLE001 - a failing endpoint mid-run: say so, no traceback
+        fail(f"evaluation stopped: {type(e).__name__}: {e}")
+    finally:
+        graders.close()
+    with open(out / "results.jsonl", "w", encoding="utf-8") as handle:
+        for r in results:
+            handle.write(json.dumps(r, ensure_ascii=False) + "\n")
+    summary = {**summary, "benchmark": settings.benchmark, "backend": backend.describe(),
+               "settings": {"k": settings.k, "temperature": settings.temperature,
+                            "max_tokens": settings.max_tokens if settings.max_tokens is not None else "auto",
+                            "length_target": settings.length_target, "seed": settings.seed}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))

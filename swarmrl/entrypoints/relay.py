@@ -1,0 +1,72 @@
+"""`swarmrl relay`: an untrusted HTTP relay mirroring signed policy versions (the relay itself is
+`swarmrl.transport.relay`)."""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import field_validator, model_validator
+
+from swarmrl.entrypoints.common import check_tls_pair, key_arg, service_urls, url_list
+from swarmrl.entrypoints.flags import RoleSettings
+
+HELP = "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them."
+DESCRIPTION = HELP + (
+    " Versions are verified shard by shard (sha256 from the manifest) before they are served, and their "
+    "manifest against the trainer's key (required: a version that does not verify is never mirrored). Serves "
+    "HTTP Range requests to many clients at once; keeps the newest --keep versions.")
+RUN_CONFIG = None
+
+
+class Settings(RoleSettings):
+    upstream: str
+    """comma-separated URLs of the origin (the trainer's broadcast server) or other relays"""
+    cache_dir: str
+    """where mirrored versions are kept"""
+    host: str = "127.0.0.1"
+    """bind address (0.0.0.0 to serve other machines)"""
+    port: int = 0
+    """port (0 picks a free one)"""
+    keep: int = 3
+    """versions kept (a version being downloaded is never deleted)"""
+    trainer_key: str | None = None
+    """required: the trainer's ed25519 public key (64 hex) or a file holding it (<run-dir>/trainer.pub)"""
+    startup_tries: int = 10
+    """tries to reach an upstream at start before giving up with an error"""
+    url_file: str | None = None
+    """write {"url": ...} here once listening (for launchers)"""
+    max_bytes_per_s: float | None = None
+    """cap on the bytes per second this relay serves in all"""
+    tls_cert: str | None = None
+    """PEM certificate (chain): serve https (with --tls-key)"""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert"""
+    ca_file: str | None = None
+    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
+    (https is always verified)"""
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_urls(cls, value: str) -> str:
+        return service_urls(value, "--upstream")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        check_tls_pair(self.tls_cert, self.tls_key)
+        return self
+
+
+def main(settings: Settings, cfg: None) -> None:
+    from swarmrl.protocol.tls import server_context
+    from swarmrl.transport.broadcast import BroadcastError
+    from swarmrl.transport.relay import run_relay
+
+    s = settings
+    tls = server_context(s.tls_cert, s.tls_key) if s.tls_cert else None
+    try:
+        run_relay(url_list(s.upstream), s.cache_dir, host=s.host, port=s.port, keep=s.keep,
+                  public_key=key_arg(s.trainer_key), startup_tries=s.startup_tries, url_file=s.url_file,
+                  max_bytes_per_s=s.max_bytes_per_s, tls=tls)
+    except BroadcastError as e:
+        print(f"swarmrl relay: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,0 +1,77 @@
+"""`swarmrl serve`: an OpenAI-compatible HTTP server over a local checkpoint."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import model_validator
+
+from swarmrl.entrypoints.common import check_tls_pair, fail
+from swarmrl.entrypoints.flags import RoleSettings, flag
+
+HELP = "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint."
+DESCRIPTION = (HELP + " Requests share the built-in engine's continuous batches: a request joins the running batch "
+               "at the next token step. CUDA serving is untested (CPU only here).")
+RUN_CONFIG = None
+
+
+class Settings(RoleSettings):
+    model: str
+    """local HF checkpoint folder (a swarmrl policy or any causal LM)"""
+    host: str = "127.0.0.1"
+    """bind address (0.0.0.0 to serve other machines)"""
+    port: int = 8080
+    """0 picks a free port"""
+    served_model_name: str | None = None
+    """the model id clients ask for (default: the folder's name)"""
+    device: str = "cpu"
+    """cpu or cuda"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """the precision the model computes in"""
+    tls_cert: str | None = None
+    """PEM certificate (chain): serve https (with --tls-key)"""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert"""
+    engine: Literal["builtin", "hf"] = "builtin"
+    """builtin: continuous batching (Qwen2/Llama models; others fall back to hf); hf: the generic engine over the
+    model's own forward, in static batches"""
+    max_batch: int = flag(32, aliases=("--max-batch-rows",))
+    """completions generated together at most"""
+    batch_window_ms: float = 5.0
+    """static batches only (--engine hf): how long a batch waits for more requests to join"""
+    max_n: int = 16
+    """largest n a request may ask for"""
+    max_request_kb: int = 1024
+    """larger request bodies get a 413"""
+    default_max_tokens: int = 256
+    """chat max_tokens when the request has none"""
+    threads: int | None = None
+    """torch CPU threads (default: torch's)"""
+    url_file: str | None = None
+    """write {url, model} here as JSON once listening (for scripts and tests)"""
+    reload_token_file: str | None = None
+    """enable POST /v1/reload {"model_path": FOLDER} (load another checkpoint in place) for callers sending
+    'Authorization: Bearer' + this file's content; how an endpoint worker loads each new policy version
+    (docs/engines.md). Anyone with the token can make the server load any folder it can read"""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        check_tls_pair(self.tls_cert, self.tls_key)
+        return self
+
+
+def main(settings: Settings, cfg: None) -> None:
+    from swarmrl.serve.app import serve
+
+    if not os.path.isdir(settings.model):
+        fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
+    s = settings
+    try:
+        serve(s.model, host=s.host, port=s.port, device=s.device, dtype=s.dtype, model_name=s.served_model_name,
+              max_batch_rows=s.max_batch, batch_window_ms=s.batch_window_ms, max_n=s.max_n,
+              max_request_kb=s.max_request_kb, default_max_tokens=s.default_max_tokens, url_file=s.url_file,
+              threads=s.threads, reload_token_file=s.reload_token_file, engine=s.engine, tls_cert=s.tls_cert,
+              tls_key=s.tls_key)
+    except (OSError, ValueError) as e:
+        fail(str(e))
