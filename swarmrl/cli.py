@@ -60,15 +60,15 @@ def _check_overrides(name: str, module: ModuleType, parser: argparse.ArgumentPar
                      f"{' and '.join(f'--{s}.FIELD' for s in sections)} overrides only)")
 
 
-def resolve(name: str, argv_args: argparse.Namespace, extra: list[str],
+def resolve(name: str, args: argparse.Namespace, extra: list[str],
             parser: argparse.ArgumentParser) -> tuple[BaseModel, Config | None]:
     """The command's settings (its settings file, then its flags) and run config, checked."""
     module = MODULES[name]
     _check_overrides(name, module, parser, extra)
-    values = {k: v for k, v in vars(argv_args).items() if k in module.Settings.model_fields}
-    if argv_args.config and module.RUN_CONFIG != "flags":
+    values = {k: v for k, v in vars(args).items() if k in module.Settings.model_fields}
+    if args.config and module.RUN_CONFIG != "flags":
         try:
-            values = {**read_settings_file(argv_args.config, module.Settings), **values}
+            values = {**read_settings_file(args.config, module.Settings), **values}
         except ValueError as e:
             fail(str(e))
     try:
@@ -79,7 +79,7 @@ def resolve(name: str, argv_args: argparse.Namespace, extra: list[str],
         fail(explain(e, module.Settings))
     cfg = None
     if module.RUN_CONFIG == "flags":
-        cfg = run_config(argv_args.config, extra, getattr(settings, "run_dir", None))
+        cfg = run_config(args.config, extra, getattr(settings, "run_dir", None))
     return settings, cfg
 
 
