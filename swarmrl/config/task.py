@@ -18,7 +18,7 @@ class ModelConfig(Section):
     device: str = "cpu"
     """Torch device for trainer and workers: "cpu", "cuda", "cuda:1"..."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The trainer's compute dtype. float32 on CPU (bf16 matmuls are ~100x slower on these CPUs);
+    """The trainer's compute dtype. float32 on CPU (bf16 matmuls are far slower on these CPUs);
     bfloat16 on GPUs, as in the seed run, where `trainer.precision` says how the weights are kept
     (by default "mixed": float32 master weights and optimizer state). Workers and validators
     compute in `sampling.dtype`, the run's inference precision."""
@@ -106,7 +106,8 @@ class SandboxConfig(Section):
     """Sandboxes running at once (completions graded in parallel). None: one per CPU core."""
     test_timeout_s: float = Field(5.0, gt=0)
     """Wall-clock limit of one test; RLIMIT_CPU is this rounded up plus 1 s. Sandbox startup
-    (about 40 ms here) gets `startup_grace_s` on top."""
+    gets `startup_grace_s` on top (its cost, measured:
+    docs/sandbox.md#measured-here-2-cores-benchmarksbench_sandboxpy-2026-11-30)."""
     total_timeout_s: float = Field(30.0, gt=0)
     """Wall-clock limit for all tests of one completion; tests that no longer fit fail."""
     partial_credit: bool = False

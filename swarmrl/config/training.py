@@ -36,9 +36,9 @@ class AlgorithmConfig(Section):
     the proximal policy (the trainer's weights at the start of the step) and p_inference the
     policy that sampled the token, so this is decoupled PPO (Fu et al. 2025, AReaL) for stale
     async rollouts, and the truncated importance-sampling fix for inference/trainer mismatch
-    (Yao et al. 2025) on fresh ones. The default since the async study (docs/learning.md): at
-    k = 4 it kept held-out accuracy within 1.8-3.6 points of k = 0 where the seed run's objective
-    lost 7-9.
+    (Yao et al. 2025) on fresh ones. The default since the async study, where it kept accuracy on
+    stale data close to k = 0's and the seed run's objective did not (measured:
+    docs/learning.md#2-asynchrony-decoupled-ppo-keeps-k--2-and-k--4-within-3-points-of-k--0-it-and-k--2-are-now-the-defaults).
     "off": no weights (the seed run's objective). Ignored (off) with old_logprobs = "inference",
     where the ratio is 1 by construction; setting it explicitly there is an error."""
 
@@ -78,9 +78,9 @@ class LoRAConfig(Section):
 
     rank: int = Field(0, ge=0)
     """Adapter rank r. 0: LoRA off, every weight trains and every version is the whole model.
-    8 is a common choice; an adapter version is then ~1/11 of a full one on the tiny default
-    and ~1/100 on a 0.5B Qwen2 (docs/broadcast.md has the figures). Raise `trainer.lr` with it:
-    rank 8 at lr 1e-3 took the default task from 0.27 to 0.92 held-out in 60 steps. One trainer
+    8 is a common choice; an adapter version is then a small fraction of a full one. Raise
+    `trainer.lr` with it: the run measured at rank 8 used lr 1e-3 (sizes and that run:
+    docs/broadcast.md#lora-adapter-only-versions-trainerlora). One trainer
     rank only (trainer.nproc = trainer.nnodes = 1): FSDP2 over a frozen base is not wired up."""
     alpha: float = Field(16.0, gt=0)
     """Scaling: the weight update is (alpha / rank) x B A. 16 at rank 8 (a scale of 2) is the
@@ -102,10 +102,9 @@ class LoRAConfig(Section):
 
 class TrainerConfig(Section):
     steps: int = Field(40, ge=1)
-    """Rollout steps (policy versions) to train. 40 is where the default's gains level off: with
-    60, 3 seeds on each of two machines had most of their gain by step 40, and each later step
-    spends most of its generation on groups already solved. At 40, 3 seeds on machine Y gained
-    +45.5 to +48.9 held-out (docs/learning.md)."""
+    """Rollout steps (policy versions) to train. Default 40: where the default run's gains level
+    off, each later step spending most of its generation on groups already solved (measured:
+    docs/learning.md#a-cheaper-default-make-demo-from-8-min-30-s-to-7-min-24-s-on-y-2026-12-02)."""
     optimizer_steps: int = Field(2, ge=1)
     """Optimizer steps per rollout step: the batch is split into this many mini-batches.
     Seed run: 8 (512 samples, 64 per optimizer step)."""
@@ -120,18 +119,20 @@ class TrainerConfig(Section):
     normaliser and the gradients are those of the padded path. Must hold the longest prompt +
     `sampling.max_new_tokens` (`swarmrl rl` checks before starting anything). Sizing: with sdpa
     or eager attention (CPU) a pack's attention costs budget^2 (cross-sequence scores are masked,
-    not skipped), so keep it a few times the longest sequence: on CPU, 256 gave 1.2-1.45x the
-    padded throughput on mixed lengths and 1024+ lost it (docs/benchmarks.md); flash attention
-    (GPU) computes each sequence's own block only. None (default): padded micro-batches of
-    `micro_batch_size` sequences; on the default run's near-uniform lengths packing gained nothing."""
+    not skipped), so keep it a few times the longest sequence; flash attention (GPU) computes
+    each sequence's own block only. None (default): padded micro-batches of `micro_batch_size`
+    sequences: packing pays on mixed lengths, not on the default run's near-uniform ones
+    (measured on CPU: docs/benchmarks.md#sequence-packing-vs-padded-micro-batches-benchmarksbench_packingpy-issue-17)."""
     lr: float = Field(1e-4, gt=0)
-    """Peak learning rate. Seed run: 3e-7 (32B model). The tiny default tolerates 1e-4; at 5e-4
-    and above it collapsed in our runs (Adam turns noisy RL gradients into full-size steps)."""
+    """Peak learning rate. Seed run: 3e-7 (32B model). Default 1e-4, for the tiny default model;
+    higher rates collapsed it (Adam turns noisy RL gradients into full-size steps; measured:
+    docs/default-run.md#how-this-recipe-was-found-what-failed-first)."""
     warmup_steps: int = Field(5, ge=0)
     """Linear warmup in optimizer steps. Seed run: 25."""
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    """LR after warmup: constant (the seed run), or decayed to 0 by the last step, which on the
-    tiny default keeps the final policy from swinging by several points between steps."""
+    """LR after warmup: constant (the seed run), or decayed to 0 by the last step (the default,
+    cosine), which on the tiny default keeps the final policy from swinging between steps
+    (measured: docs/default-run.md#how-this-recipe-was-found-what-failed-first)."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas. Seed run: (0.9, 0.99)."""
     weight_decay: float = Field(0.01, ge=0.0)
@@ -219,10 +220,10 @@ class TrainerConfig(Section):
 class AsyncConfig(Section):
     bound: int = Field(2, ge=0)
     """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
-    Seed run: 2, as here since the async study (docs/learning.md): with decoupled PPO (the
-    default `algorithm.tis_cap`), k = 2 stayed within 1.4 points of k = 0 at every evaluated
-    step and k = 4 within 3.6. With the seed run's objective (`tis_cap = "off"`) k = 4 lost 7-9
-    points, and k = 2 learned markedly slower on the old base (docs/default-run.md)."""
+    Seed run: 2, as here since the async study, which measured it with decoupled PPO (the default
+    `algorithm.tis_cap`); with the seed run's objective (`tis_cap = "off"`) larger bounds cost
+    accuracy (measured: docs/learning.md#2-asynchrony-decoupled-ppo-keeps-k--2-and-k--4-within-3-points-of-k--0-it-and-k--2-are-now-the-defaults;
+    on the old base: docs/default-run.md#how-this-recipe-was-found-what-failed-first)."""
     workers: int = Field(2, ge=1)
     """Inference worker processes started by `swarmrl rl`, each with its own key (the default
     exercises several untrusted workers; on 2 cores they share a core with each other)."""
@@ -248,8 +249,9 @@ class AsyncConfig(Section):
     max_pending_groups: int | None = None
     """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the
-    trainer trains. A deeper queue only makes data staler (on the default run, staleness 2
-    learned far slower than staleness 0-1). A proven worker's lease counts proven work only:
+    trainer trains. A deeper queue only makes data staler, and staler data learned slower on the
+    default run (measured: docs/default-run.md#how-this-recipe-was-found-what-failed-first).
+    A proven worker's lease counts proven work only:
     what unproven keys hold (orchestrator.unproven_share of this, at most) comes on top."""
     tls: bool = False
     """`swarmrl rl` serves every role it starts over https on loopback (orchestrator, weight
@@ -275,11 +277,11 @@ class EvalConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(600, ge=1)
-    """Optimizer steps of supervised warm start on worked traces. 600 takes the model past
-    learning column arithmetic itself, so its accuracy is set by the slips in the data rather
-    than by how far a noise-sensitive transition got: at 400 steps (slip rate 0.6) the same seed
-    gave 0.166 or 0.274 depending on the CPU's vector kernels, at 600 (slip rate 0.7) 0.309 and
-    0.310. 500 is not always past it: one seed gave 0.164 or 0.211 (docs/learning.md)."""
+    """Optimizer steps of supervised warm start on worked traces. The default 600 takes the model
+    past learning column arithmetic itself, so its accuracy is set by the slips in the data rather
+    than by how far a noise-sensitive transition got, whatever the CPU's vector kernels; 400 and
+    500 are not always past it (measured: docs/learning.md#1-the-base-model-moves-with-the-cpu-cause-found-recipe-made-robust,
+    and docs/learning.md#a-cheaper-default-make-demo-from-8-min-30-s-to-7-min-24-s-on-y-2026-12-02)."""
     batch_size: int = Field(64, ge=1)
     """Traces per step."""
     lr: float = Field(3e-3, gt=0)
@@ -294,10 +296,9 @@ class SFTConfig(Section):
     """Initialisation and shuffling seed."""
     dtype: Literal["float32", "float64"] = "float32"
     """Precision of the warm start's arithmetic (the saved base is float32 either way). The
-    float32 base depends on the CPU: the same seed gave 0.166 held-out with AVX-512 kernels and
-    0.274 with AVX2 ones on one machine (docs/learning.md). float64 shrinks that rounding noise by
-    ~1e9 at about twice the cost, but the training is chaotic: it only delays the divergence
-    (same loss at step 51, different by step 101), so the default recipe is made robust instead."""
+    float32 base depends on the CPU's vector kernels; float64 shrinks that rounding noise, but the
+    training is chaotic: it only delays the divergence, so the default recipe is made robust
+    instead (measured: docs/learning.md#1-the-base-model-moves-with-the-cpu-cause-found-recipe-made-robust)."""
     threads: int | None = Field(None, ge=1)
     """torch threads for the warm start. None: torch's default (the core count). Reduction order
     can depend on the thread count, so a base meant to match across machines pins it."""
@@ -312,10 +313,10 @@ class SFTConfig(Section):
     micro_batches: int = Field(4, ge=1)
     """Forward/backward passes per step. The step's traces are sorted by length and split into
     this many passes, each padded only to its own longest trace; gradients accumulate, so the
-    batch and its gradient are those of one pass (up to float rounding), with less padding:
-    the default's traces are 59-87 tokens, and one pass of 64 random traces is ~20% padding.
+    batch and its gradient are those of one pass (up to float rounding), with less padding.
     1: one pass, as bases built before this field existed were. (Drawing whole batches of
-    similar length instead, which pads less still, slowed learning: docs/learning.md.)"""
+    similar length instead, which pads less still, slowed learning. Padding and both measured:
+    docs/learning.md#a-cheaper-default-make-demo-from-8-min-30-s-to-7-min-24-s-on-y-2026-12-02.)"""
 
     target_match: float = Field(0.0, ge=0.0, le=1.0)
     """With `length.enabled`: share of traces whose prompt names the target nearest the trace's
