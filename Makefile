@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox browser openssl demo test test-fast bench clean
+.PHONY: install sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,11 +46,32 @@ openssl:
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
-test: $(STAMP) sandbox browser openssl
-	$(BIN)/python -m pytest -q
+# Tests by cost tier (tests/unit, tests/integration, tests/e2e; docs/architecture.md, "Working on
+# swarmrl"). `make test` runs all of them after the linters and prints the 25 slowest tests.
+PYTEST := $(BIN)/python -m pytest -q --durations=25
 
-test-fast: $(STAMP) sandbox
-	$(BIN)/python -m pytest -q -m "not slow"
+test: $(STAMP) sandbox browser openssl
+	$(PYTEST) tests
+
+test-unit: $(STAMP)
+	$(PYTEST) tests/unit
+
+test-integration: $(STAMP) sandbox openssl
+	$(PYTEST) tests/integration
+
+test-e2e: $(STAMP) sandbox browser openssl
+	$(PYTEST) tests/e2e
+
+# Everything but the whole runs.
+test-fast: $(STAMP) sandbox openssl
+	$(PYTEST) tests/unit tests/integration
+
+# ruff (pyflakes, import order, formatting) over the package, tests and benchmarks; mypy on the
+# typed layers (pyproject.toml's [tool.mypy] names them).
+lint: $(STAMP)
+	$(BIN)/ruff check swarmrl tests benchmarks
+	$(BIN)/ruff format --check swarmrl tests benchmarks
+	$(BIN)/python -m mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sampler.py

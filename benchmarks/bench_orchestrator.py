@@ -14,7 +14,7 @@ the orchestrator, so on 2 cores the figure is a lower bound on what the service 
 Usage: python benchmarks/bench_orchestrator.py [--clients 4] [--seconds 20] [--prompts 4]
        [--group-size 8] [--verify-workers 1]
 
-Attack mix (issue 15): `--attack 20 [--repeats 3] [--seconds 12]` runs tests/hostile.py's
+Attack mix (issue 15): `--attack 20 [--repeats 3] [--seconds 12]` runs tests/support/hostile.py's
 scenario instead: honest workers sampling with the real sampler against an orchestrator that
 validates every group, first alone, then while 20 free keys hoard leases, submit garbage with
 worst-case answers, flood registrations and send unsigned junk (from their own process, niced).
@@ -100,8 +100,8 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
 
 
 def attack_mix(keys: int, repeats: int, seconds: float) -> None:
-    """The hostile scenario of tests/hostile.py, `repeats` times; a distribution, not one run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    """The hostile scenario of tests/support/hostile.py, `repeats` times; a distribution, not one run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from hostile import scenario
 
     ratios = []

@@ -1,27 +1,38 @@
-import os
-import subprocess
+"""Shared fixtures, and the tiers.
+
+Tests live in one folder per cost, and the folder is the marker (`pytest -m unit` is
+`pytest tests/unit`):
+- `unit/`: pure functions and in-process objects; no process, no network socket (an in-process
+  ASGI client is fine), at most a few training steps of a tiny model. `unit/conftest.py` fails a
+  test that starts a process or opens a network socket.
+- `integration/`: real processes and servers on 127.0.0.1, each bounded to seconds or a minute.
+- `e2e/`: whole runs of `swarmrl rl` and the rehearsals in the docs.
+Helpers that several modules import live in `support/` (on sys.path, imported by module name).
+"""
+
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# A tiny base that learns 1-digit addition in seconds, for tests that need a policy with signal.
-EASY = ["--tasks.digits", "1", "--tasks.ops", "+-", "--tasks.train_size", "40", "--tasks.eval_size", "8",
-        "--sft.examples", "40", "--sft.batch_size", "32", "--sft.slip_rate", "0.5",
-        "--sampling.max_new_tokens", "32", "--sampling.prompts_per_step", "4", "--sampling.group_size", "4",
-        "--sampling.worker_batch_prompts", "4", "--trainer.micro_batch_size", "16",
-        "--eval.samples", "1", "--eval.every", "0", "--logging.progress", "false"]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "support"))
+
+from runs import EASY, swarmrl  # noqa: E402  (support/ is on the path only from here on)
+
+TIERS = ("unit", "integration", "e2e")
 
 
-def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
-    """Run the CLI as a user would; on failure, the assertion shows its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"swarmrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.path)).resolve().relative_to(HERE).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}/ "
+                                    f"(its cost tier); move it there")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "e2e":
+            item.add_marker(pytest.mark.slow)  # the old spelling of "skip the whole runs"
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +41,7 @@ def easy_base(tmp_path_factory) -> Path:
     swarmrl("sft", "--output", str(out), "--sft.steps", "150", *EASY)
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     return out
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -1,12 +1,10 @@
 """Training precision and memory switches of the GRPO trainer: `trainer.precision` (fp32, mixed
 with float32 master weights, pure bf16), `trainer.activation_checkpointing`, `trainer.cpu_offload`.
 
-Real training steps on the tiny random Qwen2 of tests/test_trainer.py (bf16 matmuls are ~100x
+Real training steps on the tiny random Qwen2 of tests/support/tiny_trainer.py (bf16 matmuls are ~100x
 slower on these CPUs, so everything bf16 here is a few sequences of a 2-layer model). Validation
-tolerances of bf16 work are tests/test_precision.py, a different subject.
-
-This file is also the FSDP2 script for the slow test: `python tests/test_precision_train.py
---precision-run OUT [overrides]` (plain or under torchrun) trains 2 steps and writes rank 0's results.
+tolerances of bf16 work are tests/integration/test_precision.py, a different subject. Mixed
+precision on FSDP2 against one process: tests/integration/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -14,19 +12,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from test_trainer import _free_port, _run, make_cfg, make_model, prepare, seq_logprobs, weights
+from tiny_trainer import make_cfg, make_model, prepare, seq_logprobs, weights
 
 from swarmrl.config import ConfigError, load_config
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from swarmrl.trainer.grpo import GRPOTrainer, decoder_layers, init_distributed
+from swarmrl.trainer.grpo import GRPOTrainer, decoder_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -236,107 +233,3 @@ def test_activation_checkpointing_same_gradients(precision, tmp_path):
     for k, v in fresh.full_state_dict().items():
         torch.testing.assert_close(v, ckpt["sd"][k], rtol=0, atol=0)
     assert len(fresh.optimizer.state) == len(ckpt["trainer"].optimizer.state)
-
-
-# ---------------------------------------------------------------------------- FSDP2
-
-
-def _precision_run(out: str, overrides: list[str]) -> None:
-    """2 train_steps; rank 0 writes the full float32 masters, the bf16 published weights, metrics
-    and its optimizer state dtypes; then a checkpoint round trip redoes step 2."""
-    torch.set_num_threads(1)
-    dist_info = init_distributed("cpu")
-    cfg, model, _, _, batch = prepare(*overrides)
-    trainer = GRPOTrainer(model, cfg, dist_info)
-    metrics = [trainer.train_step(batch)]
-    masters_step1 = {k: v.clone() for k, v in (trainer.full_state_dict() or {}).items()}  # None off rank 0
-    ckpt = Path(out + ".ckpt")
-    save_checkpoint(trainer, ckpt, 1, {})
-    if dist_info.world_size > 1:
-        torch.distributed.barrier()
-    metrics.append(trainer.train_step(batch))
-    masters, published = trainer.full_state_dict(), trainer.full_state_dict(torch.bfloat16)
-    opt_dtypes = sorted({str(v.dtype) for st in trainer.optimizer.state.values()
-                         for k, v in st.items() if k != "step"})
-    param_dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
-    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
-    load_checkpoint(fresh, ckpt)
-    resumed_metrics = fresh.train_step(batch)
-    resumed = fresh.full_state_dict()
-    if dist_info.is_main:
-        torch.save({"masters": masters, "masters_step1": masters_step1, "published": published, "metrics": metrics, "opt_dtypes": opt_dtypes,
-                    "param_dtypes": param_dtypes, "world_size": dist_info.world_size,
-                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
-    if dist_info.world_size > 1:
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
-    """One process (MasterWeights) against 2 gloo ranks (FSDP2's MixedPrecisionPolicy, with
-    activation checkpointing and CPU offload on): the same mixed-precision recipe."""
-    script = str(Path(__file__).resolve())
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    _run([sys.executable, script, "--precision-run", str(one), "--trainer.precision", "mixed"], env)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, "--precision-run", str(two),
-          "--trainer.precision", "mixed", "--trainer.activation_checkpointing", "true",
-          "--trainer.cpu_offload", "true"], env)
-    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
-    assert (a["world_size"], b["world_size"]) == (1, 2)
-    for run in (a, b):
-        assert run["param_dtypes"] == ["torch.float32"] and run["opt_dtypes"] == ["torch.float32"]
-        assert {v.dtype for v in run["masters"].values()} == {torch.float32}
-        assert {v.dtype for v in run["published"].values()} == {torch.bfloat16}
-    assert a["masters"].keys() == b["masters"].keys()
-    # Step 1 computes the same bf16 forwards on the same micro-batches (each rank's share is one
-    # of the single process's micro-batches) and sums the same float32-widened gradients.
-    m1a, m1b = a["metrics"][0], b["metrics"][0]
-    print(f"grad_norm step 1: 1 proc {m1a['grad_norm']:.7g}, 2 procs {m1b['grad_norm']:.7g}")
-    assert m1b["grad_norm"] == pytest.approx(m1a["grad_norm"], rel=1e-5)
-    for key in ("loss/policy", "entropy/mean", "ratio/mean", "off_policy/logprob_abs_diff"):
-        assert m1b[key] == pytest.approx(m1a[key], rel=1e-4, abs=1e-6), key
-    # Bounded by the arithmetic, not by what one CPU printed (issue 27: an AVX2-only EPYC found
-    # 8.8e-4 where an AVX-512 Xeon found 7.5e-9). lr = 1e-3, and AdamW's first step is
-    # lr * g / (|g| + eps): +-lr for every coordinate, whatever the gradient's float32 rounding, so
-    # after step 1 the masters agree to float32 rounding of that step. The exception is a
-    # coordinate whose exact gradient is zero: a key bias adds q.b to every score of a row, which
-    # softmax ignores, so its computed gradient is rounding noise of about Adam's eps and its step
-    # can take any value in [-lr, lr] on either side. Those coordinates are bounded by two steps.
-    lr = 1e-3
-    zero_grad = {k for k in a["masters"] if k.endswith("k_proj.bias")}
-    step1 = {k: float((a["masters_step1"][k] - b["masters_step1"][k]).abs().max()) for k in a["masters"]}
-    worst1 = max(set(step1) - zero_grad, key=step1.get)
-    print(f"step 1, FSDP2 vs one process: max |diff| {step1[worst1]:.3g} ({worst1}); key biases "
-          f"{max(step1[k] for k in zero_grad):.3g}")
-    assert step1[worst1] < 1e-6, (worst1, step1[worst1])
-    assert all(step1[k] <= 2 * lr * (1 + 1e-3) for k in zero_grad), {k: step1[k] for k in zero_grad}
-    # Step 2 runs its forward on the bf16 rounding of the step-1 masters, and a master that sits
-    # on a bf16 rounding boundary may round either way (seen on the AVX2 kind: step-2 gradient norms
-    # 3.6060 against 3.6069, weights 6e-5 apart). What still holds: the step-2 gradient norm within
-    # bf16's relative precision (2**-8), every coordinate within the sum of two AdamW steps on
-    # either side, and the typical coordinate far closer than one step (a reduce that averages,
-    # a dropped shard or a wrong cast moves most coordinates by a sizeable part of a step).
-    assert b["metrics"][1]["grad_norm"] == pytest.approx(a["metrics"][1]["grad_norm"], rel=2**-8)
-    diffs = {k: (a["masters"][k] - b["masters"][k]).abs() for k in a["masters"]}
-    worst = max(diffs, key=lambda k: float(diffs[k].max()))
-    mean = float(torch.cat([d.flatten() for d in diffs.values()]).mean())
-    print(f"after step 2: max |diff| {float(diffs[worst].max()):.3g} ({worst}), mean {mean:.3g}")
-    assert float(diffs[worst].max()) <= 4 * lr * (1 + 1e-3), (worst, float(diffs[worst].max()))
-    assert mean < 0.05 * lr, mean
-    # The checkpoint round trip (float32 masters and state, sharded and offloaded) is exact.
-    for run in (a, b):
-        for k in run["masters"]:
-            torch.testing.assert_close(run["resumed"][k], run["masters"][k], rtol=0, atol=0)
-        assert run["resumed_metrics"] == run["metrics"][1]
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--precision-run":
-        _precision_run(sys.argv[2], sys.argv[3:])
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --precision-run OUT [overrides]")

@@ -14,7 +14,7 @@ from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import Lease, LeaseReply, SubmitIn
 from swarmrl.protocol.reasons import FRAUD_REASONS, REASONS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _emitted_reasons() -> set[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- tests/test_operating.py runs the next block as written -->"
 pytestmark = pytest.mark.timeout(600)
 

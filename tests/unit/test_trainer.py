@@ -5,113 +5,33 @@ Covers: train_step metrics and the direction of the update, the alignment of Tra
 (2 gloo processes under torchrun) against one process, checkpoint round trips, and the KL /
 entropy / old-logprob / TIS options.
 
-This file is also the FSDP2 equivalence script: `python tests/test_trainer.py --fsdp-run OUT`
-(plain or under torchrun) trains 2 steps and writes rank 0's full state dict and metrics to OUT.
+The batch and model are tests/support/tiny_trainer.py's; FSDP2 against one process is
+tests/integration/test_fsdp.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from tiny_trainer import (
+    COMPLETION_LENS,
+    EXPECTED_KEYS,
+    PROMPT_LENS,
+    REWARDS,
+    make_batch,
+    make_cfg,
+    make_groups,
+    make_model,
+    prepare,
+    seq_logprobs,
+    weights,
+)
 
 from swarmrl.algorithm.advantages import group_advantages
-from swarmrl.config import load_config
-from swarmrl.model.checkpoint import build_tiny_policy
-from swarmrl.protocol.rollouts import Group, Sample
-from swarmrl.trainer.batch import TrainBatch, build_train_batch
 from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
-from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
-
-SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128)
-# One row per group, one column per sample. Group 1 is deliberately unbalanced (mean 0.25).
-REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
-PROMPT_LENS = [5, 7]
-COMPLETION_LENS = [[3, 6, 4, 8], [5, 2, 7, 4]]  # ragged, so padding and trimming are exercised
-# 8 sequences, 2 optimizer steps of 4, micro-batches of 2: one process runs 2 micro-batches per
-# optimizer step, each of 2 FSDP ranks runs 1 (its half), so accumulation is exercised too.
-BASE_OVERRIDES = [
-    "--sampling.prompts_per_step", "2", "--sampling.group_size", "4",
-    "--sampling.max_new_tokens", "16",
-    "--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2",
-    "--trainer.warmup_steps", "0", "--trainer.lr", "1e-3", "--trainer.schedule", "constant",
-]
-EXPECTED_KEYS = {
-    "loss/policy", "grad_norm", "lr", "clip/low_frac", "clip/high_frac", "clip/delta_frac",
-    "ratio/mean", "ratio/max", "entropy/mean", "train/tokens",
-}
-
-
-def make_cfg(*overrides: str):
-    return load_config(None, [*BASE_OVERRIDES, *overrides])
-
-
-def make_model(seed: int = 0):
-    model, tokenizer = build_tiny_policy(seed, **SHAPE)
-    return model, tokenizer
-
-
-@torch.no_grad()
-def sequence_token_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
-    """Logprob of each completion token, from one unpadded forward (independent of batch.py)."""
-    ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0].float() / temperature  # [L, V]
-    logp = logits.log_softmax(-1)
-    p = len(prompt)
-    # Completion token j sits at position p + j and is predicted from position p + j - 1.
-    return [float(logp[p + j - 1, tok]) for j, tok in enumerate(completion)]
-
-
-def make_groups(model, seed: int = 1, rewards=REWARDS, temperature: float = 1.0) -> list[Group]:
-    gen = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    groups = []
-    for gi, (p_len, c_lens) in enumerate(zip(PROMPT_LENS, COMPLETION_LENS)):
-        prompt = torch.randint(5, 261, (p_len,), generator=gen).tolist()  # ids 0-4 are special
-        samples = []
-        for si, c_len in enumerate(c_lens):
-            completion = torch.randint(5, 261, (c_len,), generator=gen).tolist()
-            samples.append(Sample(token_ids=completion,
-                                  logprobs=sequence_token_logprobs(model, prompt, completion, temperature),
-                                  finish_reason="stop", seed=100 * gi + si))
-        groups.append(Group(problem_id=f"p{gi}", task_type="synthetic", prompt=f"prompt {gi}",
-                            verification_info="{}", prompt_ids=prompt, samples=samples,
-                            policy_version=gi, worker="test", temperature=temperature,
-                            rewards=list(rewards[gi]), task_rewards=list(rewards[gi])))
-    model.train(was_training)
-    return groups
-
-
-def make_batch(groups, cfg, tokenizer) -> TrainBatch:
-    return build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
-                             normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
-
-
-def prepare(*overrides: str, seed: int = 0):
-    cfg = make_cfg(*overrides)
-    model, tokenizer = make_model(seed)
-    groups = make_groups(model, temperature=cfg.sampling.temperature)
-    return cfg, model, tokenizer, groups, make_batch(groups, cfg, tokenizer)
-
-
-def weights(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def seq_logprobs(model, groups) -> torch.Tensor:
-    """Summed completion logprob of every sample, in groups x samples order [N]."""
-    model.eval()
-    out = [sum(sequence_token_logprobs(model, g.prompt_ids, s.token_ids)) for g in groups for s in g.samples]
-    model.train()
-    return torch.tensor(out)
-
+from swarmrl.trainer.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -214,102 +134,6 @@ def test_train_batch_alignment():
     assert short.input_ids.shape[1] == 11 and short.loss_mask.shape[1] == 10
     assert short.loss_mask.sum().item() == 6 + 2
     torch.testing.assert_close(short.advantages, batch.advantages[[1, 5]])
-
-
-# ---------------------------------------------------------------------------- FSDP2
-
-
-def _fsdp_run(out: str) -> None:
-    """Same model, same batch, 2 train_steps; rank 0 writes its full state dict and metrics.
-
-    Between the steps it also writes a checkpoint, and a second trainer restored from it redoes
-    step 2: the checkpoint round trip under FSDP2 (collective save, every rank loading).
-    """
-    torch.set_num_threads(1)
-    dist_info = init_distributed()
-    cfg, model, _, _, batch = prepare()
-    trainer = GRPOTrainer(model, cfg, dist_info)
-    ckpt = Path(out + ".ckpt")
-    metrics = [trainer.train_step(batch)]
-    save_checkpoint(trainer, ckpt, 1, {"world": dist_info.world_size})
-    if dist_info.world_size > 1:
-        torch.distributed.barrier()  # rank 0 writes alone; the others must not look too early
-    metrics.append(trainer.train_step(batch))
-    sd = trainer.full_state_dict()
-    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
-    state = load_checkpoint(fresh, ckpt)
-    assert state is not None and state["step"] == 1
-    resumed_metrics = fresh.train_step(batch)
-    resumed = fresh.full_state_dict()
-    if dist_info.is_main:
-        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size,
-                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
-    if dist_info.world_size > 1:
-        torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_fsdp2_matches_single_process(tmp_path):
-    script = str(Path(__file__).resolve())
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    _run([sys.executable, script, "--fsdp-run", str(one)], env)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-          script, "--fsdp-run", str(two)], env)
-    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
-    assert a["world_size"] == 1 and b["world_size"] == 2
-    assert a["state"].keys() == b["state"].keys()
-
-    diffs = {k: float((a["state"][k].float() - b["state"][k].float()).abs().max()) for k in a["state"]}
-    worst = max(diffs, key=diffs.get)
-    print(f"FSDP2 vs single process: max |diff| {diffs[worst]:.3g} ({worst})")
-    # Sharded reduce-scatters sum the two halves of a mini-batch in another order than one
-    # process accumulating micro-batches, so gradients agree only to float32 rounding (~1e-7
-    # relative; checked through grad_norm below). AdamW's first steps are ~lr * g / |g|, which
-    # passes that on as ~1e-7 * lr, except on a coordinate whose gradient is a near-cancelling
-    # sum (|g| near Adam's eps), where the division amplifies rounding. Observed: 3.7e-7 at
-    # worst (a k_proj bias). atol 1e-5 is 1% of one step (lr = 1e-3, every weight moves by
-    # ~2e-3 over the 2x2 optimizer steps here): a wrong shard, a wrong loss normaliser or a
-    # dropped or duplicated sample moves weights by a sizeable fraction of a step.
-    for k in a["state"]:
-        torch.testing.assert_close(b["state"][k], a["state"][k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-
-    # The gradient itself (not only Adam's scale-free step) must match: catches a gradient
-    # averaged over ranks instead of summed (the loss normaliser is already the whole batch's).
-    # Checkpoint round trip, sharded and not: resuming from step 1 reproduces step 2 exactly.
-    for run in (a, b):
-        assert run["resumed"].keys() == run["state"].keys()
-        for k in run["state"]:
-            torch.testing.assert_close(run["resumed"][k], run["state"][k], rtol=0, atol=0,
-                                       msg=lambda m, k=k, w=run["world_size"]: f"world {w} {k}: {m}")
-        assert run["resumed_metrics"] == run["metrics"][1]
-
-    for ma, mb in zip(a["metrics"], b["metrics"]):
-        print(f"grad_norm 1 proc {ma['grad_norm']:.7g}, 2 procs {mb['grad_norm']:.7g}")
-        assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
-        assert mb["lr"] == ma["lr"]
-        assert mb["train/tokens"] == ma["train/tokens"]
-        assert mb["off_policy/logprob_abs_diff"] == pytest.approx(ma["off_policy/logprob_abs_diff"], abs=1e-6)
-        # Loss-side metrics describe the whole mini-batch, not rank 0's half of it. (Each rank's
-        # share here is one micro-batch, the same partition one process uses, so even the
-        # per-micro-batch ratio/max average matches.)
-        for key in ("loss/policy", "entropy/mean", "ratio/mean", "ratio/max", "clip/low_frac", "clip/high_frac"):
-            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -472,10 +296,3 @@ def test_decoupled_ppo_masks_and_sequence_weights():
     plain = GRPOTrainer(make_model()[0], make_cfg()).train_step(batch)
     assert m_seq["off_policy/is_weight_mean"] == pytest.approx(2.0, rel=1e-4)
     assert m_seq["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-3, abs=1e-6)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--fsdp-run":
-        _fsdp_run(sys.argv[2])
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --fsdp-run OUT.pt (plain python or under torchrun)")

@@ -165,7 +165,12 @@ def healthz_loop(url: str, stop: threading.Event, worst: list[float]) -> None:
 
 def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_workers: int = 2, log=print) -> dict:
     """Run the calm phase then the attacked phase; return what was measured."""
-    from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
+    from orchestrator_harness import (
+        TRAINER_KEY,
+        OrchestratorProcess,
+        make_run_dir,
+        signed_version,
+    )
 
     from swarmrl.inference.worker import Worker
     from swarmrl.protocol.signing import public_key_hex

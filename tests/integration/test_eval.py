@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import swarmrl
+from runs import swarmrl
 from test_serve import Server
 
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy

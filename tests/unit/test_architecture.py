@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "swarmrl"
+ROOT = Path(__file__).resolve().parents[2] / "swarmrl"
 
 # Lower layers never import higher ones; rooms in the same layer do not import each other.
 LAYERS = {
@@ -221,3 +221,33 @@ def test_layers_match_the_architecture_doc():
     doc = (ROOT.parent / "docs" / "architecture.md").read_text()
     missing = [room for room in LAYERS if f"`{room}`" not in doc]
     assert not missing, f"docs/architecture.md does not describe {missing}"
+
+
+# ---------------------------------------------------------------------------- test tiers
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_every_test_module_sits_in_a_tier():
+    """tests/conftest.py refuses to run a test outside tests/{unit,integration,e2e}; this says so
+    before collection, from the tree."""
+    stray = [p.name for p in TESTS.glob("test_*.py")]
+    assert not stray, f"move {stray} into tests/unit, tests/integration or tests/e2e (by cost)"
+    for tier in ("unit", "integration", "e2e"):
+        assert list((TESTS / tier).glob("test_*.py")), tier
+
+
+def test_the_unit_guard_refuses_a_process_and_a_socket():
+    """tests/unit/conftest.py's guard is on in this module too (it is a unit test)."""
+    import socket
+    import subprocess
+
+    import pytest
+
+    with pytest.raises(AssertionError, match="started a process.*tests/integration"):
+        subprocess.run(["true"])
+    with pytest.raises(AssertionError, match="network socket"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    a, b = socket.socketpair()  # unix-domain: allowed
+    a.close(), b.close()

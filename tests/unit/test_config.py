@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from swarmrl.config import Config, ConfigError, load_config, parse_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOML = ROOT / "configs" / "default.toml"
 SEED_TOML = ROOT / "configs" / "intellect2-qwq32b.toml"
 

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import EASY
+from runs import EASY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

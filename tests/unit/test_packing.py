@@ -2,31 +2,29 @@
 
 Hand-checked bin packing and index maps; attention isolation inside a pack on a real tiny Qwen2;
 the packed trainer against the padded one on random ragged batches (same old logprobs, loss,
-metrics and gradients to float32 rounding); FSDP2 with 2 gloo ranks whose shares need different
-numbers of packs; and the budget checks at config load, at launch and at runtime.
-
-Also a script: `python tests/test_packing.py --fsdp-run OUT BUDGET` (plain or under torchrun)
-trains 2 steps on a fixed batch (BUDGET 0: padded) and writes rank 0's full state dict to OUT.
+metrics and gradients to float32 rounding); and the budget checks at config load, at launch and
+at runtime. FSDP2 with 2 gloo ranks whose shares need different numbers of packs:
+tests/integration/test_fsdp.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from packed_batches import (
+    FSDP_BUDGET,
+    FSDP_COMPLETIONS,
+    make_batch,
+    make_cfg,
+    random_groups,
+)
 
 from swarmrl.algorithm.loss import token_logprobs
 from swarmrl.config import ConfigError, load_config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
-from swarmrl.protocol.rollouts import Group, Sample
-from swarmrl.trainer.batch import build_train_batch
-from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
+from swarmrl.trainer.grpo import GRPOTrainer
 from swarmrl.trainer.packing import first_fit_decreasing, pack_sequences
 
 SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128)
@@ -85,52 +83,6 @@ def test_pack_layout_and_index_maps_by_hand():
 
 
 # ---------------------------------------------------------------------------- a real model
-
-
-def random_groups(model, *, prompts: int, group_size: int, prompt_lens: tuple[int, int],
-                  completion_lens: tuple[int, int] | list[list[int]], seed: int = 0,
-                  temperature: float = 1.0, noise: float = 0.3) -> list[Group]:
-    """Groups of random tokens with varied lengths; inference logprobs are the model's own,
-    each perturbed by N(0, noise), so ratios move off 1 and clipping and TIS have work to do.
-    `completion_lens`: a (lo, hi) range, or explicit lengths per group."""
-    gen = torch.Generator().manual_seed(seed)
-    model.eval()
-    groups = []
-    for gi in range(prompts):
-        p_len = int(torch.randint(prompt_lens[0], prompt_lens[1] + 1, (), generator=gen))
-        prompt = torch.randint(5, 261, (p_len,), generator=gen).tolist()  # ids 0-4 are special
-        samples = []
-        for si in range(group_size):
-            if isinstance(completion_lens, tuple):
-                c_len = int(torch.randint(completion_lens[0], completion_lens[1] + 1, (), generator=gen))
-            else:
-                c_len = completion_lens[gi][si]
-            completion = torch.randint(5, 261, (c_len,), generator=gen).tolist()
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0] / temperature  # [L, V]
-            logp = logits.log_softmax(-1)
-            lps = [float(logp[p_len + j - 1, tok]) + float(torch.randn((), generator=gen)) * noise
-                   for j, tok in enumerate(completion)]
-            samples.append(Sample(token_ids=completion, logprobs=lps, finish_reason="stop", seed=si))
-        rewards = [float(r) for r in torch.randint(0, 2, (group_size,), generator=gen)]
-        rewards[0], rewards[1] = 1.0, 0.0  # every group informative
-        groups.append(Group(problem_id=f"p{gi}", task_type="synthetic", prompt=f"prompt {gi}",
-                            verification_info="{}", prompt_ids=prompt, samples=samples, policy_version=0,
-                            worker="test", temperature=temperature, rewards=rewards, task_rewards=rewards))
-    model.train()
-    return groups
-
-
-def make_cfg(*overrides: str):
-    return load_config(None, [
-        "--sampling.prompts_per_step", "4", "--sampling.group_size", "4", "--sampling.max_new_tokens", "40",
-        "--trainer.micro_batch_size", "3", "--trainer.warmup_steps", "0", "--trainer.schedule", "constant",
-        "--trainer.lr", "1e-3", *overrides])
-
-
-def make_batch(groups, cfg):
-    return build_train_batch(groups, pad_token_id=0, normalize_std=cfg.algorithm.normalize_std,
-                             adv_eps=cfg.algorithm.adv_eps)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -285,43 +237,7 @@ def test_a_batch_sequence_over_budget_fails_at_runtime_naming_the_field():
     assert "trainer.max_tokens_per_micro_batch=41" in str(e.value) and f"at least {longest}" in str(e.value)
 
 
-# ---------------------------------------------------------------------------- FSDP2
-
-# 16 sequences, 2 optimizer steps of 8, 4 per rank. With a 48-token budget rank 0's first share
-# (prompt 6 + completions 38, 38, 38, 4) needs 4 packs and rank 1's (6 + 4, 3, 5, 2) needs 1, so
-# rank 1 must run 3 zero-loss passes to keep FSDP2's collectives paired.
-FSDP_COMPLETIONS = [[38, 38, 38, 4], [4, 3, 5, 2], [20, 2, 30, 3], [1, 40, 3, 36]]
-FSDP_BUDGET = 48
-
-
-def _fsdp_run(out: str, budget: int) -> None:
-    torch.set_num_threads(1)
-    dist_info = init_distributed()
-    extra = ["--trainer.max_tokens_per_micro_batch", str(budget)] if budget else []
-    cfg = make_cfg("--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2", *extra)
-    model, _ = build_tiny_policy(0, **SHAPE)
-    groups = random_groups(model, prompts=4, group_size=4, prompt_lens=(6, 6), completion_lens=FSDP_COMPLETIONS,
-                           seed=11)
-    batch = make_batch(groups, cfg)
-    trainer = GRPOTrainer(model, cfg, dist_info)
-    metrics = [trainer.train_step(batch), trainer.train_step(batch)]
-    sd = trainer.full_state_dict()
-    if dist_info.is_main:
-        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size}, out)
-    if dist_info.world_size > 1:
-        torch.distributed.barrier()  # no rank tears gloo down while another still talks to it
-        torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+# ---------------------------------------------------------------------------- FSDP2 (the run: tests/integration/test_fsdp.py)
 
 
 def test_fsdp_shares_need_different_pack_counts():
@@ -329,38 +245,3 @@ def test_fsdp_shares_need_different_pack_counts():
     lengths = [6 + c for g in FSDP_COMPLETIONS for c in g]
     counts = [len(first_fit_decreasing(lengths[i : i + 4], FSDP_BUDGET)) for i in range(0, 16, 4)]
     assert counts == [4, 1, 2, 3]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_fsdp2_packed_matches_single_process_padded(tmp_path):
-    script = str(Path(__file__).resolve())
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    _run([sys.executable, script, "--fsdp-run", str(one), "0"], env)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-          script, "--fsdp-run", str(two), str(FSDP_BUDGET)], env)
-    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
-    assert a["world_size"] == 1 and b["world_size"] == 2
-    # Same tolerance and reasoning as tests/test_trainer.py's FSDP2 test: atol 1e-5 is 1% of one
-    # step at lr 1e-3; a dropped, duplicated or cross-attending sequence moves weights far more.
-    for k in a["state"]:
-        torch.testing.assert_close(b["state"][k], a["state"][k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-    for ma, mb in zip(a["metrics"], b["metrics"]):
-        assert mb["loss/policy"] == pytest.approx(ma["loss/policy"], rel=1e-5, abs=1e-7)
-        assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--fsdp-run":
-        _fsdp_run(sys.argv[2], int(sys.argv[3]))
-        # Everything is written: skip the interpreter's teardown, where gloo's threads once
-        # aborted a finished rank in CI ("terminate called without an active exception").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    else:
-        sys.exit(f"usage: {sys.argv[0]} --fsdp-run OUT.pt BUDGET (0: padded; plain python or under torchrun)")

@@ -33,7 +33,7 @@ from swarmrl.proofs.toploc import (
     verify_proofs_many,
 )
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "toploc_golden.json").read_text())
+GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "toploc_golden.json").read_text())
 CASES = GOLDEN["cases"]
 NO_MATCH = 2.0**64  # mant_err_mean/median when no top-k point has a matching sign and exponent
 

@@ -18,7 +18,7 @@ import pytest
 from swarmrl.cli import COMMANDS
 from swarmrl.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED_TOML = ROOT / "configs" / "intellect2-qwq32b.toml"
 
 

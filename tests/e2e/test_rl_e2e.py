@@ -1,43 +1,50 @@
 """End to end: `swarmrl rl` as a real user runs it (real processes, real files, real model).
 
 A session fixture trains a tiny base on 1-digit addition (seconds), so these runs have signal
-without paying for the default warm start. Marked slow; they still run in CI.
+without paying for the default warm start. Each run costs most of a minute on 2 cores, so where
+assertions can share a run they do (a test's docstring says which it carries).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
-from conftest import EASY, swarmrl  # noqa: E402  (the shared easy base and CLI runner)
+import torch
+from runs import EASY, swarmrl
 
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
+def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path):
+    """One run carries two tests' assertions (issue 27): the plain end-to-end checks, and issue 18's
+    run with every service on https (a CA made for the run; children trust it)."""
     run = tmp_path / "run"
     proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "4",
-                   "--async.bound", "1", "--async.workers", "2", "--logging.plots", "true", *EASY)
+                   "--async.bound", "1", "--async.workers", "2", "--logging.plots", "true", "--async.tls", "true",
+                   *EASY)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "max_off_policy"):
         assert key in summary, key
-    assert summary["steps"] == 4
-    # Weights went trainer (origin) -> relay -> workers, signed by the trainer's key.
+    assert summary["steps"] == 4 and summary["accuracy_after"] is not None
+    # Weights went trainer (origin) -> relay -> workers, signed by the trainer's key, all over https.
+    assert json.loads((run / "orchestrator.json").read_text())["url"].startswith("https://127.0.0.1:")
+    assert json.loads((run / "origin.json").read_text())["url"].startswith("https://")
     relay_url = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
+    assert relay_url.startswith("https://127.0.0.1:")
     assert (run / "logs" / "relay-0.log").read_text().count("relay: mirrored v") >= 4
     worker_log = (run / "logs" / "worker-0.log").read_text()
     assert f"shards from {relay_url}" in worker_log, worker_log
+    assert (run / "tls" / "ca.pem").exists() and "tls_cert" in (run / "config.toml").read_text()
     pub = (run / "trainer.pub").read_text().strip()
     manifest = json.loads((run / "broadcast" / "v000004" / "manifest.json").read_text())
     assert manifest["public_key"] == pub and manifest["version"] == 4 and manifest["parent"] == 3
@@ -59,35 +66,28 @@ def test_rl_runs_end_to_end_and_respects_the_bound(easy_base, tmp_path):
     assert _processes_of(run) == []  # no process of the run is left behind
 
 
-def test_synchronous_bound_zero(easy_base, tmp_path):
-    run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3",
-            "--async.bound", "0", *EASY)
-    steps = [r for r in metrics(run) if "time/step" in r]
-    assert len(steps) == 3 and all(r["off_policy/max"] == 0 for r in steps)
-
-
-def test_resume_continues_a_run(easy_base, tmp_path):
+def test_a_synchronous_run_refuses_a_restart_and_resumes(easy_base, tmp_path):
+    """One run carries three tests' assertions (issue 27): the synchronous bound (k = 0), starting
+    over an existing run refused, and resuming it with a raised step budget."""
     run = tmp_path / "run"
     swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "2",
-            "--trainer.checkpoint_every", "1", *EASY)
+            "--trainer.checkpoint_every", "1", "--async.bound", "0", *EASY)
+    steps = [r for r in metrics(run) if "time/step" in r]
+    assert len(steps) == 2 and all(r["off_policy/max"] == 0 for r in steps)
+    # Starting over an existing run is refused, without a traceback, and names the way out.
+    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY,
+                   check=False)
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
     # Raise the step budget in the run's own config, as a user extending a run would.
     cfg = (run / "config.toml").read_text().replace("steps = 2\n", "steps = 4\n", 1)
     (run / "config.toml").write_text(cfg)
     again = swarmrl("rl", "--run-dir", str(run), "--resume", *EASY)  # the run's config wins; no override needed
     assert "resumed" in (run / "logs" / "trainer.log").read_text()
-    steps = [r["step"] for r in metrics(run) if "time/step" in r]
-    assert steps == [1, 2, 3, 4], steps
+    steps = [r for r in metrics(run) if "time/step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4], steps
+    assert all(r["off_policy/max"] == 0 for r in steps)  # the resumed run keeps its own bound
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
     assert again.returncode == 0
-
-
-def test_starting_over_an_existing_run_is_refused(easy_base, tmp_path):
-    run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY)
-    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY,
-                   check=False)
-    assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -163,7 +163,6 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
     """Orchestrator, trainer and 2 workers as separate processes (as on separate machines);
     the orchestrator is killed with SIGKILL mid-run and restarted on the same port."""
     import shutil
-    import sqlite3
 
     from orchestrator_harness import OrchestratorProcess
 
@@ -222,7 +221,6 @@ def _read(run: Path) -> list[dict]:
 
 
 def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_base, tmp_path):
-    import sqlite3
 
     run = tmp_path / "run"
     kinds = ["cherry_pick", "edit_tokens", "other_model"]
@@ -272,7 +270,6 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     """`async.endpoint_workers 1`: a trusted worker generating through its own `swarmrl serve`
     (reloaded with every version) next to the two built-in workers, whose groups are still
     checked in full (docs/engines.md)."""
-    import sqlite3
 
     from swarmrl.config import read_key_file
 
@@ -308,16 +305,31 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     assert _processes_of(run) == []
 
 
-def test_rl_over_tls_on_loopback(easy_base, tmp_path):
-    # Issue 18: the same run with every service on https (a CA made for the run; children trust it).
+LORA_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_swarmrl_rl_with_lora_publishes_adapters_that_workers_use_and_the_validator_passes(easy_base, tmp_path):
+    from swarmrl.protocol.manifest import content_digest
+
     run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3", "--async.tls", "true",
-            *EASY)
-    assert json.loads((run / "orchestrator.json").read_text())["url"].startswith("https://127.0.0.1:")
-    assert json.loads((run / "origin.json").read_text())["url"].startswith("https://")
-    relay = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
-    assert relay.startswith("https://127.0.0.1:")
-    assert "shards from https://" in (run / "logs" / "worker-0.log").read_text()
+    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3",
+            "--trainer.lora.rank", "8", "--trainer.lr", "1e-3", "--async.bound", "1", *EASY)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["accuracy_after"] is not None
-    assert (run / "tls" / "ca.pem").exists() and "tls_cert" in (run / "config.toml").read_text()
+    m0 = json.loads((run / "broadcast" / "v000000" / "manifest.json").read_text())
+    m3 = json.loads((run / "broadcast" / "v000003" / "manifest.json").read_text())
+    assert "base" not in m0 and m3["base"] == {"version": 0, "digest": content_digest(m0)}
+    assert sorted(f["name"] for f in m3["files"]) == LORA_FILES
+    assert m0["total_size"] / m3["total_size"] >= 10, (m0["total_size"], m3["total_size"])
+    assert sorted(p.name for p in (run / "policies" / "v000003").iterdir()) == LORA_FILES
+    # Workers loaded adapter versions (merged into the base they hold) and their work passed.
+    logs = (run / "logs" / "worker-0.log").read_text() + (run / "logs" / "worker-1.log").read_text()
+    assert re.search(r"policy v[123] loaded", logs), logs
+    with sqlite3.connect(run / "orchestrator.sqlite") as db:
+        verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
+        versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM groups")}
+    assert verdicts and all(v["reason"] is None for v in verdicts), [v for v in verdicts if v["reason"]][:3]
+    assert versions & {1, 2, 3}, versions  # adapter versions were sampled and validated, not only the base
+    # The checkpoint holds the adapters, not the base.
+    state = torch.load(run / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert state["model"] and all("lora_" in k for k in state["model"])

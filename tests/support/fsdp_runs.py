@@ -1,0 +1,119 @@
+"""The FSDP2 equivalence runs of tests/integration/test_fsdp.py, as a script:
+
+    python tests/support/fsdp_runs.py trainer OUT
+    python tests/support/fsdp_runs.py packing OUT BUDGET      (BUDGET 0: padded)
+    python tests/support/fsdp_runs.py precision OUT [overrides]
+
+plain or under torchrun; each trains 2 steps of the tiny model and writes rank 0's results to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from packed_batches import FSDP_BUDGET, FSDP_COMPLETIONS, random_groups  # noqa: F401
+from packed_batches import make_batch as packing_batch
+from packed_batches import make_cfg as packing_cfg
+from tiny_trainer import SHAPE, make_model, prepare
+
+from swarmrl.model.checkpoint import build_tiny_policy
+from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
+
+
+def trainer_run(out: str) -> None:
+    """Same model, same batch, 2 train_steps; rank 0 writes its full state dict and metrics.
+
+    Between the steps it also writes a checkpoint, and a second trainer restored from it redoes
+    step 2: the checkpoint round trip under FSDP2 (collective save, every rank loading).
+    """
+    torch.set_num_threads(1)
+    dist_info = init_distributed()
+    cfg, model, _, _, batch = prepare()
+    trainer = GRPOTrainer(model, cfg, dist_info)
+    ckpt = Path(out + ".ckpt")
+    metrics = [trainer.train_step(batch)]
+    save_checkpoint(trainer, ckpt, 1, {"world": dist_info.world_size})
+    if dist_info.world_size > 1:
+        torch.distributed.barrier()  # rank 0 writes alone; the others must not look too early
+    metrics.append(trainer.train_step(batch))
+    sd = trainer.full_state_dict()
+    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
+    state = load_checkpoint(fresh, ckpt)
+    assert state is not None and state["step"] == 1
+    resumed_metrics = fresh.train_step(batch)
+    resumed = fresh.full_state_dict()
+    if dist_info.is_main:
+        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size,
+                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
+    if dist_info.world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+def packing_run(out: str, budget: int) -> None:
+    torch.set_num_threads(1)
+    dist_info = init_distributed()
+    extra = ["--trainer.max_tokens_per_micro_batch", str(budget)] if budget else []
+    cfg = packing_cfg("--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2", *extra)
+    model, _ = build_tiny_policy(0, **SHAPE)
+    groups = random_groups(model, prompts=4, group_size=4, prompt_lens=(6, 6), completion_lens=FSDP_COMPLETIONS,
+                           seed=11)
+    batch = packing_batch(groups, cfg)
+    trainer = GRPOTrainer(model, cfg, dist_info)
+    metrics = [trainer.train_step(batch), trainer.train_step(batch)]
+    sd = trainer.full_state_dict()
+    if dist_info.is_main:
+        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size}, out)
+    if dist_info.world_size > 1:
+        torch.distributed.barrier()  # no rank tears gloo down while another still talks to it
+        torch.distributed.destroy_process_group()
+
+
+def precision_run(out: str, overrides: list[str]) -> None:
+    """2 train_steps; rank 0 writes the full float32 masters, the bf16 published weights, metrics
+    and its optimizer state dtypes; then a checkpoint round trip redoes step 2."""
+    torch.set_num_threads(1)
+    dist_info = init_distributed("cpu")
+    cfg, model, _, _, batch = prepare(*overrides)
+    trainer = GRPOTrainer(model, cfg, dist_info)
+    metrics = [trainer.train_step(batch)]
+    masters_step1 = {k: v.clone() for k, v in (trainer.full_state_dict() or {}).items()}  # None off rank 0
+    ckpt = Path(out + ".ckpt")
+    save_checkpoint(trainer, ckpt, 1, {})
+    if dist_info.world_size > 1:
+        torch.distributed.barrier()
+    metrics.append(trainer.train_step(batch))
+    masters, published = trainer.full_state_dict(), trainer.full_state_dict(torch.bfloat16)
+    opt_dtypes = sorted({str(v.dtype) for st in trainer.optimizer.state.values()
+                         for k, v in st.items() if k != "step"})
+    param_dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
+    load_checkpoint(fresh, ckpt)
+    resumed_metrics = fresh.train_step(batch)
+    resumed = fresh.full_state_dict()
+    if dist_info.is_main:
+        torch.save({"masters": masters, "masters_step1": masters_step1, "published": published, "metrics": metrics, "opt_dtypes": opt_dtypes,
+                    "param_dtypes": param_dtypes, "world_size": dist_info.world_size,
+                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
+    if dist_info.world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    kind, out, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if kind == "trainer":
+        trainer_run(out)
+    elif kind == "packing":
+        packing_run(out, int(rest[0]))
+    elif kind == "precision":
+        precision_run(out, rest)
+    else:
+        sys.exit(f"usage: {sys.argv[0]} trainer|packing|precision OUT [...]")
+    # Everything is written: skip the interpreter's teardown, where gloo's threads once aborted a
+    # finished rank in CI ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
