@@ -53,8 +53,8 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarmrl.model.tokenizer import build_char_tokenizer
-    from swarmrl.protocol.client import WorkerClient
     from swarmrl.proofs.toploc import chunk_count, encode, to_bytes
+    from swarmrl.protocol.client import WorkerClient
 
     tok = build_char_tokenizer()
     w = WorkerClient(url, Ed25519PrivateKey.generate())
@@ -137,13 +137,12 @@ def main() -> None:
         return attack_mix(args.attack, args.repeats, args.seconds)
 
     import torch  # noqa: F401
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarmrl.config import load_config
     from swarmrl.model.checkpoint import build_tiny_policy, save_policy
     from swarmrl.protocol.client import TrainerClient
     from swarmrl.tasks.source import task_rows
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from swarmrl.transport.broadcast import publish_version
 
     overrides = ["--sampling.worker_batch_prompts", str(args.prompts), "--sampling.group_size", str(args.group_size),

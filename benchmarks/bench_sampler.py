@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,7 +49,6 @@ from swarmrl.inference.batch import BatchEngine  # noqa: E402
 from swarmrl.inference.sampler import Sampler  # noqa: E402
 from swarmrl.inference.streams import StreamedEngine  # noqa: E402
 from swarmrl.model.checkpoint import build_tiny_policy  # noqa: E402
-
 
 MODELS = {
     "default": {},  # the project's ~1M-parameter tiny Qwen2
@@ -177,17 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batch_sizes:
         prompts = make_prompts(B, args.prompt_len, vocab, seed=B, group=args.group)
         ids, mask = left_pad(prompts, tok.pad_token_id, device)
-        sides = {"hf": lambda call: run_hf(ids, mask, call),
-                 "generic": lambda call: run_engine("generic", prompts, call),
-                 "builtin": lambda call: run_engine("builtin", prompts, call)}
+        sides = {"hf": partial(run_hf, ids, mask),
+                 "generic": partial(run_engine, "generic", prompts),
+                 "builtin": partial(run_engine, "builtin", prompts)}
         if "streams" in engines:
-            sides["streams"] = lambda call: run_engine("streams", prompts, call)
+            sides["streams"] = partial(run_engine, "streams", prompts)
         for run in sides.values():  # warm-up
             run(0)
         times = {name: [] for name in sides}
         for r in range(1, args.runs + 1):  # interleave so drift hits every side alike
             for name, run in sides.items():
-                times[name].append(timed(lambda: run(r), device)[0])
+                times[name].append(timed(partial(run, r), device)[0])
         med = {name: statistics.median(t) for name, t in times.items()}
         context = args.prompt_len + N / 2
         useful = B * N * flops_per_token(model, context) / med["builtin"] / 1e9

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -92,7 +93,7 @@ def main() -> None:
                 for clients in args.clients:
                     started = time.perf_counter()
                     with ThreadPoolExecutor(clients) as pool:
-                        runs = list(pool.map(lambda reqs: client_run(url, name, reqs), plan[clients]))
+                        runs = list(pool.map(partial(client_run, url, name), plan[clients]))
                     elapsed = time.perf_counter() - started
                     after = httpx.get(f"{url}/stats").json()
                     tokens = sum(t for t, _ in runs)

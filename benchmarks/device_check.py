@@ -100,16 +100,20 @@ def check_sampler(results, model, batch=64, new=256):
     # A stop id the model can never emit, so both sides generate exactly `new` tokens.
     ours = Sampler(model, stop_token_ids=[vocab], pad_token_id=0)
     ours.generate(prompts[:4], list(range(4)), max_new_tokens=8)
-    sync(); t = time.perf_counter()
+    sync()
+    t = time.perf_counter()
     outs = ours.generate(prompts, list(range(batch)), max_new_tokens=new)
-    sync(); t_ours = time.perf_counter() - t
+    sync()
+    t_ours = time.perf_counter() - t
     ids = torch.tensor(prompts, device="cuda")
     gen_kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   pad_token_id=0)
     model.generate(ids[:4], attention_mask=torch.ones_like(ids[:4]), **{**gen_kw, "max_new_tokens": 8, "min_new_tokens": 8})
-    sync(); t = time.perf_counter()
+    sync()
+    t = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
-    sync(); t_hf = time.perf_counter() - t
+    sync()
+    t_hf = time.perf_counter() - t
     n = sum(len(o.token_ids) for o in outs)
     results["sampler"] = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "batch": batch,
                           "new_tokens": new, "ours_tok_s": n / t_ours, "hf_tok_s": batch * new / t_hf,
@@ -132,9 +136,11 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
                             rewards=rewards, task_rewards=rewards))
     batch = build_train_batch(groups, pad_token_id=0, normalize_std=True, adv_eps=1e-6)
     trainer = GRPOTrainer(model, cfg)
-    sync(); t = time.perf_counter()
+    sync()
+    t = time.perf_counter()
     metrics = trainer.train_step(batch)
-    sync(); dt = time.perf_counter() - t
+    sync()
+    dt = time.perf_counter() - t
     results["mismatch"] = {"bf16_sampler_vs_prefill_logprob_abs_diff_mean": metrics["off_policy/logprob_abs_diff"],
                            "max": metrics["off_policy/logprob_abs_diff_max"]}
     results["trainer"] = {"seconds": dt, "tokens": metrics["train/tokens"],
@@ -286,7 +292,9 @@ def main():
         return
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
     for name, fn in [("noise", lambda: check_noise(results)), ("cpu_vs_cuda", lambda: check_cpu_vs_cuda(results))]:
-        t = time.perf_counter(); fn(); print(name, json.dumps(results[name]), f"({time.perf_counter() - t:.1f}s)", flush=True)
+        t = time.perf_counter()
+        fn()
+        print(name, json.dumps(results[name]), f"({time.perf_counter() - t:.1f}s)", flush=True)
     model = medium_model(261)
     prompts, outs = check_sampler(results, model)
     print("sampler", json.dumps(results["sampler"]), flush=True)

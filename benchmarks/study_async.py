@@ -86,8 +86,8 @@ def table(results: list[dict], gain: float) -> str:
     cells: dict[tuple[int, str], list[dict]] = {}
     for r in results:
         cells.setdefault((r["k"], r["objective"]), []).append(r)
-    lines = ["| k | objective | seeds | base | final acc (mean, min-max) | gain | wall to +%d pts (mean) | "
-             "staleness | log-prob gap |" % round(gain * 100), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| k | objective | seeds | base | final acc (mean, min-max) | gain | wall to +{round(gain * 100)} pts "
+             "(mean) | staleness | log-prob gap |", "|---|---|---|---|---|---|---|---|---|"]
     for (k, obj), runs in sorted(cells.items()):
         finals = [r["curve"][-1]["accuracy"] for r in runs]
         bases = [r["curve"][0]["accuracy"] for r in runs]

@@ -49,6 +49,7 @@ OUT = Path(__file__).with_name("toploc_golden.json")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared input generator
 from bf16_inputs import make_bf16  # noqa: E402
 
+
 def top_magnitudes(x: torch.Tensor) -> list[np.ndarray]:
     """Sorted (descending) 15-bit magnitude patterns of each chunk of CHUNK rows."""
     out = []

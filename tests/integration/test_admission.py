@@ -14,16 +14,25 @@ import time
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
 
 from swarmrl.config import OrchestratorConfig
-from swarmrl.orchestrator.admission import (Busy, GradingLanes, Standing, allowance, is_proven, lease_size,
-                                            lease_timeout, unproven_share)
+from swarmrl.orchestrator.admission import (
+    Busy,
+    GradingLanes,
+    Standing,
+    allowance,
+    is_proven,
+    lease_size,
+    lease_timeout,
+    unproven_share,
+)
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
 from swarmrl.protocol.signing import AuthError, WrongRun, new_run_id, sign_headers, verify_request
 
+from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
+
 pytestmark = pytest.mark.timeout(300)
-O = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=2, proven_after=4)
+ORCH = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=2, proven_after=4)
 
 
 # ---- the rules, by hand ------------------------------------------------------------------------
@@ -37,14 +46,14 @@ O = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=
     (0, 20, 0, 0),    # never negative
 ])
 def test_allowance(accepted, expired, fraud, expect):
-    assert allowance(Standing(accepted, expired, fraud, leased=0), O, lease_prompts=8) == expect
+    assert allowance(Standing(accepted, expired, fraud, leased=0), ORCH, lease_prompts=8) == expect
 
 
 def test_groups_awaiting_validation_count_against_unproven_keys_only():
-    assert Standing(0, 0, 0, leased=2, waiting=6).held(O) == 8
-    assert Standing(4, 0, 0, leased=2, waiting=6, validated=4).held(O) == 2
+    assert Standing(0, 0, 0, leased=2, waiting=6).held(ORCH) == 8
+    assert Standing(4, 0, 0, leased=2, waiting=6, validated=4).held(ORCH) == 2
     # Accepted on cheap checks alone (validator.rate < 1) is not proven.
-    assert Standing(40, 0, 0, leased=2, waiting=6, validated=3).held(O) == 8
+    assert Standing(40, 0, 0, leased=2, waiting=6, validated=3).held(ORCH) == 8
 
 
 def test_lease_size_timeout_and_proven():
@@ -53,12 +62,12 @@ def test_lease_size_timeout_and_proven():
     assert lease_size(2, 8, allowed=2) == 2 and lease_size(1, 8, allowed=2) == 0  # a small allowance
     assert lease_size(-2, 8, allowed=0) == 0
     # The new keys' share is never below one lease (bound 0: 4 outstanding, half of it is 2).
-    assert unproven_share(O, outstanding=4, lease_prompts=4) == 4
-    assert unproven_share(O, outstanding=32, lease_prompts=8) == 16
+    assert unproven_share(ORCH, outstanding=4, lease_prompts=4) == 4
+    assert unproven_share(ORCH, outstanding=32, lease_prompts=8) == 16
     assert lease_timeout(120.0, 8, 8) == 120.0
     assert lease_timeout(120.0, 4, 8) == 60.0
     assert lease_timeout(120.0, 1, 8) == 30.0  # floored at a quarter
-    assert not is_proven(3, O) and is_proven(4, O)
+    assert not is_proven(3, ORCH) and is_proven(4, ORCH)
 
 
 def test_grading_lanes_one_per_key_and_one_for_all_unproven_keys():

@@ -10,11 +10,12 @@ import sys
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir, signed_version
 
 from swarmrl.model.tokenizer import build_char_tokenizer
 from swarmrl.protocol.client import TrainerClient, WorkerClient
 from swarmrl.tasks import code as code_tasks
+
+from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir, signed_version
 
 pytestmark = pytest.mark.timeout(300)
 

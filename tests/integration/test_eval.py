@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from runs import swarmrl
 from test_serve import Server
 
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+
+from runs import swarmrl
 
 pytestmark = pytest.mark.timeout(600)
 

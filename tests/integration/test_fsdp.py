@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from packed_batches import FSDP_BUDGET
 from tiny_trainer import free_port, run_checked
 

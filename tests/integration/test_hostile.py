@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from hostile import scenario
 
 pytestmark = pytest.mark.timeout(400)

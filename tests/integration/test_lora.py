@@ -20,14 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_harness import (
-    TRAINER_KEY,
-    OrchestratorProcess,
-    answers,
-    completion_ids,
-    make_run_dir,
-    signed_version,
-)
 
 from swarmrl.config import ConfigError, LoRAConfig, load_config
 from swarmrl.inference.worker import Worker
@@ -57,6 +49,15 @@ from swarmrl.transport.broadcast import (
     publish_version,
 )
 from swarmrl.validator.core import Validator
+
+from orchestrator_harness import (
+    TRAINER_KEY,
+    OrchestratorProcess,
+    answers,
+    completion_ids,
+    make_run_dir,
+    signed_version,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

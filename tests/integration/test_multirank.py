@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+
 from runs import EASY, swarmrl
 
 # ---------------------------------------------------------------------------- config (fast)

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 
 from swarmrl.config import ValidatorConfig
 from swarmrl.inference.sampler import Sampler
@@ -30,6 +29,8 @@ from swarmrl.tasks import arithmetic
 from swarmrl.tasks.source import model_input
 from swarmrl.transport.broadcast import ShardServer
 from swarmrl.validator.core import Validator
+
+from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 

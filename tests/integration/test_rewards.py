@@ -93,7 +93,7 @@ def test_math_task_reward_rejects_bad_ground_truth(info):
 ])
 def test_absurd_answers_score_0_without_being_evaluated(answer):
     started = time.monotonic()
-    reward, reason = math_task_reward({"ground_truth": "92"}, "\\boxed{%s}" % answer)
+    reward, reason = math_task_reward({"ground_truth": "92"}, "\\boxed{" + answer + "}")
     assert reward == 0.0 and "graded" in reason, reason
     assert time.monotonic() - started < 1.0  # each of these costs sympy seconds to hours
 
@@ -103,7 +103,7 @@ def test_absurd_answers_score_0_without_being_evaluated(answer):
     ("x^{100}", "x^{100}"), ("10^{100000}", "10^{100000}"), ("2^{1000000}", "2^{1000000}"),
 ])
 def test_big_answers_are_graded_when_the_ground_truth_is_as_big(ground_truth, answer):
-    assert math_task_reward({"ground_truth": ground_truth}, "\\boxed{%s}" % answer) == (1.0, None)
+    assert math_task_reward({"ground_truth": ground_truth}, "\\boxed{" + answer + "}") == (1.0, None)
 
 
 # -- length control ------------------------------------------------------------

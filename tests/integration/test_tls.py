@@ -19,11 +19,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from orchestrator_harness import make_run_dir
 
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.protocol.tls import TLSError, server_context, trust_ca_file
 from swarmrl.transport.broadcast import ShardServer, fetch_manifest, publish_version
+
+from orchestrator_harness import make_run_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +34,7 @@ def _name(cn: str) -> x509.Name:
 
 
 def _cert(subject: str, issuer_key, issuer: x509.Name, key, *, ca: bool, sans=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

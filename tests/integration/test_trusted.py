@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 from test_serve import Server
 from test_validation import lease_of, settled, train_a_little
 
@@ -28,6 +27,8 @@ from swarmrl.model.checkpoint import load_policy
 from swarmrl.protocol.client import TrainerClient
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.transport.broadcast import ShardServer
+
+from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 
 pytestmark = pytest.mark.timeout(300)
 

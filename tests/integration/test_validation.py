@@ -21,14 +21,6 @@ import httpx
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from orchestrator_harness import (
-    TRAINER_KEY,
-    OrchestratorProcess,
-    answers,
-    completion_ids,
-    make_run_dir,
-    signed_version,
-)
 
 from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import Worker
@@ -37,6 +29,15 @@ from swarmrl.protocol.client import Refused, TrainerClient
 from swarmrl.protocol.signing import public_key_hex, sign_headers
 from swarmrl.tasks.source import model_input
 from swarmrl.transport.broadcast import ShardServer
+
+from orchestrator_harness import (
+    TRAINER_KEY,
+    OrchestratorProcess,
+    answers,
+    completion_ids,
+    make_run_dir,
+    signed_version,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 
 import torch
-from packed_batches import FSDP_BUDGET, FSDP_COMPLETIONS, random_groups  # noqa: F401
-from packed_batches import make_batch as packing_batch
-from packed_batches import make_cfg as packing_cfg
-from tiny_trainer import SHAPE, make_model, prepare
 
 from swarmrl.model.checkpoint import build_tiny_policy
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
+
+from packed_batches import FSDP_BUDGET, FSDP_COMPLETIONS, random_groups  # noqa: F401
+from packed_batches import make_batch as packing_batch
+from packed_batches import make_cfg as packing_cfg
+from tiny_trainer import SHAPE, make_model, prepare
 
 
 def trainer_run(out: str) -> None:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
@@ -36,6 +37,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.proofs.toploc import build_proofs, encode
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
+
+if TYPE_CHECKING:  # at run time scenario() imports it (the attacker process, main(), never does)
+    from swarmrl.inference.worker import Worker
 
 # Answers a grader can burn its whole time limit (or memory) on: power towers, huge factorials
 # and fractions, deep nesting.
@@ -165,16 +169,16 @@ def healthz_loop(url: str, stop: threading.Event, worst: list[float]) -> None:
 
 def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_workers: int = 2, log=print) -> dict:
     """Run the calm phase then the attacked phase; return what was measured."""
+    from swarmrl.inference.worker import Worker
+    from swarmrl.protocol.signing import public_key_hex
+    from swarmrl.transport.broadcast import ShardServer
+
     from orchestrator_harness import (
         TRAINER_KEY,
         OrchestratorProcess,
         make_run_dir,
         signed_version,
     )
-
-    from swarmrl.inference.worker import Worker
-    from swarmrl.protocol.signing import public_key_hex
-    from swarmrl.transport.broadcast import ShardServer
 
     run = make_run_dir(root / "run", *CONFIG)
     manifest = signed_version(run, 0)

@@ -59,7 +59,7 @@ class OrchestratorProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60) -> "OrchestratorProcess":
+    def start(self, timeout_s: float = 60) -> OrchestratorProcess:
         info = self.run_dir / "orchestrator.json"
         info.unlink(missing_ok=True)
         log = open(self.run_dir / "orchestrator.log", "ab")

@@ -199,7 +199,7 @@ def test_micro_batches_sum_to_full_batch():
     kw = dict(entropy_coef=0.0, kl_coef=0.1)
     for mode in ("token", "constant"):
         norm = loss_normalizer(mode, num_tokens=int(mask.sum()), num_sequences=B, max_tokens=T)
-        def loss_of(s: slice) -> torch.Tensor:  # old_logprobs double as the reference
+        def loss_of(s: slice, norm: float = norm) -> torch.Tensor:  # old_logprobs double as the reference
             inputs = LossInputs(logprobs[s], old[s], adv[s], mask[s], w[s], ref_logprobs=old[s])
             return grpo_loss(inputs, normalizer=norm, **kw)[0]
 

@@ -74,7 +74,7 @@ def test_more_prompts_than_slots_refill_as_rows_finish(policy):
     ours = eos.generate(prompts, seeds, max_new_tokens=30, return_hidden=True)
     theirs = ref.generate(prompts, seeds, max_new_tokens=30, return_hidden=True)
     assert len({len(c.token_ids) for c in theirs}) > 1, "test setup: rows should end at different steps"
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert torch.allclose(a.hidden, b.hidden, atol=1e-4)
     assert eos.stats["prefills"] > 1  # slots were refilled, not one batch

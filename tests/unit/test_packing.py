@@ -13,6 +13,13 @@ import dataclasses
 
 import pytest
 import torch
+
+from swarmrl.algorithm.loss import token_logprobs
+from swarmrl.config import ConfigError, load_config
+from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+from swarmrl.trainer.grpo import GRPOTrainer
+from swarmrl.trainer.packing import first_fit_decreasing, pack_sequences
+
 from packed_batches import (
     FSDP_BUDGET,
     FSDP_COMPLETIONS,
@@ -20,12 +27,6 @@ from packed_batches import (
     make_cfg,
     random_groups,
 )
-
-from swarmrl.algorithm.loss import token_logprobs
-from swarmrl.config import ConfigError, load_config
-from swarmrl.model.checkpoint import build_tiny_policy, save_policy
-from swarmrl.trainer.grpo import GRPOTrainer
-from swarmrl.trainer.packing import first_fit_decreasing, pack_sequences
 
 SHAPE = dict(hidden_size=64, num_layers=2, intermediate_size=128)
 

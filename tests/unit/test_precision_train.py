@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_trainer import make_cfg, make_model, prepare, seq_logprobs, weights
 
 from swarmrl.config import ConfigError, load_config
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, decoder_layers
+
+from tiny_trainer import make_cfg, make_model, prepare, seq_logprobs, weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,7 +104,7 @@ def test_mixed_keeps_fp32_masters_and_computes_in_bf16(tmp_path):
         assert (w - before[name]).abs().max() > 1e-4, name
     # The compute copy is the masters rounded to bf16, holds no gradient, and its buffers (the
     # rotary inv_freq) stay float32 as FSDP2 leaves them.
-    for (name, low), master in zip(trainer.compute_model.named_parameters(), model.parameters()):
+    for (name, low), master in zip(trainer.compute_model.named_parameters(), model.parameters(), strict=True):
         assert low.dtype == torch.bfloat16 and low.grad is None, name
         assert torch.equal(low, master.detach().to(torch.bfloat16)), name
     assert all(b.dtype == torch.float32 for b in trainer.compute_model.buffers() if b.is_floating_point())
@@ -204,7 +205,7 @@ def test_activation_checkpointing_same_gradients(precision, tmp_path):
         assert (inner is not layer) == ac
         calls = []
         # A pre-hook: a recompute stops as soon as backward has what it needs, before forward hooks.
-        inner.register_forward_pre_hook(lambda *a: calls.append(1))
+        inner.register_forward_pre_hook(lambda *a, calls=calls: calls.append(1))
         metrics = trainer.train_step(batch)
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
         runs[ac] = dict(metrics=metrics, calls=len(calls), grads=grads, sd=trainer.full_state_dict(), trainer=trainer)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bf16_inputs import _M64, _mix, make_bf16
 
 from swarmrl.proofs.toploc import (
     PRIME,
@@ -32,6 +31,8 @@ from swarmrl.proofs.toploc import (
     verify_proofs,
     verify_proofs_many,
 )
+
+from bf16_inputs import _M64, _mix, make_bf16
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "toploc_golden.json").read_text())
 CASES = GOLDEN["cases"]

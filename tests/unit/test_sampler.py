@@ -295,7 +295,7 @@ def test_logprobs_and_hidden_match_full_forward(kind, eos_policy, temperature):
     prompts = _prompts([4, 19, 1, 11, 30], seed=3)
     seeds = [10, 11, 12, 13, 14]
     outs = s.generate(prompts, seeds, max_new_tokens=16, temperature=temperature, return_hidden=True)
-    for p, seed, c in zip(prompts, seeds, outs):
+    for p, seed, c in zip(prompts, seeds, outs, strict=True):
         assert len(c.logprobs) == len(c.token_ids) == c.hidden.shape[0] > 0
         assert c.hidden.shape[1] == HIDDEN
         ref_logp, ref_hidden = _reference(model, p, c.token_ids, temperature)
@@ -322,7 +322,7 @@ def test_finish_reasons(kind, eos_policy):
     outs = s.generate(prompts, seeds, max_new_tokens=max_new, temperature=1.0, return_hidden=True)
     reasons = {c.finish_reason for c in outs}
     assert reasons == {"stop", "length"}, "test setup: the eos bias should give both outcomes"
-    for p, seed, c in zip(prompts, seeds, outs):
+    for p, seed, c in zip(prompts, seeds, outs, strict=True):
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == eos
             assert eos not in c.token_ids[:-1]
@@ -371,7 +371,7 @@ def test_temperature_zero_equals_greedy_loop_without_cache(kind, policy):
     prompts = _prompts([7, 2, 15], seed=7)
     n = 10
     outs = s.generate(prompts, [1, 2, 3], max_new_tokens=n, temperature=0.0)
-    for p, c in zip(prompts, outs):
+    for p, c in zip(prompts, outs, strict=True):
         ids = list(p)
         for _ in range(n):
             nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())

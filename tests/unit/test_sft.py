@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
-
-import pytest
 
 from swarmrl.config import ConfigError, load_config
 from swarmrl.model.checkpoint import build_tiny_policy

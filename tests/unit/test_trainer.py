@@ -15,6 +15,11 @@ import math
 
 import pytest
 import torch
+
+from swarmrl.algorithm.advantages import group_advantages
+from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
+from swarmrl.trainer.grpo import GRPOTrainer
+
 from tiny_trainer import (
     COMPLETION_LENS,
     EXPECTED_KEYS,
@@ -28,10 +33,6 @@ from tiny_trainer import (
     seq_logprobs,
     weights,
 )
-
-from swarmrl.algorithm.advantages import group_advantages
-from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
-from swarmrl.trainer.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
