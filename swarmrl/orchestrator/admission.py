@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from swarmrl.config import OrchestratorConfig
 

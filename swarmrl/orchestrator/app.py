@@ -38,9 +38,25 @@ from swarmrl.orchestrator.dashboard import add_dashboard_routes
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.manifest import BroadcastError, verify_manifest
-from swarmrl.protocol.messages import (Batch, Claim, ClaimIn, ErrorOut, Finished, LeaseIn, LeaseReply, PublishIn,
-                                       Published, Recorded, RegisterIn, Registered, Status, SubmitIn, SubmitReply,
-                                       VerdictsIn, WorkerRecord)
+from swarmrl.protocol.messages import (
+    Batch,
+    Claim,
+    ClaimIn,
+    ErrorOut,
+    Finished,
+    LeaseIn,
+    LeaseReply,
+    Published,
+    PublishIn,
+    Recorded,
+    Registered,
+    RegisterIn,
+    Status,
+    SubmitIn,
+    SubmitReply,
+    VerdictsIn,
+    WorkerRecord,
+)
 from swarmrl.protocol.signing import AuthError, ClockSkew, WrongRun, verify_request
 
 
@@ -83,7 +99,7 @@ class SizeLimit:
                 return await receive()  # the body is complete: waiting for a disconnect is fine
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 refusal = self._too_slow()
                 return truncated
             if message["type"] == "http.request":
@@ -267,7 +283,8 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def claim(body: ClaimIn) -> dict:
         return orch.claim_validation(body.max_groups)
 
-    @app.post("/v1/validator/verdicts", responses=responses, response_model=Recorded, dependencies=[Depends(validator_only)])
+    @app.post("/v1/validator/verdicts", responses=responses, response_model=Recorded,
+              dependencies=[Depends(validator_only)])
     def verdicts(body: VerdictsIn) -> dict:
         return orch.record_verdicts([v.model_dump() for v in body.verdicts], body.retry)
 
@@ -276,7 +293,8 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def batch(step: int = Path(ge=0, le=10**9)) -> dict:
         return orch.build_batch(step)
 
-    @app.post("/v1/trainer/policies", responses=responses, response_model=Published, dependencies=[Depends(trainer_only)])
+    @app.post("/v1/trainer/policies", responses=responses, response_model=Published,
+              dependencies=[Depends(trainer_only)])
     def publish(body: PublishIn) -> dict:
         try:
             # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before

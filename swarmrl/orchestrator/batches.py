@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from swarmrl.config import Config
 from swarmrl.orchestrator.counters import Counters
-from swarmrl.orchestrator.errors import ApiError, WAITING
+from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.validation import ValidationQueue

@@ -12,10 +12,9 @@ import time
 from collections.abc import Sequence
 
 from swarmrl.config import Config
-from swarmrl.orchestrator.admission import (Standing, allowance, is_proven, lease_size, lease_timeout,
-                                            unproven_share)
+from swarmrl.orchestrator.admission import Standing, allowance, is_proven, lease_size, lease_timeout, unproven_share
 from swarmrl.orchestrator.counters import Counters
-from swarmrl.orchestrator.errors import ApiError, WAITING
+from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.store import Store
 from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
@@ -90,7 +89,8 @@ class Leasing:
         length = self.cfg.length
         while len(out) < n:
             epoch, i = divmod(cursor, len(self.rows))
-            target = random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets) if length.enabled else None
+            target = (random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets)
+                      if length.enabled else None)
             out.append((self._perm(epoch)[i], target))
             cursor += 1
         Store.set_meta(db, "task_cursor", cursor)
@@ -147,7 +147,6 @@ class Leasing:
         return rate if n >= 16 else None
 
     def lease(self, key: str, policy_version: int) -> dict:
-        cfg, s = self.cfg, self.cfg.sampling
         now = time.time()
         with self.store.tx() as db:
             # Its own transaction: the refusals below roll theirs back, expiries must stay done.

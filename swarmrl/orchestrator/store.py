@@ -123,7 +123,7 @@ class Store:
 
     # ---- transactions ------------------------------------------------------------------------
     class _Tx:
-        def __init__(self, store: "Store"):
+        def __init__(self, store: Store):
             self.store = store
 
         def __enter__(self) -> sqlite3.Connection:
@@ -149,7 +149,7 @@ class Store:
             finally:
                 self.store.lock.release()
 
-    def tx(self) -> "Store._Tx":
+    def tx(self) -> Store._Tx:
         return Store._Tx(self)
 
     @contextmanager
@@ -247,8 +247,9 @@ class Store:
                              (worker, since)).fetchone()[0]
         fraud = db.execute(f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
                            f"({_marks(len(fraud_reasons))})", (worker, since, *fraud_reasons)).fetchone()[0]
-        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id WHERE leases.worker = ? "
-                            "AND leases.state = 'open' AND slots.state IN ('open', 'scoring')", (worker,)).fetchone()[0]
+        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+                            "WHERE leases.worker = ? AND leases.state = 'open' AND slots.state IN ('open', 'scoring')",
+                            (worker,)).fetchone()[0]
         waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
                              (worker,)).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)

@@ -101,7 +101,8 @@ class Submissions:
                                  detail=f"completion {i}: {len(smp.logprobs)} logprobs for {n} tokens")
             if max(smp.token_ids) >= self.vocab_size:
                 return SlotCheck(g.slot, reason="token_out_of_range",
-                                 detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size {self.vocab_size}")
+                                 detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size "
+                                        f"{self.vocab_size}")
             if max(smp.logprobs) > 1e-4 or min(smp.logprobs) < -1e4:
                 return SlotCheck(g.slot, reason="bad_logprob",
                                  detail=f"completion {i} has a logprob outside [-1e4, 0]")
