@@ -10,6 +10,9 @@ Tests live in one folder per cost, and the folder is the marker (`pytest -m unit
 Helpers that several modules import live in `support/` (on sys.path, imported by module name).
 """
 
+import fcntl
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,8 +40,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def easy_base(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("base") / "model"
-    swarmrl("sft", "--output", str(out), "--sft.steps", "150", *EASY)
+    """The tiny warm-started base of the end-to-end runs (about a minute of SFT on 2 cores), built
+    once per session: under pytest-xdist the workers share one build (the first builds it under a
+    file lock, the others wait and read it), so running in parallel does not pay for it twice."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder every worker's basetemp sits in
+    out, done = root / "easy-base" / "model", root / "easy-base" / "done"
+    with open(root / "easy-base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a build that died half-way
+            swarmrl("sft", "--output", str(out), "--sft.steps", "150", *EASY)
+            done.touch()
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     return out
 

@@ -157,7 +157,7 @@ class TrainerConfig(Section):
     """Recompute each decoder layer's activations in backward instead of keeping them from the
     forward (torch's non-reentrant checkpoint_wrapper per layer, applied before FSDP2 sharding):
     activation memory of the layers' inputs only, for about one extra forward of compute.
-    Gradients are unchanged (tests/test_precision_train.py)."""
+    Gradients are unchanged (tests/unit/test_precision_train.py)."""
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and AdamW state in CPU memory and run the optimizer
     step there (FSDP2's CPUOffloadPolicy), for accelerator memory at the cost of host-device copies

@@ -21,7 +21,7 @@ The conventions the validator relies on are the same as the generic sampler's
 is the final-layer hidden state at that position, noise is keyed by (seed, t); and a job's
 tokens do not depend on which other jobs share its steps (a row's arithmetic only touches its
 own slot; batch size changes rounding in the last bits at most, which the validator's
-tolerances cover and `tests/test_engine.py` checks).
+tolerances cover and `tests/unit/test_engine.py` checks).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ finished row's slot is refilled by a new prompt without touching the others.
 Numerics follow the Hugging Face implementation op for op where the order matters (RMSNorm in
 float32, rotary tables in float32 cast to the model dtype, softmax in float32), so a prefill by
 `model(...)` (what validators do) agrees with these decode steps to rounding; the validator's
-tolerances cover the rest, and `tests/test_engine.py` checks the agreement.
+tolerances cover the rest, and `tests/unit/test_engine.py` checks the agreement.
 
 Supported: `Qwen2ForCausalLM` and `LlamaForCausalLM` without sliding windows or rope scaling
 (`supports(model)`); anything else uses the generic sampler (`inference/sampler.py`).

@@ -12,7 +12,7 @@ A task type names
 Adding a task type is one module with these functions and one `TaskType` line: in `BUILTIN`
 below for a type shipped with swarmrl, or, without touching swarmrl, a module on the Python path
 named in the config (`tasks.types = ["my_tasks:TASK"]`), which every process of a run loads
-(`load`). docs/architecture.md walks through it; tests/test_task_registry.py does it.
+(`load`). docs/architecture.md walks through it; tests/integration/test_task_registry.py does it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Two kinds of task, as in the public dataset:
   its return value compared with the expected JSON value (a tuple return is written as a list).
 
 The expected outputs were worked out by hand and are checked by running every reference
-solution for real in tests/test_code_tasks.py; a wrong expected output would be a bug there.
+solution for real in tests/integration/test_code_tasks.py; a wrong expected output would be a bug there.
 """
 
 from __future__ import annotations

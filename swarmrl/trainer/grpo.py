@@ -128,7 +128,7 @@ class MasterWeights:
     (the project's decoder reads plain tensors), ~100x slower on CPU. Why not torch.autocast: it
     is another recipe. It casts per op (matmuls in bf16; norms, softmax and the residual stream in
     float32) where FSDP2 casts parameters per module, so everything runs in bf16; the numbers
-    would differ between one and several ranks. tests/test_precision_train.py checks one process
+    would differ between one and several ranks. tests/integration/test_fsdp.py checks one process
     against two FSDP2 ranks.
     """
 

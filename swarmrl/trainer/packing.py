@@ -11,7 +11,7 @@ Each pack is one forward pass of shape [1, T]:
   sequence has on its own; Hugging Face models (transformers 5.x, `masking_utils`) read the restarts
   as sequence boundaries and keep attention block-diagonal, for sdpa, eager, flex and
   flash attention alike, provided no 2D attention mask is passed and no KV cache is created (the
-  caller passes `use_cache=False`; tests/test_packing.py checks the isolation on a real Qwen2);
+  caller passes `use_cache=False`; tests/unit/test_packing.py checks the isolation on a real Qwen2);
 - the logprob column that predicts a sequence's first token from the previous sequence's last
   token is never mapped back: `unpack` only copies the columns a sequence predicts itself.
 
