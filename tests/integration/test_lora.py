@@ -317,7 +317,7 @@ def test_run_dir_adapters_load_with_their_base_beside_them(world, tmp_path):
 
 
 def test_the_trainer_trains_adapters_only_and_checkpoints_them(tmp_path):
-    from test_trainer import make_model, prepare
+    from tiny_trainer import make_model, prepare
 
     cfg, model, _, _, batch = prepare("--trainer.lora.rank", "4", "--trainer.lr", "1e-2")
     n_base = len(list(model.parameters()))
