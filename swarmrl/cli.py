@@ -19,13 +19,21 @@ from pydantic import BaseModel, ValidationError
 from swarmrl.config import Config
 from swarmrl.entrypoints import MODULES
 from swarmrl.entrypoints.common import fail, run_config, run_dir_config
-from swarmrl.entrypoints.flags import (add_settings_flags, comment_out, explain, missing_flags, read_settings_file,
-                                       settings_toml)
+from swarmrl.entrypoints.flags import (
+    add_settings_flags,
+    comment_out,
+    explain,
+    missing_flags,
+    read_settings_file,
+    settings_toml,
+)
 
 COMMANDS = {name: module.HELP for name, module in MODULES.items()}
 
-SETTINGS_FILE_HELP = ("TOML file of this command's settings, keyed by the flag names (e.g. cache_dir = \"D\"); "
-                      "flags given here win. --dry-run prints one")
+SETTINGS_FILE_HELP = (
+    'TOML file of this command\'s settings, keyed by the flag names (e.g. cache_dir = "D"); '
+    "flags given here win. --dry-run prints one"
+)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -35,14 +43,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parsers = {}
     for name, module in MODULES.items():
         from_flags = module.RUN_CONFIG == "flags"
-        sp = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP),
-                            epilog=getattr(module, "EPILOG", None))
+        sp = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=getattr(module, "DESCRIPTION", module.HELP),
+            epilog=getattr(module, "EPILOG", None),
+        )
         sp.add_argument("--config", metavar="FILE", help=module.CONFIG_HELP if from_flags else SETTINGS_FILE_HELP)
         # Required flags are enforced by argparse only where they cannot come from a settings file.
         add_settings_flags(sp, module.Settings, groups=getattr(module, "GROUPS", None), required=from_flags)
-        sp.add_argument("--dry-run", action="store_true",
-                        help="print the resolved config and exit" if from_flags else
-                        "print the resolved settings (as a --config file) and exit without starting anything")
+        sp.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print the resolved config and exit"
+            if from_flags
+            else "print the resolved settings (as a --config file) and exit without starting anything",
+        )
         parsers[name] = sp
     return parser, parsers
 
@@ -56,12 +72,15 @@ def _check_overrides(name: str, module: ModuleType, parser: argparse.ArgumentPar
         return
     sections = getattr(module, "OVERRIDE_SECTIONS", None)
     if sections and any(a.startswith("--") and not a.startswith(tuple(f"--{s}." for s in sections)) for a in extra):
-        parser.error(f"unrecognized arguments: {' '.join(extra)} ({name} takes "
-                     f"{' and '.join(f'--{s}.FIELD' for s in sections)} overrides only)")
+        parser.error(
+            f"unrecognized arguments: {' '.join(extra)} ({name} takes "
+            f"{' and '.join(f'--{s}.FIELD' for s in sections)} overrides only)"
+        )
 
 
-def resolve(name: str, args: argparse.Namespace, extra: list[str],
-            parser: argparse.ArgumentParser) -> tuple[BaseModel, Config | None]:
+def resolve(
+    name: str, args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser
+) -> tuple[BaseModel, Config | None]:
     """The command's settings (its settings file, then its flags) and run config, checked."""
     module = MODULES[name]
     _check_overrides(name, module, parser, extra)
@@ -91,8 +110,9 @@ def dry_run(name: str, settings: BaseModel, cfg: Config | None) -> str:
     text = settings_toml(settings)
     if kind == "run-dir":
         run_dir = settings.run_dir
-        run = run_dir_config(run_dir, f"{run_dir} has no config.toml: prepare the run first "
-                                      f"(swarmrl rl --prepare --run-dir {run_dir})")
+        run = run_dir_config(
+            run_dir, f"{run_dir} has no config.toml: prepare the run first (swarmrl rl --prepare --run-dir {run_dir})"
+        )
         text += f"\n# The run's config, {os.path.join(run_dir, 'config.toml')}:\n{comment_out(run.to_toml())}"
     return text
 

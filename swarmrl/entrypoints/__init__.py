@@ -21,7 +21,16 @@ from swarmrl.entrypoints import orchestrator, relay, rl, score, serve, sft, stat
 
 # In the order `swarmrl --help` lists them.
 MODULES = {
-    "rl": rl, "sft": sft, "score": score, "serve": serve, "eval": eval_command, "tasks": tasks,
-    "orchestrator": orchestrator, "trainer": trainer, "worker": worker, "status": status,
-    "validator": validator, "relay": relay,
+    "rl": rl,
+    "sft": sft,
+    "score": score,
+    "serve": serve,
+    "eval": eval_command,
+    "tasks": tasks,
+    "orchestrator": orchestrator,
+    "trainer": trainer,
+    "worker": worker,
+    "status": status,
+    "validator": validator,
+    "relay": relay,
 }

@@ -8,8 +8,10 @@ from typing import NoReturn
 
 from swarmrl.config import Config
 
-OVERRIDES_EPILOG = ("Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
-                    "--async.bound 0 --tasks.digits 3. See configs/default.toml for every field.")
+OVERRIDES_EPILOG = (
+    "Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
+    "--async.bound 0 --tasks.digits 3. See configs/default.toml for every field."
+)
 
 
 def fail(msg: str) -> NoReturn:

@@ -15,8 +15,10 @@ from swarmrl.entrypoints.common import fail
 from swarmrl.entrypoints.flags import RoleSettings, flag
 
 HELP = "Evaluate a checkpoint or an OpenAI-compatible endpoint on a benchmark: avg@k, pass@k, lengths."
-EPILOG = ("Built-in sets take --tasks.FIELD overrides (e.g. --tasks.digits 3), code rows --sandbox.FIELD ones. "
-          "See docs/eval.md.")
+EPILOG = (
+    "Built-in sets take --tasks.FIELD overrides (e.g. --tasks.digits 3), code rows --sandbox.FIELD ones. "
+    "See docs/eval.md."
+)
 RUN_CONFIG = "flags"
 CONFIG_HELP = "TOML config file: its [tasks] and [sandbox] sections are used"
 OVERRIDE_SECTIONS = ("tasks", "sandbox")
@@ -63,7 +65,7 @@ class Settings(RoleSettings):
     """math grading processes"""
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if bool(self.model) == bool(self.endpoint):
             raise ValueError("give one of --model (a local checkpoint folder) or --endpoint (a server URL)")
         for name, value in (("--k", self.k), ("--max-tokens", self.max_tokens), ("--concurrency", self.concurrency)):
@@ -109,11 +111,15 @@ def _backend(settings: Settings):
     if settings.model:
         if not os.path.isdir(settings.model):
             fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
-        return ModelBackend.from_path(settings.model, device=settings.device, dtype=settings.dtype,
-                                      streams=settings.streams)
-    return EndpointBackend(settings.endpoint, model=settings.served_model,
-                           api_key=settings.api_key or os.environ.get("OPENAI_API_KEY"),
-                           concurrency=settings.concurrency)
+        return ModelBackend.from_path(
+            settings.model, device=settings.device, dtype=settings.dtype, streams=settings.streams
+        )
+    return EndpointBackend(
+        settings.endpoint,
+        model=settings.served_model,
+        api_key=settings.api_key or os.environ.get("OPENAI_API_KEY"),
+        concurrency=settings.concurrency,
+    )
 
 
 def main(settings: Settings, cfg: Config) -> None:
@@ -124,8 +130,13 @@ def main(settings: Settings, cfg: Config) -> None:
     from swarmrl.sandbox.runner import SandboxUnavailable
 
     rows = _rows(settings, cfg)
-    sampling = EvalSettings(k=settings.k, temperature=settings.temperature, max_tokens=settings.max_tokens,
-                            length_target=settings.length_target, seed=settings.seed)
+    sampling = EvalSettings(
+        k=settings.k,
+        temperature=settings.temperature,
+        max_tokens=settings.max_tokens,
+        length_target=settings.length_target,
+        seed=settings.seed,
+    )
     try:
         backend = _backend(settings)
         graders = open_graders(rows, cfg.sandbox)
@@ -138,8 +149,9 @@ def main(settings: Settings, cfg: Config) -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         with VerifierPool(settings.workers, 5.0) as pool:
-            results, summary = evaluate_rows(rows, backend, sampling, pool=pool, graders=graders,
-                                             progress=progress_bar(len(rows), "eval"))
+            results, summary = evaluate_rows(
+                rows, backend, sampling, pool=pool, graders=graders, progress=progress_bar(len(rows), "eval")
+            )
     except ValueError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - a failing endpoint mid-run: say so, no traceback
@@ -149,9 +161,17 @@ def main(settings: Settings, cfg: Config) -> None:
     with open(out / "results.jsonl", "w", encoding="utf-8") as handle:
         for r in results:
             handle.write(json.dumps(r, ensure_ascii=False) + "\n")
-    summary = {**summary, "benchmark": settings.benchmark, "backend": backend.describe(),
-               "settings": {"k": settings.k, "temperature": settings.temperature,
-                            "max_tokens": settings.max_tokens if settings.max_tokens is not None else "auto",
-                            "length_target": settings.length_target, "seed": settings.seed}}
+    summary = {
+        **summary,
+        "benchmark": settings.benchmark,
+        "backend": backend.describe(),
+        "settings": {
+            "k": settings.k,
+            "temperature": settings.temperature,
+            "max_tokens": settings.max_tokens if settings.max_tokens is not None else "auto",
+            "length_target": settings.length_target,
+            "seed": settings.seed,
+        },
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

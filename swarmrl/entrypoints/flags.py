@@ -25,14 +25,20 @@ class RoleSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-def flag(default: Any = ..., *, spelled: str | None = None, aliases: tuple[str, ...] = (),
-         metavar: str | None = None, group: str | None = None, exclusive: str | None = None,
-         description: str | None = None) -> Any:
+def flag(
+    default: Any = ...,
+    *,
+    spelled: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    group: str | None = None,
+    exclusive: str | None = None,
+    description: str | None = None,
+) -> Any:
     """A field with what argparse needs beyond its type: its flag when not the field's name
     (`as_json` is `--json`), other spellings (`--max-batch-rows`), a metavar, the titled help group
     it is listed in, or the mutually exclusive set it belongs to."""
-    extra = {"spelled": spelled, "aliases": list(aliases), "metavar": metavar, "group": group,
-             "exclusive": exclusive}
+    extra = {"spelled": spelled, "aliases": list(aliases), "metavar": metavar, "group": group, "exclusive": exclusive}
     return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v})
 
 
@@ -76,8 +82,13 @@ def argparse_kwargs(info: FieldInfo, *, required: bool) -> dict:
     return kwargs
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, settings: type[BaseModel], *,
-                       groups: dict[str, str] | None = None, required: bool = True) -> None:
+def add_settings_flags(
+    parser: argparse.ArgumentParser,
+    settings: type[BaseModel],
+    *,
+    groups: dict[str, str] | None = None,
+    required: bool = True,
+) -> None:
     """One flag per field of `settings`. `groups` gives each titled group its description;
     `required=False` leaves required fields to the settings check (they may come from a file)."""
     titled: dict[str, Any] = {}
@@ -95,8 +106,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings: type[BaseModel
             if key not in exclusive:
                 exclusive[key] = target.add_mutually_exclusive_group(required=required)
             target = exclusive[key]
-        target.add_argument(flag_name(name, settings), *extra.get("aliases", []), dest=name,
-                            **argparse_kwargs(info, required=required))
+        target.add_argument(
+            flag_name(name, settings), *extra.get("aliases", []), dest=name, **argparse_kwargs(info, required=required)
+        )
 
 
 def file_key(field: str, settings: type[BaseModel]) -> str:

@@ -26,7 +26,7 @@ class Settings(RoleSettings):
     """PEM private key of --tls-cert"""
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         check_tls_pair(self.tls_cert, self.tls_key)
         return self
 
@@ -37,7 +37,14 @@ def main(settings: Settings, cfg: None) -> None:
     from swarmrl.validator.runner import start_in_process
 
     try:
-        serve(settings.run_dir, host=settings.host, port=settings.port, resume=settings.resume,
-              start_validator=start_in_process, tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+        serve(
+            settings.run_dir,
+            host=settings.host,
+            port=settings.port,
+            resume=settings.resume,
+            start_validator=start_in_process,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+        )
     except (FileNotFoundError, OSError, SandboxUnavailable) as e:
         fail(str(e))

@@ -14,7 +14,8 @@ HELP = "An untrusted HTTP relay: mirrors signed, sharded policy versions from up
 DESCRIPTION = HELP + (
     " Versions are verified shard by shard (sha256 from the manifest) before they are served, and their "
     "manifest against the trainer's key (required: a version that does not verify is never mirrored). Serves "
-    "HTTP Range requests to many clients at once; keeps the newest --keep versions.")
+    "HTTP Range requests to many clients at once; keeps the newest --keep versions."
+)
 RUN_CONFIG = None
 
 
@@ -51,7 +52,7 @@ class Settings(RoleSettings):
         return service_urls(value, "--upstream")
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         check_tls_pair(self.tls_cert, self.tls_key)
         return self
 
@@ -64,9 +65,18 @@ def main(settings: Settings, cfg: None) -> None:
     s = settings
     tls = server_context(s.tls_cert, s.tls_key) if s.tls_cert else None
     try:
-        run_relay(url_list(s.upstream), s.cache_dir, host=s.host, port=s.port, keep=s.keep,
-                  public_key=key_arg(s.trainer_key), startup_tries=s.startup_tries, url_file=s.url_file,
-                  max_bytes_per_s=s.max_bytes_per_s, tls=tls)
+        run_relay(
+            url_list(s.upstream),
+            s.cache_dir,
+            host=s.host,
+            port=s.port,
+            keep=s.keep,
+            public_key=key_arg(s.trainer_key),
+            startup_tries=s.startup_tries,
+            url_file=s.url_file,
+            max_bytes_per_s=s.max_bytes_per_s,
+            tls=tls,
+        )
     except BroadcastError as e:
         print(f"swarmrl relay: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -34,8 +34,9 @@ def main(settings: Settings, cfg: Config) -> None:
     # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if settings.resume:
-        cfg = run_dir_config(settings.run_dir,
-                             f"{settings.run_dir} has no config.toml: it is not a swarmrl run directory")
+        cfg = run_dir_config(
+            settings.run_dir, f"{settings.run_dir} has no config.toml: it is not a swarmrl run directory"
+        )
     try:
         summary = run_rl(cfg, resume=settings.resume, prepare_only=settings.prepare)
     except (ChildDied, FileExistsError, ValueError, FileNotFoundError, SandboxUnavailable) as e:

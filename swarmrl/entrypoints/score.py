@@ -12,8 +12,10 @@ from swarmrl.entrypoints.common import fail
 from swarmrl.entrypoints.flags import RoleSettings
 
 HELP = "Score completions in a JSONL file (math answers, code run against tests in a sandbox; length control)."
-EPILOG = ("Code rows (task_type prime_rl_code) run in bubblewrap; set its fields as --sandbox.FIELD "
-          "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md.")
+EPILOG = (
+    "Code rows (task_type prime_rl_code) run in bubblewrap; set its fields as --sandbox.FIELD "
+    "VALUE, e.g. --sandbox.workers 4 --sandbox.partial_credit true. See docs/sandbox.md."
+)
 RUN_CONFIG = "flags"
 CONFIG_HELP = "TOML config file; its [sandbox] section sets how code rows run"
 OVERRIDE_SECTIONS = ("sandbox", "tasks")
@@ -81,15 +83,24 @@ def main(settings: Settings, cfg: Config) -> None:
         fail(str(e))
     try:
         with VerifierPool(settings.workers, settings.timeout) as pool:
-            counts = score_file(settings.input, settings.output, pool=pool, count_tokens=count_tokens,
-                                length_mode=settings.length_mode, length_coef=settings.length_coef, graders=graders)
+            counts = score_file(
+                settings.input,
+                settings.output,
+                pool=pool,
+                count_tokens=count_tokens,
+                length_mode=settings.length_mode,
+                length_coef=settings.length_coef,
+                graders=graders,
+            )
     finally:
         graders.close()
     print(json.dumps(counts))
     if counts["errors"] and not settings.allow_errors:
         first = "; ".join(f"line {e['line']}: {e['error']}" for e in counts["first_errors"][:2])
-        print(f"swarmrl score: {counts['errors']} of {counts['rows']} rows could not be scored ({first}); each has "
-              f"its `error` in {settings.output}. mean_reward averages the {counts['scored']} scored rows, "
-              "mean_reward_all_rows counts the others as 0. Fix the rows, or pass --allow-errors to exit 0.",
-              file=sys.stderr)
+        print(
+            f"swarmrl score: {counts['errors']} of {counts['rows']} rows could not be scored ({first}); each has "
+            f"its `error` in {settings.output}. mean_reward averages the {counts['scored']} scored rows, "
+            "mean_reward_all_rows counts the others as 0. Fix the rows, or pass --allow-errors to exit 0.",
+            file=sys.stderr,
+        )
         raise SystemExit(1)

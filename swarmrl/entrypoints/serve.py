@@ -11,8 +11,10 @@ from swarmrl.entrypoints.common import check_tls_pair, fail
 from swarmrl.entrypoints.flags import RoleSettings, flag
 
 HELP = "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint."
-DESCRIPTION = (HELP + " Requests share the built-in engine's continuous batches: a request joins the running batch "
-               "at the next token step. CUDA serving is untested (CPU only here).")
+DESCRIPTION = (
+    HELP + " Requests share the built-in engine's continuous batches: a request joins the running batch "
+    "at the next token step. CUDA serving is untested (CPU only here)."
+)
 RUN_CONFIG = None
 
 
@@ -56,7 +58,7 @@ class Settings(RoleSettings):
     (docs/engines.md). Anyone with the token can make the server load any folder it can read"""
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         check_tls_pair(self.tls_cert, self.tls_key)
         return self
 
@@ -68,10 +70,24 @@ def main(settings: Settings, cfg: None) -> None:
         fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
     s = settings
     try:
-        serve(s.model, host=s.host, port=s.port, device=s.device, dtype=s.dtype, model_name=s.served_model_name,
-              max_batch_rows=s.max_batch, batch_window_ms=s.batch_window_ms, max_n=s.max_n,
-              max_request_kb=s.max_request_kb, default_max_tokens=s.default_max_tokens, url_file=s.url_file,
-              threads=s.threads, reload_token_file=s.reload_token_file, engine=s.engine, tls_cert=s.tls_cert,
-              tls_key=s.tls_key)
+        serve(
+            s.model,
+            host=s.host,
+            port=s.port,
+            device=s.device,
+            dtype=s.dtype,
+            model_name=s.served_model_name,
+            max_batch_rows=s.max_batch,
+            batch_window_ms=s.batch_window_ms,
+            max_n=s.max_n,
+            max_request_kb=s.max_request_kb,
+            default_max_tokens=s.default_max_tokens,
+            url_file=s.url_file,
+            threads=s.threads,
+            reload_token_file=s.reload_token_file,
+            engine=s.engine,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        )
     except (OSError, ValueError) as e:
         fail(str(e))

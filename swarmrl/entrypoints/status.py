@@ -38,7 +38,12 @@ def main(settings: Settings, cfg: None) -> None:
     from swarmrl.launch.status import watch
 
     try:
-        watch(settings.orchestrator, as_json=settings.as_json, steps=settings.steps, workers=settings.workers,
-              every_s=settings.watch)
+        watch(
+            settings.orchestrator,
+            as_json=settings.as_json,
+            steps=settings.steps,
+            workers=settings.workers,
+            every_s=settings.watch,
+        )
     except ValueError as e:
         fail(str(e))

@@ -32,7 +32,7 @@ class Settings(RoleSettings):
     """arithmetic: which problems are drawn"""
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if self.completions and self.kind != "code":
             raise ValueError("--completions is for --kind code (arithmetic rows have no reference programs)")
         return self
@@ -47,8 +47,9 @@ def main(settings: Settings, cfg: None) -> None:
         if settings.kind == "code":
             rows = code_tasks.generate(completions=settings.completions)
         else:
-            rows = arithmetic.generate(settings.n, digits=settings.digits, ops=settings.ops, split=settings.split,
-                                       seed=settings.seed)
+            rows = arithmetic.generate(
+                settings.n, digits=settings.digits, ops=settings.ops, split=settings.split, seed=settings.seed
+            )
     except ValueError as e:
         fail(str(e))
     print(f"wrote {write_jsonl(rows, settings.output)} rows to {settings.output}")

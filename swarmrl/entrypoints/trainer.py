@@ -14,7 +14,8 @@ DESCRIPTION = HELP + (
     "torchrun (python -m torch.distributed.run) and waits for them; node 0 is the one that reaches the "
     "orchestrator and holds the run's files, every other node runs it with --node-rank and a copy of the run's "
     "config.toml and policies/v000000. Started by torchrun itself (python -m torch.distributed.run ... -m "
-    "swarmrl.cli trainer ...), it is one rank. docs/deploy.md has the commands.")
+    "swarmrl.cli trainer ...), it is one rank. docs/deploy.md has the commands."
+)
 RUN_CONFIG = "run-dir"
 
 
@@ -42,9 +43,13 @@ def _start_ranks(settings: Settings) -> None:
     from swarmrl.launch import torchrun
 
     config = Path(settings.run_dir) / "config.toml"
-    cfg = run_dir_config(settings.run_dir, (
-        f"{config} does not exist: prepare the run first (swarmrl rl --prepare --run-dir {settings.run_dir}), "
-        "or on another trainer node copy config.toml and policies/v000000 there"))
+    cfg = run_dir_config(
+        settings.run_dir,
+        (
+            f"{config} does not exist: prepare the run first (swarmrl rl --prepare --run-dir {settings.run_dir}), "
+            "or on another trainer node copy config.toml and policies/v000000 there"
+        ),
+    )
     if torchrun.world_size(cfg) > 1:
         passed = ["--run-dir", settings.run_dir] + (["--resume"] if settings.resume else [])
         for name in ("orchestrator", "token_file", "ca_file"):  # rank 0 reaches the orchestrator
@@ -70,8 +75,9 @@ def main(settings: Settings, cfg: None) -> None:
     from swarmrl.trainer.loop import run_trainer
 
     try:
-        run_trainer(settings.run_dir, resume=settings.resume, orchestrator=settings.orchestrator,
-                    token_file=settings.token_file)
+        run_trainer(
+            settings.run_dir, resume=settings.resume, orchestrator=settings.orchestrator, token_file=settings.token_file
+        )
     except FileNotFoundError as e:
         fail(str(e))
     except (SystemExit, KeyboardInterrupt) as e:
@@ -81,6 +87,10 @@ def main(settings: Settings, cfg: None) -> None:
 
         done = checkpoint_dirs(Path(settings.run_dir) / "checkpoints")
         where = f"its newest checkpoint is step {done[-1][0]}" if done else "it has no checkpoint yet (it starts over)"
-        print(f"trainer stopped; {where}. Continue with: swarmrl trainer --run-dir {settings.run_dir} --resume "
-              "(steps after the checkpoint are redone on the same batches)", file=sys.stderr, flush=True)
+        print(
+            f"trainer stopped; {where}. Continue with: swarmrl trainer --run-dir {settings.run_dir} --resume "
+            "(steps after the checkpoint are redone on the same batches)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise

@@ -13,7 +13,8 @@ HELP = "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, s
 DESCRIPTION = HELP + (
     " Claims groups from the orchestrator with the validator token, fetches the claimed policy versions "
     "from the trainer's weight URLs, and reports verdicts; thresholds come from the orchestrator's config. "
-    "Start the orchestrator with --validator.mode external in its config to use only these.")
+    "Start the orchestrator with --validator.mode external in its config to use only these."
+)
 RUN_CONFIG = None
 
 
@@ -56,7 +57,15 @@ def main(settings: Settings, cfg: None) -> None:
 
     s = settings
     try:
-        run_external(s.orchestrator, token_file=s.token_file, cache_dir=s.cache_dir, threads=s.threads,
-                     device=s.device, dtype=s.dtype, relays=url_list(s.relays), trainer_key=key_arg(s.trainer_key))
+        run_external(
+            s.orchestrator,
+            token_file=s.token_file,
+            cache_dir=s.cache_dir,
+            threads=s.threads,
+            device=s.device,
+            dtype=s.dtype,
+            relays=url_list(s.relays),
+            trainer_key=key_arg(s.trainer_key),
+        )
     except FileNotFoundError as e:
         fail(str(e))

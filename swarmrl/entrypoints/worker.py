@@ -15,13 +15,17 @@ from swarmrl.config import ADVERSARY_KINDS
 from swarmrl.entrypoints.common import fail, key_arg, service_url, service_urls, url_list
 from swarmrl.entrypoints.flags import RoleSettings, flag
 
-HELP = ("An inference worker: joins an orchestrator over HTTP with its own ed25519 key (untrusted, with proofs; "
-        "or a trusted key generating through vLLM, SGLang or swarmrl serve).")
+HELP = (
+    "An inference worker: joins an orchestrator over HTTP with its own ed25519 key (untrusted, with proofs; "
+    "or a trusted key generating through vLLM, SGLang or swarmrl serve)."
+)
 RUN_CONFIG = None
 TRUSTED = "trusted fleets"
-GROUPS = {TRUSTED: "Generate through an OpenAI-compatible server instead of the built-in sampler. Such work has "
-          "no TOPLOC proofs: the orchestrator accepts it only from keys in its orchestrator.trusted_keys_file. "
-          "docs/engines.md has the vLLM and SGLang commands."}
+GROUPS = {
+    TRUSTED: "Generate through an OpenAI-compatible server instead of the built-in sampler. Such work has "
+    "no TOPLOC proofs: the orchestrator accepts it only from keys in its orchestrator.trusted_keys_file. "
+    "docs/engines.md has the vLLM and SGLang commands."
+}
 ENDPOINT_FIELDS = ("endpoint", "endpoint_key_file", "served_model", "load", "server_command", "endpoint_dtype")
 
 
@@ -83,8 +87,11 @@ class Settings(RoleSettings):
     concurrency: int = flag(16, group=TRUSTED)
     """requests in flight to the server"""
     adversary: Literal[tuple(ADVERSARY_KINDS)] | None = flag(  # type: ignore[valid-type]
-        None, metavar="KIND", description="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator "
-        "bans the key). " + "; ".join(f"{k}: {v}" for k, v in ADVERSARY_KINDS.items()))
+        None,
+        metavar="KIND",
+        description="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator "
+        "bans the key). " + "; ".join(f"{k}: {v}" for k, v in ADVERSARY_KINDS.items()),
+    )
 
     @field_validator("orchestrator")
     @classmethod
@@ -97,19 +104,24 @@ class Settings(RoleSettings):
         return service_urls(value, "--relays")
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         from swarmrl.protocol.tls import is_loopback
 
         if self.streams < 1:
-            raise ValueError(f"--streams {self.streams}: give at least 1 decoding stream (one per core is the "
-                             "usual choice)")
+            raise ValueError(
+                f"--streams {self.streams}: give at least 1 decoding stream (one per core is the usual choice)"
+            )
         if self.streams > 1 and not self.device.startswith("cpu"):
-            raise ValueError(f"--streams {self.streams} is for CPU workers; on --device {self.device} one engine "
-                             "fills the device: drop --streams")
+            raise ValueError(
+                f"--streams {self.streams} is for CPU workers; on --device {self.device} one engine "
+                "fills the device: drop --streams"
+            )
         if self.orchestrator.startswith("http://") and not is_loopback(self.orchestrator) and not self.insecure:
-            raise ValueError(f"--orchestrator {self.orchestrator} is plain http to another machine: anyone on the "
-                             "path could read this worker's traffic or pose as the orchestrator. Use its https "
-                             "URL, or pass --insecure on a network you trust")
+            raise ValueError(
+                f"--orchestrator {self.orchestrator} is plain http to another machine: anyone on the "
+                "path could read this worker's traffic or pose as the orchestrator. Use its https "
+                "URL, or pass --insecure on a network you trust"
+            )
         if self.cache_dir is None:
             self.cache_dir = os.path.join(".cache", "swarmrl", "worker", Path(self.key_file).stem)
         given = [f for f in ENDPOINT_FIELDS if getattr(self, f) is not None]
@@ -159,9 +171,15 @@ def _endpoint(settings: Settings):
             fail(f"--endpoint-key-file {settings.endpoint_key_file}: {e.strerror}")
     load = settings.load or ("restart" if settings.server_command else "reload")
     try:
-        return EndpointSettings(settings.endpoint, load=load, api_key=api_key, served_model=settings.served_model,
-                                server_command=settings.server_command, dtype=settings.endpoint_dtype,
-                                concurrency=settings.concurrency)
+        return EndpointSettings(
+            settings.endpoint,
+            load=load,
+            api_key=api_key,
+            served_model=settings.served_model,
+            server_command=settings.server_command,
+            dtype=settings.endpoint_dtype,
+            concurrency=settings.concurrency,
+        )
     except ValueError as e:
         fail(str(e))
 
@@ -179,8 +197,20 @@ def main(settings: Settings, cfg: None) -> None:
         worker_class = adversary_class(settings.adversary)
     s = settings
     try:
-        run_worker(s.orchestrator, key_file=s.key_file, cache_dir=s.cache_dir, name=s.name, threads=s.threads,
-                   device=s.device, dtype=s.dtype, worker_class=worker_class, relays=url_list(s.relays),
-                   trainer_key=key_arg(s.trainer_key), run_id=s.run_id, endpoint=endpoint, streams=s.streams)
+        run_worker(
+            s.orchestrator,
+            key_file=s.key_file,
+            cache_dir=s.cache_dir,
+            name=s.name,
+            threads=s.threads,
+            device=s.device,
+            dtype=s.dtype,
+            worker_class=worker_class,
+            relays=url_list(s.relays),
+            trainer_key=key_arg(s.trainer_key),
+            run_id=s.run_id,
+            endpoint=endpoint,
+            streams=s.streams,
+        )
     except AuthError as e:
         fail(str(e))

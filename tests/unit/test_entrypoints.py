@@ -20,28 +20,34 @@ FLAGS = {
     "sft": "--config --output --dry-run",
     "score": "--input --output --tokenizer --length-mode --length-coef --workers --timeout --config --allow-errors",
     "serve": "--model --host --port --served-model-name --device --dtype --tls-cert --tls-key --engine --max-batch "
-             "--max-batch-rows --batch-window-ms --max-n --max-request-kb --default-max-tokens --threads --url-file "
-             "--reload-token-file",
+    "--max-batch-rows --batch-window-ms --max-n --max-request-kb --default-max-tokens --threads --url-file "
+    "--reload-token-file",
     "eval": "--model --endpoint --served-model --api-key --benchmark --format --limit --k --temperature --max-tokens "
-            "--length-target --seed --output-dir --concurrency --device --dtype --streams --workers --config",
+    "--length-target --seed --output-dir --concurrency --device --dtype --streams --workers --config",
     "tasks": "--output --kind --completions --n --digits --ops --split --seed",
     "orchestrator": "--run-dir --host --port --resume --tls-cert --tls-key",
     "trainer": "--run-dir --resume --orchestrator --ca-file --token-file --node-rank --rank-logs",
     "worker": "--orchestrator --ca-file --insecure --run-id --key-file --cache-dir --name --threads --streams --device "
-              "--dtype --relays --trainer-key --engine --endpoint --endpoint-key-file --served-model --load "
-              "--server-command --endpoint-dtype --concurrency --adversary",
+    "--dtype --relays --trainer-key --engine --endpoint --endpoint-key-file --served-model --load "
+    "--server-command --endpoint-dtype --concurrency --adversary",
     "status": "--orchestrator --json --steps --workers --watch --ca-file",
     "validator": "--orchestrator --token-file --cache-dir --threads --device --dtype --relays --ca-file --trainer-key",
     "relay": "--upstream --cache-dir --host --port --keep --trainer-key --startup-tries --url-file --max-bytes-per-s "
-             "--tls-cert --tls-key --ca-file",
+    "--tls-cert --tls-key --ca-file",
 }
 
 # The least each command needs to resolve its settings.
 MINIMAL = {
-    "rl": [], "sft": [], "score": ["--input", "in.jsonl", "--output", "out.jsonl"], "serve": ["--model", "m"],
-    "eval": ["--model", "m", "--benchmark", "arithmetic", "--output-dir", "o"], "tasks": ["--output", "t.jsonl"],
-    "orchestrator": ["--run-dir", "RUN"], "trainer": ["--run-dir", "RUN"],
-    "worker": ["--orchestrator", "http://127.0.0.1:8000"], "status": ["--orchestrator", "http://127.0.0.1:8000"],
+    "rl": [],
+    "sft": [],
+    "score": ["--input", "in.jsonl", "--output", "out.jsonl"],
+    "serve": ["--model", "m"],
+    "eval": ["--model", "m", "--benchmark", "arithmetic", "--output-dir", "o"],
+    "tasks": ["--output", "t.jsonl"],
+    "orchestrator": ["--run-dir", "RUN"],
+    "trainer": ["--run-dir", "RUN"],
+    "worker": ["--orchestrator", "http://127.0.0.1:8000"],
+    "status": ["--orchestrator", "http://127.0.0.1:8000"],
     "validator": ["--orchestrator", "http://127.0.0.1:8000", "--token-file", "tok"],
     "relay": ["--upstream", "http://127.0.0.1:8001", "--cache-dir", "c"],
 }
@@ -96,8 +102,19 @@ def test_every_flag_of_before_is_still_taken_and_every_command_has_config_and_dr
 
 
 def test_argv_to_settings_with_defaults_aliases_and_normalised_urls():
-    settings, cfg = parse(["worker", "--orchestrator", "http://127.0.0.1:8000/v1/", "--key-file", "keys/a.pem",
-                           "--relays", "http://r1:1/, http://r2:2", "--threads", "2"])
+    settings, cfg = parse(
+        [
+            "worker",
+            "--orchestrator",
+            "http://127.0.0.1:8000/v1/",
+            "--key-file",
+            "keys/a.pem",
+            "--relays",
+            "http://r1:1/, http://r2:2",
+            "--threads",
+            "2",
+        ]
+    )
     assert cfg is None
     assert settings.orchestrator == "http://127.0.0.1:8000" and settings.relays == "http://r1:1,http://r2:2"
     assert settings.threads == 2 and settings.name == "worker" and settings.engine == "builtin"
@@ -123,7 +140,11 @@ def test_settings_file_then_flags(tmp_path, capsys):
     file.write_text('orchestrator = "http://127.0.0.1:9"\nkey-file = "k.pem"\nname = "from-file"\nthreads = 3\n')
     settings, _ = parse(["worker", "--config", str(file), "--name", "from-flag"])
     assert (settings.orchestrator, settings.key_file, settings.name, settings.threads) == (
-        "http://127.0.0.1:9", "k.pem", "from-flag", 3)
+        "http://127.0.0.1:9",
+        "k.pem",
+        "from-flag",
+        3,
+    )
     # What --dry-run prints is a settings file giving the same settings.
     code, out, _ = run(["worker", "--config", str(file), "--name", "from-flag", "--dry-run"], capsys)
     assert code == 0
@@ -146,7 +167,7 @@ def test_dry_run_of_rl_is_exactly_the_resolved_config(capsys, tmp_path):
     overrides = ["--trainer.lr", "3e-6", "--async.bound=0"]
     code, out, _ = run(["rl", "--run-dir", "r", *overrides, "--dry-run"], capsys)
     assert code == 0
-    assert out.startswith("# swarmrl rl settings:\n# run_dir = \"r\"\n")  # the flags, as comments
+    assert out.startswith('# swarmrl rl settings:\n# run_dir = "r"\n')  # the flags, as comments
     dumped = tmp_path / "dumped.toml"
     dumped.write_text(out)
     assert load_config(dumped) == load_config(None, [*overrides, "--run_dir", "r"])
@@ -162,27 +183,32 @@ def test_dry_run_of_a_role_on_a_run_dir_shows_the_runs_config(run_dir, capsys):
     assert code == 2 and "elsewhere has no config.toml: prepare the run first" in err
 
 
-@pytest.mark.parametrize(("argv", "needles"), [
-    (["tasks", "--output", "x.jsonl", "--bogus", "1"], ["swarmrl tasks: error: unrecognized arguments: --bogus 1"]),
-    (["tasks", "--output", "x.jsonl", "--trainer.lr", "1"], ["unrecognized arguments: --trainer.lr"]),
-    (["score", "--input", "a", "--output", "b", "--trainer.lr", "1"], ["score takes --sandbox.FIELD"]),
-    (["tasks", "--output", "x.jsonl", "--n", "many"], ["argument --n: invalid int value: 'many'"]),
-    (["serve", "--model", "m", "--dtype", "fp8"], ["argument --dtype: invalid choice: 'fp8'"]),
-    (["worker"], ["the following arguments are required: --orchestrator"]),
-    (["score", "--input", "a"], ["the following arguments are required: --output"]),
-    (["eval", "--benchmark", "b", "--output-dir", "o"], ["one of the arguments --model --endpoint is required"]),
-    (["worker", "--orchestrator", "127.0.0.1:8000"], ["--orchestrator '127.0.0.1:8000' has no scheme"]),
-    (["worker", "--orchestrator", "http://10.1.2.3:8000"], ["plain http to another machine", "--insecure"]),
-    (["worker", "--orchestrator", "http://127.0.0.1:9", "--streams", "0"], ["--streams 0: give at least 1"]),
-    (["worker", "--orchestrator", "http://127.0.0.1:9", "--endpoint", "http://e"],
-     ["--endpoint is for --engine openai"]),
-    (["relay", "--upstream", "http://ok:1,bad:2", "--cache-dir", "c"], ["--upstream 'bad:2' has no scheme"]),
-    (["relay", "--upstream", "http://ok:1", "--cache-dir", "c", "--tls-key", "k"], ["--tls-cert and --tls-key go"]),
-    (["tasks", "--output", "x", "--completions", "wrong"], ["--completions is for --kind code"]),
-    (["eval", "--model", "m", "--benchmark", "b", "--output-dir", "o", "--k", "0"], ["--k must be at least 1"]),
-    (["rl", "--trainer.lrr", "1"], ["trainer.lrr", "allowed"]),
-    (["status", "--config", "nope.toml"], ["--config nope.toml does not exist"]),
-])
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["tasks", "--output", "x.jsonl", "--bogus", "1"], ["swarmrl tasks: error: unrecognized arguments: --bogus 1"]),
+        (["tasks", "--output", "x.jsonl", "--trainer.lr", "1"], ["unrecognized arguments: --trainer.lr"]),
+        (["score", "--input", "a", "--output", "b", "--trainer.lr", "1"], ["score takes --sandbox.FIELD"]),
+        (["tasks", "--output", "x.jsonl", "--n", "many"], ["argument --n: invalid int value: 'many'"]),
+        (["serve", "--model", "m", "--dtype", "fp8"], ["argument --dtype: invalid choice: 'fp8'"]),
+        (["worker"], ["the following arguments are required: --orchestrator"]),
+        (["score", "--input", "a"], ["the following arguments are required: --output"]),
+        (["eval", "--benchmark", "b", "--output-dir", "o"], ["one of the arguments --model --endpoint is required"]),
+        (["worker", "--orchestrator", "127.0.0.1:8000"], ["--orchestrator '127.0.0.1:8000' has no scheme"]),
+        (["worker", "--orchestrator", "http://10.1.2.3:8000"], ["plain http to another machine", "--insecure"]),
+        (["worker", "--orchestrator", "http://127.0.0.1:9", "--streams", "0"], ["--streams 0: give at least 1"]),
+        (
+            ["worker", "--orchestrator", "http://127.0.0.1:9", "--endpoint", "http://e"],
+            ["--endpoint is for --engine openai"],
+        ),
+        (["relay", "--upstream", "http://ok:1,bad:2", "--cache-dir", "c"], ["--upstream 'bad:2' has no scheme"]),
+        (["relay", "--upstream", "http://ok:1", "--cache-dir", "c", "--tls-key", "k"], ["--tls-cert and --tls-key go"]),
+        (["tasks", "--output", "x", "--completions", "wrong"], ["--completions is for --kind code"]),
+        (["eval", "--model", "m", "--benchmark", "b", "--output-dir", "o", "--k", "0"], ["--k must be at least 1"]),
+        (["rl", "--trainer.lrr", "1"], ["trainer.lrr", "allowed"]),
+        (["status", "--config", "nope.toml"], ["--config nope.toml does not exist"]),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_clear_message(argv, needles, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run([*argv, "--dry-run"], capsys)
