@@ -47,24 +47,30 @@ demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
 # Tests by cost tier (tests/unit, tests/integration, tests/e2e; docs/architecture.md, "Working on
-# swarmrl"). `make test` runs all of them after the linters and prints the 25 slowest tests.
+# swarmrl"), on JOBS pytest-xdist workers: most tests wait on processes and sockets, so two workers
+# on 2 cores finish sooner (measured there). Tests marked `serial` measure throughput under load and
+# run alone afterwards. `make test` runs the linters first and prints the 25 slowest tests.
+JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
 test: $(STAMP) sandbox browser openssl
-	$(PYTEST) tests
+	$(PYTEST) -n $(JOBS) -m "not serial" tests
+	$(PYTEST) -m serial tests
 
 test-unit: $(STAMP)
-	$(PYTEST) tests/unit
+	$(PYTEST) -n $(JOBS) tests/unit
 
 test-integration: $(STAMP) sandbox openssl
-	$(PYTEST) tests/integration
+	$(PYTEST) -n $(JOBS) -m "not serial" tests/integration
+	$(PYTEST) -m serial tests/integration
 
 test-e2e: $(STAMP) sandbox browser openssl
-	$(PYTEST) tests/e2e
+	$(PYTEST) -n $(JOBS) tests/e2e
 
 # Everything but the whole runs.
 test-fast: $(STAMP) sandbox openssl
-	$(PYTEST) tests/unit tests/integration
+	$(PYTEST) -n $(JOBS) -m "not serial" tests/unit tests/integration
+	$(PYTEST) -m serial tests/integration
 
 # ruff (pyflakes, import order, formatting) over the package, tests and benchmarks; mypy on the
 # typed layers (pyproject.toml's [tool.mypy] names them).
