@@ -250,7 +250,6 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def status() -> dict:
         return orch.status()
 
-
     @app.post("/v1/workers/register", responses=responses, response_model=Registered,
               openapi_extra=_body_schema(RegisterIn))
     def register(who: tuple = Depends(signed(RegisterIn))) -> dict:
