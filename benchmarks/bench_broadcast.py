@@ -80,8 +80,12 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--shard-mb", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cap-mib-s", type=float, default=100.0,
-                    help="also compare both with the server capped at this rate (a realistic link), 0: skip")
+    ap.add_argument(
+        "--cap-mib-s",
+        type=float,
+        default=100.0,
+        help="also compare both with the server capped at this rate (a realistic link), 0: skip",
+    )
     ap.add_argument("--out", default="bench_broadcast.json")
     args = ap.parse_args()
     key = Ed25519PrivateKey.generate()
@@ -98,8 +102,9 @@ def main() -> None:
         raw_url = f"http://127.0.0.1:{raw.server_address[1]}"
         names = sorted(p.name for p in model.iterdir())
         with ShardServer(tmp / "origin") as origin:
-            relays = [Relay([origin.url], tmp / f"relay{i}", public_key=pub, log=lambda *_: None).start()
-                      for i in range(2)]
+            relays = [
+                Relay([origin.url], tmp / f"relay{i}", public_key=pub, log=lambda *_: None).start() for i in range(2)
+            ]
             try:
                 wait_for(lambda: all(1 in read_versions(r.root) for r in relays))
                 raw_s, relay_s = [], []
@@ -117,8 +122,9 @@ def main() -> None:
                 if args.cap_mib_s:
                     cap = args.cap_mib_s * 2**20
                     _Quiet.cap = cap
-                    capped = Relay([origin.url], tmp / "relay-capped", public_key=pub, max_bytes_per_s=cap,
-                                   log=lambda *_: None).start()
+                    capped = Relay(
+                        [origin.url], tmp / "relay-capped", public_key=pub, max_bytes_per_s=cap, log=lambda *_: None
+                    ).start()
                     try:
                         wait_for(lambda: 1 in read_versions(capped.root))
                         t0 = time.perf_counter()
@@ -151,8 +157,9 @@ def main() -> None:
                 results["eight_clients_s"] = time.perf_counter() - t0
                 results["eight_over_one"] = results["eight_clients_s"] / results["one_client_s"]
                 for i in range(8):
-                    assert (tmp / f"c{i}" / "v000001" / "model.safetensors").read_bytes() == \
-                        (model / "model.safetensors").read_bytes()
+                    assert (tmp / f"c{i}" / "v000001" / "model.safetensors").read_bytes() == (
+                        model / "model.safetensors"
+                    ).read_bytes()
             finally:
                 for r in relays:
                     r.close()
@@ -161,13 +168,19 @@ def main() -> None:
     mb = total / 2**20
     print(f"{mb:.0f} MiB in {args.shard_mb} MiB shards, loopback, {os.cpu_count()} CPUs")
     print(f"raw HTTP copy     {results['raw_s']:.2f} s  ({mb / results['raw_s']:.0f} MiB/s)")
-    print(f"through a relay   {results['relay_s']:.2f} s  ({mb / results['relay_s']:.0f} MiB/s): "
-          f"{results['relay_over_raw_throughput']:.2f} of the raw throughput")
+    print(
+        f"through a relay   {results['relay_s']:.2f} s  ({mb / results['relay_s']:.0f} MiB/s): "
+        f"{results['relay_over_raw_throughput']:.2f} of the raw throughput"
+    )
     if "capped_ratio" in results:
-        print(f"both servers capped at {args.cap_mib_s:.0f} MiB/s: raw {results['capped_raw_s']:.2f} s, relay "
-              f"{results['capped_relay_s']:.2f} s: {results['capped_ratio']:.2f} of the raw throughput")
-    print(f"8 clients, 2-relay tree: {results['eight_clients_s']:.2f} s vs one client {results['one_client_s']:.2f} s "
-          f"({results['eight_over_one']:.1f}x the time for 8x the bytes)")
+        print(
+            f"both servers capped at {args.cap_mib_s:.0f} MiB/s: raw {results['capped_raw_s']:.2f} s, relay "
+            f"{results['capped_relay_s']:.2f} s: {results['capped_ratio']:.2f} of the raw throughput"
+        )
+    print(
+        f"8 clients, 2-relay tree: {results['eight_clients_s']:.2f} s vs one client {results['one_client_s']:.2f} s "
+        f"({results['eight_over_one']:.1f}x the time for 8x the bytes)"
+    )
 
 
 if __name__ == "__main__":

@@ -88,8 +88,9 @@ def _client(url: str, seconds: float, answers: dict, out: mp.Queue) -> None:
                 answer = right if j % 2 == 0 else str(int(right) + 1)
                 # About the length of the default run's completions (~40 tokens).
                 t = ids(f"<think>{answer} checked digit by digit, carry noted</think>\\boxed{{{answer}}}<|im_end|>")
-                samples.append({"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop",
-                                "proofs": proofs(len(t))})
+                samples.append(
+                    {"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop", "proofs": proofs(len(t))}
+                )
             body["groups"].append({"slot": p["slot"], "policy_version": 0, "samples": samples})
         t0 = time.perf_counter()
         result = w.submit(body)
@@ -115,8 +116,10 @@ def attack_mix(keys: int, repeats: int, seconds: float) -> None:
         ends = {}
         for v in got["report"]["final"].values():
             ends[v] = ends.get(v, 0) + 1
-        print(f"{i + 1} | {got['calm']:.2f} | {got['attacked']:.2f} | {ratio:.2f} | "
-              f"{1000 * got['worst_healthz_s']:.0f} | {ends}")
+        print(
+            f"{i + 1} | {got['calm']:.2f} | {got['attacked']:.2f} | {ratio:.2f} | "
+            f"{1000 * got['worst_healthz_s']:.0f} | {ends}"
+        )
     print(f"ratio mean {statistics.fmean(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f}")
 
 
@@ -127,9 +130,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) per lease and submission")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--verify-workers", type=int, default=1)
-    ap.add_argument("--viewers", type=int, default=0,
-                    help="dashboard viewers during the load: threads each polling GET /v1/dashboard twice a second "
-                         "(run once with 0 and once with N, back to back, to see what the dashboard costs)")
+    ap.add_argument(
+        "--viewers",
+        type=int,
+        default=0,
+        help="dashboard viewers during the load: threads each polling GET /v1/dashboard twice a second "
+        "(run once with 0 and once with N, back to back, to see what the dashboard costs)",
+    )
     ap.add_argument("--attack", type=int, default=0, help="attacker keys: run the attack mix instead (see above)")
     ap.add_argument("--repeats", type=int, default=3, help="attack mix: how many times")
     args = ap.parse_args()
@@ -145,14 +152,31 @@ def main() -> None:
     from swarmrl.tasks.source import task_rows
     from swarmrl.transport.broadcast import publish_version
 
-    overrides = ["--sampling.worker_batch_prompts", str(args.prompts), "--sampling.group_size", str(args.group_size),
-                 # No trainer consumes batches here: make the batch so large that leasing never
-                 # stops for "the next batches are covered" or back-pressure.
-                 "--async.max_pending_groups", str(10**9), "--sampling.prompts_per_step", str(10**6), "--orchestrator.rate_per_s", "1e6",
-                 "--orchestrator.rate_burst", str(10**6), "--orchestrator.requests_per_s_per_source", "1e6",
-                 # The validator is off: count the load clients as proven (two grading lanes).
-                 "--orchestrator.proven_after", "0", "--rewards.verify_workers", str(args.verify_workers),
-                 "--validator.rate", "0"]
+    overrides = [
+        "--sampling.worker_batch_prompts",
+        str(args.prompts),
+        "--sampling.group_size",
+        str(args.group_size),
+        # No trainer consumes batches here: make the batch so large that leasing never
+        # stops for "the next batches are covered" or back-pressure.
+        "--async.max_pending_groups",
+        str(10**9),
+        "--sampling.prompts_per_step",
+        str(10**6),
+        "--orchestrator.rate_per_s",
+        "1e6",
+        "--orchestrator.rate_burst",
+        str(10**6),
+        "--orchestrator.requests_per_s_per_source",
+        "1e6",
+        # The validator is off: count the load clients as proven (two grading lanes).
+        "--orchestrator.proven_after",
+        "0",
+        "--rewards.verify_workers",
+        str(args.verify_workers),
+        "--validator.rate",
+        "0",
+    ]
     cfg = load_config(None, overrides)
     rows, _ = task_rows(cfg, log=lambda *_: None)
     answers = {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
@@ -164,8 +188,11 @@ def main() -> None:
         save_policy(model, tok, run / "policies" / "v000000")
         port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        orch = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(run),
-                                 "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
+        orch = subprocess.Popen(
+            [sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(run), "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             while not (run / "orchestrator.json").exists():
                 if orch.poll() is not None:
@@ -173,8 +200,10 @@ def main() -> None:
                 time.sleep(0.05)
             url = f"http://127.0.0.1:{port}"
             TrainerClient(url, (run / "trainer.token").read_text().strip()).publish(
-                0, "http://127.0.0.1:9", publish_version(run / "policies" / "v000000", run / "broadcast", 0,
-                                                         key=Ed25519PrivateKey.generate()))
+                0,
+                "http://127.0.0.1:9",
+                publish_version(run / "policies" / "v000000", run / "broadcast", 0, key=Ed25519PrivateKey.generate()),
+            )
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             procs = [ctx.Process(target=_client, args=(url, args.seconds, answers, out)) for _ in range(args.clients)]
@@ -213,16 +242,24 @@ def main() -> None:
     completions = sum(r["completions"] for r in results)
     # Clients start at slightly different times; rates use the sum of their own windows.
     window = args.seconds
-    print(f"clients {args.clients}, {args.prompts} groups x {args.group_size} completions per submission, "
-          f"verify_workers {args.verify_workers}, {os.cpu_count()} CPUs, wall {wall:.1f} s")
+    print(
+        f"clients {args.clients}, {args.prompts} groups x {args.group_size} completions per submission, "
+        f"verify_workers {args.verify_workers}, {os.cpu_count()} CPUs, wall {wall:.1f} s"
+    )
     print(f"accepted groups/s      {groups / window:8.1f}")
     print(f"accepted completions/s {completions / window:8.1f}")
     print(f"submissions/s          {len(submit) / window:8.1f}")
-    print(f"submit latency ms      p50 {1000 * statistics.median(submit):7.1f}   p99 {1000 * _percentile(submit, 0.99):7.1f}")
-    print(f"lease latency ms       p50 {1000 * statistics.median(lease):7.1f}   p99 {1000 * _percentile(lease, 0.99):7.1f}")
+    print(
+        f"submit latency ms      p50 {1000 * statistics.median(submit):7.1f}   p99 {1000 * _percentile(submit, 0.99):7.1f}"  # noqa: E501
+    )
+    print(
+        f"lease latency ms       p50 {1000 * statistics.median(lease):7.1f}   p99 {1000 * _percentile(lease, 0.99):7.1f}"  # noqa: E501
+    )
     if polls:
-        print(f"dashboard viewers {args.viewers}: {len(polls)} polls, latency ms p50 {1000 * statistics.median(polls):7.1f}"
-              f"   p99 {1000 * _percentile(polls, 0.99):7.1f}")
+        print(
+            f"dashboard viewers {args.viewers}: {len(polls)} polls, latency ms p50 {1000 * statistics.median(polls):7.1f}"  # noqa: E501
+            f"   p99 {1000 * _percentile(polls, 0.99):7.1f}"
+        )
 
 
 if __name__ == "__main__":

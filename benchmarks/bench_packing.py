@@ -18,7 +18,8 @@ Fairness: same process, same model object, same batch; the sides alternate withi
 then the median of `--runs`; "x padded" is the median of the per-run ratios. Seconds are this
 process's CPU time by default, not wall time: on a machine shared with other jobs a single-thread
 process's CPU time is its own work, while its wall time swings with everyone else's (`--wall`
-for wall time, e.g. with several threads or on an idle machine). float32, `--threads` torch threads (1: the trainer's default).
+for wall time, e.g. with several threads or on an idle machine). float32, `--threads` torch threads (1: the
+trainer's default).
 
 Lengths: by default prompts uniform in [20, 40] and completions in [5, 120] tokens (GRPO groups
 mix short answers with ones that ran long). `--run-dir` takes them instead from the batches a run
@@ -85,7 +86,9 @@ def make_batch(lengths: list[tuple[int, int]], vocab: int, seed: int) -> TrainBa
         ids[i, : p + c] = torch.randint(5, vocab, (p + c,), generator=g)
         attention[i, : p + c] = 1
         loss_mask[i, p - 1 : p - 1 + c] = True  # batch.py's alignment: column t predicts token t+1
-    return TrainBatch(ids, attention, loss_mask, torch.zeros((n, width - 1)), torch.ones(n), torch.zeros(n, dtype=torch.long))
+    return TrainBatch(
+        ids, attention, loss_mask, torch.zeros((n, width - 1)), torch.ones(n), torch.zeros(n, dtype=torch.long)
+    )
 
 
 def fwd_bwd(trainer: GRPOTrainer, batch: TrainBatch, clock) -> float:
@@ -108,27 +111,48 @@ def bench_model(name: str, lengths: list[tuple[int, int]], args) -> dict:
     budgets = [max(int(b), longest) for b in args.budgets.split(",")]
     sides = {"padded": load_config(None, ["--trainer.micro_batch_size", str(args.micro_batch_size)])}
     for b in budgets:
-        sides[f"packed {b}"] = load_config(None, ["--trainer.max_tokens_per_micro_batch", str(b),
-                                                  "--sampling.max_new_tokens", str(max(c for _, c in lengths))])
+        sides[f"packed {b}"] = load_config(
+            None,
+            [
+                "--trainer.max_tokens_per_micro_batch",
+                str(b),
+                "--sampling.max_new_tokens",
+                str(max(c for _, c in lengths)),
+            ],
+        )
     trainers = {side: GRPOTrainer(model, cfg) for side, cfg in sides.items()}
     computed = {}
     for side, tr in trainers.items():
         micro = tr._micro_batches(batch, torch.arange(len(batch)))
-        computed[side] = (len(micro), sum(mb.input_ids.numel() if pack is None else pack.input_ids.numel()
-                                          for _, mb, pack in micro))
+        computed[side] = (
+            len(micro),
+            sum(mb.input_ids.numel() if pack is None else pack.input_ids.numel() for _, mb, pack in micro),
+        )
         fwd_bwd(tr, batch, args.clock)  # warm-up
     times = {side: [] for side in trainers}
     for _ in range(args.runs):
         for side, tr in trainers.items():
             times[side].append(fwd_bwd(tr, batch, args.clock))
     params = sum(p.numel() for p in model.parameters())
-    result = {"model": name, "parameters": params, "sequences": len(lengths), "real_tokens": real,
-              "longest": longest, "micro_batch_size": args.micro_batch_size, "sides": {}}
+    result = {
+        "model": name,
+        "parameters": params,
+        "sequences": len(lengths),
+        "real_tokens": real,
+        "longest": longest,
+        "micro_batch_size": args.micro_batch_size,
+        "sides": {},
+    }
     for side in trainers:
         med = statistics.median(times[side])
-        result["sides"][side] = {"passes": computed[side][0], "computed_tokens": computed[side][1], "median_s": med,
-                                 "tok_per_s": real / med, "vs_padded": times_ratio(times, side),
-                                 "runs_s": [round(t, 3) for t in times[side]]}
+        result["sides"][side] = {
+            "passes": computed[side][0],
+            "computed_tokens": computed[side][1],
+            "median_s": med,
+            "tok_per_s": real / med,
+            "vs_padded": times_ratio(times, side),
+            "runs_s": [round(t, 3) for t in times[side]],
+        }
     return result
 
 
@@ -141,17 +165,23 @@ def times_ratio(times: dict[str, list[float]], side: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="default,30m", help=f"comma-separated: {', '.join(MODELS)}")
-    ap.add_argument("--sequences", type=int, default=64, help="sequences in the share (default run: 64 per optimizer step)")
+    ap.add_argument(
+        "--sequences", type=int, default=64, help="sequences in the share (default run: 64 per optimizer step)"
+    )
     ap.add_argument("--micro-batch-size", type=int, default=16, help="padded side: sequences per pass")
-    ap.add_argument("--budgets", default="256,512,2048",
-                    help="packed sides: tokens per pass, comma-separated (each raised to the longest sequence)")
+    ap.add_argument(
+        "--budgets",
+        default="256,512,2048",
+        help="packed sides: tokens per pass, comma-separated (each raised to the longest sequence)",
+    )
     ap.add_argument("--prompt", default="20,40", help="synthetic prompt lengths lo,hi")
     ap.add_argument("--completion", default="5,120", help="synthetic completion lengths lo,hi")
     ap.add_argument("--run-dir", type=Path, help="take the lengths from this run's middle batch instead")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--wall", action="store_true",
-                    help="time wall-clock seconds (default: this process's CPU seconds, see above)")
+    ap.add_argument(
+        "--wall", action="store_true", help="time wall-clock seconds (default: this process's CPU seconds, see above)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -165,20 +195,26 @@ def main() -> None:
         lengths = synthetic_lengths(args.sequences, lo_hi(args.prompt), lo_hi(args.completion), args.seed)
         source = f"prompts {args.prompt}, completions {args.completion}"
     total = [p + c for p, c in lengths]
-    print(f"{len(lengths)} sequences ({source}): {min(total)}-{max(total)} tokens, mean {statistics.fmean(total):.1f}; "
-          f"torch {torch.__version__}, {args.threads} thread(s), {platform.processor() or platform.machine()}, "
-          f"{'wall' if args.wall else 'CPU'} seconds")
+    print(
+        f"{len(lengths)} sequences ({source}): {min(total)}-{max(total)} tokens, mean {statistics.fmean(total):.1f}; "
+        f"torch {torch.__version__}, {args.threads} thread(s), {platform.processor() or platform.machine()}, "
+        f"{'wall' if args.wall else 'CPU'} seconds"
+    )
     results = []
     for name in args.models.split(","):
         r = bench_model(name, lengths, args)
         results.append(r)
-        print(f"\n{name} ({r['parameters'] / 1e6:.1f}M parameters), forward + backward of the share, "
-              f"median of {args.runs}:")
+        print(
+            f"\n{name} ({r['parameters'] / 1e6:.1f}M parameters), forward + backward of the share, "
+            f"median of {args.runs}:"
+        )
         for side, s in r["sides"].items():
             what = f"{args.micro_batch_size} seq/pass" if side == "padded" else f"<= {side.split()[1]} tok/pass"
-            print(f"  {side.split()[0]:6s} ({what:>16s}): {s['passes']:3d} passes, {s['computed_tokens']:6d} tokens "
-                  f"computed for {r['real_tokens']} real, {s['median_s']:.3f} s, {s['tok_per_s']:7.0f} tok/s, "
-                  f"{s['vs_padded']:.2f}x padded  runs {s['runs_s']}")
+            print(
+                f"  {side.split()[0]:6s} ({what:>16s}): {s['passes']:3d} passes, {s['computed_tokens']:6d} tokens "
+                f"computed for {r['real_tokens']} real, {s['median_s']:.3f} s, {s['tok_per_s']:7.0f} tok/s, "
+                f"{s['vs_padded']:.2f}x padded  runs {s['runs_s']}"
+            )
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

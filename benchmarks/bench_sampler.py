@@ -93,8 +93,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -115,16 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
-    ap.add_argument("--model", choices=sorted(MODELS), default="default",
-                    help="default: the ~1M tiny Qwen2; 30m: a 512-wide, 8-layer Qwen2 (~31.6M)")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="default",
+        help="default: the ~1M tiny Qwen2; 30m: a 512-wide, 8-layer Qwen2 (~31.6M)",
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt (8: a GRPO group)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--streams", type=int, default=None,
-                    help="decoding streams of the 'streams' side (default: --threads on a CPU, none on CUDA; 1: no such side)")
+    ap.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        help="decoding streams of the 'streams' side (default: --threads on a CPU, none on CUDA; 1: no such side)",
+    )
     ap.add_argument("--runs", type=int, default=3, help="timed runs per point (median reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -143,12 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     N = args.new_tokens
 
     # No id >= vocab_size can be sampled, so this stop id forces exactly N tokens per row.
-    engines = {"generic": Sampler(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id),
-               "builtin": BatchEngine(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id,
-                                      max_batch=max(args.batch_sizes))}
+    engines = {
+        "generic": Sampler(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id),
+        "builtin": BatchEngine(
+            model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id, max_batch=max(args.batch_sizes)
+        ),
+    }
     if streams > 1:
-        engines["streams"] = StreamedEngine(model, stop_token_ids=[vocab], pad_token_id=tok.pad_token_id,
-                                            streams=streams, max_batch=max(args.batch_sizes))
+        engines["streams"] = StreamedEngine(
+            model,
+            stop_token_ids=[vocab],
+            pad_token_id=tok.pad_token_id,
+            streams=streams,
+            max_batch=max(args.batch_sizes),
+        )
 
     def run_engine(name, prompts, call):
         seeds = [call * 1_000_003 + i for i in range(len(prompts))]
@@ -160,26 +176,38 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(call)
         with torch.inference_mode():
             seq = model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
-                top_k=0, top_p=1.0, min_new_tokens=N, max_new_tokens=N,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                min_new_tokens=N,
+                max_new_tokens=N,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
             )
         assert seq.shape[1] - ids.shape[1] == N
-        assert not (seq[:, ids.shape[1]:] == tok.eos_token_id).any()
+        assert not (seq[:, ids.shape[1] :] == tok.eos_token_id).any()
         return seq
 
     peak = matmul_gflops(device)
     rows = []
-    print(f"model: Qwen2 '{args.model}', {n_params / 1e6:.2f}M params, {args.dtype}, vocab {vocab}; device {device}; "
-          f"threads {torch.get_num_threads()}; {N} new tokens; prompts ~{args.prompt_len} tokens, {args.group} rows "
-          f"per prompt; T={args.temperature}; median of {args.runs} after a warm-up; float32 matmul "
-          f"{peak:.0f} GFLOP/s", flush=True)
+    print(
+        f"model: Qwen2 '{args.model}', {n_params / 1e6:.2f}M params, {args.dtype}, vocab {vocab}; device {device}; "
+        f"threads {torch.get_num_threads()}; {N} new tokens; prompts ~{args.prompt_len} tokens, {args.group} rows "
+        f"per prompt; T={args.temperature}; median of {args.runs} after a warm-up; float32 matmul "
+        f"{peak:.0f} GFLOP/s",
+        flush=True,
+    )
     for B in args.batch_sizes:
         prompts = make_prompts(B, args.prompt_len, vocab, seed=B, group=args.group)
         ids, mask = left_pad(prompts, tok.pad_token_id, device)
-        sides = {"hf": partial(run_hf, ids, mask),
-                 "generic": partial(run_engine, "generic", prompts),
-                 "builtin": partial(run_engine, "builtin", prompts)}
+        sides = {
+            "hf": partial(run_hf, ids, mask),
+            "generic": partial(run_engine, "generic", prompts),
+            "builtin": partial(run_engine, "builtin", prompts),
+        }
         if "streams" in engines:
             sides["streams"] = partial(run_engine, "streams", prompts)
         for run in sides.values():  # warm-up
@@ -191,42 +219,69 @@ def main(argv: list[str] | None = None) -> int:
         med = {name: statistics.median(t) for name, t in times.items()}
         context = args.prompt_len + N / 2
         useful = B * N * flops_per_token(model, context) / med["builtin"] / 1e9
-        row = {"batch": B, **{f"{name}_tok_s": B * N / m for name, m in med.items()},
-               "builtin_vs_hf": med["hf"] / med["builtin"], "builtin_vs_generic": med["generic"] / med["builtin"],
-               "generic_vs_hf": med["hf"] / med["generic"], "builtin_gflops": useful,
-               "matmul_share": useful / peak, "seconds": times}
+        row = {
+            "batch": B,
+            **{f"{name}_tok_s": B * N / m for name, m in med.items()},
+            "builtin_vs_hf": med["hf"] / med["builtin"],
+            "builtin_vs_generic": med["generic"] / med["builtin"],
+            "generic_vs_hf": med["hf"] / med["generic"],
+            "builtin_gflops": useful,
+            "matmul_share": useful / peak,
+            "seconds": times,
+        }
         if "streams" in med:
             row["streams_vs_hf"] = med["hf"] / med["streams"]
             row["streams_matmul_share"] = useful * med["builtin"] / med["streams"] / peak
         rows.append(row)
-        print(f"  batch {B}: HF {row['hf_tok_s']:.0f}, generic {row['generic_tok_s']:.0f}, "
-              f"builtin {row['builtin_tok_s']:.0f}" + (f", streams x{streams} {row['streams_tok_s']:.0f}"
-                                                       if "streams" in med else "") + " tok/s", flush=True)
+        print(
+            f"  batch {B}: HF {row['hf_tok_s']:.0f}, generic {row['generic_tok_s']:.0f}, "
+            f"builtin {row['builtin_tok_s']:.0f}"
+            + (f", streams x{streams} {row['streams_tok_s']:.0f}" if "streams" in med else "")
+            + " tok/s",
+            flush=True,
+        )
 
     print()
-    print(f"{'batch':>5} | {'HF tok/s':>9} | {'generic':>9} | {'builtin':>9} | {'builtin/HF':>10} | "
-          f"{'builtin/generic':>15} | {'matmul share':>12}")
+    print(
+        f"{'batch':>5} | {'HF tok/s':>9} | {'generic':>9} | {'builtin':>9} | {'builtin/HF':>10} | "
+        f"{'builtin/generic':>15} | {'matmul share':>12}"
+    )
     print("-" * 88)
     for row in rows:
-        print(f"{row['batch']:>5} | {row['hf_tok_s']:>9.0f} | {row['generic_tok_s']:>9.0f} | {row['builtin_tok_s']:>9.0f} | "
-              f"{row['builtin_vs_hf']:>10.2f} | {row['builtin_vs_generic']:>15.2f} | {row['matmul_share']:>11.1%}")
+        print(
+            f"{row['batch']:>5} | {row['hf_tok_s']:>9.0f} | {row['generic_tok_s']:>9.0f} | {row['builtin_tok_s']:>9.0f} | "  # noqa: E501
+            f"{row['builtin_vs_hf']:>10.2f} | {row['builtin_vs_generic']:>15.2f} | {row['matmul_share']:>11.1%}"
+        )
     if streams > 1:
         print(f"\n{'batch':>5} | streams x{streams} tok/s | streams/HF | streams/builtin | matmul share")
         for row in rows:
-            print(f"{row['batch']:>5} | {row['streams_tok_s']:>17.0f} | {row['streams_vs_hf']:>10.2f} | "
-                  f"{row['streams_tok_s'] / row['builtin_tok_s']:>15.2f} | {row['streams_matmul_share']:>11.1%}")
+            print(
+                f"{row['batch']:>5} | {row['streams_tok_s']:>17.0f} | {row['streams_vs_hf']:>10.2f} | "
+                f"{row['streams_tok_s'] / row['builtin_tok_s']:>15.2f} | {row['streams_matmul_share']:>11.1%}"
+            )
 
     if args.out:
         import transformers
 
         report = {
             "config": {
-                "device": str(device), "threads": torch.get_num_threads(), "streams": streams, "new_tokens": N,
-                "prompt_len": args.prompt_len, "group": args.group, "temperature": args.temperature,
-                "runs": args.runs, "model": args.model, "dtype": args.dtype, "model_params": n_params,
-                "vocab_size": vocab, "matmul_gflops": peak,
-                "torch": torch.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version(), "machine": platform.machine(),
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "streams": streams,
+                "new_tokens": N,
+                "prompt_len": args.prompt_len,
+                "group": args.group,
+                "temperature": args.temperature,
+                "runs": args.runs,
+                "model": args.model,
+                "dtype": args.dtype,
+                "model_params": n_params,
+                "vocab_size": vocab,
+                "matmul_gflops": peak,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                "machine": platform.machine(),
                 "cpu": platform.processor() or platform.machine(),
             },
             "rows": rows,

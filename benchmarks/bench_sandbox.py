@@ -71,8 +71,10 @@ def main() -> None:
     for name, values in times.items():
         values = sorted(values)
         p90 = values[int(0.9 * (len(values) - 1))]
-        print(f"{name:<22}{1000 * statistics.median(values):>10.1f}{1000 * p90:>9.1f}"
-              f"{statistics.median(values) / base:>14.2f}")
+        print(
+            f"{name:<22}{1000 * statistics.median(values):>10.1f}{1000 * p90:>9.1f}"
+            f"{statistics.median(values) / base:>14.2f}"
+        )
     overhead = statistics.median(times["sandbox"]) - statistics.median(times["harness, no sandbox"])
     print(f"sandbox overhead over the same harness unsandboxed: {1000 * overhead:.1f} ms per execution")
 
@@ -93,9 +95,11 @@ def main() -> None:
     results = grader.grade_many(jobs)
     elapsed = time.perf_counter() - started
     assert all(r == (1.0, None) for r in results), results
-    print(f"\n3. grading the built-in tasks' reference completions, {args.workers} slots: "
-          f"{len(jobs) / elapsed:.1f} completions/s, {tests / elapsed:.1f} tests/s "
-          f"({len(jobs)} completions, {tests} tests, {elapsed:.1f} s)")
+    print(
+        f"\n3. grading the built-in tasks' reference completions, {args.workers} slots: "
+        f"{len(jobs) / elapsed:.1f} completions/s, {tests / elapsed:.1f} tests/s "
+        f"({len(jobs)} completions, {tests} tests, {elapsed:.1f} s)"
+    )
     grader.close()
     unsafe.close()
 

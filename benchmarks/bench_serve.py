@@ -34,10 +34,29 @@ from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 
 def start_server(model: Path, workdir: Path, threads: int, engine: str) -> tuple[subprocess.Popen, str, str]:
     url_file = workdir / f"url-{engine}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "serve", "--model", str(model), "--port", "0",
-                             "--url-file", str(url_file), "--threads", str(threads), "--engine", engine,
-                             "--max-batch-rows", "32"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--url-file",
+            str(url_file),
+            "--threads",
+            str(threads),
+            "--engine",
+            engine,
+            "--max-batch-rows",
+            "32",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not url_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -53,9 +72,16 @@ def client_run(url: str, model: str, requests: list[tuple[int, int]]) -> tuple[i
     with httpx.Client(timeout=600) as client:
         for seed, max_tokens in requests:
             t0 = time.perf_counter()
-            reply = client.post(f"{url}/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "What is 123 + 456? Show your work."}],
-                "max_tokens": max_tokens, "temperature": 1.0, "seed": seed})
+            reply = client.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": "What is 123 + 456? Show your work."}],
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "seed": seed,
+                },
+            )
             reply.raise_for_status()
             latencies.append(time.perf_counter() - t0)
             tokens += reply.json()["usage"]["completion_tokens"]
@@ -77,15 +103,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     rng = random.Random(0)
-    plan = {c: [[(1000 * i + r, rng.choice(args.lengths)) for r in range(args.requests)] for i in range(c)]
-            for c in args.clients}
+    plan = {
+        c: [[(1000 * i + r, rng.choice(args.lengths)) for r in range(args.requests)] for i in range(c)]
+        for c in args.clients
+    }
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model = workdir / "tiny"
         save_policy(*build_tiny_policy(seed=0), model)
-        print(f"{'engine':>8}{'clients':>8}{'requests':>10}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}"
-              f"{'p50 s':>8}{'p99 s':>8}{'max rows':>9}")
+        print(
+            f"{'engine':>8}{'clients':>8}{'requests':>10}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}"
+            f"{'p50 s':>8}{'p99 s':>8}{'max rows':>9}"
+        )
         for engine in args.engines:
             proc, url, name = start_server(model, workdir, args.threads, engine)
             try:
@@ -98,13 +128,23 @@ def main() -> None:
                     after = httpx.get(f"{url}/stats").json()
                     tokens = sum(t for t, _ in runs)
                     lat = [x for _, xs in runs for x in xs]
-                    row = {"engine": engine, "clients": clients, "requests": len(lat), "tokens": tokens,
-                           "seconds": elapsed, "tokens_per_s": tokens / elapsed, "p50_s": percentile(lat, 0.5),
-                           "p99_s": percentile(lat, 0.99), "max_rows": after["max_batch_rows"]}
+                    row = {
+                        "engine": engine,
+                        "clients": clients,
+                        "requests": len(lat),
+                        "tokens": tokens,
+                        "seconds": elapsed,
+                        "tokens_per_s": tokens / elapsed,
+                        "p50_s": percentile(lat, 0.5),
+                        "p99_s": percentile(lat, 0.99),
+                        "max_rows": after["max_batch_rows"],
+                    }
                     results.append(row)
-                    print(f"{engine:>8}{clients:>8}{row['requests']:>10}{tokens:>8}{elapsed:>9.2f}"
-                          f"{row['tokens_per_s']:>10.0f}{row['p50_s']:>8.2f}{row['p99_s']:>8.2f}{row['max_rows']:>9}",
-                          flush=True)
+                    print(
+                        f"{engine:>8}{clients:>8}{row['requests']:>10}{tokens:>8}{elapsed:>9.2f}"
+                        f"{row['tokens_per_s']:>10.0f}{row['p50_s']:>8.2f}{row['p99_s']:>8.2f}{row['max_rows']:>9}",
+                        flush=True,
+                    )
             finally:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()

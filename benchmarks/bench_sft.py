@@ -49,8 +49,10 @@ def main() -> None:
             if step >= 3:
                 times[n].append(time.perf_counter() - t0)
     base = statistics.median(times[parts[0]])
-    print(f"threads {args.threads}, batch {args.batch_size}, {args.steps} steps per setting, "
-          f"cpu {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"threads {args.threads}, batch {args.batch_size}, {args.steps} steps per setting, "
+        f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    )
     for n in parts:
         med = statistics.median(times[n])
         print(f"micro_batches {n}: {med:.3f} s per step (median), {med / base:.2f}x micro_batches {parts[0]}")

@@ -64,10 +64,28 @@ def cpu_name() -> str:
 
 def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:
     """avg@k of one HF folder through `swarmrl eval`: the runner swarmrl's in-run eval uses."""
-    cmd = [sys.executable, "-m", "swarmrl.cli", "eval", "--model", str(model), "--benchmark", "arithmetic",
-           "--k", str(cfg.eval.samples), "--temperature", str(cfg.eval.temperature),
-           "--max-tokens", str(cfg.sampling.max_new_tokens), "--seed", str(cfg.seed),
-           "--workers", "1", "--output-dir", str(out_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarmrl.cli",
+        "eval",
+        "--model",
+        str(model),
+        "--benchmark",
+        "arithmetic",
+        "--k",
+        str(cfg.eval.samples),
+        "--temperature",
+        str(cfg.eval.temperature),
+        "--max-tokens",
+        str(cfg.sampling.max_new_tokens),
+        "--seed",
+        str(cfg.seed),
+        "--workers",
+        "1",
+        "--output-dir",
+        str(out_dir),
+    ]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"swarmrl eval of {model} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -78,9 +96,24 @@ def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:
 def run_swarmrl(args, cfg, out: Path) -> dict:
     run_dir = out / "swarmrl-run"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
-    cmd = [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run_dir), "--model.path", args.model,
-           "--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every),
-           "--logging.progress", "false", "--logging.plots", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarmrl.cli",
+        "rl",
+        "--run-dir",
+        str(run_dir),
+        "--model.path",
+        args.model,
+        "--trainer.steps",
+        str(args.steps),
+        "--eval.every",
+        str(args.eval_every),
+        "--logging.progress",
+        "false",
+        "--logging.plots",
+        "false",
+    ]
     started = time.monotonic()
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -95,9 +128,14 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         if "eval/accuracy" in r:
             curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
     a = cfg.async_
-    return {"side": "swarmrl", "curve": curve, "trainer_wall_s": round(wall, 1), "s_per_step": wall / max(steps, 1),
-            "process_wall_s": round(process_wall, 1),
-            "threads": f"trainer {a.trainer_threads} + {a.workers} workers x {a.worker_threads}"}
+    return {
+        "side": "swarmrl",
+        "curve": curve,
+        "trainer_wall_s": round(wall, 1),
+        "s_per_step": wall / max(steps, 1),
+        "process_wall_s": round(process_wall, 1),
+        "threads": f"trainer {a.trainer_threads} + {a.workers} workers x {a.worker_threads}",
+    }
 
 
 # ---- TRL ----------------------------------------------------------------------------------------
@@ -108,23 +146,49 @@ def trl_config(args, cfg, out: Path):
     samples = s.prompts_per_step * s.group_size
     per_opt = samples // t.optimizer_steps
     grpo = GRPOConfig(
-        output_dir=str(out / "trl-trainer"), use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
-        seed=cfg.seed, report_to="none", push_to_hub=False, save_strategy="no", use_vllm=False,
-        disable_tqdm=True, logging_steps=t.optimizer_steps, dataloader_num_workers=0,
+        output_dir=str(out / "trl-trainer"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        seed=cfg.seed,
+        report_to="none",
+        push_to_hub=False,
+        save_strategy="no",
+        use_vllm=False,
+        disable_tqdm=True,
+        logging_steps=t.optimizer_steps,
+        dataloader_num_workers=0,
         # One generation of 128 = 2 optimizer steps x one 64-completion micro-batch, used once each.
-        per_device_train_batch_size=per_opt, gradient_accumulation_steps=1,
-        steps_per_generation=t.optimizer_steps, num_iterations=1, num_generations=s.group_size,
+        per_device_train_batch_size=per_opt,
+        gradient_accumulation_steps=1,
+        steps_per_generation=t.optimizer_steps,
+        num_iterations=1,
+        num_generations=s.group_size,
         max_steps=args.steps * t.optimizer_steps,
-        max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
-        beta=alg.kl_coef, epsilon=alg.eps_low, epsilon_high=alg.eps_high, delta=alg.delta,
-        loss_type="bnpo", scale_rewards="group", mask_truncated_completions=False,
+        max_completion_length=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=1.0,
+        top_k=0,
+        beta=alg.kl_coef,
+        epsilon=alg.eps_low,
+        epsilon_high=alg.eps_high,
+        delta=alg.delta,
+        loss_type="bnpo",
+        scale_rewards="group",
+        mask_truncated_completions=False,
         # Informational only: the optimizer and schedule passed to the trainer are what runs.
-        learning_rate=t.lr, adam_beta1=t.betas[0], adam_beta2=t.betas[1], weight_decay=t.weight_decay,
+        learning_rate=t.lr,
+        adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1],
+        weight_decay=t.weight_decay,
         max_grad_norm=t.grad_clip,
     )
     if grpo.generation_batch_size != samples or grpo.steps_per_generation != t.optimizer_steps:
-        raise SystemExit(f"GRPOConfig resolved generation_batch_size={grpo.generation_batch_size}, "
-                         f"steps_per_generation={grpo.steps_per_generation}; expected {samples}, {t.optimizer_steps}")
+        raise SystemExit(
+            f"GRPOConfig resolved generation_batch_size={grpo.generation_batch_size}, "
+            f"steps_per_generation={grpo.steps_per_generation}; expected {samples}, {t.optimizer_steps}"
+        )
     return grpo
 
 
@@ -174,8 +238,12 @@ def run_trl(args, cfg, out: Path) -> dict:
     model, tokenizer = load_policy(args.model)
     _, save_tokenizer = load_policy(args.model)  # a copy TRL never touches, for the checkpoints
     train, _ = task_rows(cfg, log=lambda *_: None)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                  "verification_info": r["verification_info"]} for r in train])
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "verification_info": r["verification_info"]}
+            for r in train
+        ]
+    )
     t, per_gen = cfg.trainer, cfg.trainer.optimizer_steps
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -204,14 +272,22 @@ def run_trl(args, cfg, out: Path) -> dict:
         def on_log(self, args_, state, control, logs=None, **kw):
             logs = logs or {}
             if "reward" in logs:
-                print(f"trl step {state.global_step / per_gen:g} reward {logs['reward']:.3f} zero-std groups "
-                      f"{logs.get('frac_reward_zero_std', float('nan')):.2f} lr {logs.get('learning_rate', 0):.2e}",
-                      flush=True)
+                print(
+                    f"trl step {state.global_step / per_gen:g} reward {logs['reward']:.3f} zero-std groups "
+                    f"{logs.get('frac_reward_zero_std', float('nan')):.2f} lr {logs.get('learning_rate', 0):.2e}",
+                    flush=True,
+                )
 
     timer = SaveAndTime()
-    trainer = GRPOTrainer(model=model, reward_funcs=make_reward(tokenizer), args=trl_config(args, cfg, out),
-                          train_dataset=dataset, processing_class=tokenizer, callbacks=[timer],
-                          optimizers=(optimizer, scheduler))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=make_reward(tokenizer),
+        args=trl_config(args, cfg, out),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+        optimizers=(optimizer, scheduler),
+    )
     trainer.remove_callback(PrinterCallback)  # our on_log line instead of every raw log dict
     prompts = check_prompts(trainer, tokenizer, train)
     print(f"trl: {prompts}", flush=True)
@@ -223,9 +299,15 @@ def run_trl(args, cfg, out: Path) -> dict:
         acc = eval_checkpoint(s["path"], out / "trl-eval" / Path(s["path"]).name, cfg)
         curve.append({"step": s["step"], "wall_s": s["wall_s"], "accuracy": acc})
     final_wall = timer.saves[-1]["wall_s"] if timer.saves else train_wall
-    return {"side": "trl", "curve": curve, "trainer_wall_s": final_wall, "s_per_step": final_wall / args.steps,
-            "process_wall_s": round(train_wall, 1), "threads": f"{torch.get_num_threads()} (one process)",
-            "prompts": prompts}
+    return {
+        "side": "trl",
+        "curve": curve,
+        "trainer_wall_s": final_wall,
+        "s_per_step": final_wall / args.steps,
+        "process_wall_s": round(train_wall, 1),
+        "threads": f"{torch.get_num_threads()} (one process)",
+        "prompts": prompts,
+    }
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -236,13 +318,17 @@ def time_to_gain(curve: list[dict], gain: float) -> float | None:
 
 def table(results: list[dict], gain: float) -> str:
     pts = round(gain * 100)
-    lines = [f"| side | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts | process wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| side | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts | process wall (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         reach = r["time_to_gain_s"]
-        lines.append(f"| {r['side']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} | {r['curve'][-1]['accuracy']:.3f} "
-                     f"| {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
-                     f"{f'{reach:.0f} s' if reach is not None else 'not reached'} | {r['process_wall_s']:.0f} |")
+        lines.append(
+            f"| {r['side']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} | {r['curve'][-1]['accuracy']:.3f} "
+            f"| {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
+            f"{f'{reach:.0f} s' if reach is not None else 'not reached'} | {r['process_wall_s']:.0f} |"
+        )
     lines += ["", "| side | step | trainer wall (s) | held-out avg@4 (T=1) |", "|---|---|---|---|"]
     for r in results:
         lines += [f"| {r['side']} | {c['step']} | {c['wall_s']:.1f} | {c['accuracy']:.3f} |" for c in r["curve"]]
@@ -267,14 +353,18 @@ def main() -> None:
             import trl
         except ImportError:
             raise SystemExit('TRL is not installed; from the repository root: pip install -e ".[trl]"') from None
-    cfg = load_config(None, ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every),
-                             "--model.path", args.model])
+    cfg = load_config(
+        None, ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every), "--model.path", args.model]
+    )
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"cpu: {cpu_name()}; torch {torch.__version__}, default threads {torch.get_num_threads()}; "
-          f"trl {'skipped' if args.skip_trl else trl.__version__}", flush=True)
+    print(
+        f"cpu: {cpu_name()}; torch {torch.__version__}, default threads {torch.get_num_threads()}; "
+        f"trl {'skipped' if args.skip_trl else trl.__version__}",
+        flush=True,
+    )
     results = []
     if not args.skip_swarmrl:
         results.append(run_swarmrl(args, cfg, out))
@@ -285,13 +375,22 @@ def main() -> None:
         r["time_to_gain_s"] = time_to_gain(r["curve"], args.gain)
     times = {r["side"]: r["time_to_gain_s"] for r in results}
     ratio = times["trl"] / times["swarmrl"] if times.get("trl") and times.get("swarmrl") else None
-    summary = {"cpu": cpu_name(), "torch": torch.__version__, "trl": None if args.skip_trl else trl.__version__,
-               "steps": args.steps, "eval_every": args.eval_every, "gain": args.gain,
-               "ratio_trl_over_swarmrl": ratio, "sides": results}
+    summary = {
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "trl": None if args.skip_trl else trl.__version__,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "gain": args.gain,
+        "ratio_trl_over_swarmrl": ratio,
+        "sides": results,
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     text = table(results, args.gain)
-    text += (f"\nTRL / swarmrl time to +{round(args.gain * 100)} pts: "
-             f"{f'{ratio:.2f}' if ratio is not None else 'n/a (a side skipped or not reached)'}\n")
+    text += (
+        f"\nTRL / swarmrl time to +{round(args.gain * 100)} pts: "
+        f"{f'{ratio:.2f}' if ratio is not None else 'n/a (a side skipped or not reached)'}\n"
+    )
     (out / "table.md").write_text(text)
     print(f"cpu: {cpu_name()}\n" + text)
 

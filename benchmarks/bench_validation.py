@@ -38,8 +38,10 @@ from swarmrl.validator.core import Validator
 def lease_prompts(cfg, tok, rng):
     rows, _ = task_rows(cfg, log=lambda *_: None)
     g = cfg.sampling.group_size
-    ps = [model_input(tok, rows[rng.randrange(len(rows))]["prompt"], None)[1]
-          for _ in range(cfg.sampling.worker_batch_prompts)]
+    ps = [
+        model_input(tok, rows[rng.randrange(len(rows))]["prompt"], None)[1]
+        for _ in range(cfg.sampling.worker_batch_prompts)
+    ]
     prompts = [p for p in ps for _ in range(g)]
     return prompts, [rng.getrandbits(63) for _ in prompts]
 
@@ -65,23 +67,44 @@ def measure(name, model, tok, cfg, repeats, rng) -> dict:
         build.append(t3 - t2)
         n = sum(len(o.token_ids) for o in outs)
         gen_tokens.append(n / (t1 - t0))
-        items = [{"id": i // g, "policy_version": 0, "temperature": cfg.sampling.temperature, "prompt_ids": prompts[i],
-                  "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs, "seed": seeds[j],
-                               "proofs": encode(proofs[j])} for j in range(i, i + g)]}
-                 for i in range(0, len(outs), g)]
+        items = [
+            {
+                "id": i // g,
+                "policy_version": 0,
+                "temperature": cfg.sampling.temperature,
+                "prompt_ids": prompts[i],
+                "samples": [
+                    {
+                        "token_ids": outs[j].token_ids,
+                        "logprobs": outs[j].logprobs,
+                        "seed": seeds[j],
+                        "proofs": encode(proofs[j]),
+                    }
+                    for j in range(i, i + g)
+                ],
+            }
+            for i in range(0, len(outs), g)
+        ]
         t4 = time.perf_counter()
-        grouped = validator.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in items])
-        reports = validator.reports([o for res in grouped for o in res], [s for it in items for s in it["samples"]],
-                                    [it["temperature"] for it in items for _ in it["samples"]])
-        verdicts = [validator.judge(it, reports[k * g:(k + 1) * g]) for k, it in enumerate(items)]
+        grouped = validator.prefill(
+            model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in items]
+        )
+        reports = validator.reports(
+            [o for res in grouped for o in res],
+            [s for it in items for s in it["samples"]],
+            [it["temperature"] for it in items for _ in it["samples"]],
+        )
+        verdicts = [validator.judge(it, reports[k * g : (k + 1) * g]) for k, it in enumerate(items)]
         t5 = time.perf_counter()
         assert all(x.ok for x in verdicts), [x for x in verdicts if not x.ok][:1]
         check.append(t5 - t4)
         val_tokens.append(n / (t5 - t4))
     overhead = [(p - q) / q for p, q in zip(proved, plain)]
     res = {
-        "model": name, "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
-        "completions_per_lease": len(outs), "generated_tokens_per_lease": n,
+        "model": name,
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+        "completions_per_lease": len(outs),
+        "generated_tokens_per_lease": n,
         "generate_s_median": statistics.median(plain),
         "generate_with_proofs_s_median": statistics.median(proved),
         "proof_build_s_median": statistics.median(build),
@@ -111,18 +134,25 @@ def main() -> None:
         name = "default shape (untrained; no cached base)"
     rng = random.Random(0)
     results = [measure(name, model, tok, cfg, args.repeats, rng)]
-    wide, tok = build_tiny_policy(seed=0, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                                  intermediate_size=2048)
+    wide, tok = build_tiny_policy(
+        seed=0, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=2048
+    )
     results.append(measure("wider, untrained (512 x 8 layers)", wide, tok, cfg, max(2, args.repeats // 2), rng))
     Path(args.out).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
     for r in results:
-        print(f"{r['model']}: {r['params_M']:.1f}M params, {r['completions_per_lease']} completions, "
-              f"{r['generated_tokens_per_lease']} tokens per lease")
-        print(f"  generate {r['generate_s_median']:.3f} s; with hidden states + proofs "
-              f"{r['generate_with_proofs_s_median']:.3f} s: overhead {100 * r['proof_overhead_median']:.1f}% "
-              f"(proof building alone {100 * r['proof_build_share_median']:.1f}%, {r['proof_build_s_median'] * 1e3:.1f} ms)")
-        print(f"  generation {r['generation_tokens_per_s']:.0f} tok/s, validation {r['validation_tokens_per_s']:.0f} "
-              f"tok/s: {r['validation_over_generation']:.2f}x")
+        print(
+            f"{r['model']}: {r['params_M']:.1f}M params, {r['completions_per_lease']} completions, "
+            f"{r['generated_tokens_per_lease']} tokens per lease"
+        )
+        print(
+            f"  generate {r['generate_s_median']:.3f} s; with hidden states + proofs "
+            f"{r['generate_with_proofs_s_median']:.3f} s: overhead {100 * r['proof_overhead_median']:.1f}% "
+            f"(proof building alone {100 * r['proof_build_share_median']:.1f}%, {r['proof_build_s_median'] * 1e3:.1f} ms)"  # noqa: E501
+        )
+        print(
+            f"  generation {r['generation_tokens_per_s']:.0f} tok/s, validation {r['validation_tokens_per_s']:.0f} "
+            f"tok/s: {r['validation_over_generation']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

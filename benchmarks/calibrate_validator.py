@@ -70,15 +70,25 @@ def sample(model, tok, prompts, seeds, batch, cfg, streams=1):
     sampler = build_engine(model, tok, kind=ENGINE, max_batch=batch, streams=streams)
     if sampler.continuous:
         try:
-            return sampler.generate(prompts, seeds, max_new_tokens=cfg.sampling.max_new_tokens,
-                                    temperature=cfg.sampling.temperature, return_hidden=True)
+            return sampler.generate(
+                prompts,
+                seeds,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+                temperature=cfg.sampling.temperature,
+                return_hidden=True,
+            )
         finally:
             if hasattr(sampler, "close"):
                 sampler.close()
     outs = []
     for i in range(0, len(prompts), batch):
-        outs += sampler.generate(prompts[i:i + batch], seeds[i:i + batch], max_new_tokens=cfg.sampling.max_new_tokens,
-                                 temperature=cfg.sampling.temperature, return_hidden=True)
+        outs += sampler.generate(
+            prompts[i : i + batch],
+            seeds[i : i + batch],
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            temperature=cfg.sampling.temperature,
+            return_hidden=True,
+        )
     return outs
 
 
@@ -86,10 +96,23 @@ def to_items(prompts, seeds, outs, version, vcfg, g, temperature):
     proofs = build_proofs_many([o.hidden for o in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
     items = []
     for i in range(0, len(outs), g):
-        items.append({"id": len(items), "policy_version": version, "temperature": temperature,
-                      "prompt_ids": prompts[i],
-                      "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs, "seed": seeds[j],
-                                   "proofs": encode(proofs[j])} for j in range(i, i + g)]})
+        items.append(
+            {
+                "id": len(items),
+                "policy_version": version,
+                "temperature": temperature,
+                "prompt_ids": prompts[i],
+                "samples": [
+                    {
+                        "token_ids": outs[j].token_ids,
+                        "logprobs": outs[j].logprobs,
+                        "seed": seeds[j],
+                        "proofs": encode(proofs[j]),
+                    }
+                    for j in range(i, i + g)
+                ],
+            }
+        )
     return items
 
 
@@ -97,15 +120,17 @@ def check(validator, model, items, batch_groups):
     """Per-chunk and per-completion statistics, with the validator's own code and batching."""
     chunks, comps = [], []
     for i in range(0, len(items), batch_groups):
-        part = items[i:i + batch_groups]
+        part = items[i : i + batch_groups]
         outs = validator.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in part])
         samples = [s for it in part for s in it["samples"]]
-        reports = validator.reports([o for res in outs for o in res], samples,
-                                    [it["temperature"] for it in part for _ in it["samples"]])
+        reports = validator.reports(
+            [o for res in outs for o in res], samples, [it["temperature"] for it in part for _ in it["samples"]]
+        )
         for r in reports:
             mine = [{"exp": c.exp_mismatches, "mean": c.mant_err_mean, "median": c.mant_err_median} for c in r.chunks]
-            comps.append({"margin": r.margin_max, "logprob_err": r.logprob_err_max, "proof_error": r.proof_error,
-                          "chunks": mine})
+            comps.append(
+                {"margin": r.margin_max, "logprob_err": r.logprob_err_max, "proof_error": r.proof_error, "chunks": mine}
+            )
             chunks += mine
     return chunks, comps
 
@@ -118,8 +143,11 @@ def summary(chunks, comps, vcfg: ValidatorConfig, dtype: str, group_size: int) -
     lim = vcfg.limits(dtype)  # what Validator.judge applies in a run sampling in `dtype`
 
     def chunk_fails(c):
-        return not (c["exp"] <= lim["exp_mismatches_max"] and c["mean"] <= lim["mant_err_mean_max"]
-                    and c["median"] <= lim["mant_err_median_max"])
+        return not (
+            c["exp"] <= lim["exp_mismatches_max"]
+            and c["mean"] <= lim["mant_err_mean_max"]
+            and c["median"] <= lim["mant_err_median_max"]
+        )
 
     out = {"completions": len(comps), "chunks": len(chunks)}
     for key in ("exp", "mean", "median"):
@@ -133,36 +161,64 @@ def summary(chunks, comps, vcfg: ValidatorConfig, dtype: str, group_size: int) -
     out["completions_failing_logprobs"] = sum(c["logprob_err"] > lim["logprob_tol"] for c in comps)
     # What a run sees: a completion fails when any check does, and one such completion rejects
     # its whole group.
-    failed = [c["proof_error"] is not None or any(chunk_fails(k) for k in c["chunks"])
-              or c["margin"] > lim["sampling_margin"] or c["logprob_err"] > lim["logprob_tol"] for c in comps]
+    failed = [
+        c["proof_error"] is not None
+        or any(chunk_fails(k) for k in c["chunks"])
+        or c["margin"] > lim["sampling_margin"]
+        or c["logprob_err"] > lim["logprob_tol"]
+        for c in comps
+    ]
     out["completions_rejected"] = sum(failed)
     # ... and so does a group whose typical chunk is too far off (Validator.judge).
-    medians = [statistics.median([k["mean"] for c in comps[i:i + group_size] for k in c["chunks"]
-                                  if not math.isnan(k["mean"])] or [0.0])
-               for i in range(0, len(comps), group_size)]
+    medians = [
+        statistics.median(
+            [k["mean"] for c in comps[i : i + group_size] for k in c["chunks"] if not math.isnan(k["mean"])] or [0.0]
+        )
+        for i in range(0, len(comps), group_size)
+    ]
     out["groups"] = len(medians)
-    out["group_median_max"], out["group_median_p50"], out["group_median_min"] = max(medians), q(medians, 0.5), \
-        min(medians)
+    out["group_median_max"], out["group_median_p50"], out["group_median_min"] = (
+        max(medians),
+        q(medians, 0.5),
+        min(medians),
+    )
     out["groups_failing_group_check"] = sum(m > lim["group_mant_err_max"] for m in medians)
-    out["groups_rejected"] = sum(any(failed[i * group_size:(i + 1) * group_size]) or m > lim["group_mant_err_max"]
-                                 for i, m in enumerate(medians))
+    out["groups_rejected"] = sum(
+        any(failed[i * group_size : (i + 1) * group_size]) or m > lim["group_mant_err_max"]
+        for i, m in enumerate(medians)
+    )
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="the run's inference precision: honest workers sample in it, the validator prefills in it")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the run's inference precision: honest workers sample in it, the validator prefills in it",
+    )
     ap.add_argument("--completions", type=int, default=1200, help="honest completions in total")
     ap.add_argument("--cheat-groups", type=int, default=8, help="groups per cheat")
-    ap.add_argument("--engine", choices=ENGINES, default="builtin",
-                    help="the rollout engine honest workers sample with (hf: the generic one, before issue 16)")
-    ap.add_argument("--streams", type=int, default=1,
-                    help="also sample honest work with the built-in engine in this many processes "
-                         "(`swarmrl worker --streams`), batch 64, one thread each")
-    ap.add_argument("--only-streams", action="store_true",
-                    help="with --streams: honest work from the streams only (all --completions of it)")
+    ap.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="builtin",
+        help="the rollout engine honest workers sample with (hf: the generic one, before issue 16)",
+    )
+    ap.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="also sample honest work with the built-in engine in this many processes "
+        "(`swarmrl worker --streams`), batch 64, one thread each",
+    )
+    ap.add_argument(
+        "--only-streams",
+        action="store_true",
+        help="with --streams: honest work from the streams only (all --completions of it)",
+    )
     ap.add_argument("--out", default="calibration.json")
     args = ap.parse_args()
     global ENGINE
@@ -185,8 +241,15 @@ def main() -> None:
     rows, _ = task_rows(cfg, log=lambda *_: None)
     rng = random.Random(0)
     validator = Validator(vcfg, rd / ".calibration-cache")
-    results: dict = {"config": vcfg.model_dump(), "dtype": dtype, "engine": args.engine, "limits": vcfg.limits(dtype), "honest": {},
-                     "cheats": {}, "precision": {}}
+    results: dict = {
+        "config": vcfg.model_dump(),
+        "dtype": dtype,
+        "engine": args.engine,
+        "limits": vcfg.limits(dtype),
+        "honest": {},
+        "cheats": {},
+        "precision": {},
+    }
 
     def prompts_for(n_groups):
         ps = [model_input(tok, rows[rng.randrange(len(rows))]["prompt"], None)[1] for _ in range(n_groups)]
@@ -200,8 +263,11 @@ def main() -> None:
         return summary(chunks, comps, vcfg, judged_as, g)
 
     # ---- honest: versions x sampler batch sizes x threads --------------------------------------
-    settings = [(v, b, t, 1) for v in (versions[0], versions[len(versions) // 2], newest)
-                for b, t in ((1, 1), (8, 1), (64, 1), (64, 2), (16, 2))]
+    settings = [
+        (v, b, t, 1)
+        for v in (versions[0], versions[len(versions) // 2], newest)
+        for b, t in ((1, 1), (8, 1), (64, 1), (64, 2), (16, 2))
+    ]
     if args.streams > 1:
         streamed = [(v, 64, 1, args.streams) for v in (versions[0], versions[len(versions) // 2], newest)]
         settings = streamed if args.only_streams else settings + streamed
@@ -215,8 +281,12 @@ def main() -> None:
         prompts, seeds = prompts_for(per)
         outs = sample(models[v], tok, prompts, seeds, batch, cfg, streams)
         torch.set_num_threads(1)  # the validator runs with other settings than the worker
-        chunks, comps = check(validator, models[v], to_items(prompts, seeds, outs, v, vcfg, g, cfg.sampling.temperature),
-                              vcfg.batch_groups)
+        chunks, comps = check(
+            validator,
+            models[v],
+            to_items(prompts, seeds, outs, v, vcfg, g, cfg.sampling.temperature),
+            vcfg.batch_groups,
+        )
         name = f"v{v}-batch{batch}-threads{threads}" + (f"-streams{streams}" if streams > 1 else "")
         results["honest"][name] = summary(chunks, comps, vcfg, dtype, g)
         all_chunks += chunks
@@ -234,8 +304,9 @@ def main() -> None:
     for m in other_model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
-    results["cheats"]["other_model"] = run(other_model.to(getattr(torch, dtype)).eval(), models[newest],
-                                           *prompts_for(n))
+    results["cheats"]["other_model"] = run(
+        other_model.to(getattr(torch, dtype)).eval(), models[newest], *prompts_for(n)
+    )
     # A cheaper model that is nearly the claimed one: its weights quantised (from the full
     # precision weights, as a quantiser would), run in the run's dtype.
     full = load(newest, "float32")
@@ -244,8 +315,9 @@ def main() -> None:
         results["cheats"][f"int{bits}_weights"] = run(cheap, models[newest], *prompts_for(n))
     # Cherry-picking: sampled with other seeds, claimed with the lease's.
     prompts, seeds = prompts_for(n)
-    results["cheats"]["other_seeds"] = run(models[newest], models[newest], prompts,
-                                           [s ^ 0x5DEECE66D for s in seeds], claimed_seeds=seeds)
+    results["cheats"]["other_seeds"] = run(
+        models[newest], models[newest], prompts, [s ^ 0x5DEECE66D for s in seeds], claimed_seeds=seeds
+    )
 
     # ---- precision mismatches --------------------------------------------------------------------
     in_other = load(newest, other)
@@ -256,20 +328,52 @@ def main() -> None:
     results["seconds"] = time.time() - t0
     Path(args.out).write_text(json.dumps(results, indent=1))
 
-    cols = ["completions", "chunks", "exp_max", "mean_max", "median_max", "margin_max", "logprob_err_max",
-            "group_median_min", "group_median_max", "chunks_failing_toploc", "completions_failing_sampling",
-            "completions_failing_logprobs", "completions_rejected", "groups", "groups_rejected"]
+    cols = [
+        "completions",
+        "chunks",
+        "exp_max",
+        "mean_max",
+        "median_max",
+        "margin_max",
+        "logprob_err_max",
+        "group_median_min",
+        "group_median_max",
+        "chunks_failing_toploc",
+        "completions_failing_sampling",
+        "completions_failing_logprobs",
+        "completions_rejected",
+        "groups",
+        "groups_rejected",
+    ]
     print(f"run dtype {dtype}; thresholds {results['limits']}; {results['seconds']:.0f} s")
-    heads = ["compl.", "chunks", "exp max", "mean max", "median max", "gap max", "logprob max", "grp med min",
-             "grp med max", "chunks fail", "fail sampling", "fail logprobs", "compl. failed", "groups",
-             "groups failed"]
+    heads = [
+        "compl.",
+        "chunks",
+        "exp max",
+        "mean max",
+        "median max",
+        "gap max",
+        "logprob max",
+        "grp med min",
+        "grp med max",
+        "chunks fail",
+        "fail sampling",
+        "fail logprobs",
+        "compl. failed",
+        "groups",
+        "groups failed",
+    ]
     print(f"{'':36s}" + "".join(f"{h:>14s}" for h in heads))
     for part in ("honest", "cheats", "precision"):
         for name, s in results[part].items():
-            print(f"{part[:6] + ' ' + name:36s}" + "".join(
-                f"{s[c]:>14.4g}" if isinstance(s[c], float) else f"{s[c]:>14}" for c in cols))
-    print("median per chunk of the mantissa error mean: " + ", ".join(
-        f"{k} {s['mean_p50']:.3g}" for part in ("cheats", "precision") for k, s in results[part].items()))
+            print(
+                f"{part[:6] + ' ' + name:36s}"
+                + "".join(f"{s[c]:>14.4g}" if isinstance(s[c], float) else f"{s[c]:>14}" for c in cols)
+            )
+    print(
+        "median per chunk of the mantissa error mean: "
+        + ", ".join(f"{k} {s['mean_p50']:.3g}" for part in ("cheats", "precision") for k, s in results[part].items())
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,11 @@ def check_noise(results):
     logits = torch.randn(64, 152064)
     c_cpu = seeded_choice(logits, seeds, steps, 1.0)
     c_gpu = seeded_choice(logits.cuda(), seeds.cuda(), steps.cuda(), 1.0).cpu()
-    results["noise"] = {"keys_identical": bool(torch.equal(k_cpu, k_gpu)),
-                        "uniform_identical": bool(torch.equal(u_cpu, u_gpu)),
-                        "choice_agreement": float((c_cpu == c_gpu).float().mean())}
+    results["noise"] = {
+        "keys_identical": bool(torch.equal(k_cpu, k_gpu)),
+        "uniform_identical": bool(torch.equal(u_cpu, u_gpu)),
+        "choice_agreement": float((c_cpu == c_gpu).float().mean()),
+    }
 
 
 def check_cpu_vs_cuda(results):
@@ -74,21 +76,38 @@ def check_cpu_vs_cuda(results):
     seeds = list(range(32))
     stop = [tok.eos_token_id]
     cpu = Sampler(model, stop_token_ids=stop, pad_token_id=tok.pad_token_id).generate(
-        prompts, seeds, max_new_tokens=48, return_hidden=True)
+        prompts, seeds, max_new_tokens=48, return_hidden=True
+    )
     gpu_model = model.to("cuda")
     gpu = Sampler(gpu_model, stop_token_ids=stop, pad_token_id=tok.pad_token_id).generate(
-        prompts, seeds, max_new_tokens=48, return_hidden=True)
+        prompts, seeds, max_new_tokens=48, return_hidden=True
+    )
     same = sum(a.token_ids == b.token_ids for a, b in zip(cpu, gpu))
-    lp = max(max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) for a, b in zip(cpu, gpu) if a.token_ids == b.token_ids)
+    lp = max(
+        max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) for a, b in zip(cpu, gpu) if a.token_ids == b.token_ids
+    )
     hid = max(float((a.hidden - b.hidden).abs().max()) for a, b in zip(cpu, gpu) if a.token_ids == b.token_ids)
-    results["cpu_vs_cuda"] = {"completions": 32, "identical_tokens": same, "logprob_max_abs_diff": lp,
-                              "hidden_max_abs_diff": hid}
+    results["cpu_vs_cuda"] = {
+        "completions": 32,
+        "identical_tokens": same,
+        "logprob_max_abs_diff": lp,
+        "hidden_max_abs_diff": hid,
+    }
 
 
 def medium_model(vocab: int) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
@@ -106,25 +125,49 @@ def check_sampler(results, model, batch=64, new=256):
     sync()
     t_ours = time.perf_counter() - t
     ids = torch.tensor(prompts, device="cuda")
-    gen_kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                  pad_token_id=0)
-    model.generate(ids[:4], attention_mask=torch.ones_like(ids[:4]), **{**gen_kw, "max_new_tokens": 8, "min_new_tokens": 8})
+    gen_kw = dict(
+        max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0
+    )
+    model.generate(
+        ids[:4], attention_mask=torch.ones_like(ids[:4]), **{**gen_kw, "max_new_tokens": 8, "min_new_tokens": 8}
+    )
     sync()
     t = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
     sync()
     t_hf = time.perf_counter() - t
     n = sum(len(o.token_ids) for o in outs)
-    results["sampler"] = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "batch": batch,
-                          "new_tokens": new, "ours_tok_s": n / t_ours, "hf_tok_s": batch * new / t_hf,
-                          "ours_over_hf": (n / t_ours) / (batch * new / t_hf)}
+    results["sampler"] = {
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "batch": batch,
+        "new_tokens": new,
+        "ours_tok_s": n / t_ours,
+        "hf_tok_s": batch * new / t_hf,
+        "ours_over_hf": (n / t_ours) / (batch * new / t_hf),
+    }
     return prompts, outs
 
 
 def check_mismatch_and_trainer(results, model, prompts, outs):
-    cfg = load_config(None, ["--model.device", "cuda", "--trainer.precision", "bf16", "--trainer.micro_batch_size", "16",
-                             "--trainer.optimizer_steps", "2", "--sampling.group_size", "8",
-                             "--sampling.prompts_per_step", "8", "--sampling.max_new_tokens", "256"])
+    cfg = load_config(
+        None,
+        [
+            "--model.device",
+            "cuda",
+            "--trainer.precision",
+            "bf16",
+            "--trainer.micro_batch_size",
+            "16",
+            "--trainer.optimizer_steps",
+            "2",
+            "--sampling.group_size",
+            "8",
+            "--sampling.prompts_per_step",
+            "8",
+            "--sampling.max_new_tokens",
+            "256",
+        ],
+    )
     rng = random.Random(0)
     groups = []
     for g in range(8):
@@ -132,8 +175,21 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
         samples = [Sample(outs[i].token_ids, outs[i].logprobs, outs[i].finish_reason, i) for i in block]
         rewards = [float(rng.random() < 0.5) for _ in block]
         rewards[0], rewards[1] = 1.0, 0.0  # informative
-        groups.append(Group(f"p{g}", "synthetic", "", "{}", prompts[g * 8], samples, 0, "dev", 1.0,
-                            rewards=rewards, task_rewards=rewards))
+        groups.append(
+            Group(
+                f"p{g}",
+                "synthetic",
+                "",
+                "{}",
+                prompts[g * 8],
+                samples,
+                0,
+                "dev",
+                1.0,
+                rewards=rewards,
+                task_rewards=rewards,
+            )
+        )
     batch = build_train_batch(groups, pad_token_id=0, normalize_std=True, adv_eps=1e-6)
     trainer = GRPOTrainer(model, cfg)
     sync()
@@ -141,20 +197,40 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
     metrics = trainer.train_step(batch)
     sync()
     dt = time.perf_counter() - t
-    results["mismatch"] = {"bf16_sampler_vs_prefill_logprob_abs_diff_mean": metrics["off_policy/logprob_abs_diff"],
-                           "max": metrics["off_policy/logprob_abs_diff_max"]}
-    results["trainer"] = {"seconds": dt, "tokens": metrics["train/tokens"],
-                          "sequences": len(batch), "tokens_per_s": metrics["train/tokens"] / dt,
-                          "finite": all(v == v and abs(v) != float("inf") for v in metrics.values()),
-                          "loss_policy": metrics["loss/policy"], "grad_norm": metrics["grad_norm"],
-                          "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+    results["mismatch"] = {
+        "bf16_sampler_vs_prefill_logprob_abs_diff_mean": metrics["off_policy/logprob_abs_diff"],
+        "max": metrics["off_policy/logprob_abs_diff_max"],
+    }
+    results["trainer"] = {
+        "seconds": dt,
+        "tokens": metrics["train/tokens"],
+        "sequences": len(batch),
+        "tokens_per_s": metrics["train/tokens"] / dt,
+        "finite": all(v == v and abs(v) != float("inf") for v in metrics.values()),
+        "loss_policy": metrics["loss/policy"],
+        "grad_norm": metrics["grad_norm"],
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 # ---- trainer precision (issue 17) -------------------------------------------------------------
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, rope_theta=1e6)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=261)  # --smoke-cpu
+QWEN2_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    rope_theta=1e6,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=261,
+)  # --smoke-cpu
 
 
 def random_qwen2(shape: dict, device: str) -> Qwen2ForCausalLM:
@@ -176,28 +252,62 @@ def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, max_comple
             samples.append(Sample([rng.randrange(5, vocab) for _ in range(n)], [-1.0] * n, "stop", g * group_size + s))
         rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
         rewards[0], rewards[1] = 1.0, 0.0
-        groups.append(Group(f"p{g}", "synthetic", "", "{}", prompt, samples, 0, "dev", 1.0,
-                            rewards=rewards, task_rewards=rewards))
+        groups.append(
+            Group(f"p{g}", "synthetic", "", "{}", prompt, samples, 0, "dev", 1.0, rewards=rewards, task_rewards=rewards)
+        )
     return groups
 
 
-def precision_config(device: str, precision: str, ac: bool, n_groups: int, group_size: int, max_new: int,
-                     extra: list[str] = ()):
-    return load_config(None, ["--model.device", device, "--trainer.precision", precision,
-                              "--trainer.activation_checkpointing", str(ac).lower(), "--trainer.micro_batch_size", "8",
-                              "--trainer.optimizer_steps", "2", "--sampling.group_size", str(group_size),
-                              "--sampling.prompts_per_step", str(n_groups), "--sampling.max_new_tokens", str(max_new),
-                              *extra])
+def precision_config(
+    device: str, precision: str, ac: bool, n_groups: int, group_size: int, max_new: int, extra: list[str] = ()
+):
+    return load_config(
+        None,
+        [
+            "--model.device",
+            device,
+            "--trainer.precision",
+            precision,
+            "--trainer.activation_checkpointing",
+            str(ac).lower(),
+            "--trainer.micro_batch_size",
+            "8",
+            "--trainer.optimizer_steps",
+            "2",
+            "--sampling.group_size",
+            str(group_size),
+            "--sampling.prompts_per_step",
+            str(n_groups),
+            "--sampling.max_new_tokens",
+            str(max_new),
+            *extra,
+        ],
+    )
 
 
-def precision_step(shape: dict, device: str, precision: str, ac: bool, *, n_groups: int = 8, group_size: int = 8,
-                   prompt_len: int = 64, max_new: int = 512, dist_info=None, extra: list[str] = ()) -> dict:
+def precision_step(
+    shape: dict,
+    device: str,
+    precision: str,
+    ac: bool,
+    *,
+    n_groups: int = 8,
+    group_size: int = 8,
+    prompt_len: int = 64,
+    max_new: int = 512,
+    dist_info=None,
+    extra: list[str] = (),
+) -> dict:
     """One GRPO rollout step (old logprobs, 2 optimizer steps) under `trainer.precision`."""
     cuda = device.startswith("cuda")
     cfg = precision_config(device.split(":")[0], precision, ac, n_groups, group_size, max_new, extra)
     model = random_qwen2(shape, device)
-    batch = build_train_batch(synthetic_groups(n_groups, group_size, prompt_len, max_new, shape["vocab_size"]),
-                              pad_token_id=0, normalize_std=True, adv_eps=1e-6)
+    batch = build_train_batch(
+        synthetic_groups(n_groups, group_size, prompt_len, max_new, shape["vocab_size"]),
+        pad_token_id=0,
+        normalize_std=True,
+        adv_eps=1e-6,
+    )
     trainer = GRPOTrainer(model, cfg, dist_info)
     if cuda:
         torch.cuda.synchronize()
@@ -208,17 +318,25 @@ def precision_step(shape: dict, device: str, precision: str, ac: bool, *, n_grou
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
     published = trainer.full_state_dict(torch.bfloat16)
-    out = {"precision": precision, "activation_checkpointing": ac, "seconds": dt, "tokens": metrics["train/tokens"],
-           "sequences": len(batch), "tokens_per_s": metrics["train/tokens"] / dt,
-           "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-           "grad_norm": metrics["grad_norm"], "loss_policy": metrics["loss/policy"],
-           "logprob_abs_diff_max": metrics["off_policy/logprob_abs_diff_max"],
-           "finite": all(v == v and abs(v) != float("inf") for v in metrics.values()),
-           "master_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
-           "optimizer_state_dtypes": sorted({str(v.dtype) for st in trainer.optimizer.state.values()
-                                             for k, v in st.items() if k != "step"}),
-           "published_dtypes": sorted({str(v.dtype) for v in published.values()}) if published else None,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    out = {
+        "precision": precision,
+        "activation_checkpointing": ac,
+        "seconds": dt,
+        "tokens": metrics["train/tokens"],
+        "sequences": len(batch),
+        "tokens_per_s": metrics["train/tokens"] / dt,
+        "params_m": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+        "grad_norm": metrics["grad_norm"],
+        "loss_policy": metrics["loss/policy"],
+        "logprob_abs_diff_max": metrics["off_policy/logprob_abs_diff_max"],
+        "finite": all(v == v and abs(v) != float("inf") for v in metrics.values()),
+        "master_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "optimizer_state_dtypes": sorted(
+            {str(v.dtype) for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step"}
+        ),
+        "published_dtypes": sorted({str(v.dtype) for v in published.values()}) if published else None,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
     del trainer, model, published
     if cuda:
         torch.cuda.empty_cache()
@@ -226,16 +344,21 @@ def precision_step(shape: dict, device: str, precision: str, ac: bool, *, n_grou
 
 
 def check_precision(results, shape: dict, device: str, **kw):
-    runs = [precision_step(shape, device, prec, ac, **kw)
-            for prec, ac in (("fp32", False), ("mixed", False), ("mixed", True), ("bf16", False))]
+    runs = [
+        precision_step(shape, device, prec, ac, **kw)
+        for prec, ac in (("fp32", False), ("mixed", False), ("mixed", True), ("bf16", False))
+    ]
     ref = runs[0]["grad_norm"]
     for r in runs:
         r["grad_norm_rel_diff_vs_fp32"] = abs(r["grad_norm"] - ref) / max(ref, 1e-12)
     mixed = runs[1]
-    results["precision"] = {"runs": runs, "mixed_masters_fp32": mixed["master_dtypes"] == ["torch.float32"],
-                            "mixed_state_fp32": mixed["optimizer_state_dtypes"] == ["torch.float32"],
-                            "checkpointing_grad_norm_rel_diff": abs(runs[2]["grad_norm"] - mixed["grad_norm"])
-                            / max(mixed["grad_norm"], 1e-12)}
+    results["precision"] = {
+        "runs": runs,
+        "mixed_masters_fp32": mixed["master_dtypes"] == ["torch.float32"],
+        "mixed_state_fp32": mixed["optimizer_state_dtypes"] == ["torch.float32"],
+        "checkpointing_grad_norm_rel_diff": abs(runs[2]["grad_norm"] - mixed["grad_norm"])
+        / max(mixed["grad_norm"], 1e-12),
+    }
 
 
 def _fsdp_worker(out: str, offload: bool) -> None:
@@ -262,10 +385,28 @@ def check_fsdp2(results):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                               "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
-                               "--fsdp-worker", str(path)] + (["--offload"] if offload else []),
-                              capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                __file__,
+                "--fsdp-worker",
+                str(path),
+            ]
+            + (["--offload"] if offload else []),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         if proc.returncode != 0:
             out["offload" if offload else "plain"] = {"error": proc.stderr[-3000:]}
             continue

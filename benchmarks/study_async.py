@@ -49,17 +49,37 @@ OBJECTIVES = {
 
 def run_cell(k: int, objective: str, seed: int, args, extra: list[str], root: Path) -> dict:
     run_dir = root / f"k{k}-{objective}-s{seed}"
-    cmd = [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run_dir), "--seed", str(seed),
-           "--async.bound", str(k), "--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every),
-           "--logging.plots", "false", "--logging.progress", "false", *OBJECTIVES[objective]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarmrl.cli",
+        "rl",
+        "--run-dir",
+        str(run_dir),
+        "--seed",
+        str(seed),
+        "--async.bound",
+        str(k),
+        "--trainer.steps",
+        str(args.steps),
+        "--eval.every",
+        str(args.eval_every),
+        "--logging.plots",
+        "false",
+        "--logging.progress",
+        "false",
+        *OBJECTIVES[objective],
+    ]
     if not args.production_queue:
         cmd += ["--async.max_pending_groups", str(args.prompts_per_step * (k + 1))]
     cmd += extra
     started = time.monotonic()
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"run {run_dir.name} failed (exit {proc.returncode}); its logs are in {run_dir}/logs\n"
-                         + proc.stderr[-2000:])
+        raise SystemExit(
+            f"run {run_dir.name} failed (exit {proc.returncode}); its logs are in {run_dir}/logs\n"
+            + proc.stderr[-2000:]
+        )
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     wall, curve, gaps, stale, gap_curve = 0.0, [], [], [], []
     for r in records:
@@ -71,10 +91,16 @@ def run_cell(k: int, objective: str, seed: int, args, extra: list[str], root: Pa
             gap_curve.append([r.get("step", 0), r["off_policy/logprob_abs_diff"]])
         if "off_policy/mean" in r:
             stale.append(r["off_policy/mean"])
-    return {"k": k, "objective": objective, "seed": seed, "curve": curve, "gap_curve": gap_curve,
-            "staleness_mean": statistics.fmean(stale) if stale else 0.0,
-            "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
-            "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "k": k,
+        "objective": objective,
+        "seed": seed,
+        "curve": curve,
+        "gap_curve": gap_curve,
+        "staleness_mean": statistics.fmean(stale) if stale else 0.0,
+        "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def first_wall_to_gain(curve: list[dict], gain: float) -> float | None:
@@ -86,8 +112,11 @@ def table(results: list[dict], gain: float) -> str:
     cells: dict[tuple[int, str], list[dict]] = {}
     for r in results:
         cells.setdefault((r["k"], r["objective"]), []).append(r)
-    lines = [f"| k | objective | seeds | base | final acc (mean, min-max) | gain | wall to +{round(gain * 100)} pts "
-             "(mean) | staleness | log-prob gap |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| k | objective | seeds | base | final acc (mean, min-max) | gain | wall to +{round(gain * 100)} pts "
+        "(mean) | staleness | log-prob gap |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for (k, obj), runs in sorted(cells.items()):
         finals = [r["curve"][-1]["accuracy"] for r in runs]
         bases = [r["curve"][0]["accuracy"] for r in runs]
@@ -95,13 +124,16 @@ def table(results: list[dict], gain: float) -> str:
         reached = [w for w in walls if w is not None]
         wall = f"{statistics.fmean(reached):.0f} s ({len(reached)}/{len(runs)})" if reached else "not reached"
         gaps = [r["logprob_gap_mean"] for r in runs if r["logprob_gap_mean"] is not None]
-        lines.append(f"| {k} | {obj} | {len(runs)} | {statistics.fmean(bases):.3f} | {statistics.fmean(finals):.3f} "
-                     f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.fmean(finals) - statistics.fmean(bases):+.3f} | "
-                     f"{wall} | {statistics.fmean(r['staleness_mean'] for r in runs):.2f} | "
-                     f"{statistics.fmean(gaps):.4f} |" if gaps else
-                     f"| {k} | {obj} | {len(runs)} | {statistics.fmean(bases):.3f} | {statistics.fmean(finals):.3f} "
-                     f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.fmean(finals) - statistics.fmean(bases):+.3f} | "
-                     f"{wall} | {statistics.fmean(r['staleness_mean'] for r in runs):.2f} | n/a |")
+        lines.append(
+            f"| {k} | {obj} | {len(runs)} | {statistics.fmean(bases):.3f} | {statistics.fmean(finals):.3f} "
+            f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.fmean(finals) - statistics.fmean(bases):+.3f} | "
+            f"{wall} | {statistics.fmean(r['staleness_mean'] for r in runs):.2f} | "
+            f"{statistics.fmean(gaps):.4f} |"
+            if gaps
+            else f"| {k} | {obj} | {len(runs)} | {statistics.fmean(bases):.3f} | {statistics.fmean(finals):.3f} "
+            f"({min(finals):.3f}-{max(finals):.3f}) | {statistics.fmean(finals) - statistics.fmean(bases):+.3f} | "
+            f"{wall} | {statistics.fmean(r['staleness_mean'] for r in runs):.2f} | n/a |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -138,9 +170,13 @@ def plots(results: list[dict], out: Path) -> None:
         gap_runs = [r.get("gap_curve") for r in runs if r.get("gap_curve")]
         if gap_runs:
             n = min(len(g) for g in gap_runs)
-            axes[2].plot([gap_runs[0][i][0] for i in range(n)],
-                         [statistics.fmean(g[i][1] for g in gap_runs) for i in range(n)],
-                         color=colours[k], linestyle=styles[obj], label=label)
+            axes[2].plot(
+                [gap_runs[0][i][0] for i in range(n)],
+                [statistics.fmean(g[i][1] for g in gap_runs) for i in range(n)],
+                color=colours[k],
+                linestyle=styles[obj],
+                label=label,
+            )
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("trainer wall time (s)")
     for ax in axes[:2]:
@@ -165,8 +201,11 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--prompts-per-step", type=int, default=16, help="must match sampling.prompts_per_step")
     p.add_argument("--gain", type=float, default=0.20, help="the gain whose wall time the table reports")
-    p.add_argument("--production-queue", action="store_true",
-                   help="keep the orchestrator's default back-pressure (staleness stays near 1)")
+    p.add_argument(
+        "--production-queue",
+        action="store_true",
+        help="keep the orchestrator's default back-pressure (staleness stays near 1)",
+    )
     p.add_argument("--out", default="docs/study_async")
     args, extra = p.parse_known_args()
     unknown = [o for o in args.objectives.split(",") if o not in OBJECTIVES]
@@ -180,16 +219,18 @@ def main() -> None:
     done = {(r["k"], r["objective"], r["seed"]) for r in results}
     for k in [int(x) for x in args.ks.split(",")]:
         # At k = 0 every objective is the same update up to float rounding: run only the seed's.
-        for objective in (["seed"] if k == 0 else args.objectives.split(",")):
+        for objective in ["seed"] if k == 0 else args.objectives.split(","):
             for seed in [int(x) for x in args.seeds.split(",")]:
                 if (k, objective, seed) in done:
                     continue
                 r = run_cell(k, objective, seed, args, extra, root)
                 results.append(r)
                 results_path.write_text(json.dumps(results, indent=1))  # resumable cell by cell
-                print(f"k={k} {objective} seed {seed}: {r['curve'][0]['accuracy']:.3f} -> "
-                      f"{r['curve'][-1]['accuracy']:.3f}, staleness {r['staleness_mean']:.2f}, {r['seconds']:.0f} s",
-                      flush=True)
+                print(
+                    f"k={k} {objective} seed {seed}: {r['curve'][0]['accuracy']:.3f} -> "
+                    f"{r['curve'][-1]['accuracy']:.3f}, staleness {r['staleness_mean']:.2f}, {r['seconds']:.0f} s",
+                    flush=True,
+                )
     (out / "table.md").write_text(table(results, args.gain))
     plots(results, out)
     print(table(results, args.gain))

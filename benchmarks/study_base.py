@@ -40,15 +40,57 @@ def one(isa: str, dtype: str, seed: int, args, extra: list[str], out: Path) -> d
         env["MKL_ENABLE_INSTRUCTIONS"] = MKL_NAMES[isa]
     base = out / name
     cli = [sys.executable, "-m", "swarmrl.cli"]
-    subprocess.run([*cli, "sft", "--output", str(base), "--sft.seed", str(seed), "--sft.dtype", dtype,
-                    "--sft.threads", str(args.threads), *extra], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            *cli,
+            "sft",
+            "--output",
+            str(base),
+            "--sft.seed",
+            str(seed),
+            "--sft.dtype",
+            dtype,
+            "--sft.threads",
+            str(args.threads),
+            *extra,
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     evals = out / f"{name}-eval"
-    subprocess.run([*cli, "eval", "--model", str(base), "--benchmark", "arithmetic", "--k", "4", "--temperature", "1.0",
-                    "--max-tokens", "64", "--output-dir", str(evals)], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            *cli,
+            "eval",
+            "--model",
+            str(base),
+            "--benchmark",
+            "arithmetic",
+            "--k",
+            "4",
+            "--temperature",
+            "1.0",
+            "--max-tokens",
+            "64",
+            "--output-dir",
+            str(evals),
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     summary = json.loads((evals / "summary.json").read_text())
     meta = json.loads((base / "swarmrl_sft.json").read_text())
-    return {"isa": isa, "dtype": dtype, "seed": seed, "accuracy": summary["avg@4"], "sft_seconds": meta["seconds"],
-            "cpu_capability": meta.get("cpu_capability"), "path": str(base)}
+    return {
+        "isa": isa,
+        "dtype": dtype,
+        "seed": seed,
+        "accuracy": summary["avg@4"],
+        "sft_seconds": meta["seconds"],
+        "cpu_capability": meta.get("cpu_capability"),
+        "path": str(base),
+    }
 
 
 def max_weight_diff(a: str, b: str) -> float:
@@ -67,20 +109,25 @@ def main() -> None:
     args, extra = p.parse_known_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cells = list(itertools.product(args.isas.split(","), args.dtypes.split(","), [int(s) for s in args.seeds.split(",")]))
+    cells = list(
+        itertools.product(args.isas.split(","), args.dtypes.split(","), [int(s) for s in args.seeds.split(",")])
+    )
     with ThreadPoolExecutor(args.parallel) as ex:
         results = list(ex.map(lambda c: one(*c, args, extra, out), cells))
     print(f"{'isa':>8} {'dtype':>8} {'seed':>4} {'held-out avg@4':>15} {'sft s':>7}")
     for r in results:
         print(f"{r['isa']:>8} {r['dtype']:>8} {r['seed']:>4} {r['accuracy']:>15.3f} {r['sft_seconds']:>7.0f}")
     # Same dtype and seed, different kernels: how far apart did the weights end up?
-    for (dtype, seed), group in itertools.groupby(sorted(results, key=lambda r: (r["dtype"], r["seed"])),
-                                                  key=lambda r: (r["dtype"], r["seed"])):
+    for (dtype, seed), group in itertools.groupby(
+        sorted(results, key=lambda r: (r["dtype"], r["seed"])), key=lambda r: (r["dtype"], r["seed"])
+    ):
         group = list(group)
         for a, b in itertools.combinations(group, 2):
             d = max_weight_diff(a["path"], b["path"])
-            print(f"{dtype} seed {seed}: {a['isa']} vs {b['isa']}: accuracy {a['accuracy']:.3f} vs {b['accuracy']:.3f}, "
-                  f"max |weight difference| {d:.2e}")
+            print(
+                f"{dtype} seed {seed}: {a['isa']} vs {b['isa']}: accuracy {a['accuracy']:.3f} vs {b['accuracy']:.3f}, "
+                f"max |weight difference| {d:.2e}"
+            )
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 

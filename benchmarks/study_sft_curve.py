@@ -1,7 +1,8 @@
 """Study (not a test): how held-out accuracy grows during the warm start.
 
 Runs `swarmrl sft`'s own warm start (`train_sft`, with a hook after each step) and scores the
-model every --every steps from --start on the default held-out split, as the RL run's evaluation does (avg@`eval.samples` at `eval.temperature`). It shows
+model every --every steps from --start on the default held-out split, as the RL run's evaluation does
+(avg@`eval.samples` at `eval.temperature`). It shows
 where a recipe's transition (the model learning column arithmetic itself) happens, and so how many
 steps a base needs before its accuracy is set by the data rather than by the trajectory
 (docs/learning.md, part 1).
@@ -44,6 +45,7 @@ def main() -> None:
     clock = {"train": 0.0, "since": time.perf_counter()}
 
     with VerifierPool(1, cfg.rewards.verify_timeout_s) as pool, tempfile.TemporaryDirectory() as tmp:
+
         def score(step: int, model, loss: torch.Tensor) -> None:
             if not ((step >= args.start and step % args.every == 0) or step == cfg.sft.steps):
                 return
@@ -51,15 +53,24 @@ def main() -> None:
             model.eval()
             accuracy = evaluate(model, tokenizer, held_out, cfg, pool)["eval/accuracy"]
             model.train()
-            curve.append({"step": step, "accuracy": accuracy, "loss": float(loss),
-                          "train_seconds": round(clock["train"], 1)})
+            curve.append(
+                {"step": step, "accuracy": accuracy, "loss": float(loss), "train_seconds": round(clock["train"], 1)}
+            )
             print(json.dumps(curve[-1]), flush=True)
             clock["since"] = time.perf_counter()
 
         train_sft(cfg, tmp, log=lambda *_: None, on_step=score)
     with open(args.out, "w") as f:
-        json.dump({"overrides": overrides, "threads": args.threads,
-                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "curve": curve}, f, indent=1)
+        json.dump(
+            {
+                "overrides": overrides,
+                "threads": args.threads,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "curve": curve,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

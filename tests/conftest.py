@@ -31,8 +31,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = Path(str(item.path)).resolve().relative_to(HERE).parts[0]
         if tier not in TIERS:
-            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}/ "
-                                    f"(its cost tier); move it there")
+            raise pytest.UsageError(
+                f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}/ (its cost tier); move it there"
+            )
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e":
             item.add_marker(pytest.mark.slow)  # the old spelling of "skip the whole runs"

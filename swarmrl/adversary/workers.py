@@ -112,8 +112,7 @@ class AdversarialWorker(Worker):
         """Honest proofs and logprobs for whatever tokens the submission now holds."""
         for p, g in zip(lease.prompts, sub["groups"]):
             outs = _prefill(self.sampler.model, p.prompt_ids, [s["token_ids"] for s in g["samples"]])
-            proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease.proof.chunk_size,
-                                       topk=lease.proof.topk)
+            proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)
             for s, (_, logits), pr in zip(g["samples"], outs, proofs):
                 tokens = torch.tensor(s["token_ids"])
                 s["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), lease.temperature)).tolist()
@@ -124,20 +123,33 @@ class AdversarialWorker(Worker):
         g = lease.group_size
         prompts = [p.prompt_ids for p in lease.prompts for _ in range(g * n)]
         seeds = [secrets.randbits(63) for _ in prompts]
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease.max_new_tokens,
-                                     temperature=lease.temperature, return_hidden=True)
+        outs = self.sampler.generate(
+            prompts, seeds, max_new_tokens=lease.max_new_tokens, temperature=lease.temperature, return_hidden=True
+        )
         groups = []
         for i, p in enumerate(lease.prompts):
             picked = []
             for j in range(g):
-                cands = outs[(i * g + j) * n: (i * g + j + 1) * n]
+                cands = outs[(i * g + j) * n : (i * g + j + 1) * n]
                 picked.append(max(cands, key=lambda o: sum(o.logprobs)))
-            proofs = build_proofs_many([o.hidden for o in picked], chunk_size=lease.proof.chunk_size,
-                                       topk=lease.proof.topk)
-            groups.append({"slot": p.slot, "policy_version": self.version,
-                           "samples": [{"token_ids": o.token_ids, "logprobs": o.logprobs,
-                                        "finish_reason": o.finish_reason, "proofs": encode(pr)}
-                                       for o, pr in zip(picked, proofs)]})
+            proofs = build_proofs_many(
+                [o.hidden for o in picked], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
+            )
+            groups.append(
+                {
+                    "slot": p.slot,
+                    "policy_version": self.version,
+                    "samples": [
+                        {
+                            "token_ids": o.token_ids,
+                            "logprobs": o.logprobs,
+                            "finish_reason": o.finish_reason,
+                            "proofs": encode(pr),
+                        }
+                        for o, pr in zip(picked, proofs)
+                    ],
+                }
+            )
         return {"lease_id": lease.lease_id, "groups": groups}
 
 

@@ -24,12 +24,17 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swarmrl.config.base import ADVERSARY_KINDS, Section
-from swarmrl.config.services import (BroadcastConfig, LoggingConfig, OrchestratorConfig, ValidatorConfig,
-                                     read_key_file)
-from swarmrl.config.task import (LengthConfig, ModelConfig, RewardsConfig, SamplingConfig, SandboxConfig,
-                                 TasksConfig)
-from swarmrl.config.training import (LORA_TARGETS_DEFAULT, AlgorithmConfig, AsyncConfig, EvalConfig, LoRAConfig,
-                                     SFTConfig, TrainerConfig)
+from swarmrl.config.services import BroadcastConfig, LoggingConfig, OrchestratorConfig, ValidatorConfig, read_key_file
+from swarmrl.config.task import LengthConfig, ModelConfig, RewardsConfig, SamplingConfig, SandboxConfig, TasksConfig
+from swarmrl.config.training import (
+    LORA_TARGETS_DEFAULT,
+    AlgorithmConfig,
+    AsyncConfig,
+    EvalConfig,
+    LoRAConfig,
+    SFTConfig,
+    TrainerConfig,
+)
 
 
 class Config(Section):
@@ -56,7 +61,7 @@ class Config(Section):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
     @model_validator(mode="after")
-    def _check(self) -> "Config":
+    def _check(self) -> Config:
         for kind in self.async_.adversaries:
             if kind not in ADVERSARY_KINDS:
                 raise ValueError(f"async.adversaries: unknown kind {kind!r}; one of: {', '.join(ADVERSARY_KINDS)}")
@@ -64,7 +69,8 @@ class Config(Section):
         if samples % self.trainer.optimizer_steps:
             raise ValueError(
                 f"trainer.optimizer_steps={self.trainer.optimizer_steps} must divide the "
-                f"{samples} samples per step (sampling.prompts_per_step x sampling.group_size)")
+                f"{samples} samples per step (sampling.prompts_per_step x sampling.group_size)"
+            )
         self._check_trainer_ranks(samples // self.trainer.optimizer_steps)
         self._check_precision()
         budget = self.trainer.max_tokens_per_micro_batch
@@ -74,23 +80,30 @@ class Config(Section):
             raise ValueError(
                 f"trainer.max_tokens_per_micro_batch={budget} cannot hold one sequence: a completion alone "
                 f"can be sampling.max_new_tokens={self.sampling.max_new_tokens} tokens, plus its prompt; "
-                "set it to at least the longest prompt + sampling.max_new_tokens, or leave it unset")
+                "set it to at least the longest prompt + sampling.max_new_tokens, or leave it unset"
+            )
         if self.trainer.lora.rank and self.trainer.nproc * self.trainer.nnodes > 1:
-            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} needs a single trainer rank, but "
-                             f"trainer.nproc x trainer.nnodes = {self.trainer.nproc * self.trainer.nnodes}: FSDP2 "
-                             "sharding of a frozen base with adapters is not supported yet; set trainer.nproc = 1 "
-                             "(a LoRA update is small enough for one device) or trainer.lora.rank = 0")
+            raise ValueError(
+                f"trainer.lora.rank={self.trainer.lora.rank} needs a single trainer rank, but "
+                f"trainer.nproc x trainer.nnodes = {self.trainer.nproc * self.trainer.nnodes}: FSDP2 "
+                "sharding of a frozen base with adapters is not supported yet; set trainer.nproc = 1 "
+                "(a LoRA update is small enough for one device) or trainer.lora.rank = 0"
+            )
         alg = self.algorithm
         if alg.old_logprobs == "inference":
             explicit_cap = "tis_cap" in alg.model_fields_set and alg.tis_cap != "off"
             if explicit_cap or alg.tis_mask_band is not None:
-                raise ValueError("algorithm.tis_cap and algorithm.tis_mask_band weigh tokens by p_old / p_inference, "
-                                 "which is 1 when old_logprobs = \"inference\": set algorithm.old_logprobs = "
-                                 "\"recompute\" (decoupled PPO) or drop them")
+                raise ValueError(
+                    "algorithm.tis_cap and algorithm.tis_mask_band weigh tokens by p_old / p_inference, "
+                    'which is 1 when old_logprobs = "inference": set algorithm.old_logprobs = '
+                    '"recompute" (decoupled PPO) or drop them'
+                )
             alg.tis_cap = "off"  # the default cap does not apply: written out as off, so a reload agrees
         if alg.tis_mask_band is not None and alg.tis_cap == "off":
-            raise ValueError("algorithm.tis_mask_band needs algorithm.tis_cap (the importance weights it masks); "
-                             "set e.g. --algorithm.tis_cap 2.0")
+            raise ValueError(
+                "algorithm.tis_mask_band needs algorithm.tis_cap (the importance weights it masks); "
+                "set e.g. --algorithm.tis_cap 2.0"
+            )
         if self.tasks.solve_rate_range is not None:
             lo, hi = self.tasks.solve_rate_range
             if not 0.0 <= lo <= hi <= 1.0:
@@ -101,7 +114,11 @@ class Config(Section):
         """trainer.precision against model.dtype, its compute dtype: either one alone sets the
         other (written out, so a reload agrees); both set and disagreeing is an error."""
         t, m = self.trainer, self.model
-        computes: dict[str, Literal["float32", "bfloat16"]] = {"fp32": "float32", "mixed": "bfloat16", "bf16": "bfloat16"}
+        computes: dict[str, Literal["float32", "bfloat16"]] = {
+            "fp32": "float32",
+            "mixed": "bfloat16",
+            "bf16": "bfloat16",
+        }
         if t.precision is None:
             t.precision = "mixed" if m.dtype == "bfloat16" else "fp32"
         elif "dtype" not in m.model_fields_set and m.dtype != computes[t.precision]:
@@ -109,13 +126,16 @@ class Config(Section):
         if m.dtype != computes[t.precision]:
             fits = " or ".join(f'"{p}"' for p, d in computes.items() if d == m.dtype)
             raise ValueError(
-                f"trainer.precision = \"{t.precision}\" computes in {computes[t.precision]}, but model.dtype = "
-                f"\"{m.dtype}\": set model.dtype = \"{computes[t.precision]}\", or trainer.precision to "
-                f"{fits} (or leave one of the two unset: it follows the other)")
+                f'trainer.precision = "{t.precision}" computes in {computes[t.precision]}, but model.dtype = '
+                f'"{m.dtype}": set model.dtype = "{computes[t.precision]}", or trainer.precision to '
+                f"{fits} (or leave one of the two unset: it follows the other)"
+            )
         if t.cpu_offload and t.nproc * t.nnodes == 1 and m.device != "cpu":
-            raise ValueError(f"trainer.cpu_offload offloads FSDP2's sharded state, and one trainer rank on "
-                             f"model.device = \"{m.device}\" runs without FSDP2: set trainer.nproc above 1, or "
-                             "trainer.cpu_offload = false")
+            raise ValueError(
+                f"trainer.cpu_offload offloads FSDP2's sharded state, and one trainer rank on "
+                f'model.device = "{m.device}" runs without FSDP2: set trainer.nproc above 1, or '
+                "trainer.cpu_offload = false"
+            )
 
     def _check_trainer_ranks(self, mini: int) -> None:
         """trainer.nproc / nnodes / rdzv_endpoint: what torchrun and FSDP2 need, checked before
@@ -129,14 +149,19 @@ class Config(Section):
                 f"{mini} sequences of each optimizer step (sampling.prompts_per_step {self.sampling.prompts_per_step} "
                 f"x sampling.group_size {self.sampling.group_size} / trainer.optimizer_steps {t.optimizer_steps}), "
                 f"so that every rank trains on an equal share: set trainer.nproc to one of "
-                f"{', '.join(map(str, fits)) or '(none: change trainer.nnodes)'}, or change those")
+                f"{', '.join(map(str, fits)) or '(none: change trainer.nnodes)'}, or change those"
+            )
         if t.nnodes > 1 and t.rdzv_endpoint is None:
-            raise ValueError(f"trainer.nnodes={t.nnodes} needs trainer.rdzv_endpoint = \"HOST:PORT\": node 0's address "
-                             "as the other nodes reach it and a free port there, where they meet (docs/deploy.md)")
+            raise ValueError(
+                f'trainer.nnodes={t.nnodes} needs trainer.rdzv_endpoint = "HOST:PORT": node 0\'s address '
+                "as the other nodes reach it and a free port there, where they meet (docs/deploy.md)"
+            )
         if world > 1 and self.model.device.startswith("cuda:"):
-            raise ValueError(f"model.device={self.model.device!r} names one GPU, but trainer.nproc x trainer.nnodes = "
-                             f"{world} ranks each need their own: set model.device = \"cuda\" (rank i of a node "
-                             "uses cuda:i; choose the GPUs with CUDA_VISIBLE_DEVICES)")
+            raise ValueError(
+                f"model.device={self.model.device!r} names one GPU, but trainer.nproc x trainer.nnodes = "
+                f'{world} ranks each need their own: set model.device = "cuda" (rank i of a node '
+                "uses cuda:i; choose the GPUs with CUDA_VISIBLE_DEVICES)"
+            )
 
     def to_toml(self, *, show_unset: bool = False) -> str:
         """The config as TOML. TOML has no null, so fields whose value is None are left out; with
@@ -155,8 +180,9 @@ class Config(Section):
 
             walk("", self.model_dump(by_alias=True, mode="json"))
             if unset:
-                text += ("\n# Fields without a value (None: TOML cannot write it), set with --FIELD VALUE:\n"
-                         + "".join(f"# {name} =\n" for name in unset))
+                text += "\n# Fields without a value (None: TOML cannot write it), set with --FIELD VALUE:\n" + "".join(
+                    f"# {name} =\n" for name in unset
+                )
         return text
 
 
@@ -188,8 +214,9 @@ def _set_dotted(data: dict, dotted: str, text: str) -> None:
         if key not in fields:
             where = ".".join(keys[:i]) or "the top level"
             allowed = sorted(f.alias or n for n, f in cls.model_fields.items())
-            raise ConfigError(f"unknown config key '{dotted}': '{key}' is not a field of {where}; "
-                              f"allowed there: {', '.join(allowed)}")
+            raise ConfigError(
+                f"unknown config key '{dotted}': '{key}' is not a field of {where}; allowed there: {', '.join(allowed)}"
+            )
         field = fields[key]
         name = field.alias or key
         if i == len(keys) - 1:
@@ -198,7 +225,7 @@ def _set_dotted(data: dict, dotted: str, text: str) -> None:
             return
         ann = field.annotation
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(keys[:i + 1])}' is a value, not a section")
+            raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(keys[: i + 1])}' is a value, not a section")
         node = node.setdefault(name, {})
         cls = ann
 
@@ -246,8 +273,11 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden" and (allowed := _allowed_at(e["loc"][:-1])):
             lines.append(f"  {loc}: unknown key; allowed there: {allowed}")
             continue
-        lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})" if "input" in e and not isinstance(e.get("input"), dict)
-                     else f"  {loc}: {e['msg']}")
+        lines.append(
+            f"  {loc}: {e['msg']} (got {e.get('input')!r})"
+            if "input" in e and not isinstance(e.get("input"), dict)
+            else f"  {loc}: {e['msg']}"
+        )
     return "invalid config:\n" + "\n".join(lines)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 from pydantic import BaseModel, ConfigDict
-
 
 # The scripted cheats `swarmrl worker --adversary` and `async.adversaries` can run (implemented in
 # swarmrl/adversary/workers.py; named here so that validating a config imports nothing above it).

@@ -86,7 +86,6 @@ class OrchestratorConfig(Section):
     dashboard_cache_s: float = Field(2.0, ge=0)
     """The dashboard document is rebuilt at most this often, however many viewers poll it."""
 
-
     @field_validator("trusted_keys_file")
     @classmethod
     def _trusted_keys(cls, path: str | None) -> str | None:
@@ -109,8 +108,10 @@ def read_key_file(path: str | Path) -> set[str]:
         if not key:
             continue
         if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
-            raise ValueError(f"{path}, line {number}: {key[:80]!r} is not a worker public key (64 hex characters, "
-                             "as `swarmrl worker` prints at start and /v1/workers/me names it)")
+            raise ValueError(
+                f"{path}, line {number}: {key[:80]!r} is not a worker public key (64 hex characters, "
+                "as `swarmrl worker` prints at start and /v1/workers/me names it)"
+            )
         keys.add(key)
     return keys
 
@@ -233,16 +234,24 @@ class ValidatorConfig(Section):
         """The thresholds a validator applies to the work of a run sampling in `dtype`, by the
         names of the float32 fields (and `group_mant_err_max`)."""
         if dtype == "bfloat16":
-            return {"exp_mismatches_max": self.bf16_exp_mismatches_max,
-                    "mant_err_mean_max": self.bf16_mant_err_mean_max,
-                    "mant_err_median_max": self.bf16_mant_err_median_max,
-                    "group_mant_err_max": self.bf16_group_mant_err_max,
-                    "sampling_margin": self.bf16_sampling_margin, "logprob_tol": self.bf16_logprob_tol}
+            return {
+                "exp_mismatches_max": self.bf16_exp_mismatches_max,
+                "mant_err_mean_max": self.bf16_mant_err_mean_max,
+                "mant_err_median_max": self.bf16_mant_err_median_max,
+                "group_mant_err_max": self.bf16_group_mant_err_max,
+                "sampling_margin": self.bf16_sampling_margin,
+                "logprob_tol": self.bf16_logprob_tol,
+            }
         # In float32 the group check is implied by the per-chunk one (a median of chunk means
         # that each pass cannot exceed their limit).
-        return {"exp_mismatches_max": self.exp_mismatches_max, "mant_err_mean_max": self.mant_err_mean_max,
-                "mant_err_median_max": self.mant_err_median_max, "group_mant_err_max": self.mant_err_mean_max,
-                "sampling_margin": self.sampling_margin, "logprob_tol": self.logprob_tol}
+        return {
+            "exp_mismatches_max": self.exp_mismatches_max,
+            "mant_err_mean_max": self.mant_err_mean_max,
+            "mant_err_median_max": self.mant_err_median_max,
+            "group_mant_err_max": self.mant_err_mean_max,
+            "sampling_margin": self.sampling_margin,
+            "logprob_tol": self.logprob_tol,
+        }
 
 
 class LoggingConfig(Section):

@@ -122,7 +122,7 @@ class TrainerConfig(Section):
     not skipped), so keep it a few times the longest sequence; flash attention (GPU) computes
     each sequence's own block only. None (default): padded micro-batches of `micro_batch_size`
     sequences: packing pays on mixed lengths, not on the default run's near-uniform ones
-    (measured on CPU: docs/benchmarks.md#sequence-packing-vs-padded-micro-batches-benchmarksbench_packingpy-issue-17)."""
+    (measured on CPU: docs/benchmarks.md#sequence-packing-vs-padded-micro-batches-benchmarksbench_packingpy-issue-17)."""  # noqa: E501
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate. Seed run: 3e-7 (32B model). Default 1e-4, for the tiny default model;
     higher rates collapsed it (Adam turns noisy RL gradients into full-size steps; measured:
@@ -222,7 +222,7 @@ class AsyncConfig(Section):
     """Async bound k: data used at step n comes from policy version >= n - k. 0 is synchronous.
     Seed run: 2, as here since the async study, which measured it with decoupled PPO (the default
     `algorithm.tis_cap`); with the seed run's objective (`tis_cap = "off"`) larger bounds cost
-    accuracy (measured: docs/learning.md#2-asynchrony-decoupled-ppo-keeps-k--2-and-k--4-within-3-points-of-k--0-it-and-k--2-are-now-the-defaults;
+    accuracy (measured: docs/learning.md, section 2 (asynchrony);
     on the old base: docs/default-run.md#how-this-recipe-was-found-what-failed-first)."""
     workers: int = Field(2, ge=1)
     """Inference worker processes started by `swarmrl rl`, each with its own key (the default
@@ -280,7 +280,7 @@ class SFTConfig(Section):
     """Optimizer steps of supervised warm start on worked traces. The default 600 takes the model
     past learning column arithmetic itself, so its accuracy is set by the slips in the data rather
     than by how far a noise-sensitive transition got, whatever the CPU's vector kernels; 400 and
-    500 are not always past it (measured: docs/learning.md#1-the-base-model-moves-with-the-cpu-cause-found-recipe-made-robust,
+    500 are not always past it (measured: docs/learning.md, section 1 (the base moves with the CPU),
     and docs/learning.md#a-cheaper-default-make-demo-from-8-min-30-s-to-7-min-24-s-on-y-2026-12-02)."""
     batch_size: int = Field(64, ge=1)
     """Traces per step."""
@@ -290,7 +290,8 @@ class SFTConfig(Section):
     """Distinct training traces generated."""
     slip_rate: float = Field(0.7, ge=0.0, le=1.0)
     """Share of traces (among problems where it changes the answer) that show a slip: a dropped
-    carry, or the answer digits read off in reverse, with the wrong answer it leads to. The base policy then slips about as often, which puts it in the seed
+    carry, or the answer digits read off in reverse, with the wrong answer it leads to. The base policy then
+    slips about as often, which puts it in the seed
     run's difficulty band, and gives RL a consistent, verifiable behaviour to unlearn."""
     seed: int = 0
     """Initialisation and shuffling seed."""

@@ -18,9 +18,10 @@ import os
 import re
 import tempfile
 from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping
+from typing import Any, Literal
 
 from swarmrl.data.schema import (
     RECORD_FIELD,
@@ -106,13 +107,9 @@ def _read_json(path: Path) -> Iterator[_Raw]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{path}: {describe_json_error(err)}; expected a JSON list of rows"
-        ) from None
+        raise ValueError(f"{path}: {describe_json_error(err)}; expected a JSON list of rows") from None
     if not isinstance(data, list):
-        raise ValueError(
-            f"{path}: expected a JSON list of rows (or JSON Lines), got {type(data).__name__}"
-        )
+        raise ValueError(f"{path}: expected a JSON list of rows (or JSON Lines), got {type(data).__name__}")
     for index, record in enumerate(data, start=1):
         yield index, record, None
 
@@ -145,15 +142,11 @@ def _read_saved_dataset(path: Path, split: str | None) -> Iterator[_Raw]:
     if isinstance(loaded, datasets.DatasetDict):
         name = split or "train"
         if name not in loaded:
-            raise ValueError(
-                f"{path} has splits {sorted(loaded)}, not {name!r}; pass split= one of them"
-            )
+            raise ValueError(f"{path} has splits {sorted(loaded)}, not {name!r}; pass split= one of them")
         ds = loaded[name]
     else:
         if split is not None:
-            raise ValueError(
-                f"{path} is a single Dataset without splits; drop split={split!r}"
-            )
+            raise ValueError(f"{path} is a single Dataset without splits; drop split={split!r}")
         ds = loaded
     index = 0
     for batch in ds.iter(batch_size=_BATCH):
@@ -193,9 +186,7 @@ def _data_files(folder: Path, split: str | None) -> list[Path]:
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
     if not files:
-        raise FileNotFoundError(
-            f"no *.parquet or *.jsonl files under {folder}; expected {ACCEPTED_FORMATS}"
-        )
+        raise FileNotFoundError(f"no *.parquet or *.jsonl files under {folder}; expected {ACCEPTED_FORMATS}")
     splits = {p: _split_of(p.relative_to(folder)) for p in files}
     wanted = split or ("train" if "train" in splits.values() else None)
     if wanted is None:
@@ -204,8 +195,7 @@ def _data_files(folder: Path, split: str | None) -> list[Path]:
     if not chosen:
         found = sorted({s for s in splits.values() if s}) or ["none marked"]
         raise ValueError(
-            f"no files for split {wanted!r} under {folder} (splits found: {found}); "
-            "pass split= one of them"
+            f"no files for split {wanted!r} under {folder} (splits found: {found}); pass split= one of them"
         )
     skipped = [str(p.relative_to(folder)) for p in files if p not in chosen]
     if skipped:
@@ -257,9 +247,7 @@ def _solve_rate(value: Any) -> float | None:
     return float(value)
 
 
-def _solve_rate_verdict(
-    task: TaskRow, column: str | None, bounds: tuple[float, float] | None
-) -> str:
+def _solve_rate_verdict(task: TaskRow, column: str | None, bounds: tuple[float, float] | None) -> str:
     """Which ``counts`` key a valid row lands in: kept, or the reason it was dropped."""
     if bounds is None or column is None:
         return "kept"
@@ -292,9 +280,7 @@ def _check_arguments(
     try:
         lo, hi = (float(v) for v in solve_rate_range)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"solve_rate_range must be two numbers (lo, hi), got {solve_rate_range!r}"
-        ) from None
+        raise ValueError(f"solve_rate_range must be two numbers (lo, hi), got {solve_rate_range!r}") from None
     if math.isnan(lo) or math.isnan(hi) or lo > hi:
         raise ValueError(f"solve_rate_range must satisfy lo <= hi, got {solve_rate_range!r}")
 
@@ -322,9 +308,7 @@ def load_tasks(
     """
     _check_arguments(solve_rate_column, solve_rate_range, on_malformed, limit)
     path = Path(source)
-    counts = dict.fromkeys(
-        ("read", "malformed", "filtered_solve_rate", "missing_solve_rate", "kept"), 0
-    )
+    counts = dict.fromkeys(("read", "malformed", "filtered_solve_rate", "missing_solve_rate", "kept"), 0)
     rows: list[TaskRow] = []
     errors: list[RowError] = []
     seen_columns: set[str] = set()

@@ -24,8 +24,9 @@ one place. What is deliberately NOT checked here:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -77,9 +78,7 @@ def _decode_object(text: str, what: str) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ValueError(describe_json_error(err)) from None
     if not isinstance(decoded, dict):
-        raise ValueError(
-            f"{what} must decode to a JSON object, got {type(decoded).__name__}"
-        )
+        raise ValueError(f"{what} must decode to a JSON object, got {type(decoded).__name__}")
     return decoded
 
 
@@ -136,7 +135,7 @@ def _error_message(err: Mapping[str, Any]) -> str:
         return f"must be a string, got {type(err.get('input')).__name__}"
     message = str(err.get("msg", "invalid"))
     prefix = "Value error, "
-    return message[len(prefix):] if message.startswith(prefix) else message
+    return message[len(prefix) :] if message.startswith(prefix) else message
 
 
 def parse_row(

@@ -21,9 +21,10 @@ import hashlib
 import json
 import math
 import random
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from swarmrl.data.loading import read_records
 from swarmrl.data.schema import (
@@ -54,9 +55,7 @@ FUNCTIONAL_INSTRUCTION = (
     "\n\nWrite the function `{fn_name}` in Python (a method of class Solution if the starter "
     "code has one). Put it in one ```python code block at the end of your answer."
 )
-MCQ_INSTRUCTION = (
-    "\n\nAnswer with the letter of the correct choice in \\boxed{}, e.g. \\boxed{A}."
-)
+MCQ_INSTRUCTION = "\n\nAnswer with the letter of the correct choice in \\boxed{}, e.g. \\boxed{A}."
 
 #: Columns a problem id is taken from, first present wins.
 ID_FIELDS = ("problem_id", "id", "question_id", "ID", "Record ID")
@@ -133,11 +132,8 @@ def _from_schema(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
     if isinstance(info, dict):  # hand-written files often inline it; store it as the schema does
         info = json.dumps(info)
     if not isinstance(info, str):
-        raise _RowProblem(
-            "verification_info", f"must be a JSON string, got {type(info).__name__}"
-        )
-    return {"problem_id": problem_id, "task_type": task_type, "prompt": prompt,
-            "verification_info": info}
+        raise _RowProblem("verification_info", f"must be a JSON string, got {type(info).__name__}")
+    return {"problem_id": problem_id, "task_type": task_type, "prompt": prompt, "verification_info": info}
 
 
 # ---------------------------------------------------------------------------
@@ -160,8 +156,12 @@ def _from_math(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
     answer = str(answer).strip()
     if not answer:
         raise _RowProblem("answer", "is empty; put the final answer in 'answer'")
-    return {"problem_id": problem_id, "task_type": MATH, "prompt": question + MATH_SUFFIX,
-            "verification_info": json.dumps({"ground_truth": answer})}
+    return {
+        "problem_id": problem_id,
+        "task_type": MATH,
+        "prompt": question + MATH_SUFFIX,
+        "verification_info": json.dumps({"ground_truth": answer}),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -186,8 +186,7 @@ def _test_list(record: Mapping[str, Any], field: str) -> list[Any]:
                 '"output": ..., "testtype": ...}], or drop the column',
             ) from None
     if not isinstance(raw, list):
-        raise _RowProblem(field, f"must be a list of tests (or a JSON string of one), "
-                                 f"got {type(raw).__name__}")
+        raise _RowProblem(field, f"must be a list of tests (or a JSON string of one), got {type(raw).__name__}")
     return raw
 
 
@@ -200,9 +199,12 @@ def _functional_args(text: str, field: str) -> list[Any]:
         try:
             args.append(json.loads(line))
         except json.JSONDecodeError as err:
-            raise _RowProblem(field, f"line {line_no} of the input is not a JSON value "
-                                     f"({err.msg}); functional inputs hold one JSON "
-                                     "argument per line") from None
+            raise _RowProblem(
+                field,
+                f"line {line_no} of the input is not a JSON value "
+                f"({err.msg}); functional inputs hold one JSON "
+                "argument per line",
+            ) from None
     return args
 
 
@@ -212,26 +214,27 @@ def _from_code(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
     for field in ("public_test_cases", "private_test_cases"):
         tests.extend((field, i, t) for i, t in enumerate(_test_list(record, field), start=1))
     if not tests:
-        raise _RowProblem("public_test_cases",
-                          "no tests in public_test_cases or private_test_cases; a code problem "
-                          "without tests would reward any program")
+        raise _RowProblem(
+            "public_test_cases",
+            "no tests in public_test_cases or private_test_cases; a code problem "
+            "without tests would reward any program",
+        )
     kinds = set()
     for field, number, test in tests:
         where = f"{field}[{number}]"
         if not isinstance(test, Mapping):
-            raise _RowProblem(where, f"must be an object with input, output and testtype, "
-                                     f"got {type(test).__name__}")
+            raise _RowProblem(where, f"must be an object with input, output and testtype, got {type(test).__name__}")
         for key in ("input", "output"):
             if not isinstance(test.get(key), str):
-                raise _RowProblem(where, f"'{key}' must be a string, got "
-                                         f"{type(test.get(key)).__name__}")
+                raise _RowProblem(where, f"'{key}' must be a string, got {type(test.get(key)).__name__}")
         if test.get("testtype") not in ("stdin", "functional"):
-            raise _RowProblem(where, f"'testtype' must be 'stdin' or 'functional', "
-                                     f"got {test.get('testtype')!r}")
+            raise _RowProblem(where, f"'testtype' must be 'stdin' or 'functional', got {test.get('testtype')!r}")
         kinds.add(test["testtype"])
     if len(kinds) > 1:
-        raise _RowProblem("public_test_cases", "mixes stdin and functional tests; one problem "
-                                               "must be graded one way, split or fix its tests")
+        raise _RowProblem(
+            "public_test_cases",
+            "mixes stdin and functional tests; one problem must be graded one way, split or fix its tests",
+        )
     kind = kinds.pop()
 
     starter = record.get("starter_code")
@@ -243,8 +246,10 @@ def _from_code(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
     prompt = question + (STARTER_TEMPLATE.format(starter=starter) if starter else "")
 
     if kind == "stdin":
-        cases: dict[str, Any] = {"inputs": [t["input"] for _, _, t in tests],
-                                 "outputs": [t["output"] for _, _, t in tests]}
+        cases: dict[str, Any] = {
+            "inputs": [t["input"] for _, _, t in tests],
+            "outputs": [t["output"] for _, _, t in tests],
+        }
         prompt += STDIN_INSTRUCTION
     else:
         metadata = record.get("metadata")
@@ -255,8 +260,9 @@ def _from_code(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
             raise _RowProblem("metadata", f"must be an object, got {type(metadata).__name__}")
         fn_name = metadata.get("func_name")
         if not isinstance(fn_name, str) or not fn_name.isidentifier():
-            raise _RowProblem("metadata", f"functional tests need 'func_name' (a Python "
-                                          f"identifier) in metadata, got {fn_name!r}")
+            raise _RowProblem(
+                "metadata", f"functional tests need 'func_name' (a Python identifier) in metadata, got {fn_name!r}"
+            )
         inputs, outputs = [], []
         for field, number, test in tests:
             where = f"{field}[{number}]"
@@ -264,8 +270,12 @@ def _from_code(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
             outputs.append(_json_or_value(test["output"], where, "the expected output"))
         cases = {"fn_name": fn_name, "inputs": inputs, "outputs": outputs}
         prompt += FUNCTIONAL_INSTRUCTION.format(fn_name=fn_name)
-    return {"problem_id": problem_id, "task_type": CODE, "prompt": prompt,
-            "verification_info": json.dumps({"test_cases": json.dumps(cases)})}
+    return {
+        "problem_id": problem_id,
+        "task_type": CODE,
+        "prompt": prompt,
+        "verification_info": json.dumps({"test_cases": json.dumps(cases)}),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -276,29 +286,28 @@ def _answer_index(answer: Any, choices: list[str]) -> int:
     """Index of the correct choice from a letter, a 0-based index or the choice's text."""
     n = len(choices)
     if isinstance(answer, bool) or _missing(answer):
-        raise _RowProblem("answer", f"must be a letter, a 0-based index or the correct "
-                                    f"choice's text, got {answer!r}")
+        raise _RowProblem("answer", f"must be a letter, a 0-based index or the correct choice's text, got {answer!r}")
     if isinstance(answer, int):
         if not 0 <= answer < n:
-            raise _RowProblem("answer", f"index {answer} is out of range for {n} choices "
-                                        f"(0-based, 0 to {n - 1})")
+            raise _RowProblem("answer", f"index {answer} is out of range for {n} choices (0-based, 0 to {n - 1})")
         return answer
     if not isinstance(answer, str):
-        raise _RowProblem("answer", f"must be a letter, a 0-based index or the correct "
-                                    f"choice's text, got {type(answer).__name__}")
+        raise _RowProblem(
+            "answer", f"must be a letter, a 0-based index or the correct choice's text, got {type(answer).__name__}"
+        )
     by_text = choices.index(answer.strip()) if answer.strip() in choices else None
     if len(answer) == 1 and answer in _LETTERS:
         by_letter = _LETTERS.index(answer)
         if by_letter >= n:
-            raise _RowProblem("answer", f"letter {answer} is not among the {n} choices "
-                                        f"(A-{_LETTERS[n - 1]})")
+            raise _RowProblem("answer", f"letter {answer} is not among the {n} choices (A-{_LETTERS[n - 1]})")
         if by_text is not None and by_text != by_letter:
-            raise _RowProblem("answer", f"{answer!r} is both letter {answer} and the text of "
-                                        f"choice {_LETTERS[by_text]}; give a 0-based index")
+            raise _RowProblem(
+                "answer",
+                f"{answer!r} is both letter {answer} and the text of choice {_LETTERS[by_text]}; give a 0-based index",
+            )
         return by_letter
     if by_text is None:
-        raise _RowProblem("answer", f"{answer!r} is neither a capital letter nor the exact "
-                                    "text of one of the choices")
+        raise _RowProblem("answer", f"{answer!r} is neither a capital letter nor the exact text of one of the choices")
     return by_text
 
 
@@ -307,13 +316,11 @@ def _listed_choices(record: Mapping[str, Any]) -> tuple[list[str], int]:
     if not isinstance(choices, (list, tuple)):
         raise _RowProblem("choices", f"must be a list of strings, got {type(choices).__name__}")
     if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
-        raise _RowProblem("choices", f"has {len(choices)} choices; need {MIN_CHOICES} to "
-                                     f"{MAX_CHOICES}")
+        raise _RowProblem("choices", f"has {len(choices)} choices; need {MIN_CHOICES} to {MAX_CHOICES}")
     texts = []
     for index, choice in enumerate(choices):
         if not isinstance(choice, str) or not choice.strip():
-            raise _RowProblem("choices", f"choice {index} must be a non-empty string, "
-                                         f"got {choice!r}")
+            raise _RowProblem("choices", f"choice {index} must be a non-empty string, got {choice!r}")
         texts.append(choice.strip())
     if len(set(texts)) != len(texts):
         raise _RowProblem("choices", "two choices have the same text; make them distinct")
@@ -331,8 +338,9 @@ def _gpqa_choices(record: Mapping[str, Any], problem_id: str) -> tuple[list[str]
     correct = _text(record, ("Correct Answer",), "correct answer")
     texts = [correct] + [_text(record, (key,), key.lower()) for key in _GPQA_INCORRECT]
     if len(set(texts)) != len(texts):
-        raise _RowProblem("Correct Answer", "two of the four answers have the same text, so "
-                                            "the correct letter would be ambiguous")
+        raise _RowProblem(
+            "Correct Answer", "two of the four answers have the same text, so the correct letter would be ambiguous"
+        )
     rng = random.Random(hashlib.sha256(problem_id.encode("utf-8")).digest())
     rng.shuffle(texts)
     return texts, texts.index(correct)
@@ -346,14 +354,20 @@ def _from_mcq(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
         question = _text(record, ("Question", "question"), "question text")
         choices, correct = _gpqa_choices(record, problem_id)
     else:
-        raise _RowProblem("choices", "an mcq row needs 'choices' (with 'question' and "
-                                     "'answer') or GPQA's 'Question', 'Correct Answer' and "
-                                     "'Incorrect Answer 1..3'")
+        raise _RowProblem(
+            "choices",
+            "an mcq row needs 'choices' (with 'question' and "
+            "'answer') or GPQA's 'Question', 'Correct Answer' and "
+            "'Incorrect Answer 1..3'",
+        )
     info = {"answer": _LETTERS[correct], "num_choices": len(choices)}
     listing = "\n".join(f"{_LETTERS[i]}) {text}" for i, text in enumerate(choices))
-    return {"problem_id": problem_id, "task_type": MULTIPLE_CHOICE,
-            "prompt": question + "\n\n" + listing + MCQ_INSTRUCTION,
-            "verification_info": json.dumps(info)}
+    return {
+        "problem_id": problem_id,
+        "task_type": MULTIPLE_CHOICE,
+        "prompt": question + "\n\n" + listing + MCQ_INSTRUCTION,
+        "verification_info": json.dumps(info),
+    }
 
 
 def _check_choice_row(info_text: str) -> None:
@@ -427,8 +441,7 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
             if parse_error is not None:
                 raise fail(row_no, RECORD_FIELD, f"{parse_error}; fix or delete the line")
             if not isinstance(record, Mapping):
-                raise fail(row_no, RECORD_FIELD,
-                           f"must be a JSON object, got {type(record).__name__}")
+                raise fail(row_no, RECORD_FIELD, f"must be a JSON object, got {type(record).__name__}")
             if chosen is None:
                 chosen = detect_format(record)
                 if chosen is None:
@@ -450,9 +463,12 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
             if errors:
                 raise ValueError(f"{path}: " + "; ".join(str(e) for e in errors))
             if problem_id in first_row_of:
-                raise fail(row_no, "problem_id",
-                           f"id {problem_id!r} is also the id of row {first_row_of[problem_id]}; "
-                           "ids must be unique so scores can be matched to problems")
+                raise fail(
+                    row_no,
+                    "problem_id",
+                    f"id {problem_id!r} is also the id of row {first_row_of[problem_id]}; "
+                    "ids must be unique so scores can be matched to problems",
+                )
             first_row_of[problem_id] = row_no
             rows.append(row)
     finally:

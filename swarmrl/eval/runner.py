@@ -60,8 +60,9 @@ def sample_seeds(seed: int, index: int, k: int) -> list[int]:
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as one user message under the checkpoint's chat template."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -75,8 +76,9 @@ class ModelBackend:
         self.stop_ids = [tokenizer.eos_token_id]
         # streams > 1: processes that hold the weights as given (a fixed checkpoint, not a model
         # still training: the in-run eval keeps one engine).
-        self.sampler = build_engine(model, tokenizer, stop_token_ids=self.stop_ids, max_batch=batch_rows,
-                                    streams=streams)
+        self.sampler = build_engine(
+            model, tokenizer, stop_token_ids=self.stop_ids, max_batch=batch_rows, streams=streams
+        )
         self.batch_rows = batch_rows
         self.model = model
 
@@ -92,8 +94,9 @@ class ModelBackend:
     def describe(self) -> str:
         return f"local model ({type(self.model).__name__})"
 
-    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None, temperature: float
+    ) -> list[list[Sample]]:
         was_training = self.model.training
         self.model.eval()
         rows = [(i, chat_ids(self.tokenizer, p), s) for i, p in enumerate(prompts) for s in seeds[i]]
@@ -104,11 +107,16 @@ class ModelBackend:
             size = len(rows) if self.sampler.continuous else self.batch_rows
             for start in range(0, len(rows), size):
                 chunk = rows[start : start + size]
-                done = self.sampler.generate([ids for _, ids, _ in chunk], [s for _, _, s in chunk],
-                                             max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=temperature)
+                done = self.sampler.generate(
+                    [ids for _, ids, _ in chunk],
+                    [s for _, _, s in chunk],
+                    max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+                    temperature=temperature,
+                )
                 for (i, _, _), c in zip(chunk, done):
-                    out[i].append(Sample(decode_completion(self.tokenizer, c.token_ids, self.stop_ids),
-                                         len(c.token_ids)))
+                    out[i].append(
+                        Sample(decode_completion(self.tokenizer, c.token_ids, self.stop_ids), len(c.token_ids))
+                    )
         finally:
             self.model.train(was_training)
         return out
@@ -117,8 +125,15 @@ class ModelBackend:
 class EndpointBackend:
     """Any OpenAI-compatible server, through /v1/chat/completions (``n = k`` per problem)."""
 
-    def __init__(self, url: str, *, model: str | None = None, concurrency: int = 8, timeout_s: float = 600.0,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ):
         import httpx
 
         self.url = url.rstrip("/")
@@ -149,8 +164,9 @@ class EndpointBackend:
         if self.context is None or self._tokenize is False:
             return DEFAULT_MAX_TOKENS
         root = self.url[: -len("/v1")]
-        response = self.client.post(f"{root}/tokenize", json={"model": self.model,
-                                                              "messages": [{"role": "user", "content": prompt}]})
+        response = self.client.post(
+            f"{root}/tokenize", json={"model": self.model, "messages": [{"role": "user", "content": prompt}]}
+        )
         if response.status_code in (404, 405):
             self._tokenize = False
             return DEFAULT_MAX_TOKENS
@@ -178,13 +194,22 @@ class EndpointBackend:
     def _one(self, prompt: str, seeds: list[int], max_tokens: int | None, temperature: float) -> list[Sample]:
         if max_tokens is None:
             max_tokens = self._room(prompt)
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "n": len(seeds),
-                "seed": seeds[0], "max_tokens": max_tokens, "temperature": temperature, "logprobs": True}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "n": len(seeds),
+            "seed": seeds[0],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": True,
+        }
         reply = self._checked(self.client.post(f"{self.url}/chat/completions", json=body))
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != len(seeds):
-            raise ValueError(f"the endpoint returned {len(choices)} choices for n={len(seeds)}; "
-                             "it must support n (vLLM, SGLang and swarmrl serve do)")
+            raise ValueError(
+                f"the endpoint returned {len(choices)} choices for n={len(seeds)}; "
+                "it must support n (vLLM, SGLang and swarmrl serve do)"
+            )
         samples = []
         for c in choices:
             content = (c.get("logprobs") or {}).get("content")
@@ -192,8 +217,9 @@ class EndpointBackend:
             samples.append(Sample(c["message"]["content"] or "", tokens))
         return samples
 
-    def generate(self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None,
-                 temperature: float) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[str], seeds: list[list[int]], *, max_tokens: int | None, temperature: float
+    ) -> list[list[Sample]]:
         for s in seeds:
             if s != list(range(s[0], s[0] + len(s))):
                 raise ValueError("an endpoint takes one seed per request: sample seeds must be consecutive")
@@ -206,8 +232,13 @@ def progress_bar(total: int, label: str):
     if sys.stderr.isatty():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), transient=True)
+        bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            transient=True,
+        )
         bar.start()
         task = bar.add_task(label, total=total)
 
@@ -215,18 +246,26 @@ def progress_bar(total: int, label: str):
             bar.advance(task, n)
             if bar.tasks[0].finished:
                 bar.stop()
+
         return advance
     done = [0]
 
     def advance(n: int) -> None:
         done[0] += n
         print(f"{label}: {done[0]}/{total} problems", file=sys.stderr, flush=True)
+
     return advance
 
 
-def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: VerifierPool,
-                  graders: Graders | None = None, progress: Callable[[int], None] | None = None
-                  ) -> tuple[list[dict], dict]:
+def evaluate_rows(
+    rows: list[dict],
+    backend,
+    settings: EvalSettings,
+    *,
+    pool: VerifierPool,
+    graders: Graders | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[dict], dict]:
     """Per-problem results and the summary (see the module docstring)."""
     if not 1 <= settings.k <= SEED_STRIDE:
         raise ValueError(f"k must be between 1 and {SEED_STRIDE}, got {settings.k}")
@@ -236,23 +275,37 @@ def evaluate_rows(rows: list[dict], backend, settings: EvalSettings, *, pool: Ve
     results: list[dict] = []
     for start in range(0, len(rows), settings.batch_problems):
         chunk = rows[start : start + settings.batch_problems]
-        prompts = [with_length_target(r["prompt"], settings.length_target) if settings.length_target else r["prompt"]
-                   for r in chunk]
+        prompts = [
+            with_length_target(r["prompt"], settings.length_target) if settings.length_target else r["prompt"]
+            for r in chunk
+        ]
         seeds = [sample_seeds(settings.seed, start + i, settings.k) for i in range(len(chunk))]
         samples = backend.generate(prompts, seeds, max_tokens=settings.max_tokens, temperature=settings.temperature)
-        graded = [{"problem_id": r["problem_id"], "task_type": r["task_type"], "prompt": r["prompt"],
-                   "verification_info": r["verification_info"], "completion": s.text}
-                  for r, group in zip(chunk, samples) for s in group]
+        graded = [
+            {
+                "problem_id": r["problem_id"],
+                "task_type": r["task_type"],
+                "prompt": r["prompt"],
+                "verification_info": r["verification_info"],
+                "completion": s.text,
+            }
+            for r, group in zip(chunk, samples)
+            for s in group
+        ]
         scores = iter(score_rows(graded, pool=pool, count_tokens=lambda text: 0, graders=graders))
         for r, group in zip(chunk, samples):
             mine = [next(scores) for _ in group]
             rewards = [s.task_reward for s in mine]
             correct = sum(1 for s in mine if s.error is None and s.task_reward >= 1.0)
             result = {
-                "problem_id": r["problem_id"], "task_type": r["task_type"], "rewards": rewards,
-                "correct": correct, "lengths": [s.tokens for s in group],
+                "problem_id": r["problem_id"],
+                "task_type": r["task_type"],
+                "rewards": rewards,
+                "correct": correct,
+                "lengths": [s.tokens for s in group],
                 **{f"pass@{k}": pass_at_k(len(group), correct, k) for k in ks_for(len(group))},
-                "reasons": [s.reason for s in mine], "errors": [s.error for s in mine],
+                "reasons": [s.reason for s in mine],
+                "errors": [s.error for s in mine],
                 "completions": [s.text for s in group],
             }
             results.append(result)
@@ -274,7 +327,9 @@ def summarize(results: list[dict], settings: EvalSettings, seconds: float) -> di
     summary["length/mean"] = statistics.fmean(lengths) if lengths else 0.0
     if settings.length_target and lengths:
         summary["length/target"] = settings.length_target
-        summary.update({f"length/{key}": value for key, value in length_adherence(lengths, settings.length_target).items()})
+        summary.update(
+            {f"length/{key}": value for key, value in length_adherence(lengths, settings.length_target).items()}
+        )
         summary["length/within_target"] = statistics.fmean(float(n <= settings.length_target) for n in lengths)
     summary["errors"] = sum(1 for r in results for e in r["errors"] if e is not None)
     summary["seconds"] = round(seconds, 3)

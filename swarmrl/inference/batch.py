@@ -53,7 +53,7 @@ class Job:
     # stopped (serving: stop strings, streaming).
     on_token: Callable[[int, int], bool] | None = None
     # Called once when the job ends (from the thread running `step`).
-    on_done: Callable[["Job"], None] | None = None
+    on_done: Callable[[Job], None] | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     hidden: list[Tensor] = field(default_factory=list)
@@ -62,9 +62,13 @@ class Job:
     length: int = 0  # tokens in this job's cache slot
 
     def completion(self) -> Completion:
-        return Completion(token_ids=self.tokens, logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
-                          hidden=torch.stack(self.hidden) if self.return_hidden else None,
-                          top_logprobs=self.tops if self.top_logprobs else None)
+        return Completion(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",
+            hidden=torch.stack(self.hidden) if self.return_hidden else None,
+            top_logprobs=self.tops if self.top_logprobs else None,
+        )
 
 
 class BatchEngine:
@@ -74,8 +78,9 @@ class BatchEngine:
     seeded = True
     continuous = True  # refills finished rows: give it every prompt at once
 
-    def __init__(self, model, *, stop_token_ids: list[int], pad_token_id: int, max_batch: int = 64,
-                 capacity: int | None = None):
+    def __init__(
+        self, model, *, stop_token_ids: list[int], pad_token_id: int, max_batch: int = 64, capacity: int | None = None
+    ):
         if not stop_token_ids:
             raise ValueError("the engine needs at least one stop token id (the tokenizer's eos)")
         if max_batch < 1:
@@ -118,8 +123,10 @@ class BatchEngine:
         if job.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {job.max_new_tokens}")
         if self.capacity and len(job.prompt) + job.max_new_tokens > self.capacity:
-            raise ValueError(f"prompt ({len(job.prompt)} tokens) + max_new_tokens ({job.max_new_tokens}) is over "
-                             f"the engine's cache of {self.capacity} tokens")
+            raise ValueError(
+                f"prompt ({len(job.prompt)} tokens) + max_new_tokens ({job.max_new_tokens}) is over "
+                f"the engine's cache of {self.capacity} tokens"
+            )
         with self._lock:
             self._waiting.append(job)
         return job
@@ -260,9 +267,17 @@ class BatchEngine:
 
     # -- the engine protocol -----------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
-                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        return_hidden: bool = False,
+        top_logprobs: int = 0,
+        on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None,
+    ) -> list[Completion]:
         """Sample one completion per prompt; all of them share this engine's slots, refilled as
         rows finish. ``on_step`` is the generic sampler's batch-wide hook: here use `Job.on_token`
         through `submit` instead."""
@@ -275,8 +290,10 @@ class BatchEngine:
         need = max(len(p) for p in prompts) + max_new_tokens
         if self.decoder is not None and self.decoder.capacity < need:
             self.decoder.grow(need)
-        jobs = [self.submit(Job(list(p), int(s), max_new_tokens, temperature, top_logprobs, return_hidden))
-                for p, s in zip(prompts, seeds)]
+        jobs = [
+            self.submit(Job(list(p), int(s), max_new_tokens, temperature, top_logprobs, return_hidden))
+            for p, s in zip(prompts, seeds)
+        ]
         while self.active or self._waiting:
             self.step()
         return [job.completion() for job in jobs]

@@ -86,7 +86,7 @@ class SlotDecoder:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         base = getattr(cfg, "rope_theta", None)
@@ -160,7 +160,7 @@ class SlotDecoder:
     def _qkv(self, L: _Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         qkv = torch.nn.functional.linear(x, L.qkv_w, L.qkv_b)
         hq, hk = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return qkv[..., :hq], qkv[..., hq:hq + hk], qkv[..., hq + hk:]
+        return qkv[..., :hq], qkv[..., hq : hq + hk], qkv[..., hq + hk :]
 
     def _mlp(self, L: _Layer, x: Tensor) -> Tensor:
         gate, up = torch.nn.functional.linear(x, L.gate_up).chunk(2, dim=-1)
@@ -197,7 +197,8 @@ class SlotDecoder:
             self.k[li][slots, :, :width] = k
             self.v[li][slots, :, :width] = v
             att = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads)
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+            )
             x = x + torch.nn.functional.linear(att.transpose(1, 2).reshape(n, width, -1), L.o_w)
             x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
         x = x[torch.arange(n, device=self.device), last]  # [N, H]
@@ -209,7 +210,9 @@ class SlotDecoder:
             return
         for cache in (self.k, self.v):
             for i, old in enumerate(cache):
-                new = torch.zeros((self.slots, self.kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
+                new = torch.zeros(
+                    (self.slots, self.kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device
+                )
                 new[:, :, : self.capacity] = old
                 cache[i] = new
         self.capacity = capacity
@@ -279,8 +282,13 @@ class SlotDecoder:
                 # (the same attention kernel as the validator's prefill, separate residual adds):
                 # fusing them moved honest bf16 work past the validator's bf16 group threshold.
                 att = F.scaled_dot_product_attention(
-                    qk[:, :heads].unsqueeze(2), kc[:b, :, :span], vc[:b, :, :span], attn_mask=keep,
-                    scale=self.scale, enable_gqa=heads != kv)
+                    qk[:, :heads].unsqueeze(2),
+                    kc[:b, :, :span],
+                    vc[:b, :, :span],
+                    attn_mask=keep,
+                    scale=self.scale,
+                    enable_gqa=heads != kv,
+                )
                 x = x + F.linear(att.reshape(b, heads * dim), L.o_w)
                 h = _rms_norm(x, L.ln2, eps)
                 gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)

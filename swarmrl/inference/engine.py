@@ -42,13 +42,29 @@ class RolloutEngine(Protocol):
     seeded: bool  # follows the seeded Gumbel-max scheme, so a validator can replay every token
     continuous: bool  # refills finished rows from the prompts it was given (give it them all)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
-                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]: ...
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        return_hidden: bool = False,
+        top_logprobs: int = 0,
+        on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None,
+    ) -> list[Completion]: ...
 
 
-def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: list[int] | None = None,
-                 max_batch: int = 64, capacity: int | None = None, streams: int = 1) -> RolloutEngine:
+def build_engine(
+    model,
+    tokenizer,
+    *,
+    kind: str = "builtin",
+    stop_token_ids: list[int] | None = None,
+    max_batch: int = 64,
+    capacity: int | None = None,
+    streams: int = 1,
+) -> RolloutEngine:
     """The engine for a loaded policy; stops at the tokenizer's end of sequence unless told otherwise.
 
     ``max_batch`` rows generate at once (the built-in engine refills finished rows from the rest,
@@ -62,10 +78,17 @@ def build_engine(model, tokenizer, *, kind: str = "builtin", stop_token_ids: lis
     stop = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
     if kind == "builtin" and supports(model) is None:
         if streams > 1:
-            return StreamedEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, streams=streams,
-                                  max_batch=max_batch, capacity=capacity)
-        return BatchEngine(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                           max_batch=max_batch, capacity=capacity)
+            return StreamedEngine(
+                model,
+                stop_token_ids=stop,
+                pad_token_id=tokenizer.pad_token_id,
+                streams=streams,
+                max_batch=max_batch,
+                capacity=capacity,
+            )
+        return BatchEngine(
+            model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch=max_batch, capacity=capacity
+        )
     if kind in ("builtin", "hf"):
         return Sampler(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id)
     raise ValueError(f"unknown rollout engine {kind!r}; one of: {', '.join(ENGINES)}")

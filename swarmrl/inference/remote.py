@@ -65,8 +65,10 @@ class EndpointSettings:
         if self.load not in LOAD_MODES:
             raise ValueError(f"unknown load mode {self.load!r}; one of: {', '.join(LOAD_MODES)}")
         if self.load == "restart" and (not self.server_command or "{model}" not in self.server_command):
-            raise ValueError("the restart load mode needs --server-command with {model} where the checkpoint "
-                             "folder goes, e.g. 'vllm serve {model} --port 8100 --logprobs-mode processed_logprobs'")
+            raise ValueError(
+                "the restart load mode needs --server-command with {model} where the checkpoint "
+                "folder goes, e.g. 'vllm serve {model} --port 8100 --logprobs-mode processed_logprobs'"
+            )
         if self.load != "restart" and self.server_command:
             raise ValueError(f"--server-command is for --load restart, not --load {self.load}")
         if self.concurrency < 1:
@@ -78,9 +80,11 @@ def token_id_of(token: object, where: str) -> int:
     """The id in vLLM's "token_id:ID" spelling of a logprob token."""
     if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
         return int(token[9:])
-    raise EndpointError(f"{where}: logprob token {str(token)[:40]!r} is not spelled 'token_id:ID'; the server must "
-                        "answer token ids (vLLM: return_tokens_as_token_ids, which this worker sends; SGLang: "
-                        "return_token_ids; swarmrl serve: both)")
+    raise EndpointError(
+        f"{where}: logprob token {str(token)[:40]!r} is not spelled 'token_id:ID'; the server must "
+        "answer token ids (vLLM: return_tokens_as_token_ids, which this worker sends; SGLang: "
+        "return_token_ids; swarmrl serve: both)"
+    )
 
 
 def parse_choice(choice: object, where: str = "completion") -> tuple[list[int], list[float], str]:
@@ -92,8 +96,10 @@ def parse_choice(choice: object, where: str = "completion") -> tuple[list[int], 
         raise EndpointError(f"{where}: a choice is not a JSON object")
     lp = choice.get("logprobs")
     if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
-        raise EndpointError(f"{where}: no per-token logprobs in the reply; the server must answer the completions "
-                            "'logprobs' parameter (vLLM, SGLang and swarmrl serve do)")
+        raise EndpointError(
+            f"{where}: no per-token logprobs in the reply; the server must answer the completions "
+            "'logprobs' parameter (vLLM, SGLang and swarmrl serve do)"
+        )
     logprobs = lp["token_logprobs"]
     spelled = lp.get("tokens")
     ids = choice.get("token_ids")
@@ -113,8 +119,9 @@ def parse_choice(choice: object, where: str = "completion") -> tuple[list[int], 
         raise EndpointError(f"{where}: a token's logprob is {bad[0]!r}, not a finite number <= 0")
     finish = choice.get("finish_reason")
     if finish not in ("stop", "length"):
-        raise EndpointError(f"{where}: finish_reason {finish!r}; only 'stop' (the end token) and 'length' "
-                            "(max_tokens) can be submitted")
+        raise EndpointError(
+            f"{where}: finish_reason {finish!r}; only 'stop' (the end token) and 'length' (max_tokens) can be submitted"
+        )
     return list(ids), [float(x) for x in logprobs], finish
 
 
@@ -144,7 +151,9 @@ class Endpoint:
         except ValueError:
             reply = None
         if response.status_code >= 400:
-            raise EndpointError(f"{what}: {self.base}{path} answered {response.status_code}: {_message(reply, response)}")
+            raise EndpointError(
+                f"{what}: {self.base}{path} answered {response.status_code}: {_message(reply, response)}"
+            )
         return reply if isinstance(reply, dict) else {}
 
     def models(self) -> list[dict]:
@@ -180,25 +189,47 @@ class EndpointEngine:
     def _one(self, prompt: list[int], seed: int, max_new_tokens: int, temperature: float) -> Completion:
         # top_p/top_k sent explicitly: a server must not apply the checkpoint's own sampling
         # defaults (vLLM reads generation_config.json unless started with --generation-config vllm).
-        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": 1.0, "top_k": -1, "seed": seed, "n": 1, "logprobs": 1,
-                "return_tokens_as_token_ids": True, "return_token_ids": True}
+        body = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            "seed": seed,
+            "n": 1,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
         reply = self.endpoint.call("POST", "/v1/completions", body, what="generating")
         choices = reply.get("choices")
         if not isinstance(choices, list) or len(choices) != 1:
             raise EndpointError("generating: the reply does not hold exactly one choice for n = 1")
         ids, logprobs, finish = parse_choice(choices[0])
         if len(ids) > max_new_tokens or (finish == "length" and len(ids) != max_new_tokens):
-            raise EndpointError(f"generating: {len(ids)} tokens with finish_reason {finish!r} for max_tokens "
-                                f"{max_new_tokens}: the server does not honour max_tokens")
+            raise EndpointError(
+                f"generating: {len(ids)} tokens with finish_reason {finish!r} for max_tokens "
+                f"{max_new_tokens}: the server does not honour max_tokens"
+            )
         return Completion(ids, logprobs, finish)
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
-                 on_step=None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        return_hidden: bool = False,
+        top_logprobs: int = 0,
+        on_step=None,
+    ) -> list[Completion]:
         if return_hidden:
-            raise EndpointError("an OpenAI-compatible server cannot return hidden states, so it cannot build "
-                                "TOPLOC proofs: use the built-in engine for work that must be proven")
+            raise EndpointError(
+                "an OpenAI-compatible server cannot return hidden states, so it cannot build "
+                "TOPLOC proofs: use the built-in engine for work that must be proven"
+            )
         if top_logprobs or on_step is not None:
             raise EndpointError("the endpoint engine serves workers only (no top logprobs, no per-step hook)")
         if len(prompts) != len(seeds):
@@ -222,20 +253,28 @@ class ServerLink:
         folder = Path(folder).resolve()
         mode = self.settings.load
         if mode == "reload":
-            reply = self.endpoint.call("POST", "/v1/reload", {"model_path": str(folder)},
-                                       what=f"loading policy v{version} (POST /v1/reload)")
+            reply = self.endpoint.call(
+                "POST", "/v1/reload", {"model_path": str(folder)}, what=f"loading policy v{version} (POST /v1/reload)"
+            )
             if reply.get("success") is not True:
                 raise EndpointError(f"loading policy v{version}: /v1/reload answered {reply}")
         elif mode == "sglang":
-            reply = self.endpoint.call("POST", "/update_weights_from_disk",
-                                       {"model_path": str(folder), "weight_version": f"v{version}"},
-                                       what=f"loading policy v{version} (SGLang /update_weights_from_disk)")
+            reply = self.endpoint.call(
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": str(folder), "weight_version": f"v{version}"},
+                what=f"loading policy v{version} (SGLang /update_weights_from_disk)",
+            )
             if reply.get("success") is not True:
                 raise EndpointError(f"loading policy v{version}: SGLang answered {reply.get('message') or reply}")
         elif mode == "vllm":
             self._point_link(folder)
-            self.endpoint.call("POST", "/collective_rpc", {"method": "reload_weights"},
-                               what=f"loading policy v{version} (vLLM /collective_rpc reload_weights)")
+            self.endpoint.call(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights"},
+                what=f"loading policy v{version} (vLLM /collective_rpc reload_weights)",
+            )
             # Cached prefixes hold the old weights' keys and values.
             self.endpoint.call("POST", "/reset_prefix_cache", what="resetting vLLM's prefix cache")
         else:
@@ -249,8 +288,10 @@ class ServerLink:
 
     def _point_link(self, folder: Path) -> None:
         if self.link.exists() and not self.link.is_symlink():
-            raise EndpointError(f"{self.link} exists and is not a symlink: the vllm load mode re-points it; "
-                                "move it away and start vLLM with --model pointing at that path")
+            raise EndpointError(
+                f"{self.link} exists and is not a symlink: the vllm load mode re-points it; "
+                "move it away and start vLLM with --model pointing at that path"
+            )
         tmp = self.link.with_name(f".serving.{os.getpid()}")
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(folder, target_is_directory=True)
@@ -270,8 +311,10 @@ class ServerLink:
         while True:
             if self.proc.poll() is not None:
                 tail = (self.cache / "server.log").read_text(errors="replace").strip().splitlines()[-10:]
-                raise EndpointError(f"the server exited with code {self.proc.returncode} while starting on {folder}; "
-                                    f"{self.cache / 'server.log'} ends with:\n  " + "\n  ".join(tail))
+                raise EndpointError(
+                    f"the server exited with code {self.proc.returncode} while starting on {folder}; "
+                    f"{self.cache / 'server.log'} ends with:\n  " + "\n  ".join(tail)
+                )
             try:
                 if self.endpoint.models():
                     return
@@ -279,8 +322,10 @@ class ServerLink:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise EndpointError(f"the server did not answer {self.endpoint.base}/v1/models within "
-                                    f"{self.settings.start_timeout_s:.0f} s of starting (see {self.cache / 'server.log'})")
+                raise EndpointError(
+                    f"the server did not answer {self.endpoint.base}/v1/models within "
+                    f"{self.settings.start_timeout_s:.0f} s of starting (see {self.cache / 'server.log'})"
+                )
             time.sleep(0.5)
 
     def _check_serving(self, folder: Path, version: int) -> None:
@@ -294,12 +339,18 @@ class ServerLink:
             self.model_name = str(models[0].get("id"))
         entry = next((m for m in models if m.get("id") == self.model_name), None)
         if entry is None:
-            raise EndpointError(f"the server does not serve {self.model_name!r} (it serves "
-                                f"{', '.join(str(m.get('id')) for m in models)}): fix --served-model")
+            raise EndpointError(
+                f"the server does not serve {self.model_name!r} (it serves "
+                f"{', '.join(str(m.get('id')) for m in models)}): fix --served-model"
+            )
         root = entry.get("root")
         expected = {str(folder), str(self.link)} if self.settings.load == "vllm" else {str(folder)}
-        if self.settings.load in ("reload", "restart") and isinstance(root, str) and os.path.isabs(root) \
-                and str(Path(root).resolve()) not in expected:
+        if (
+            self.settings.load in ("reload", "restart")
+            and isinstance(root, str)
+            and os.path.isabs(root)
+            and str(Path(root).resolve()) not in expected
+        ):
             raise EndpointError(f"after loading policy v{version} the server serves {root}, not {folder}")
 
     def engine(self, stop_token_ids: list[int]) -> EndpointEngine:

@@ -14,11 +14,10 @@ Conventions (the validator relies on them):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
-
-import inspect
 
 import torch
 from torch import Tensor
@@ -67,19 +66,33 @@ class Sampler:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                 cache: DynamicCache) -> tuple[Tensor, Tensor]:
+    def _forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache
+    ) -> tuple[Tensor, Tensor]:
         """Last-position hidden state [B, H] and logits [B, V]; lm_head only on that position."""
-        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, use_cache=True, **{self._cache_kw: cache})
+        out = self.model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
         hidden = out.last_hidden_state[:, -1]  # [B, H]
         logits = self.model.get_output_embeddings()(hidden)  # [B, V]
         return hidden, logits
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
-                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        return_hidden: bool = False,
+        top_logprobs: int = 0,
+        on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None,
+    ) -> list[Completion]:
         """Sample one completion per prompt (see the module docstring for the conventions).
 
         ``on_step(t, tokens)`` is called after every step with each row's token t (the pad id
@@ -95,8 +108,8 @@ class Sampler:
         input_ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((B, width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention_mask[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
         next_pos = position_ids[:, -1] + 1  # [B]
@@ -147,11 +160,15 @@ class Sampler:
         for i in range(B):
             n = int(lengths[i])
             ids = tokens[i, :n].tolist()
-            out.append(Completion(
-                token_ids=ids,
-                logprobs=logps[i, :n].tolist(),
-                finish_reason="stop" if ids and ids[-1] in self.stop_token_ids else "length",
-                hidden=stacked[i, :n].clone() if return_hidden else None,
-                top_logprobs=[list(zip(top_ids[i][j], top_vals[i][j])) for j in range(n)] if tops is not None else None,
-            ))
+            out.append(
+                Completion(
+                    token_ids=ids,
+                    logprobs=logps[i, :n].tolist(),
+                    finish_reason="stop" if ids and ids[-1] in self.stop_token_ids else "length",
+                    hidden=stacked[i, :n].clone() if return_hidden else None,
+                    top_logprobs=[list(zip(top_ids[i][j], top_vals[i][j])) for j in range(n)]
+                    if tops is not None
+                    else None,
+                )
+            )
         return out

@@ -99,8 +99,17 @@ class StreamedEngine:
     seeded = True
     continuous = True
 
-    def __init__(self, model, *, stop_token_ids: list[int], pad_token_id: int, streams: int = 2,
-                 max_batch: int = 64, capacity: int | None = None, start_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        model,
+        *,
+        stop_token_ids: list[int],
+        pad_token_id: int,
+        streams: int = 2,
+        max_batch: int = 64,
+        capacity: int | None = None,
+        start_timeout_s: float = 120.0,
+    ):
         if streams < 2:
             raise ValueError(f"streams must be at least 2 (use BatchEngine for one), got {streams}")
         if not stop_token_ids:
@@ -110,15 +119,20 @@ class StreamedEngine:
         self.stop_token_ids = list(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.timeout_s = start_timeout_s
-        self._kw = dict(stop_token_ids=self.stop_token_ids, pad_token_id=pad_token_id,
-                        max_batch=max(1, -(-max_batch // streams)), capacity=capacity)
+        self._kw = dict(
+            stop_token_ids=self.stop_token_ids,
+            pad_token_id=pad_token_id,
+            max_batch=max(1, -(-max_batch // streams)),
+            capacity=capacity,
+        )
         # spawn, not fork: a forked child of a process whose OpenMP pool has started can hang.
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(streams)]
         self._outboxes = [ctx.Queue() for _ in range(streams)]
-        self._procs = [ctx.Process(target=_stream_main, args=(i, o, os.getpid()), name=f"swarmrl-stream-{k}",
-                                   daemon=True)
-                       for k, (i, o) in enumerate(zip(self._inboxes, self._outboxes))]
+        self._procs = [
+            ctx.Process(target=_stream_main, args=(i, o, os.getpid()), name=f"swarmrl-stream-{k}", daemon=True)
+            for k, (i, o) in enumerate(zip(self._inboxes, self._outboxes))
+        ]
         for p in self._procs:
             p.start()
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inboxes)
@@ -128,9 +142,11 @@ class StreamedEngine:
             self.model = model
         except RuntimeError as e:
             self.close()
-            raise RuntimeError(f"{e}. A stream could not start: a process that builds streams re-runs its main "
-                               "script in each stream (Python's spawn), so the script must keep its work under "
-                               "`if __name__ == '__main__':` and cannot come from stdin") from None
+            raise RuntimeError(
+                f"{e}. A stream could not start: a process that builds streams re-runs its main "
+                "script in each stream (Python's spawn), so the script must keep its work under "
+                "`if __name__ == '__main__':` and cannot come from stdin"
+            ) from None
 
     @property
     def model(self):
@@ -159,8 +175,9 @@ class StreamedEngine:
                     break
                 except queue.Empty:
                     if not self._procs[k].is_alive():
-                        raise RuntimeError(f"decoding stream {k} died (exit code {self._procs[k].exitcode}); "
-                                           "build a new engine") from None
+                        raise RuntimeError(
+                            f"decoding stream {k} died (exit code {self._procs[k].exitcode}); build a new engine"
+                        ) from None
                     if timeout_s is not None:
                         timeout_s -= 1.0
                         if timeout_s <= 0:
@@ -172,17 +189,29 @@ class StreamedEngine:
             raise error
         return replies
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, return_hidden: bool = False, top_logprobs: int = 0,
-                 on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        return_hidden: bool = False,
+        top_logprobs: int = 0,
+        on_step: Callable[[int, list[int]], Sequence[bool] | None] | None = None,
+    ) -> list[Completion]:
         if on_step is not None:
             raise TypeError("StreamedEngine has no batch-wide on_step hook; use BatchEngine's Job.on_token")
         if not check_rows(prompts, seeds):
             return []
         if not self._finalizer.alive:
             raise RuntimeError("this engine is closed; build a new one")
-        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, return_hidden=return_hidden,
-                  top_logprobs=top_logprobs)
+        kw = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            return_hidden=return_hidden,
+            top_logprobs=top_logprobs,
+        )
         shards = shard_rows(prompts, len(self._procs))
         busy = [k for k, rows in enumerate(shards) if rows]
         for k in busy:

@@ -59,11 +59,25 @@ class WrongPrecision(Exception):
 
 
 class Worker:
-    def __init__(self, orchestrator: str, *, key_file: str | Path, cache_dir: str | Path, name: str = "worker",
-                 device: str = "cpu", dtype: str | None = None, unreachable_s: float = float("inf"), log=_log,
-                 relays: list[str] = (), trainer_key: str | None = None, parallel: int = 4,
-                 timeout_s: float = 10.0, run_id: str | None = None, endpoint: EndpointSettings | None = None,
-                 streams: int = 1):
+    def __init__(
+        self,
+        orchestrator: str,
+        *,
+        key_file: str | Path,
+        cache_dir: str | Path,
+        name: str = "worker",
+        device: str = "cpu",
+        dtype: str | None = None,
+        unreachable_s: float = float("inf"),
+        log=_log,
+        relays: list[str] = (),
+        trainer_key: str | None = None,
+        parallel: int = 4,
+        timeout_s: float = 10.0,
+        run_id: str | None = None,
+        endpoint: EndpointSettings | None = None,
+        streams: int = 1,
+    ):
         self.key = load_or_create_key(key_file)
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
         self.client = WorkerClient(orchestrator, self.key, run_id=run_id)
@@ -113,21 +127,38 @@ class Worker:
         if key is None:
             key = str(policy["manifest"].get("public_key", ""))
             if not getattr(self, "_warned_key", False):
-                self.log(f"no --trainer-key given: trusting the orchestrator's word that {key[:16]}… is the "
-                         "trainer's key")
+                self.log(
+                    f"no --trainer-key given: trusting the orchestrator's word that {key[:16]}… is the trainer's key"
+                )
                 self._warned_key = True
         before = {u: e["successes"] for u, e in self.scores.snapshot().items()}
         try:
             t0 = time.monotonic()
             sources = [*self.relays, policy["url"]]
-            folder = fetch_version(version, sources, self.cache / "policies", public_key=key,
-                                   scores=self.scores, keep=2, parallel=self.parallel, timeout_s=self.timeout_s,
-                                   expected_digest=digest)
+            folder = fetch_version(
+                version,
+                sources,
+                self.cache / "policies",
+                public_key=key,
+                scores=self.scores,
+                keep=2,
+                parallel=self.parallel,
+                timeout_s=self.timeout_s,
+                expected_digest=digest,
+            )
             # A LoRA run's version is an adapter: merged into the base it names (fetched once,
             # checked against the digest the trainer signed), so the sampler sees plain weights.
-            base = fetch_base(policy["manifest"], sources, self.cache / "policies", public_key=key,
-                              verified=self.bases, scores=self.scores, keep=2, parallel=self.parallel,
-                              timeout_s=self.timeout_s)
+            base = fetch_base(
+                policy["manifest"],
+                sources,
+                self.cache / "policies",
+                public_key=key,
+                verified=self.bases,
+                scores=self.scores,
+                keep=2,
+                parallel=self.parallel,
+                timeout_s=self.timeout_s,
+            )
             if self.server is None:
                 model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
             else:
@@ -149,8 +180,10 @@ class Worker:
             self.sampler = self.server.engine([tok.eos_token_id])
             where = f"into {self.server.describe()}"
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
-        self.log(f"policy v{version} loaded {where} in {time.monotonic() - t0:.2f} s; shards from "
-                 + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache"))
+        self.log(
+            f"policy v{version} loaded {where} in {time.monotonic() - t0:.2f} s; shards from "
+            + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache")
+        )
         self.version, self.digest, self.policy_ref = version, digest, policy
         return True
 
@@ -173,7 +206,8 @@ class Worker:
             # Sampling anyway would only produce groups the validator rejects as fraud.
             raise WrongPrecision(
                 f"this run samples in {lease.dtype} (the lease says so) but this worker was started with "
-                f"--dtype {self.pinned_dtype}: restart without --dtype, or with --dtype {lease.dtype}")
+                f"--dtype {self.pinned_dtype}: restart without --dtype, or with --dtype {lease.dtype}"
+            )
         self.log(f"this run samples in {lease.dtype}: reloading policy v{self.version} in it")
         self.dtype = lease.dtype
         # Forgetting the loaded version forces the reload (and lets subclasses that alter a
@@ -186,17 +220,24 @@ class Worker:
         """Sample every prompt of a lease with the lease's seeds and settings; the submission body."""
         lease = Lease.model_validate(lease)
         if not self._follow_precision(lease):
-            raise RuntimeError(f"the policy could not be reloaded in {lease.dtype}, the precision this lease asks "
-                               "for (the log says why); load it again (_ensure_policy) before generating")
+            raise RuntimeError(
+                f"the policy could not be reloaded in {lease.dtype}, the precision this lease asks "
+                "for (the log says why); load it again (_ensure_policy) before generating"
+            )
         g = lease.group_size
         prompts = [p.prompt_ids for p in lease.prompts for _ in range(g)]
         seeds = [s for p in lease.prompts for s in p.seeds]
         proves = self.sampler.provides_hidden
-        outs = self.sampler.generate(prompts, seeds, max_new_tokens=lease.max_new_tokens,
-                                     temperature=lease.temperature, return_hidden=proves)
+        outs = self.sampler.generate(
+            prompts, seeds, max_new_tokens=lease.max_new_tokens, temperature=lease.temperature, return_hidden=proves
+        )
         if proves:
-            proofs = [encode(p) for p in build_proofs_many([o.hidden for o in outs], chunk_size=lease.proof.chunk_size,
-                                                            topk=lease.proof.topk)]
+            proofs = [
+                encode(p)
+                for p in build_proofs_many(
+                    [o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
+                )
+            ]
             declared = {"engine": "builtin"}
         else:
             self._check_endings(outs, lease)
@@ -205,24 +246,38 @@ class Worker:
         groups = []
         for i, p in enumerate(lease.prompts):
             block = range(i * g, (i + 1) * g)
-            groups.append({"slot": p.slot, "policy_version": self.version, **declared,
-                           "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs,
-                                        "finish_reason": outs[j].finish_reason, "proofs": proofs[j]}
-                                       for j in block]})
+            groups.append(
+                {
+                    "slot": p.slot,
+                    "policy_version": self.version,
+                    **declared,
+                    "samples": [
+                        {
+                            "token_ids": outs[j].token_ids,
+                            "logprobs": outs[j].logprobs,
+                            "finish_reason": outs[j].finish_reason,
+                            "proofs": proofs[j],
+                        }
+                        for j in block
+                    ],
+                }
+            )
         return {"lease_id": lease.lease_id, "groups": groups}
 
     def _check_endings(self, outs: list, lease: Lease) -> None:
         """A server that stops on other tokens than the run's end token (a checkpoint's extra
         eos ids, stop strings) makes completions the orchestrator refuses as fraud: stop first."""
         for j, o in enumerate(outs):
-            problem = termination_problem(list(o.token_ids), o.finish_reason, self.sampler.stop_token_ids,
-                                          lease.max_new_tokens)
+            problem = termination_problem(
+                list(o.token_ids), o.finish_reason, self.sampler.stop_token_ids, lease.max_new_tokens
+            )
             if problem:
                 raise EndpointError(
                     f"completion {j} from the server breaks the run's rule for how a completion ends ({problem}); "
                     f"a completion must stop at token {self.sampler.stop_token_ids[0]} or run to max_tokens. Start "
                     "vLLM with --generation-config vllm (the checkpoint's generation_config may add stop tokens); "
-                    "docs/engines.md")
+                    "docs/engines.md"
+                )
 
     def deliver(self, path: Path) -> dict | None:
         """Send one outbox entry until it is accepted, refused, or its lease has expired."""
@@ -252,8 +307,10 @@ class Worker:
                 if delay == 0.2:
                     self.log(f"submitting lease {submission['lease_id'][:8]}: {e}; kept in the outbox, retrying")
                 if time.time() > expires:
-                    self.log(f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
-                             f"({e}); dropping its groups")
+                    self.log(
+                        f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
+                        f"({e}); dropping its groups"
+                    )
                     path.unlink(missing_ok=True)
                     return None
                 self._watchdog()
@@ -265,8 +322,10 @@ class Worker:
                 self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
             if self.server is not None and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
                 # Taken off the trusted keys meanwhile: every further group would be more fraud.
-                raise EndpointError("the orchestrator refused this worker's groups for having no proofs: its key "
-                                    f"{self.client.key_hex} is no longer trusted (orchestrator.trusted_keys_file)")
+                raise EndpointError(
+                    "the orchestrator refused this worker's groups for having no proofs: its key "
+                    f"{self.client.key_hex} is no longer trusted (orchestrator.trusted_keys_file)"
+                )
             return result
 
     def flush_outbox(self) -> int:
@@ -283,13 +342,16 @@ class Worker:
             raise EndpointError(
                 f"this worker's key {self.client.key_hex} is not trusted by the orchestrator, which refuses groups "
                 "without TOPLOC proofs from it (proofs_missing): an OpenAI-compatible server cannot build them. Ask "
-                "the run's operator to add the key to orchestrator.trusted_keys_file, or run the built-in engine")
+                "the run's operator to add the key to orchestrator.trusted_keys_file, or run the built-in engine"
+            )
         self.log("this key is trusted: groups from the endpoint go without proofs")
 
     def run(self) -> None:
         me = self._call(lambda: self.client.register(self.name), "register")
-        self.log(f"worker {self.name} registered as {self.client.key_hex} "
-                 f"(accepted {me['accepted']}, rejected {me['rejected']})")
+        self.log(
+            f"worker {self.name} registered as {self.client.key_hex} "
+            f"(accepted {me['accepted']}, rejected {me['rejected']})"
+        )
         if self.server is not None:
             self._check_trusted()
         self.flush_outbox()
@@ -329,18 +391,40 @@ class Worker:
             self.deliver(path)
 
 
-def run_worker(orchestrator: str, *, key_file: str, cache_dir: str, name: str, threads: int | None = None,
-               device: str = "cpu", dtype: str | None = None, worker_class=None,
-               relays: list[str] = (), trainer_key: str | None = None, run_id: str | None = None,
-               endpoint: EndpointSettings | None = None, streams: int = 1) -> None:
+def run_worker(
+    orchestrator: str,
+    *,
+    key_file: str,
+    cache_dir: str,
+    name: str,
+    threads: int | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    worker_class=None,
+    relays: list[str] = (),
+    trainer_key: str | None = None,
+    run_id: str | None = None,
+    endpoint: EndpointSettings | None = None,
+    streams: int = 1,
+) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
     arguments (the CLI passes a scripted adversary's class for `--adversary`); `endpoint` makes
     it generate through an OpenAI-compatible server."""
     if threads:
         torch.set_num_threads(threads)
-    worker = (worker_class or Worker)(orchestrator, key_file=key_file, cache_dir=cache_dir, name=name, device=device,
-                                      dtype=dtype, relays=relays, trainer_key=trainer_key, run_id=run_id,
-                                      endpoint=endpoint, streams=streams)
+    worker = (worker_class or Worker)(
+        orchestrator,
+        key_file=key_file,
+        cache_dir=cache_dir,
+        name=name,
+        device=device,
+        dtype=dtype,
+        relays=relays,
+        trainer_key=trainer_key,
+        run_id=run_id,
+        endpoint=endpoint,
+        streams=streams,
+    )
     try:
         worker.run()
     except (Unavailable, Refused, WrongPrecision, EndpointError) as e:

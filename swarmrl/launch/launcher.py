@@ -63,19 +63,37 @@ class Children:
         self.rank_pids: set[int] = set()
         self.log_start = 0  # where this start's output begins in torchrun's log (a resumed run appends)
 
-    def start(self, name: str, args: list[str], threads: int, nice: int = 0, *,
-              command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        threads: int,
+        nice: int = 0,
+        *,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`swarmrl <args>` as child `name`, or `command` (torchrun) in its place."""
         log = self.rd.logs / f"{name}.log"
         if command:
             self.torchrun, self.log_start = name, log.stat().st_size if log.exists() else 0
-        env = {**(env or os.environ), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               "SWARMRL_LAUNCHER_PID": str(os.getpid())}
+        env = {
+            **(env or os.environ),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "SWARMRL_LAUNCHER_PID": str(os.getpid()),
+        }
         with open(log, "ab") as out:
-            proc = subprocess.Popen(command or [sys.executable, "-m", "swarmrl.cli", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=(lambda: os.nice(nice)) if nice else None)
+            proc = subprocess.Popen(
+                command or [sys.executable, "-m", "swarmrl.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            )
         self.procs[name] = (proc, log)
 
     def check(self) -> bool:
@@ -91,7 +109,11 @@ class Children:
             if code is not None and (code != 0 or name != "trainer"):
                 if name.startswith("worker") and code == 0 and self.rd.stop_requested():
                     continue  # a worker that exited because the run is over
-                why = torchrun.describe_failure(log, self.rd.logs, since=self.log_start) if name == self.torchrun else None
+                why = (
+                    torchrun.describe_failure(log, self.rd.logs, since=self.log_start)
+                    if name == self.torchrun
+                    else None
+                )
                 if why:
                     raise ChildDied(why)  # the rank that died, and its own log
                 tail = log.read_text(errors="replace").strip().splitlines()[-15:]
@@ -201,9 +223,11 @@ def _check_packing_budget(cfg: Config, train: list[dict], base: Path) -> None:
     longest = max((len(model_input(tokenizer, row["prompt"], target)[1]) for row in train), default=0)
     need = longest + cfg.sampling.max_new_tokens
     if budget < need:
-        raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} cannot hold one sequence: the longest prompt "
-                         f"is {longest} tokens and sampling.max_new_tokens is {cfg.sampling.max_new_tokens}, so a "
-                         f"sequence can be {need} tokens; set trainer.max_tokens_per_micro_batch to at least {need}")
+        raise ValueError(
+            f"trainer.max_tokens_per_micro_batch={budget} cannot hold one sequence: the longest prompt "
+            f"is {longest} tokens and sampling.max_new_tokens is {cfg.sampling.max_new_tokens}, so a "
+            f"sequence can be {need} tokens; set trainer.max_tokens_per_micro_batch to at least {need}"
+        )
 
 
 def _endpoint_dir(rd: RunDir, i: int) -> Path:
@@ -219,13 +243,15 @@ def _trust_endpoint_workers(rd: RunDir, cfg: Config) -> Config:
         key = public_key_hex(load_or_create_key(_endpoint_dir(rd, i) / "key.pem"))
         lines.append(f"{key}  # worker-openai-{i} (swarmrl rl, async.endpoint_workers)")
     path = rd.root / "trusted_keys.txt"
-    atomic_write_text(path, "# keys whose groups are accepted without proofs (orchestrator.trusted_keys_file)\n"
-                      + "\n".join(lines) + "\n")
+    atomic_write_text(
+        path,
+        "# keys whose groups are accepted without proofs (orchestrator.trusted_keys_file)\n" + "\n".join(lines) + "\n",
+    )
     orchestrator = cfg.orchestrator.model_copy(update={"trusted_keys_file": str(path.resolve())})
     return cfg.model_copy(update={"orchestrator": orchestrator})
 
 
-def _start_endpoint_workers(children: "Children", rd: RunDir, cfg: Config, start_worker) -> None:
+def _start_endpoint_workers(children: Children, rd: RunDir, cfg: Config, start_worker) -> None:
     """Each endpoint worker with its own `swarmrl serve` (reload endpoint on, token in its folder),
     started on the newest policy folder; the worker loads every version into it."""
     import secrets
@@ -238,14 +264,43 @@ def _start_endpoint_workers(children: "Children", rd: RunDir, cfg: Config, start
             atomic_write_text(token, secrets.token_hex(16))
             token.chmod(0o600)
         url_file.unlink(missing_ok=True)
-        children.start(f"serve-{i}", ["serve", "--model", str(newest), "--port", "0", "--url-file", str(url_file),
-                                      "--reload-token-file", str(token), "--dtype", cfg.sampling.dtype,
-                                      "--device", cfg.model.device, "--served-model-name", "policy",
-                                      "--threads", str(cfg.async_.worker_threads)],
-                       cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+        children.start(
+            f"serve-{i}",
+            [
+                "serve",
+                "--model",
+                str(newest),
+                "--port",
+                "0",
+                "--url-file",
+                str(url_file),
+                "--reload-token-file",
+                str(token),
+                "--dtype",
+                cfg.sampling.dtype,
+                "--device",
+                cfg.model.device,
+                "--served-model-name",
+                "policy",
+                "--threads",
+                str(cfg.async_.worker_threads),
+            ],
+            cfg.async_.worker_threads,
+            nice=cfg.async_.worker_nice,
+        )
         children.wait_for_file(url_file)
-        start_worker(f"worker-openai-{i}", f"worker-openai-{i}", "--engine", "openai", "--endpoint",
-                     json.loads(url_file.read_text())["url"], "--endpoint-key-file", str(token), "--load", "reload")
+        start_worker(
+            f"worker-openai-{i}",
+            f"worker-openai-{i}",
+            "--engine",
+            "openai",
+            "--endpoint",
+            json.loads(url_file.read_text())["url"],
+            "--endpoint-key-file",
+            str(token),
+            "--load",
+            "reload",
+        )
 
 
 def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: list[str], log) -> float:
@@ -253,17 +308,27 @@ def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: l
     how long to wait for it to come up (with other nodes: until they join, or the rendezvous times out)."""
     t = cfg.trainer
     endpoint = torchrun.rendezvous(cfg)
-    children.start("trainer", [], cfg.async_.trainer_threads, env=torchrun.rank_env(cfg),
-                   command=torchrun.torchrun_command(cfg, node_rank=0, trainer_args=trainer_args, log_dir=rd.logs,
-                                                     endpoint=endpoint))
+    children.start(
+        "trainer",
+        [],
+        cfg.async_.trainer_threads,
+        env=torchrun.rank_env(cfg),
+        command=torchrun.torchrun_command(
+            cfg, node_rank=0, trainer_args=trainer_args, log_dir=rd.logs, endpoint=endpoint
+        ),
+    )
     backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
-    log(f"trainer: {t.nproc} ranks x {t.nnodes} nodes under torchrun ({backend}), logs "
-        f"{torchrun.rank_log(rd.logs, '<RANK>')}")
+    log(
+        f"trainer: {t.nproc} ranks x {t.nnodes} nodes under torchrun ({backend}), logs "
+        f"{torchrun.rank_log(rd.logs, '<RANK>')}"
+    )
     if t.nnodes == 1:
         return 300.0
-    log(f"trainer: waiting up to {t.dist_timeout_s:.0f} s for nodes 1..{t.nnodes - 1} to join at "
+    log(
+        f"trainer: waiting up to {t.dist_timeout_s:.0f} s for nodes 1..{t.nnodes - 1} to join at "
         f"{endpoint[0]}:{endpoint[1]}; on each, with a copy of {rd.root}/config.toml and "
-        f"{rd.version_path(0)}: swarmrl trainer --run-dir <copy> --node-rank N")
+        f"{rd.version_path(0)}: swarmrl trainer --run-dir <copy> --node-rank N"
+    )
     return t.dist_timeout_s + 60.0
 
 
@@ -271,19 +336,23 @@ def prepared_next_steps(cfg: Config, root: Path) -> str:
     """What `swarmrl rl --prepare` tells the operator to start next, in order (README, docs/deploy.md)."""
     o = cfg.orchestrator
     scheme = "https" if cfg.broadcast.tls_cert else "http"
-    lines = [f"prepared {root}: config.toml and policies/v000000 ({cfg.trainer.steps} steps). Start, in this order:",
-             f"  swarmrl orchestrator --run-dir {root} --host {o.host} --port {o.port or 8000}"
-             "   [--tls-cert CERT --tls-key KEY]   (writes trainer.token, validator.token)",
-             f"  swarmrl trainer --run-dir {root}   (serves the weights on {scheme}://{cfg.trainer.weights_host}:"
-             f"{cfg.trainer.weights_port or 'a free port'}; writes trainer.pub, the key relays and workers check)",
-             "  swarmrl relay --upstream ORIGIN_URL --cache-dir DIR --trainer-key <trainer.pub>   (any number)",
-             "  swarmrl worker --orchestrator ORCHESTRATOR_URL --trainer-key <trainer.pub> --relays RELAY_URLS"
-             "   (any number, each with its own --key-file)"]
+    lines = [
+        f"prepared {root}: config.toml and policies/v000000 ({cfg.trainer.steps} steps). Start, in this order:",
+        f"  swarmrl orchestrator --run-dir {root} --host {o.host} --port {o.port or 8000}"
+        "   [--tls-cert CERT --tls-key KEY]   (writes trainer.token, validator.token)",
+        f"  swarmrl trainer --run-dir {root}   (serves the weights on {scheme}://{cfg.trainer.weights_host}:"
+        f"{cfg.trainer.weights_port or 'a free port'}; writes trainer.pub, the key relays and workers check)",
+        "  swarmrl relay --upstream ORIGIN_URL --cache-dir DIR --trainer-key <trainer.pub>   (any number)",
+        "  swarmrl worker --orchestrator ORCHESTRATOR_URL --trainer-key <trainer.pub> --relays RELAY_URLS"
+        "   (any number, each with its own --key-file)",
+    ]
     if cfg.validator.mode == "external":
         lines.append(f"  swarmrl validator --orchestrator ORCHESTRATOR_URL --token-file {root}/validator.token")
     else:
-        lines.append("  (validation runs inside the orchestrator: prepare with --validator.mode external to run "
-                     "`swarmrl validator` on its own machine)")
+        lines.append(
+            "  (validation runs inside the orchestrator: prepare with --validator.mode external to run "
+            "`swarmrl validator` on its own machine)"
+        )
     lines.append("Watch it: open the orchestrator's URL in a browser, or `swarmrl status --orchestrator URL`.")
     return "\n".join(lines)
 
@@ -307,8 +376,9 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             cfg = _trust_endpoint_workers(rd, cfg)
         if cfg.async_.tls:  # the origin's certificate goes into the run's config: the trainer reads it there
             _, cert, key = make_loopback_certificates(rd.root / "tls")
-            cfg = cfg.model_copy(update={"broadcast": cfg.broadcast.model_copy(
-                update={"tls_cert": str(cert), "tls_key": str(key)})})
+            cfg = cfg.model_copy(
+                update={"broadcast": cfg.broadcast.model_copy(update={"tls_cert": str(cert), "tls_key": str(key)})}
+            )
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
         base = ensure_base_model(cfg, log=log)
         _check_packing_budget(cfg, train, base)
@@ -328,8 +398,11 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         info = rd.root / "orchestrator.json"
         info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
-        children.start("orchestrator", ["orchestrator", "--run-dir", str(rd.root), *serve_tls]
-                       + (["--resume"] if resume else []), 1)
+        children.start(
+            "orchestrator",
+            ["orchestrator", "--run-dir", str(rd.root), *serve_tls] + (["--resume"] if resume else []),
+            1,
+        )
         children.wait_for_file(info)
         url = json.loads(info.read_text())["url"]
         log(f"orchestrator: {url}")
@@ -347,9 +420,24 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         for i in range(cfg.broadcast.relays):
             url_file = rd.root / "relays" / f"relay-{i}.json"
             url_file.unlink(missing_ok=True)
-            children.start(f"relay-{i}", ["relay", "--upstream", origin, "--cache-dir", str(rd.root / "relays" / f"relay-{i}"),
-                                          "--trainer-key", str(rd.root / "trainer.pub"), "--keep", str(cfg.broadcast.keep),
-                                          "--url-file", str(url_file), *serve_tls], 1)
+            children.start(
+                f"relay-{i}",
+                [
+                    "relay",
+                    "--upstream",
+                    origin,
+                    "--cache-dir",
+                    str(rd.root / "relays" / f"relay-{i}"),
+                    "--trainer-key",
+                    str(rd.root / "trainer.pub"),
+                    "--keep",
+                    str(cfg.broadcast.keep),
+                    "--url-file",
+                    str(url_file),
+                    *serve_tls,
+                ],
+                1,
+            )
             children.wait_for_file(url_file)
             relays.append(json.loads(url_file.read_text())["url"])
         if relays:
@@ -358,17 +446,38 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
 
         def start_worker(proc_name: str, display_name: str, *extra: str) -> None:
             wdir = rd.root / "workers" / proc_name  # its own key, policy cache and outbox
-            children.start(proc_name, ["worker", "--orchestrator", url, "--key-file", str(wdir / "key.pem"),
-                                       "--cache-dir", str(wdir), "--name", display_name,
-                                       "--threads", str(cfg.async_.worker_threads), "--device", cfg.model.device,
-                                       "--dtype", cfg.sampling.dtype, *weights, *extra],
-                           cfg.async_.worker_threads, nice=cfg.async_.worker_nice)
+            children.start(
+                proc_name,
+                [
+                    "worker",
+                    "--orchestrator",
+                    url,
+                    "--key-file",
+                    str(wdir / "key.pem"),
+                    "--cache-dir",
+                    str(wdir),
+                    "--name",
+                    display_name,
+                    "--threads",
+                    str(cfg.async_.worker_threads),
+                    "--device",
+                    cfg.model.device,
+                    "--dtype",
+                    cfg.sampling.dtype,
+                    *weights,
+                    *extra,
+                ],
+                cfg.async_.worker_threads,
+                nice=cfg.async_.worker_nice,
+            )
 
         for i in range(cfg.async_.workers):
             start_worker(f"worker-{i}", f"worker-{i}")
         _start_endpoint_workers(children, rd, cfg, start_worker)
         if cfg.async_.endpoint_workers:
-            log(f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve")
+            log(
+                f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve"
+            )
         for i, kind in enumerate(cfg.async_.adversaries):
             start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
         if cfg.async_.adversaries:

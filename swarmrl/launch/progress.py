@@ -17,32 +17,44 @@ class Progress:
         self._progress = None
         self._wandb = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.live:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
-            self._progress = RichProgress(TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(),
-                                          TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+            self._progress = RichProgress(
+                TextColumn("[bold]rl"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
             self._progress.start()
             self._task = self._progress.add_task("steps", total=self.total, info="building batch 0...")
         if self.cfg.logging.wandb_project:
             try:
                 import wandb
             except ImportError:
-                print("logging.wandb_project is set but wandb is not installed (pip install wandb); "
-                      "logging to metrics.jsonl only", file=sys.stderr)
+                print(
+                    "logging.wandb_project is set but wandb is not installed (pip install wandb); "
+                    "logging to metrics.jsonl only",
+                    file=sys.stderr,
+                )
             else:
-                self._wandb = wandb.init(project=self.cfg.logging.wandb_project,
-                                         config=self.cfg.model_dump(mode="json", by_alias=True))
+                self._wandb = wandb.init(
+                    project=self.cfg.logging.wandb_project, config=self.cfg.model_dump(mode="json", by_alias=True)
+                )
         return self
 
     def update(self, r: dict) -> None:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in r.items() if isinstance(v, (int, float))}, step=r["step"])
         if "time/step" in r:
-            info = (f"reward {r['reward/mean']:.2f}  acc {r['reward/task_mean_all']:.2f}  "
-                    f"{r['throughput/generated_tokens_per_s']:.0f} tok/s  off-policy {r['off_policy/max']:.0f}"
-                    f"  {r['time/step']:.2f}s/step")
+            info = (
+                f"reward {r['reward/mean']:.2f}  acc {r['reward/task_mean_all']:.2f}  "
+                f"{r['throughput/generated_tokens_per_s']:.0f} tok/s  off-policy {r['off_policy/max']:.0f}"
+                f"  {r['time/step']:.2f}s/step"
+            )
         elif "eval/accuracy" in r:
             info = f"held-out accuracy {r['eval/accuracy']:.3f}"
         else:

@@ -27,17 +27,27 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     run = doc["run"]
     state = "finished" if run["finished"] else "running"
     latest = "none yet" if run["latest_version"] is None else f"v{run['latest_version']}"
-    console.print(Text(f"run {run['run_id']}  {state}  step {run['next_step']}/{run['total_steps']}  policy {latest}  "
-                       f"async bound {run['async_bound']}  {run['prompts_per_step']} prompts x {run['group_size']} "
-                       f"per step  (as of {time.strftime('%H:%M:%S', time.localtime(run['time']))})"))
+    console.print(
+        Text(
+            f"run {run['run_id']}  {state}  step {run['next_step']}/{run['total_steps']}  policy {latest}  "
+            f"async bound {run['async_bound']}  {run['prompts_per_step']} prompts x {run['group_size']} "
+            f"per step  (as of {time.strftime('%H:%M:%S', time.localtime(run['time']))})"
+        )
+    )
 
     progress = Table(title="progress (newest steps)", title_justify="left")
     for name in ("step", "reward/mean", "held-out acc", "length/mean", "len err", "off-policy max", "tokens"):
         progress.add_column(name, justify="right")
     for p in doc["progress"][-steps:]:
-        progress.add_row(str(p["step"]), _num(p, "reward/mean"), _num(p, "eval/accuracy"), _num(p, "length/mean", "{:.1f}"),
-                         _num(p, "length/abs_error_mean", "{:.1f}"), _num(p, "off_policy/max", "{:.0f}"),
-                         _num(p, "batch/generated_tokens", "{:.0f}"))
+        progress.add_row(
+            str(p["step"]),
+            _num(p, "reward/mean"),
+            _num(p, "eval/accuracy"),
+            _num(p, "length/mean", "{:.1f}"),
+            _num(p, "length/abs_error_mean", "{:.1f}"),
+            _num(p, "off_policy/max", "{:.0f}"),
+            _num(p, "batch/generated_tokens", "{:.0f}"),
+        )
     console.print(progress)
 
     board = Table(title=f"workers ({doc['workers_total']}; most accepted groups first)", title_justify="left")
@@ -47,9 +57,16 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
         status = "BANNED" if w["banned"] else ("trusted" if w["trusted"] else "ok")
         why = ", ".join(f"{r} {n}" for r, n in sorted(w["rejections"].items(), key=lambda kv: -kv[1])[:2])
         # Names are chosen by workers: printed as plain text (Text), never parsed as markup.
-        board.add_row(w["fingerprint"], Text(w["name"][:32]), str(w["accepted"]), str(w["validated"]),
-                      f"{w['rejected']}" + (f" ({why})" if why else ""), str(w["fraud"]),
-                      Text(status, style="bold red" if w["banned"] else ""), _ago(w["last_seen_s"]))
+        board.add_row(
+            w["fingerprint"],
+            Text(w["name"][:32]),
+            str(w["accepted"]),
+            str(w["validated"]),
+            f"{w['rejected']}" + (f" ({why})" if why else ""),
+            str(w["fraud"]),
+            Text(status, style="bold red" if w["banned"] else ""),
+            _ago(w["last_seen_s"]),
+        )
     console.print(board)
 
     v = doc["validation"]
@@ -58,8 +75,12 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     console.print(Text(f"validation ({v['mode']}): {groups}\nrejections: {reasons}"))
     versions = doc["broadcast"]["versions"][:5]
     if versions:
-        shown = ", ".join(f"v{x['version']}" + (f" {x['bytes'] / 1e6:.1f} MB" if x["bytes"] else "")
-                          + (" (adapter)" if x["adapter"] else "") for x in versions)
+        shown = ", ".join(
+            f"v{x['version']}"
+            + (f" {x['bytes'] / 1e6:.1f} MB" if x["bytes"] else "")
+            + (" (adapter)" if x["adapter"] else "")
+            for x in versions
+        )
         console.print(Text(f"newest versions: {shown}"))
 
 

@@ -53,30 +53,58 @@ def check_node(cfg: Config, node_rank: int) -> None:
     """What only this machine can tell, before any process starts (ValueError, naming the field)."""
     t = cfg.trainer
     if not 0 <= node_rank < t.nnodes:
-        raise ValueError(f"node rank {node_rank} is not one of the trainer's trainer.nnodes={t.nnodes} nodes "
-                         f"(0..{t.nnodes - 1})")
+        raise ValueError(
+            f"node rank {node_rank} is not one of the trainer's trainer.nnodes={t.nnodes} nodes (0..{t.nnodes - 1})"
+        )
     if cfg.model.device.startswith("cuda"):
         import torch
 
         have = torch.cuda.device_count()
         if have < t.nproc:
-            raise ValueError(f"trainer.nproc={t.nproc} ranks need one GPU each, but this machine has {have} visible "
-                             "CUDA devices: lower trainer.nproc, or check CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"trainer.nproc={t.nproc} ranks need one GPU each, but this machine has {have} visible "
+                "CUDA devices: lower trainer.nproc, or check CUDA_VISIBLE_DEVICES"
+            )
 
 
-def torchrun_command(cfg: Config, *, node_rank: int, trainer_args: list[str], log_dir: str | Path,
-                     endpoint: tuple[str, int] | None = None) -> list[str]:
+def torchrun_command(
+    cfg: Config,
+    *,
+    node_rank: int,
+    trainer_args: list[str],
+    log_dir: str | Path,
+    endpoint: tuple[str, int] | None = None,
+) -> list[str]:
     """The command starting this node's ranks; each runs `swarmrl trainer *trainer_args` and writes
     its output to log_dir/trainer-rank<RANK>.log."""
     host, port = endpoint or rendezvous(cfg)
     t = cfg.trainer
-    return [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(t.nnodes), "--nproc-per-node", str(t.nproc), "--node-rank", str(node_rank),
-            "--master-addr", host, "--master-port", str(port),
-            # How long node 0's store waits for the other nodes to join.
-            "--rdzv-conf", f"timeout={int(t.dist_timeout_s)}",
-            "--max-restarts", "0",  # a dead rank ends the run (resume from a checkpoint instead)
-            "-m", "swarmrl.cli", "trainer", *trainer_args, "--rank-logs", str(log_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(t.nnodes),
+        "--nproc-per-node",
+        str(t.nproc),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        host,
+        "--master-port",
+        str(port),
+        # How long node 0's store waits for the other nodes to join.
+        "--rdzv-conf",
+        f"timeout={int(t.dist_timeout_s)}",
+        "--max-restarts",
+        "0",  # a dead rank ends the run (resume from a checkpoint instead)
+        "-m",
+        "swarmrl.cli",
+        "trainer",
+        *trainer_args,
+        "--rank-logs",
+        str(log_dir),
+    ]
 
 
 def rank_env(cfg: Config) -> dict[str, str]:
@@ -101,8 +129,11 @@ def redirect_rank_output(log_dir: str | Path) -> Path:
     os.dup2(fd, 2)
     os.close(fd)
     env = os.environ
-    print(f"trainer rank {env.get('RANK')} of {env.get('WORLD_SIZE')} (node {env.get('GROUP_RANK', '?')}, "
-          f"local rank {env.get('LOCAL_RANK')}) on {socket.gethostname()}, pid {os.getpid()}", flush=True)
+    print(
+        f"trainer rank {env.get('RANK')} of {env.get('WORLD_SIZE')} (node {env.get('GROUP_RANK', '?')}, "
+        f"local rank {env.get('LOCAL_RANK')}) on {socket.gethostname()}, pid {os.getpid()}",
+        flush=True,
+    )
     return path
 
 
@@ -198,9 +229,12 @@ def run_node(cfg: Config, run_dir: str | Path, node_rank: int, trainer_args: lis
     cmd = torchrun_command(cfg, node_rank=node_rank, trainer_args=trainer_args, log_dir=log_dir)
     since = own_log.stat().st_size if own_log.exists() else 0
     t = cfg.trainer
-    print(f"trainer node {node_rank} of {t.nnodes}: {t.nproc} ranks under torchrun, rendezvous at "
-          f"{cmd[cmd.index('--master-addr') + 1]}:{cmd[cmd.index('--master-port') + 1]}; rank logs "
-          f"{rank_log(log_dir, '<RANK>')}", flush=True)
+    print(
+        f"trainer node {node_rank} of {t.nnodes}: {t.nproc} ranks under torchrun, rendezvous at "
+        f"{cmd[cmd.index('--master-addr') + 1]}:{cmd[cmd.index('--master-port') + 1]}; rank logs "
+        f"{rank_log(log_dir, '<RANK>')}",
+        flush=True,
+    )
     proc = subprocess.Popen(cmd, env=rank_env(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with open(own_log, "ab") as out:

@@ -23,9 +23,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Q
 from swarmrl.model.tokenizer import build_char_tokenizer
 
 
-def tiny_qwen2_config(vocab_size: int, *, hidden_size: int = 128, num_layers: int = 4,
-                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 512,
-                      max_positions: int = 512) -> Qwen2Config:
+def tiny_qwen2_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_positions: int = 512,
+) -> Qwen2Config:
     """A ~1M-parameter Qwen2: same architecture as Qwen2/QwQ, just small."""
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -72,12 +79,18 @@ def _base_of(path: Path, base: str | Path | None) -> Path:
         raise FileNotFoundError(
             f"{path} is a LoRA adapter (a version of a trainer.lora run) and needs its base model, policy "
             f"version 0, which is not at {base}: keep {BASE_NAME} beside the adapter folders, or pass the base "
-            "folder explicitly")
+            "folder explicitly"
+        )
     return base
 
 
-def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, base: str | Path | None = None):
+def load_policy(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    base: str | Path | None = None,
+):
     """Load any local HF causal-LM folder and its tokenizer. Never reaches a hub.
 
     A LoRA adapter folder is merged into its base (`base`, default the v000000 folder beside
@@ -160,8 +173,14 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_policy(model: PreTrainedModel, tokenizer, path: str | Path, *,
-                state_dict: dict | None = None, extra_files: dict[str, str] | None = None) -> Path:
+def save_policy(
+    model: PreTrainedModel,
+    tokenizer,
+    path: str | Path,
+    *,
+    state_dict: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
     """Write an HF folder atomically: assemble in `<path>.tmp-<id>`, then rename.
 
     `state_dict` lets a distributed trainer pass gathered full weights; `extra_files` are small

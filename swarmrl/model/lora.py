@@ -30,8 +30,9 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     (torch Linear, or transformers' Conv1D, GPT-2's linear layers)."""
     from transformers.pytorch_utils import Conv1D
 
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if isinstance(m, (torch.nn.Linear, Conv1D))})
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    )
 
 
 def check_targets(model: torch.nn.Module, targets: list[str], what: str = "the model") -> None:
@@ -39,8 +40,10 @@ def check_targets(model: torch.nn.Module, targets: list[str], what: str = "the m
     have = linear_names(model)
     missing = [t for t in targets if t not in have]
     if missing:
-        raise ValueError(f"{FIELD}: {what} has no linear layer named {', '.join(map(repr, missing))}; its linear "
-                         f"layers are {', '.join(have)}. Set {FIELD} to some of those (or trainer.lora.rank = 0)")
+        raise ValueError(
+            f"{FIELD}: {what} has no linear layer named {', '.join(map(repr, missing))}; its linear "
+            f"layers are {', '.join(have)}. Set {FIELD} to some of those (or trainer.lora.rank = 0)"
+        )
 
 
 def model_skeleton(cfg: Config) -> torch.nn.Module:
@@ -69,8 +72,11 @@ def check_lora_config(cfg: Config) -> None:
 def adapter_parameters(model: torch.nn.Module, lora: LoRAConfig) -> int:
     """Parameters of rank-`lora.rank` adapters on `model`: r x (in + out) per targeted linear layer
     (works on a meta-device skeleton: the size of a version of any model, from its config)."""
-    return sum(lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora.target_modules)
+    return sum(
+        lora.rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora.target_modules
+    )
 
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig):
@@ -79,8 +85,14 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig):
     from peft import LoraConfig, get_peft_model
 
     check_targets(model, lora.target_modules)
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     with warnings.catch_warnings():  # peft reads an attribute transformers 5 renamed: not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)

@@ -54,7 +54,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 def _byte_of(symbol: str) -> int:
     """The byte a byte-level symbol stands for (GPT-2's printable remapping of 0-255)."""
     cp = ord(symbol)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if cp in printable:
         return cp
     return [b for b in range(256) if b not in printable][cp - 256]

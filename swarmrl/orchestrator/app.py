@@ -73,8 +73,9 @@ class SizeLimit:
         return _error(413, "too_large", f"request body over {self.max_bytes} bytes; split it into smaller requests")
 
     def _too_slow(self) -> JSONResponse:
-        return _error(408, "too_slow", f"the request body did not arrive within {self.timeout_s:.0f} s; "
-                                       "send it at once")
+        return _error(
+            408, "too_slow", f"the request body did not arrive within {self.timeout_s:.0f} s; send it at once"
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -133,8 +134,7 @@ def _describe_validation(exc: RequestValidationError | ValidationError, prefix: 
 
 def _body_schema(model: type[BaseModel]) -> dict:
     """The OpenAPI description of a body the route parses itself (after the signature check)."""
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def _observe(app: FastAPI, orch: Orchestrator) -> None:
@@ -142,8 +142,13 @@ def _observe(app: FastAPI, orch: Orchestrator) -> None:
     at GET /metrics."""
     registry = CollectorRegistry()
     requests = Counter("swarmrl_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
-    latency = Histogram("swarmrl_request_seconds", "Request latency", ["endpoint"], registry=registry,
-                        buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10))
+    latency = Histogram(
+        "swarmrl_request_seconds",
+        "Request latency",
+        ["endpoint"],
+        registry=registry,
+        buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),
+    )
     totals = Gauge("swarmrl_total", "Totals since this orchestrator process started", ["what"], registry=registry)
     state = Gauge("swarmrl_state", "Run state (step, versions, group counts)", ["what"], registry=registry)
 
@@ -192,13 +197,24 @@ def _error_handlers(app: FastAPI, orch: Orchestrator) -> None:
 
 def create_app(orch: Orchestrator) -> SizeLimit:
     """The ASGI app (size limit around FastAPI; the FastAPI object is `.fastapi`)."""
-    app = FastAPI(title="swarmrl orchestrator", version="1",
-                  description="Leases, rollouts and batches for asynchronous GRPO with untrusted workers.")
+    app = FastAPI(
+        title="swarmrl orchestrator",
+        version="1",
+        description="Leases, rollouts and batches for asynchronous GRPO with untrusted workers.",
+    )
     _observe(app, orch)
     _error_handlers(app, orch)
-    responses = {400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
-                 404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 410: {"model": ErrorOut},
-                 413: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}}
+    responses = {
+        400: {"model": ErrorOut},
+        401: {"model": ErrorOut},
+        403: {"model": ErrorOut},
+        404: {"model": ErrorOut},
+        409: {"model": ErrorOut},
+        410: {"model": ErrorOut},
+        413: {"model": ErrorOut},
+        422: {"model": ErrorOut},
+        429: {"model": ErrorOut},
+    }
 
     def signed(model: type[BaseModel] | None = None):
         """A dependency: the request's signer (key, auth) and, once the signature checked out,
@@ -209,9 +225,14 @@ def create_app(orch: Orchestrator) -> SizeLimit:
             orch.admit_source(request.client.host if request.client else "unknown")
             body = await request.body()
             try:
-                key, nonce, ts = verify_request({k.lower(): v for k, v in request.headers.items()}, request.method,
-                                                request.url.path, body, run_id=orch.run_id,
-                                                max_skew_s=orch.cfg.orchestrator.max_clock_skew_s)
+                key, nonce, ts = verify_request(
+                    {k.lower(): v for k, v in request.headers.items()},
+                    request.method,
+                    request.url.path,
+                    body,
+                    run_id=orch.run_id,
+                    max_skew_s=orch.cfg.orchestrator.max_clock_skew_s,
+                )
             except WrongRun as e:
                 raise ApiError(401, "wrong_run", str(e)) from None
             except ClockSkew as e:
@@ -224,8 +245,11 @@ def create_app(orch: Orchestrator) -> SizeLimit:
                     parsed = model.model_validate_json(body or b"{}")
                 except ValidationError as e:
                     raise ApiError(422, "invalid_request", _describe_validation(e, prefix="body")) from None
-            return key, {"nonce": nonce, "ts": ts, "source": request.client.host if request.client else "unknown"}, \
-                parsed
+            return (
+                key,
+                {"nonce": nonce, "ts": ts, "source": request.client.host if request.client else "unknown"},
+                parsed,
+            )
 
         return dependency
 
@@ -238,8 +262,9 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         header = request.headers.get("authorization", "")
         token = orch.validator_token
         if not (token and header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), token.encode())):
-            raise ApiError(401, "not_validator", "this endpoint needs the validator's bearer token "
-                                                 "(<run-dir>/validator.token)")
+            raise ApiError(
+                401, "not_validator", "this endpoint needs the validator's bearer token (<run-dir>/validator.token)"
+            )
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -250,8 +275,9 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def status() -> dict:
         return orch.status()
 
-    @app.post("/v1/workers/register", responses=responses, response_model=Registered,
-              openapi_extra=_body_schema(RegisterIn))
+    @app.post(
+        "/v1/workers/register", responses=responses, response_model=Registered, openapi_extra=_body_schema(RegisterIn)
+    )
     def register(who: tuple = Depends(signed(RegisterIn))) -> dict:
         key, auth, body = who
         orch.admit_registration(key, auth["source"])
@@ -265,8 +291,13 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.lease(key, body.policy_version)
 
-    @app.post("/v1/rollouts", responses=responses, response_model=SubmitReply, response_model_exclude_none=True,
-              openapi_extra=_body_schema(SubmitIn))
+    @app.post(
+        "/v1/rollouts",
+        responses=responses,
+        response_model=SubmitReply,
+        response_model_exclude_none=True,
+        openapi_extra=_body_schema(SubmitIn),
+    )
     def rollouts(who: tuple = Depends(signed(SubmitIn))) -> dict:
         key, auth, body = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
@@ -282,18 +313,25 @@ def create_app(orch: Orchestrator) -> SizeLimit:
     def claim(body: ClaimIn) -> dict:
         return orch.claim_validation(body.max_groups)
 
-    @app.post("/v1/validator/verdicts", responses=responses, response_model=Recorded,
-              dependencies=[Depends(validator_only)])
+    @app.post(
+        "/v1/validator/verdicts", responses=responses, response_model=Recorded, dependencies=[Depends(validator_only)]
+    )
     def verdicts(body: VerdictsIn) -> dict:
         return orch.record_verdicts([v.model_dump() for v in body.verdicts], body.retry)
 
-    @app.post("/v1/trainer/batches/{step}", responses=responses, response_model=Batch,
-              response_model_exclude_none=True, dependencies=[Depends(trainer_only)])
+    @app.post(
+        "/v1/trainer/batches/{step}",
+        responses=responses,
+        response_model=Batch,
+        response_model_exclude_none=True,
+        dependencies=[Depends(trainer_only)],
+    )
     def batch(step: int = Path(ge=0, le=10**9)) -> dict:
         return orch.build_batch(step)
 
-    @app.post("/v1/trainer/policies", responses=responses, response_model=Published,
-              dependencies=[Depends(trainer_only)])
+    @app.post(
+        "/v1/trainer/policies", responses=responses, response_model=Published, dependencies=[Depends(trainer_only)]
+    )
     def publish(body: PublishIn) -> dict:
         try:
             # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before
@@ -310,4 +348,3 @@ def create_app(orch: Orchestrator) -> SizeLimit:
 
     add_dashboard_routes(app, orch, responses, trainer_only)
     return SizeLimit(app, orch.cfg.orchestrator.max_request_bytes, orch.cfg.orchestrator.body_timeout_s)
-

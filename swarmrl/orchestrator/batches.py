@@ -58,8 +58,15 @@ class Batches:
     the validation queue (`metrics`, for a batch's metrics) and leasing (`expire`, when the
     trainer goes back a version)."""
 
-    def __init__(self, store: Store, cfg: Config, counters: Counters, validation: ValidationQueue, leasing: Leasing,
-                 log: Callable[[str], None]):
+    def __init__(
+        self,
+        store: Store,
+        cfg: Config,
+        counters: Counters,
+        validation: ValidationQueue,
+        leasing: Leasing,
+        log: Callable[[str], None],
+    ):
         self.store, self.cfg, self.counters, self.log = store, cfg, counters, log
         self.validation, self.leasing = validation, leasing
 
@@ -80,11 +87,14 @@ class Batches:
                 payloads = self.store.latest_uninformative_payloads(db, streak)
                 rewards = [r for p in payloads for r in json.loads(p)["task_rewards"]]
                 mean = statistics.fmean(rewards) if rewards else float("nan")
-                raise ApiError(409, "no_signal",
-                               f"the last {streak} groups all had equal rewards (mean task reward {mean:.2f}), "
-                               "so GRPO has no signal: the policy solves none (or all) of these tasks. Use a "
-                               "stronger base model (model.path, or more sft.steps), easier/harder tasks, or a "
-                               "larger group_size.")
+                raise ApiError(
+                    409,
+                    "no_signal",
+                    f"the last {streak} groups all had equal rewards (mean task reward {mean:.2f}), "
+                    "so GRPO has no signal: the policy solves none (or all) of these tasks. Use a "
+                    "stronger base model (model.path, or more sft.steps), easier/harder tasks, or a "
+                    "larger group_size.",
+                )
             oldest = step - k
             stale = self.store.drop_older(db, ("queued",), oldest, step)
             if stale:
@@ -108,8 +118,13 @@ class Batches:
 
     def _batch_response(self, db, row) -> dict:
         ids = json.loads(row["group_ids"])
-        return {"ready": True, "step": row["step"], "group_ids": ids,
-                "groups": [json.loads(p) for p in self.store.payloads(db, ids)], "metrics": json.loads(row["metrics"])}
+        return {
+            "ready": True,
+            "step": row["step"],
+            "group_ids": ids,
+            "groups": [json.loads(p) for p in self.store.payloads(db, ids)],
+            "metrics": json.loads(row["metrics"]),
+        }
 
     def publish(self, version: int, url: str, manifest: dict) -> dict:
         """The trainer announces its current version. It is the authority: a trainer resumed from

@@ -23,13 +23,24 @@ from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import Dashboard, MetricsIn, Recorded
 
 # Batch metrics worth charting (computed by the orchestrator for every batch it hands out).
-PROGRESS_KEYS = ("reward/mean", "reward/task_mean_all", "length/mean", "length/max", "length/truncated_frac",
-                 "length/target_mean", "length/abs_error_mean", "off_policy/mean", "off_policy/max",
-                 "batch/generated_tokens", "time/generation", "eval/accuracy")
+PROGRESS_KEYS = (
+    "reward/mean",
+    "reward/task_mean_all",
+    "length/mean",
+    "length/max",
+    "length/truncated_frac",
+    "length/target_mean",
+    "length/abs_error_mean",
+    "off_policy/mean",
+    "off_policy/max",
+    "batch/generated_tokens",
+    "time/generation",
+    "eval/accuracy",
+)
 STATIC = Path(__file__).parent / "static"  # the page: dashboard.html, .js, .css (no third-party code)
 _PAGE_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                               "img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "cache-control": "no-cache",
@@ -49,19 +60,23 @@ def build(orch, *, now: float | None = None) -> dict:
     store = orch.store
     with store.read() as db:
         next_step, latest, finished = store.progress(db)
-        batches = db.execute("SELECT step, metrics, created FROM batches ORDER BY step DESC LIMIT ?",
-                             (MAX_STEPS,)).fetchall()
+        batches = db.execute(
+            "SELECT step, metrics, created FROM batches ORDER BY step DESC LIMIT ?", (MAX_STEPS,)
+        ).fetchall()
         workers = db.execute(
             "SELECT key, name, registered, last_seen, accepted, rejected, fraud, banned, validated FROM workers "
-            "ORDER BY accepted DESC, registered LIMIT ?", (MAX_WORKERS,)).fetchall()
+            "ORDER BY accepted DESC, registered LIMIT ?",
+            (MAX_WORKERS,),
+        ).fetchall()
         n_workers = db.execute("SELECT COUNT(*) FROM workers").fetchone()[0]
         by_worker: dict[str, dict[str, int]] = {}
         for key, reason, count in db.execute("SELECT worker, reason, COUNT(*) FROM rejections GROUP BY worker, reason"):
             by_worker.setdefault(key, {})[reason] = count
         states = store.group_state_counts(db)
         reasons = store.rejection_counts(db)
-        policies = db.execute("SELECT version, manifest, published FROM policies ORDER BY version DESC LIMIT 20"
-                              ).fetchall()
+        policies = db.execute(
+            "SELECT version, manifest, published FROM policies ORDER BY version DESC LIMIT 20"
+        ).fetchall()
         trainer_metrics = store.get_meta(db, "trainer_metrics", {})
     # One point per step as metrics.jsonl counts them: batch n's figures at step n + 1 (the
     # version trained on it), the trainer's held-out figures at the version they evaluated (0:
@@ -81,28 +96,56 @@ def build(orch, *, now: float | None = None) -> dict:
     for row in policies:
         manifest = json.loads(row["manifest"])
         size = manifest.get("total_size")
-        versions.append({"version": row["version"], "published": row["published"],
-                         "bytes": int(size) if isinstance(size, int) else None,
-                         # a LoRA version names the base it applies to (trainer.lora)
-                         "adapter": "base" in manifest})
+        versions.append(
+            {
+                "version": row["version"],
+                "published": row["published"],
+                "bytes": int(size) if isinstance(size, int) else None,
+                # a LoRA version names the base it applies to (trainer.lora)
+                "adapter": "base" in manifest,
+            }
+        )
     swarm = []
     for w in workers:
-        swarm.append({"fingerprint": fingerprint(w["key"]), "name": w["name"], "accepted": w["accepted"],
-                      "validated": w["validated"], "rejected": w["rejected"], "fraud": w["fraud"],
-                      "banned": bool(w["banned"]), "trusted": orch.is_trusted(w["key"]),
-                      "rejections": by_worker.get(w["key"], {}), "last_seen_s": max(0.0, now - w["last_seen"]),
-                      "registered": w["registered"]})
+        swarm.append(
+            {
+                "fingerprint": fingerprint(w["key"]),
+                "name": w["name"],
+                "accepted": w["accepted"],
+                "validated": w["validated"],
+                "rejected": w["rejected"],
+                "fraud": w["fraud"],
+                "banned": bool(w["banned"]),
+                "trusted": orch.is_trusted(w["key"]),
+                "rejections": by_worker.get(w["key"], {}),
+                "last_seen_s": max(0.0, now - w["last_seen"]),
+                "registered": w["registered"],
+            }
+        )
     return {
-        "run": {"run_id": orch.run_id, "next_step": next_step, "total_steps": cfg.trainer.steps,
-                "latest_version": latest, "finished": bool(finished), "async_bound": cfg.async_.bound,
-                "group_size": cfg.sampling.group_size, "prompts_per_step": cfg.sampling.prompts_per_step,
-                "protocol_version": PROTOCOL_VERSION, "time": now},
+        "run": {
+            "run_id": orch.run_id,
+            "next_step": next_step,
+            "total_steps": cfg.trainer.steps,
+            "latest_version": latest,
+            "finished": bool(finished),
+            "async_bound": cfg.async_.bound,
+            "group_size": cfg.sampling.group_size,
+            "prompts_per_step": cfg.sampling.prompts_per_step,
+            "protocol_version": PROTOCOL_VERSION,
+            "time": now,
+        },
         "progress": progress,
         "workers": swarm,
         "workers_total": n_workers,
-        "validation": {"groups": {s: int(states.get(s, 0)) for s in ("pending", "validating", "queued", "consumed",
-                                                                      "uninformative", "stale", "rejected")},
-                       "rejections": reasons, "mode": cfg.validator.mode},
+        "validation": {
+            "groups": {
+                s: int(states.get(s, 0))
+                for s in ("pending", "validating", "queued", "consumed", "uninformative", "stale", "rejected")
+            },
+            "rejections": reasons,
+            "mode": cfg.validator.mode,
+        },
         "broadcast": {"versions": versions},
     }
 
@@ -142,8 +185,7 @@ def add_dashboard_routes(app, orch, responses: dict, trainer_only) -> None:
     POST /v1/trainer/metrics, where the trainer reports held-out accuracy for it."""
     board = Cached(orch, orch.cfg.orchestrator.dashboard_cache_s)
 
-    @app.post("/v1/trainer/metrics", responses=responses, response_model=Recorded,
-              dependencies=[Depends(trainer_only)])
+    @app.post("/v1/trainer/metrics", responses=responses, response_model=Recorded, dependencies=[Depends(trainer_only)])
     def trainer_metrics(body: MetricsIn) -> dict:
         return {"recorded": record_trainer_metrics(orch, body.step, body.metrics)}
 

@@ -61,20 +61,25 @@ class Gate:
         self._allowed: tuple[float, set[str]] | None = None  # (mtime, keys) of allowed_keys_file
         self._trusted: tuple[float | None, frozenset[str]] = (-1.0, frozenset())  # (mtime, keys) of trusted_keys_file
 
-    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
-                     allow_banned: bool = False) -> dict:
+    def authenticate(
+        self, key: str, nonce: str, ts: float, *, registering: bool = False, allow_banned: bool = False
+    ) -> dict:
         """After the signature checked out: rate, registration, ban and replay checks, cheapest
         first (an unknown or banned key is refused before it can write a nonce row)."""
         wait = self.limiter.take(key)
         if wait:
-            raise ApiError(429, "rate_limited", f"too many requests from this key; retry in {wait:.2f} s",
-                           retry_after=wait)
+            raise ApiError(
+                429, "rate_limited", f"too many requests from this key; retry in {wait:.2f} s", retry_after=wait
+            )
         worker = self.store.worker(key)
         if worker is None and not registering:
             raise ApiError(403, "not_registered", "unknown worker key: POST /v1/workers/register first")
         if worker is not None and worker["banned"] and not allow_banned:
-            raise ApiError(403, "banned", "this worker key is banned for submitting work that failed validation "
-                                          "(POST /v1/workers/me says why)")
+            raise ApiError(
+                403,
+                "banned",
+                "this worker key is banned for submitting work that failed validation (POST /v1/workers/me says why)",
+            )
         skew = self.cfg.orchestrator.max_clock_skew_s
         if not self.store.use_nonce(key, nonce, ts, forget_before=time.time() - 2 * skew):
             raise ApiError(401, "replayed_nonce", "this nonce was already used by this key: sign every request afresh")
@@ -85,8 +90,9 @@ class Gate:
         wait = self.sources.take(source)
         if wait:
             self.counters.count("rate_limited/source")
-            raise ApiError(429, "rate_limited", f"too many requests from {source}; retry in {wait:.2f} s",
-                           retry_after=wait)
+            raise ApiError(
+                429, "rate_limited", f"too many requests from {source}; retry in {wait:.2f} s", retry_after=wait
+            )
 
     def _invited(self, key: str) -> bool:
         """Whether `key` is in orchestrator.allowed_keys_file (always, when there is none)."""
@@ -129,18 +135,25 @@ class Gate:
         closed run, and for a new key the per-source and total registration rates."""
         if not self._invited(key):
             self.counters.count("refused/not_invited")
-            raise ApiError(403, "not_invited", "this run admits listed keys only (orchestrator.allowed_keys_file); "
-                                               f"send your public key {key} to the run's operator")
+            raise ApiError(
+                403,
+                "not_invited",
+                "this run admits listed keys only (orchestrator.allowed_keys_file); "
+                f"send your public key {key} to the run's operator",
+            )
         if self.store.worker(key) is None:
             # Per source first, so one address flooding fresh keys is stopped before it can use
             # up the bucket every newcomer shares.
-            for limiter, bucket, who in ((self.registrations, source, f"from {source}"),
-                                         (self.all_registrations, "all", "in all")):
+            for limiter, bucket, who in (
+                (self.registrations, source, f"from {source}"),
+                (self.all_registrations, "all", "in all"),
+            ):
                 wait = limiter.take(bucket)
                 if wait:
                     self.counters.count("rate_limited/registrations")
-                    raise ApiError(429, "rate_limited", f"too many new workers {who}; retry in {wait:.1f} s",
-                                   retry_after=wait)
+                    raise ApiError(
+                        429, "rate_limited", f"too many new workers {who}; retry in {wait:.1f} s", retry_after=wait
+                    )
 
     def register(self, key: str, name: str) -> dict:
         w = self.store.register(key, name)
@@ -154,10 +167,18 @@ class Gate:
             w = self.store.worker(key)
             reasons = self.store.rejection_counts(db, key)
             waiting = self.store.count_groups(db, ("pending", "validating"), worker=key)
-            standing = Standing(*self.store.standing(db, key, time.time() - o.penalty_window_s,
-                                                     sorted(FRAUD_REASONS)))
-        return {"worker": key, "name": w["name"], "accepted": w["accepted"], "rejected": w["rejected"],
-                "fraud": w["fraud"], "banned": bool(w["banned"]), "awaiting_validation": waiting,
-                "rejections": reasons, "expired_slots": w["expired"],
-                "proven": is_proven(w["validated"], o) or self.is_trusted(key), "trusted": self.is_trusted(key),
-                "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts)}
+            standing = Standing(*self.store.standing(db, key, time.time() - o.penalty_window_s, sorted(FRAUD_REASONS)))
+        return {
+            "worker": key,
+            "name": w["name"],
+            "accepted": w["accepted"],
+            "rejected": w["rejected"],
+            "fraud": w["fraud"],
+            "banned": bool(w["banned"]),
+            "awaiting_validation": waiting,
+            "rejections": reasons,
+            "expired_slots": w["expired"],
+            "proven": is_proven(w["validated"], o) or self.is_trusted(key),
+            "trusted": self.is_trusted(key),
+            "lease_allowance": allowance(standing, o, self.cfg.sampling.worker_batch_prompts),
+        }

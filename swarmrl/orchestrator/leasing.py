@@ -29,8 +29,9 @@ def max_outstanding(cfg: Config) -> int:
     return cfg.async_.max_pending_groups or cfg.sampling.prompts_per_step * min(cfg.async_.bound + 1, 2)
 
 
-def wants_more_work(batches: int, prompts_per_step: int, queued: int, open_slots: int,
-                    informative_rate: float | None) -> bool:
+def wants_more_work(
+    batches: int, prompts_per_step: int, queued: int, open_slots: int, informative_rate: float | None
+) -> bool:
     """Whether one more lease for a policy version is useful. That version can still feed
     `batches` batches of `prompts_per_step` informative groups; `queued` informative groups wait
     already and `open_slots` are leased, of which `informative_rate` are expected to survive
@@ -89,8 +90,9 @@ class Leasing:
         length = self.cfg.length
         while len(out) < n:
             epoch, i = divmod(cursor, len(self.rows))
-            target = (random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets)
-                      if length.enabled else None)
+            target = (
+                random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets) if length.enabled else None
+            )
             out.append((self._perm(epoch)[i], target))
             cursor += 1
         Store.set_meta(db, "task_cursor", cursor)
@@ -117,29 +119,46 @@ class Leasing:
         standing = Standing(*self.store.standing(db, key, now - o.penalty_window_s, sorted(FRAUD_REASONS)))
         allowed = allowance(standing, o, s.worker_batch_prompts)
         if allowed == 0:
-            raise ApiError(429, "allowance_exhausted",
-                           f"this key let {standing.expired_recent} leased prompts expire and had "
-                           f"{standing.fraud_recent} groups fail validation in the last {o.penalty_window_s:.0f} s, "
-                           "which used up its lease allowance: submit what you lease before it expires "
-                           f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
-                           retry_after=min(60.0, o.penalty_window_s))
+            raise ApiError(
+                429,
+                "allowance_exhausted",
+                f"this key let {standing.expired_recent} leased prompts expire and had "
+                f"{standing.fraud_recent} groups fail validation in the last {o.penalty_window_s:.0f} s, "
+                "which used up its lease allowance: submit what you lease before it expires "
+                f"(leases last {o.lease_timeout_s:.0f} s), or lease again later",
+                retry_after=min(60.0, o.penalty_window_s),
+            )
         trusted = self.gate.is_trusted(key)  # counts as proven (docs/engines.md)
         held = standing.leased if trusted else standing.held(o)
         n = lease_size(allowed - held, s.worker_batch_prompts, allowed)
         mine = self.store.open_lease_count(db, key)
         if n == 0 or mine >= o.max_open_leases:
-            return 0, {"lease": None, "retry_after_s": 0.5,
-                       "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
-                                 f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
-                                 "submit them first, or wait for the validator"}, False
+            return (
+                0,
+                {
+                    "lease": None,
+                    "retry_after_s": 0.5,
+                    "reason": f"this worker holds {held} prompts ({standing.leased} leased in {mine} leases, "
+                    f"{held - standing.leased} awaiting validation; its allowance is {allowed}): "
+                    "submit them first, or wait for the validator",
+                },
+                False,
+            )
         proven = trusted or is_proven(standing.validated, o)
         if not proven:
             share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
             held = self.store.unproven_slots(db, o.proven_after)
             if held + n > share:
-                return 0, {"lease": None, "retry_after_s": 1.0,
-                           "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
-                                     f"a key is proven after {o.proven_after} groups passed validation"}, False
+                return (
+                    0,
+                    {
+                        "lease": None,
+                        "retry_after_s": 1.0,
+                        "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
+                        f"a key is proven after {o.proven_after} groups passed validation",
+                    },
+                    False,
+                )
         return n, None, proven
 
     def _informative_rate(self, db, window: int = 256) -> float | None:
@@ -166,12 +185,18 @@ class Leasing:
                 raise ApiError(409, "run_finished", "the run is finished; nothing more to sample")
             lo = max(0, next_step - cfg.async_.bound)
             if latest is None or lo > latest:
-                return {"lease": None, "retry_after_s": 0.2,
-                        "reason": f"waiting for policy version {lo} to be published"}
+                return {
+                    "lease": None,
+                    "retry_after_s": 0.2,
+                    "reason": f"waiting for policy version {lo} to be published",
+                }
             if not lo <= policy_version <= latest:
-                raise ApiError(409, "version_not_allowed",
-                               f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
-                               f"fetch version {latest} (GET /v1/status says where)")
+                raise ApiError(
+                    409,
+                    "version_not_allowed",
+                    f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
+                    f"fetch version {latest} (GET /v1/status says where)",
+                )
             n, no_lease, proven = self._admit(db, key, now)
             if no_lease is not None:
                 return no_lease
@@ -187,16 +212,22 @@ class Leasing:
                 # proven key sees only the rest (the total may exceed the limit by that share).
                 outstanding -= self.store.unproven_slots(db, o.proven_after, leased_only=True)
             if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
-                return {"lease": None, "retry_after_s": 0.1,
-                        "reason": f"{queued} groups wait for the trainer and {open_slots} are leased"}
+                return {
+                    "lease": None,
+                    "retry_after_s": 0.1,
+                    "reason": f"{queued} groups wait for the trainer and {open_slots} are leased",
+                }
             # Work sampled with version v can only feed batches up to v + k. Once what is queued or
             # leased covers those batches (at the informative rate seen lately), more work with v
             # would be dropped as stale: wait for a newer version instead.
             batches = policy_version + cfg.async_.bound - next_step + 1
             if not wants_more_work(batches, s.prompts_per_step, queued, open_slots, self._informative_rate(db)):
-                return {"lease": None, "retry_after_s": 0.1,
-                        "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
-                                  f"version {policy_version} can still feed; waiting for a newer version"}
+                return {
+                    "lease": None,
+                    "retry_after_s": 0.1,
+                    "reason": f"{queued} groups queued and {open_slots} leased already cover the batches "
+                    f"version {policy_version} can still feed; waiting for a newer version",
+                }
             lease_id = secrets.token_hex(16)
             expires = now + lease_timeout(cfg.orchestrator.lease_timeout_s, n, s.worker_batch_prompts)
             self.store.create_lease(db, lease_id, key, now, expires, lo, latest, n)
@@ -206,12 +237,29 @@ class Leasing:
                 seeds = [secrets.randbits(63) for _ in range(s.group_size)]
                 self.store.add_slot(db, lease_id, slot, problem, target, json.dumps(seeds))
                 prompt, ids = model_input(self.tokenizer, row["prompt"], target)
-                prompts.append({"slot": slot, "problem_id": row["problem_id"], "task_type": row["task_type"],
-                                "prompt": prompt, "prompt_ids": ids, "target_length": target, "seeds": seeds})
+                prompts.append(
+                    {
+                        "slot": slot,
+                        "problem_id": row["problem_id"],
+                        "task_type": row["task_type"],
+                        "prompt": prompt,
+                        "prompt_ids": ids,
+                        "target_length": target,
+                        "seeds": seeds,
+                    }
+                )
         self.counters.count("leases_issued")
-        lease = Lease(lease_id=lease_id, expires_at=expires, expires_in_s=expires - now, min_version=lo,
-                      max_version=latest, group_size=s.group_size, temperature=s.temperature,
-                      max_new_tokens=s.max_new_tokens, dtype=s.dtype,
-                      proof=ProofSpec(chunk_size=cfg.validator.chunk_size, topk=cfg.validator.topk),
-                      prompts=[LeasedPrompt(**p) for p in prompts])
+        lease = Lease(
+            lease_id=lease_id,
+            expires_at=expires,
+            expires_in_s=expires - now,
+            min_version=lo,
+            max_version=latest,
+            group_size=s.group_size,
+            temperature=s.temperature,
+            max_new_tokens=s.max_new_tokens,
+            dtype=s.dtype,
+            proof=ProofSpec(chunk_size=cfg.validator.chunk_size, topk=cfg.validator.topk),
+            prompts=[LeasedPrompt(**p) for p in prompts],
+        )
         return {"lease": lease.model_dump()}

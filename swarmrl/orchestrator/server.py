@@ -53,13 +53,28 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     registry.load(cfg.tasks.types)  # the run's own task types, before any row is checked
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
-    return Orchestrator(cfg, run_dir, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size,
-                        hidden_size=model_cfg.hidden_size, trainer_token=trainer_token(run_dir),
-                        validator_token=trainer_token(run_dir, "validator"), log=log)
+    return Orchestrator(
+        cfg,
+        run_dir,
+        tokenizer=tokenizer,
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        trainer_token=trainer_token(run_dir),
+        validator_token=trainer_token(run_dir, "validator"),
+        log=log,
+    )
 
 
-def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = None, resume: bool = False,
-          start_validator=None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+def serve(
+    run_dir: str | Path,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    resume: bool = False,
+    start_validator=None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> None:
     """Serve until stopped. With `validator.mode = "in-process"`, `start_validator(orch, run_dir)`
     starts the validator thread and returns (thread, stop event): passed in by the caller (the CLI
     passes `swarmrl.validator.runner.start_in_process`) because the validator is a client of the
@@ -91,14 +106,21 @@ def serve(run_dir: str | Path, *, host: str | None = None, port: int | None = No
     bound = sock.getsockname()[1]
     scheme = "https" if tls_cert else "http"
     url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{bound}"
-    config = uvicorn.Config(create_app(orch), log_level="warning", access_log=False, timeout_keep_alive=30,
-                            limit_concurrency=1000, h11_max_incomplete_event_size=64 * 1024,
-                            ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+    config = uvicorn.Config(
+        create_app(orch),
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+        limit_concurrency=1000,
+        h11_max_incomplete_event_size=64 * 1024,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+    )
     server = uvicorn.Server(config)
     thread = stop = None
     if orch.cfg.validator.mode == "in-process":
         if start_validator is None:
-            raise ValueError("validator.mode is \"in-process\" but no validator was given to run in this process")
+            raise ValueError('validator.mode is "in-process" but no validator was given to run in this process')
         thread, stop = start_validator(orch, run_dir)
     atomic_write_text(run_dir / "orchestrator.json", json.dumps({"url": url, "pid": os.getpid()}))
     print(f"orchestrator listening on {url} (validator: {orch.cfg.validator.mode})", flush=True)

@@ -61,8 +61,19 @@ class Orchestrator:
     Calls go one way: submissions -> validation -> leasing -> gate, batches -> validation
     and leasing."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, *, tokenizer, vocab_size: int, hidden_size: int,
-                 trainer_token: str, validator_token: str | None = None, pool: VerifierPool | None = None, log=print):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path,
+        *,
+        tokenizer,
+        vocab_size: int,
+        hidden_size: int,
+        trainer_token: str,
+        validator_token: str | None = None,
+        pool: VerifierPool | None = None,
+        log=print,
+    ):
         self.cfg, self.rd = cfg, Path(run_dir)
         self.trainer_token, self.validator_token = trainer_token, validator_token
         self.log = log
@@ -73,21 +84,38 @@ class Orchestrator:
         o = cfg.orchestrator
         # Grading lanes: each a verifier pool serving one submission at a time (admission.py).
         pools = [pool] if pool is not None else []
-        pools += [VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
-                               memory_bytes=cfg.rewards.verify_memory_mb << 20)
-                  for _ in range(o.grading_lanes - len(pools))]
+        pools += [
+            VerifierPool(
+                cfg.rewards.verify_workers,
+                cfg.rewards.verify_timeout_s,
+                memory_bytes=cfg.rewards.verify_memory_mb << 20,
+            )
+            for _ in range(o.grading_lanes - len(pools))
+        ]
         self.lanes = GradingLanes(pools, o.grading_wait_s)
         self.run_id = self.store.run_id()
         self.counters = Counters()
         self.gate = Gate(self.store, cfg, self.counters, log)
         if o.trusted_keys_file is not None:
-            log(f"trusted keys: {len(self.gate.trusted_keys())} from {o.trusted_keys_file} may submit groups "
-                "without proofs")
+            log(
+                f"trusted keys: {len(self.gate.trusted_keys())} from {o.trusted_keys_file} may submit groups "
+                "without proofs"
+            )
         self.leasing = Leasing(self.store, cfg, self.rows, tokenizer, self.counters, self.gate)
         self.validation = ValidationQueue(self.store, cfg, self.counters, self.leasing, log)
-        self.submissions = Submissions(self.store, cfg, self.rows, tokenizer, self.counters, self.gate,
-                                       self.validation, self.lanes, self.graders, vocab_size=vocab_size,
-                                       hidden_size=hidden_size)
+        self.submissions = Submissions(
+            self.store,
+            cfg,
+            self.rows,
+            tokenizer,
+            self.counters,
+            self.gate,
+            self.validation,
+            self.lanes,
+            self.graders,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+        )
         self.batches = Batches(self.store, cfg, self.counters, self.validation, self.leasing, log)
 
     def close(self) -> None:
@@ -104,9 +132,17 @@ class Orchestrator:
                 row = self.store.policy(db, latest)
                 policy = {"version": latest, "url": row["url"], "manifest": json.loads(row["manifest"])}
         k = self.cfg.async_.bound
-        return {"next_step": next_step, "latest_version": latest, "async_bound": k,
-                "min_version": max(0, next_step - k), "finished": finished, "policy": policy,
-                "total_steps": self.cfg.trainer.steps, "protocol_version": PROTOCOL_VERSION, "run_id": self.run_id}
+        return {
+            "next_step": next_step,
+            "latest_version": latest,
+            "async_bound": k,
+            "min_version": max(0, next_step - k),
+            "finished": finished,
+            "policy": policy,
+            "total_steps": self.cfg.trainer.steps,
+            "protocol_version": PROTOCOL_VERSION,
+            "run_id": self.run_id,
+        }
 
     def trainer_public_key(self) -> str | None:
         """The trainer's broadcast signing key, once the trainer has written it to the run directory."""
@@ -125,10 +161,17 @@ class Orchestrator:
             open_leases = self.store.open_lease_count(db)
             workers = self.store.worker_count(db)
             banned = self.store.worker_count(db, banned=True)
-        return {"next_step": next_step, "latest_version": -1 if latest is None else latest,
-                "open_leases": open_leases, "workers": workers, "workers_banned": banned,
-                **{f"groups_{s}": float(counts.get(s, 0)) for s in ("queued", "consumed", "stale", "uninformative",
-                                                                      "pending", "validating", "rejected")}}
+        return {
+            "next_step": next_step,
+            "latest_version": -1 if latest is None else latest,
+            "open_leases": open_leases,
+            "workers": workers,
+            "workers_banned": banned,
+            **{
+                f"groups_{s}": float(counts.get(s, 0))
+                for s in ("queued", "consumed", "stale", "uninformative", "pending", "validating", "rejected")
+            },
+        }
 
     # ---- workers (gate.py, leasing.py, submissions.py) ---------------------------------------
     def admit_source(self, source: str) -> None:
@@ -137,8 +180,9 @@ class Orchestrator:
     def admit_registration(self, key: str, source: str = "local") -> None:
         self.gate.admit_registration(key, source)
 
-    def authenticate(self, key: str, nonce: str, ts: float, *, registering: bool = False,
-                     allow_banned: bool = False) -> dict:
+    def authenticate(
+        self, key: str, nonce: str, ts: float, *, registering: bool = False, allow_banned: bool = False
+    ) -> dict:
         return self.gate.authenticate(key, nonce, ts, registering=registering, allow_banned=allow_banned)
 
     def register(self, key: str, name: str) -> dict:

@@ -108,9 +108,14 @@ class Store:
     def _migrate(self) -> None:
         """Columns added after a run directory may have been created (run directories of
         earlier swarmrl versions keep working)."""
-        added = {"workers": [("fraud", "INTEGER NOT NULL DEFAULT 0"), ("expired", "INTEGER NOT NULL DEFAULT 0"),
-                             ("validated", "INTEGER NOT NULL DEFAULT 0")],
-                 "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")]}
+        added = {
+            "workers": [
+                ("fraud", "INTEGER NOT NULL DEFAULT 0"),
+                ("expired", "INTEGER NOT NULL DEFAULT 0"),
+                ("validated", "INTEGER NOT NULL DEFAULT 0"),
+            ],
+            "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")],
+        }
         for table, cols in added.items():
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
             for name, decl in cols:
@@ -171,14 +176,19 @@ class Store:
 
     @staticmethod
     def set_meta(db: Db, key: str, value) -> None:
-        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                   (key, json.dumps(value)))
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            (key, json.dumps(value)),
+        )
 
     @staticmethod
     def progress(db: Db) -> tuple[int, int | None, bool]:
         """The run's position: (next step, newest published version or None, finished)."""
-        return (Store.get_meta(db, "next_step", 0), Store.get_meta(db, "latest_version"),
-                Store.get_meta(db, "finished", False))
+        return (
+            Store.get_meta(db, "next_step", 0),
+            Store.get_meta(db, "latest_version"),
+            Store.get_meta(db, "finished", False),
+        )
 
     def run_id(self) -> str:
         """This run's id, made on first use and kept: every signed request is bound to it."""
@@ -193,9 +203,11 @@ class Store:
     def register(self, key: str, name: str) -> dict:
         now = time.time()
         with self.tx() as db:
-            db.execute("INSERT INTO workers (key, name, registered, last_seen) VALUES (?, ?, ?, ?) "
-                       "ON CONFLICT(key) DO UPDATE SET name = excluded.name, last_seen = excluded.last_seen",
-                       (key, name, now, now))
+            db.execute(
+                "INSERT INTO workers (key, name, registered, last_seen) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET name = excluded.name, last_seen = excluded.last_seen",
+                (key, name, now, now),
+            )
             return dict(db.execute("SELECT * FROM workers WHERE key = ?", (key,)).fetchone())
 
     def worker(self, key: str) -> dict | None:
@@ -217,11 +229,22 @@ class Store:
             db.execute("UPDATE workers SET last_seen = ? WHERE key = ?", (time.time(), key))
             return True
 
-    def count_rejection(self, db: Db, worker: str, lease_id: str | None, slot: int | None,
-                        reason: str, detail: str, *, fraud: bool = False) -> int:
+    def count_rejection(
+        self,
+        db: Db,
+        worker: str,
+        lease_id: str | None,
+        slot: int | None,
+        reason: str,
+        detail: str,
+        *,
+        fraud: bool = False,
+    ) -> int:
         """Record a rejection against a worker; returns its fraud count afterwards."""
-        db.execute("INSERT INTO rejections (worker, lease_id, slot, reason, detail, at) VALUES (?, ?, ?, ?, ?, ?)",
-                   (worker, lease_id, slot, reason, detail[:500], time.time()))
+        db.execute(
+            "INSERT INTO rejections (worker, lease_id, slot, reason, detail, at) VALUES (?, ?, ?, ?, ?, ?)",
+            (worker, lease_id, slot, reason, detail[:500], time.time()),
+        )
         db.execute("UPDATE workers SET rejected = rejected + 1, fraud = fraud + ? WHERE key = ?", (int(fraud), worker))
         row = db.execute("SELECT fraud FROM workers WHERE key = ?", (worker,)).fetchone()
         return row[0] if row else 0
@@ -229,43 +252,58 @@ class Store:
     def add_accepted(self, db: Db, key: str, n: int = 1, *, validated: bool = False) -> None:
         """Add `n` to the worker's count of accepted groups (negative: take them back); groups
         the validator passed also count as validated (what makes a key proven)."""
-        db.execute("UPDATE workers SET accepted = accepted + ?, validated = validated + ? WHERE key = ?",
-                   (n, n if validated else 0, key))
+        db.execute(
+            "UPDATE workers SET accepted = accepted + ?, validated = validated + ? WHERE key = ?",
+            (n, n if validated else 0, key),
+        )
 
     def penalise(self, db: Db, worker: str, slots: int, at: float) -> None:
         """Slots a worker let expire: they count against its lease allowance for a while."""
         db.execute("INSERT INTO penalties (worker, slots, at) VALUES (?, ?, ?)", (worker, slots, at))
         db.execute("UPDATE workers SET expired = expired + ? WHERE key = ?", (slots, worker))
 
-    def standing(self, db: Db, worker: str, since: float,
-                 fraud_reasons: Sequence[str]) -> tuple[int, int, int, int, int, int]:
+    def standing(
+        self, db: Db, worker: str, since: float, fraud_reasons: Sequence[str]
+    ) -> tuple[int, int, int, int, int, int]:
         """(accepted groups, slots expired since `since`, fraud rejections since `since`, slots
         leased and open or being scored now, groups awaiting the validator, groups the validator
         passed) of one worker."""
         row = db.execute("SELECT accepted, validated FROM workers WHERE key = ?", (worker,)).fetchone()
-        expired = db.execute("SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?",
-                             (worker, since)).fetchone()[0]
-        fraud = db.execute(f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
-                           f"({_marks(len(fraud_reasons))})", (worker, since, *fraud_reasons)).fetchone()[0]
-        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
-                            "WHERE leases.worker = ? AND leases.state = 'open' AND slots.state IN ('open', 'scoring')",
-                            (worker,)).fetchone()[0]
-        waiting = db.execute("SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')",
-                             (worker,)).fetchone()[0]
+        expired = db.execute(
+            "SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE worker = ? AND at >= ?", (worker, since)
+        ).fetchone()[0]
+        fraud = db.execute(
+            f"SELECT COUNT(*) FROM rejections WHERE worker = ? AND at >= ? AND reason IN "
+            f"({_marks(len(fraud_reasons))})",
+            (worker, since, *fraud_reasons),
+        ).fetchone()[0]
+        leased = db.execute(
+            "SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+            "WHERE leases.worker = ? AND leases.state = 'open' AND slots.state IN ('open', 'scoring')",
+            (worker,),
+        ).fetchone()[0]
+        waiting = db.execute(
+            "SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')", (worker,)
+        ).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)
 
     def unproven_slots(self, db: Db, proven_after: int, *, leased_only: bool = False) -> int:
         """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
         leases, and (unless `leased_only`) groups awaiting the validator."""
         state = "('open')" if leased_only else "('open', 'scoring')"
-        leased = db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
-                            f"leases.worker = workers.key WHERE slots.state IN {state} AND "
-                            "leases.state = 'open' AND workers.validated < ?", (proven_after,)).fetchone()[0]
+        leased = db.execute(
+            "SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id JOIN workers ON "
+            f"leases.worker = workers.key WHERE slots.state IN {state} AND "
+            "leases.state = 'open' AND workers.validated < ?",
+            (proven_after,),
+        ).fetchone()[0]
         if leased_only:
             return leased
-        waiting = db.execute("SELECT COUNT(*) FROM groups JOIN workers ON groups.worker = workers.key WHERE "
-                             "groups.state IN ('pending', 'validating') AND workers.validated < ?",
-                             (proven_after,)).fetchone()[0]
+        waiting = db.execute(
+            "SELECT COUNT(*) FROM groups JOIN workers ON groups.worker = workers.key WHERE "
+            "groups.state IN ('pending', 'validating') AND workers.validated < ?",
+            (proven_after,),
+        ).fetchone()[0]
         return leased + waiting
 
     def ban(self, db: Db, key: str) -> bool:
@@ -276,17 +314,29 @@ class Store:
     def lease_row(self, db: Db, lease_id: str) -> sqlite3.Row | None:
         return db.execute("SELECT * FROM leases WHERE id = ?", (lease_id,)).fetchone()
 
-    def create_lease(self, db: Db, lease_id: str, worker: str, created: float, expires: float,
-                     min_version: int, max_version: int, slots: int) -> None:
-        db.execute("INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')",
-                   (lease_id, worker, created, expires, min_version, max_version, slots))
+    def create_lease(
+        self,
+        db: Db,
+        lease_id: str,
+        worker: str,
+        created: float,
+        expires: float,
+        min_version: int,
+        max_version: int,
+        slots: int,
+    ) -> None:
+        db.execute(
+            "INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')",
+            (lease_id, worker, created, expires, min_version, max_version, slots),
+        )
 
-    def add_slot(self, db: Db, lease_id: str, slot: int, problem: int, target_length: int | None,
-                 seeds: str) -> None:
+    def add_slot(self, db: Db, lease_id: str, slot: int, problem: int, target_length: int | None, seeds: str) -> None:
         """An open slot; `seeds` is the JSON list of its completions' sampling seeds."""
-        db.execute("INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) "
-                   "VALUES (?, ?, ?, ?, ?, 'open')", (lease_id, slot, problem, target_length, seeds))
+        db.execute(
+            "INSERT INTO slots (lease_id, slot, problem, target_length, seeds, state) VALUES (?, ?, ?, ?, ?, 'open')",
+            (lease_id, slot, problem, target_length, seeds),
+        )
 
     def lease_slots(self, db: Db, lease_id: str) -> dict[int, sqlite3.Row]:
         """The lease's slot rows by slot number."""
@@ -300,22 +350,29 @@ class Store:
 
     def open_slot_count(self, db: Db) -> int:
         """Slots still open in open leases: work out with the workers."""
-        return db.execute("SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
-                          "WHERE slots.state = 'open' AND leases.state = 'open'").fetchone()[0]
+        return db.execute(
+            "SELECT COUNT(*) FROM slots JOIN leases ON slots.lease_id = leases.id "
+            "WHERE slots.state = 'open' AND leases.state = 'open'"
+        ).fetchone()[0]
 
     def mark_slot(self, db: Db, lease_id: str, slot: int, state: str, *, only_if: str | None = None) -> bool:
         """Set a slot's state (only if it is in state `only_if`, when given); whether it changed."""
         if only_if is None:
             cur = db.execute("UPDATE slots SET state = ? WHERE lease_id = ? AND slot = ?", (state, lease_id, slot))
         else:
-            cur = db.execute("UPDATE slots SET state = ? WHERE lease_id = ? AND slot = ? AND state = ?",
-                             (state, lease_id, slot, only_if))
+            cur = db.execute(
+                "UPDATE slots SET state = ? WHERE lease_id = ? AND slot = ? AND state = ?",
+                (state, lease_id, slot, only_if),
+            )
         return cur.rowcount > 0
 
     def reissue_slot(self, db: Db, lease_id: str, slot: int) -> None:
         """Put the slot's problem (with its target length) back in the pool for another lease."""
-        db.execute("INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
-                   "FROM slots WHERE lease_id = ? AND slot = ?", (lease_id, slot))
+        db.execute(
+            "INSERT INTO reissue (problem, target_length) SELECT problem, target_length "
+            "FROM slots WHERE lease_id = ? AND slot = ?",
+            (lease_id, slot),
+        )
 
     def take_reissued(self, db: Db, n: int) -> list[tuple[int, int | None]]:
         """Up to `n` problems given back to the pool, oldest first, as (problem, target_length);
@@ -329,14 +386,16 @@ class Store:
         """Expire the open leases past their expiry: their open slots' problems go back to the
         pool. Returns (lease id, worker, slots it left open, whether it ran out of time rather
         than being ended by the orchestrator: a ban or a trainer going back) per expired lease."""
-        expired = db.execute("SELECT id, worker, expires FROM leases WHERE state = 'open' AND expires < ?",
-                             (now,)).fetchall()
+        expired = db.execute(
+            "SELECT id, worker, expires FROM leases WHERE state = 'open' AND expires < ?", (now,)
+        ).fetchall()
         out = []
         for lease_id, worker, expires in expired:
             rows = db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall()
             for row in rows:
-                db.execute("INSERT INTO reissue (problem, target_length) VALUES (?, ?)",
-                           (row["problem"], row["target_length"]))
+                db.execute(
+                    "INSERT INTO reissue (problem, target_length) VALUES (?, ?)", (row["problem"], row["target_length"])
+                )
             db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
             db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
             out.append((lease_id, worker, len(rows), expires > 0))
@@ -353,48 +412,72 @@ class Store:
 
     def close_lease_if_settled(self, db: Db, lease_id: str) -> None:
         """An open lease with no slot left open or being scored is done."""
-        if not db.execute("SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')",
-                          (lease_id,)).fetchone():
+        if not db.execute(
+            "SELECT 1 FROM slots WHERE lease_id = ? AND state IN ('open', 'scoring')", (lease_id,)
+        ).fetchone():
             db.execute("UPDATE leases SET state = 'done' WHERE id = ? AND state = 'open'", (lease_id,))
 
     # ---- groups ------------------------------------------------------------------------------
-    def add_group(self, db: Db, lease_id: str, slot: int, worker: str, policy_version: int, accepted: float,
-                  payload: str, informative: bool, state: str, proofs: str) -> None:
+    def add_group(
+        self,
+        db: Db,
+        lease_id: str,
+        slot: int,
+        worker: str,
+        policy_version: int,
+        accepted: float,
+        payload: str,
+        informative: bool,
+        state: str,
+        proofs: str,
+    ) -> None:
         """An accepted group (`payload`: Group.to_json(); `proofs`: JSON, per completion)."""
-        db.execute("INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
-                   "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (lease_id, slot, worker, policy_version, accepted, payload, int(informative), state, proofs))
+        db.execute(
+            "INSERT INTO groups (lease_id, slot, worker, policy_version, accepted, payload, "
+            "informative, state, proofs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (lease_id, slot, worker, policy_version, accepted, payload, int(informative), state, proofs),
+        )
 
     def stored_group(self, db: Db, lease_id: str, slot: int) -> sqlite3.Row | None:
         """The group accepted for a slot: (payload, informative)."""
-        return db.execute("SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?",
-                          (lease_id, slot)).fetchone()
+        return db.execute(
+            "SELECT payload, informative FROM groups WHERE lease_id = ? AND slot = ?", (lease_id, slot)
+        ).fetchone()
 
     def count_groups(self, db: Db, states: Sequence[str], *, worker: str | None = None) -> int:
         """Groups in any of `states` (of one worker, when given)."""
         marks = _marks(len(states))
         if worker is None:
             return db.execute(f"SELECT COUNT(*) FROM groups WHERE state IN ({marks})", tuple(states)).fetchone()[0]
-        return db.execute(f"SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ({marks})",
-                          (worker, *states)).fetchone()[0]
+        return db.execute(
+            f"SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ({marks})", (worker, *states)
+        ).fetchone()[0]
 
     def recent_informative(self, db: Db, window: int) -> tuple[float | None, int]:
         """Over the last `window` accepted groups: (fraction informative, how many there are)."""
-        row = db.execute("SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups "
-                         "ORDER BY id DESC LIMIT ?)", (window,)).fetchone()
+        row = db.execute(
+            "SELECT AVG(informative), COUNT(*) FROM (SELECT informative FROM groups ORDER BY id DESC LIMIT ?)",
+            (window,),
+        ).fetchone()
         return row[0], row[1]
 
     def payloads(self, db: Db, ids: Sequence[int]) -> list[str]:
         """The groups' payloads, by id (ascending)."""
-        return [p for (p,) in db.execute(f"SELECT payload FROM groups WHERE id IN ({_marks(len(ids))}) ORDER BY id",
-                                         tuple(ids)).fetchall()]
+        return [
+            p
+            for (p,) in db.execute(
+                f"SELECT payload FROM groups WHERE id IN ({_marks(len(ids))}) ORDER BY id", tuple(ids)
+            ).fetchall()
+        ]
 
     def recheck_worker_groups(self, db: Db, worker: str) -> int:
         """Send the worker's groups back to the validator (pending): everything not yet trained or
         counted in a batch's metrics. Returns how many."""
-        return db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND "
-                          "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))",
-                          (worker,)).rowcount
+        return db.execute(
+            "UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND "
+            "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))",
+            (worker,),
+        ).rowcount
 
     def drop_older(self, db: Db, states: Sequence[str], version: int, step: int) -> int:
         """Groups in `states` sampled with a policy older than `version` become stale, counted in
@@ -408,15 +491,19 @@ class Store:
 
     @staticmethod
     def _mark_stale(db: Db, states: Sequence[str], cmp: str, version: int, step: int) -> int:
-        return db.execute(f"UPDATE groups SET state = 'stale', resolved_step = ? "
-                          f"WHERE state IN ({_marks(len(states))}) AND policy_version {cmp} ?",
-                          (step, *states, version)).rowcount
+        return db.execute(
+            f"UPDATE groups SET state = 'stale', resolved_step = ? "
+            f"WHERE state IN ({_marks(len(states))}) AND policy_version {cmp} ?",
+            (step, *states, version),
+        ).rowcount
 
     # ---- validation --------------------------------------------------------------------------
     def release_claims(self, db: Db, claimed_before: float) -> None:
         """Claims older than `claimed_before` (their validator died) go back to pending."""
-        db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating' AND claimed < ?",
-                   (claimed_before,))
+        db.execute(
+            "UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating' AND claimed < ?",
+            (claimed_before,),
+        )
 
     def claim_pending(self, db: Db, max_groups: int, now: float, proven_after: int = 0) -> list[sqlite3.Row]:
         """Up to `max_groups` pending groups, now `validating` (claimed at `now`): rows of (id,
@@ -424,22 +511,27 @@ class Store:
         proven workers (`proven_after` accepted groups or more) take three quarters of the places
         and groups of unproven keys at least one, so a flood of new keys' garbage cannot delay
         proven work, and new honest workers still get checked (and proven)."""
-        select = ("SELECT g.id, g.worker, g.policy_version, g.payload, g.proofs FROM groups g JOIN workers w "
-                  "ON g.worker = w.key WHERE g.state = 'pending' AND w.validated {} ? ORDER BY g.id LIMIT ?")
+        select = (
+            "SELECT g.id, g.worker, g.policy_version, g.payload, g.proofs FROM groups g JOIN workers w "
+            "ON g.worker = w.key WHERE g.state = 'pending' AND w.validated {} ? ORDER BY g.id LIMIT ?"
+        )
         new_share = max(1, max_groups // 4)
         proven = db.execute(select.format(">="), (proven_after, max_groups)).fetchall()
         unproven = db.execute(select.format("<"), (proven_after, max_groups)).fetchall()
         take_new = min(len(unproven), max(new_share, max_groups - len(proven)))
         rows = sorted(proven[: max_groups - take_new] + unproven[:take_new], key=lambda r: r["id"])
         if rows:
-            db.execute(f"UPDATE groups SET state = 'validating', claimed = ? WHERE id IN ({_marks(len(rows))})",
-                       (now, *[r["id"] for r in rows]))
+            db.execute(
+                f"UPDATE groups SET state = 'validating', claimed = ? WHERE id IN ({_marks(len(rows))})",
+                (now, *[r["id"] for r in rows]),
+            )
         return rows
 
     def group_for_verdict(self, db: Db, group_id: int) -> sqlite3.Row | None:
         """(worker, lease_id, slot, informative, state) of a group."""
-        return db.execute("SELECT worker, lease_id, slot, informative, state FROM groups WHERE id = ?",
-                          (group_id,)).fetchone()
+        return db.execute(
+            "SELECT worker, lease_id, slot, informative, state FROM groups WHERE id = ?", (group_id,)
+        ).fetchone()
 
     def set_verdict(self, db: Db, group_id: int, state: str, verdict: str) -> None:
         """Settle a group: its new state and the validator's verdict (JSON)."""
@@ -447,8 +539,9 @@ class Store:
 
     def unclaim(self, db: Db, group_id: int) -> None:
         """A group being validated goes back to pending."""
-        db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE id = ? AND state = 'validating'",
-                   (group_id,))
+        db.execute(
+            "UPDATE groups SET state = 'pending', claimed = NULL WHERE id = ? AND state = 'validating'", (group_id,)
+        )
 
     # ---- batches -----------------------------------------------------------------------------
     def batch(self, db: Db, step: int) -> sqlite3.Row | None:
@@ -456,46 +549,65 @@ class Store:
         return db.execute("SELECT * FROM batches WHERE step = ?", (step,)).fetchone()
 
     def save_batch(self, db: Db, step: int, group_ids: str, metrics: str, created: float) -> None:
-        db.execute("INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
-                   (step, group_ids, metrics, created))
+        db.execute(
+            "INSERT INTO batches (step, group_ids, metrics, created) VALUES (?, ?, ?, ?)",
+            (step, group_ids, metrics, created),
+        )
 
     def latest_uninformative_payloads(self, db: Db, n: int) -> list[str]:
         """The payloads of the last `n` uninformative groups, newest first."""
-        return [p for (p,) in db.execute("SELECT payload FROM groups WHERE state = 'uninformative' "
-                                         "ORDER BY id DESC LIMIT ?", (n,)).fetchall()]
+        return [
+            p
+            for (p,) in db.execute(
+                "SELECT payload FROM groups WHERE state = 'uninformative' ORDER BY id DESC LIMIT ?", (n,)
+            ).fetchall()
+        ]
 
     def queued_ids(self, db: Db, n: int) -> list[int]:
         """Up to `n` queued groups' ids, first in first out."""
-        return [r[0] for r in db.execute("SELECT id FROM groups WHERE state = 'queued' ORDER BY id LIMIT ?",
-                                         (n,)).fetchall()]
+        return [
+            r[0]
+            for r in db.execute("SELECT id FROM groups WHERE state = 'queued' ORDER BY id LIMIT ?", (n,)).fetchall()
+        ]
 
     def consume(self, db: Db, ids: Sequence[int], step: int) -> None:
         """The groups feed batch `step` (and count in its metrics)."""
         marks = _marks(len(ids))
-        db.execute(f"UPDATE groups SET state = 'consumed', step = ?, resolved_step = ? WHERE id IN ({marks})",
-                   (step, step, *ids))
+        db.execute(
+            f"UPDATE groups SET state = 'consumed', step = ?, resolved_step = ? WHERE id IN ({marks})",
+            (step, step, *ids),
+        )
 
     def resolve_uninformative(self, db: Db, step: int) -> None:
         """Uninformative groups not yet counted in a batch's metrics count in batch `step`'s."""
-        db.execute("UPDATE groups SET resolved_step = ? WHERE state = 'uninformative' AND resolved_step IS NULL",
-                   (step,))
+        db.execute(
+            "UPDATE groups SET resolved_step = ? WHERE state = 'uninformative' AND resolved_step IS NULL", (step,)
+        )
 
     def resolved_payloads(self, db: Db, step: int) -> list[str]:
         """Payloads of the groups batch `step` settled, stale ones excepted."""
-        return [p for (p,) in db.execute("SELECT payload FROM groups WHERE resolved_step = ? AND state != 'stale'",
-                                         (step,)).fetchall()]
+        return [
+            p
+            for (p,) in db.execute(
+                "SELECT payload FROM groups WHERE resolved_step = ? AND state != 'stale'", (step,)
+            ).fetchall()
+        ]
 
     def resolved_stale_count(self, db: Db, step: int) -> int:
         """Groups dropped as stale and counted in batch `step`'s metrics."""
-        return db.execute("SELECT COUNT(*) FROM groups WHERE resolved_step = ? AND state = 'stale'",
-                          (step,)).fetchone()[0]
+        return db.execute(
+            "SELECT COUNT(*) FROM groups WHERE resolved_step = ? AND state = 'stale'", (step,)
+        ).fetchone()[0]
 
     # ---- policies ----------------------------------------------------------------------------
     def save_policy(self, db: Db, version: int, url: str, manifest: str, published: float) -> None:
         """Store (or replace) a published policy version; `manifest` is JSON."""
-        db.execute("INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
-                   "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
-                   "published = excluded.published", (version, url, manifest, published))
+        db.execute(
+            "INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
+            "published = excluded.published",
+            (version, url, manifest, published),
+        )
 
     def policy(self, db: Db, version: int) -> sqlite3.Row | None:
         """(url, manifest) of a policy version, manifest as JSON."""
@@ -513,8 +625,9 @@ class Store:
         """Rejections by reason: of all workers, or of one."""
         if worker is None:
             return dict(db.execute("SELECT reason, COUNT(*) FROM rejections GROUP BY reason").fetchall())
-        return dict(db.execute("SELECT reason, COUNT(*) FROM rejections WHERE worker = ? GROUP BY reason",
-                               (worker,)).fetchall())
+        return dict(
+            db.execute("SELECT reason, COUNT(*) FROM rejections WHERE worker = ? GROUP BY reason", (worker,)).fetchall()
+        )
 
     def worker_count(self, db: Db, *, banned: bool = False) -> int:
         """Registered workers (only the banned ones, if `banned`)."""

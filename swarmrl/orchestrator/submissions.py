@@ -55,9 +55,21 @@ class Submissions:
     outside the store's lock, stored in another. Calls the gate (`is_trusted`) and the
     validation queue (`settled`, `record_fraud`)."""
 
-    def __init__(self, store: Store, cfg: Config, rows: Sequence[dict], tokenizer, counters: Counters, gate: Gate,
-                 validation: ValidationQueue, lanes: GradingLanes, graders: Graders, *, vocab_size: int,
-                 hidden_size: int):
+    def __init__(
+        self,
+        store: Store,
+        cfg: Config,
+        rows: Sequence[dict],
+        tokenizer,
+        counters: Counters,
+        gate: Gate,
+        validation: ValidationQueue,
+        lanes: GradingLanes,
+        graders: Graders,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+    ):
         self.store, self.cfg, self.rows, self.tokenizer = store, cfg, rows, tokenizer
         self.counters, self.gate, self.validation = counters, gate, validation
         self.lanes, self.graders = lanes, graders
@@ -82,35 +94,50 @@ class Submissions:
         if state != "open":
             return SlotCheck(g.slot, reason="slot_closed", detail=f"slot {g.slot} is {state}")
         if not lease["min_version"] <= g.policy_version <= lease["max_version"]:
-            return SlotCheck(g.slot, reason="version_not_in_lease",
-                             detail=f"policy version {g.policy_version} is outside this lease's "
-                                    f"[{lease['min_version']}, {lease['max_version']}]")
+            return SlotCheck(
+                g.slot,
+                reason="version_not_in_lease",
+                detail=f"policy version {g.policy_version} is outside this lease's "
+                f"[{lease['min_version']}, {lease['max_version']}]",
+            )
         if g.policy_version < next_step - k:
-            return SlotCheck(g.slot, reason="stale", detail=f"policy version {g.policy_version} is older than "
-                                                            f"the async bound allows now ({next_step - k})")
+            return SlotCheck(
+                g.slot,
+                reason="stale",
+                detail=f"policy version {g.policy_version} is older than the async bound allows now ({next_step - k})",
+            )
         if len(g.samples) != s.group_size:
-            return SlotCheck(g.slot, reason="group_size",
-                             detail=f"{len(g.samples)} completions, the lease asked for {s.group_size}")
+            return SlotCheck(
+                g.slot, reason="group_size", detail=f"{len(g.samples)} completions, the lease asked for {s.group_size}"
+            )
         for i, smp in enumerate(g.samples):
             n = len(smp.token_ids)
             if not 1 <= n <= s.max_new_tokens:
-                return SlotCheck(g.slot, reason="length",
-                                 detail=f"completion {i} has {n} tokens; allowed 1..{s.max_new_tokens}")
+                return SlotCheck(
+                    g.slot, reason="length", detail=f"completion {i} has {n} tokens; allowed 1..{s.max_new_tokens}"
+                )
             if len(smp.logprobs) != n:
-                return SlotCheck(g.slot, reason="logprobs_length",
-                                 detail=f"completion {i}: {len(smp.logprobs)} logprobs for {n} tokens")
+                return SlotCheck(
+                    g.slot,
+                    reason="logprobs_length",
+                    detail=f"completion {i}: {len(smp.logprobs)} logprobs for {n} tokens",
+                )
             if max(smp.token_ids) >= self.vocab_size:
-                return SlotCheck(g.slot, reason="token_out_of_range",
-                                 detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size "
-                                        f"{self.vocab_size}")
+                return SlotCheck(
+                    g.slot,
+                    reason="token_out_of_range",
+                    detail=f"completion {i} has token id {max(smp.token_ids)} >= vocab size {self.vocab_size}",
+                )
             if max(smp.logprobs) > 1e-4 or min(smp.logprobs) < -1e4:
-                return SlotCheck(g.slot, reason="bad_logprob",
-                                 detail=f"completion {i} has a logprob outside [-1e4, 0]")
+                return SlotCheck(g.slot, reason="bad_logprob", detail=f"completion {i} has a logprob outside [-1e4, 0]")
             claims = [k for k in (smp.model_extra or {}) if "reward" in k.lower()]
             if claims:
-                return SlotCheck(g.slot, reason="claimed_reward",
-                                 detail=f"completion {i} carries {claims[0]!r}: rewards are computed by the "
-                                        "orchestrator, a worker never sends one")
+                return SlotCheck(
+                    g.slot,
+                    reason="claimed_reward",
+                    detail=f"completion {i} carries {claims[0]!r}: rewards are computed by the "
+                    "orchestrator, a worker never sends one",
+                )
             problem = termination_problem(list(smp.token_ids), smp.finish_reason, self.stop_ids, s.max_new_tokens)
             if problem:
                 return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
@@ -120,31 +147,50 @@ class Submissions:
             if not smp.proofs:
                 detail = f"completion {i} has no TOPLOC proofs"
                 if g.engine != "builtin":
-                    detail += (f" (groups of the {g.engine!r} engine go without proofs only from keys in the run's "
-                               "orchestrator.trusted_keys_file)")
+                    detail += (
+                        f" (groups of the {g.engine!r} engine go without proofs only from keys in the run's "
+                        "orchestrator.trusted_keys_file)"
+                    )
                 return SlotCheck(g.slot, reason="proofs_missing", detail=detail)
             problem = check_format(smp.proofs, n, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
             if problem:
                 return SlotCheck(g.slot, reason="proofs_malformed", detail=f"completion {i}: {problem}")
         claims = [k for k in (g.model_extra or {}) if "reward" in k.lower()]
         if claims:
-            return SlotCheck(g.slot, reason="claimed_reward",
-                             detail=f"the group carries {claims[0]!r}: rewards are computed by the orchestrator")
+            return SlotCheck(
+                g.slot,
+                reason="claimed_reward",
+                detail=f"the group carries {claims[0]!r}: rewards are computed by the orchestrator",
+            )
         row = self.rows[slot_rows[g.slot]["problem"]]
         seeds = json.loads(slot_rows[g.slot]["seeds"])
         prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
-        samples = [Sample(list(x.token_ids), [float(v) for v in x.logprobs], x.finish_reason, seed)
-                   for x, seed in zip(g.samples, seeds)]
-        group = Group(row["problem_id"], row["task_type"], prompt, row["verification_info"], ids, samples,
-                      g.policy_version, lease["worker"], self.cfg.sampling.temperature,
-                      slot_rows[g.slot]["target_length"], engine=g.engine, engine_dtype=g.dtype)
+        samples = [
+            Sample(list(x.token_ids), [float(v) for v in x.logprobs], x.finish_reason, seed)
+            for x, seed in zip(g.samples, seeds)
+        ]
+        group = Group(
+            row["problem_id"],
+            row["task_type"],
+            prompt,
+            row["verification_info"],
+            ids,
+            samples,
+            g.policy_version,
+            lease["worker"],
+            self.cfg.sampling.temperature,
+            slot_rows[g.slot]["target_length"],
+            engine=g.engine,
+            engine_dtype=g.dtype,
+        )
         return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
 
     def _grade(self, key: str, groups: list[Group]) -> None:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
         keys share one lane); Busy when no lane comes free in time."""
-        proven = is_proven((self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator) \
-            or self.gate.is_trusted(key)
+        proven = is_proven(
+            (self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator
+        ) or self.gate.is_trusted(key)
         with self.lanes.lane(key, proven) as pool:
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
@@ -170,9 +216,12 @@ class Submissions:
                 raise ApiError(403, "foreign_lease", f"lease {lease_id} belongs to another worker")
             if lease["state"] == "expired" or lease["expires"] < now:
                 self.counters.count("rejected/late")
-                raise ApiError(410, "lease_expired",
-                               f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
-                               "reissued to other workers. Lease again.")
+                raise ApiError(
+                    410,
+                    "lease_expired",
+                    f"lease {lease_id} expired {now - lease['expires']:.1f} s ago; its problems were "
+                    "reissued to other workers. Lease again.",
+                )
             elif len(groups) > lease["slots"]:
                 raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
             else:
@@ -205,8 +254,12 @@ class Submissions:
                         self.store.reissue_slot(db, lease_id, c.slot)
             if isinstance(e, Busy):
                 self.counters.count("grading_busy")
-                raise ApiError(429, "grading_busy", f"{e}; retry in a moment (nothing was lost: the slots stay "
-                                                    "open until the lease expires)", retry_after=1.0) from None
+                raise ApiError(
+                    429,
+                    "grading_busy",
+                    f"{e}; retry in a moment (nothing was lost: the slots stay open until the lease expires)",
+                    retry_after=1.0,
+                ) from None
             raise
         turnaround = (now - lease["created"]) / max(1, lease["slots"])
         accepted, rejected = [], []
@@ -222,12 +275,19 @@ class Submissions:
                     # what was stored, and do not count it against an honest worker.
                     row = self.store.stored_group(db, lease_id, c.slot)
                     if row is not None:
-                        accepted.append({"slot": c.slot, "rewards": json.loads(row[0])["rewards"],
-                                         "informative": bool(row[1]), "already_accepted": True})
+                        accepted.append(
+                            {
+                                "slot": c.slot,
+                                "rewards": json.loads(row[0])["rewards"],
+                                "informative": bool(row[1]),
+                                "already_accepted": True,
+                            }
+                        )
                         continue
                 if c.reason is not None:
-                    fraud = self.store.count_rejection(db, key, lease_id, c.slot, c.reason, c.detail,
-                                                       fraud=c.reason in FRAUD_REASONS)
+                    fraud = self.store.count_rejection(
+                        db, key, lease_id, c.slot, c.reason, c.detail, fraud=c.reason in FRAUD_REASONS
+                    )
                     rejected.append({"slot": c.slot, "reason": c.reason, "detail": c.detail})
                     self.counters.count(f"rejected/{c.reason}")
                     if c.reason in FRAUD_REASONS:
@@ -241,13 +301,28 @@ class Submissions:
                 full = self._rng.random() < (v.trusted_rate if c.proofless else v.rate)
                 if c.proofless:
                     self.counters.count("groups_accepted/without_proofs")
-                self.store.add_group(db, lease_id, c.slot, key, g.policy_version, now, g.to_json(), informative,
-                                     "pending" if full else "queued" if informative else "uninformative",
-                                     json.dumps(c.proofs, separators=(",", ":")))
+                self.store.add_group(
+                    db,
+                    lease_id,
+                    c.slot,
+                    key,
+                    g.policy_version,
+                    now,
+                    g.to_json(),
+                    informative,
+                    "pending" if full else "queued" if informative else "uninformative",
+                    json.dumps(c.proofs, separators=(",", ":")),
+                )
                 if not full:
                     self.validation.settled(db, key, informative, validated=False)
-                accepted.append({"slot": c.slot, "rewards": g.rewards, "informative": informative,
-                                 "validation": "pending" if full else "cheap checks only"})
+                accepted.append(
+                    {
+                        "slot": c.slot,
+                        "rewards": g.rewards,
+                        "informative": informative,
+                        "validation": "pending" if full else "cheap checks only",
+                    }
+                )
             fresh = [a for a in accepted if not a.get("already_accepted")]
             self.store.close_lease_if_settled(db, lease_id)
         self.counters.count("groups_accepted", len(fresh))

@@ -57,8 +57,10 @@ class ValidationQueue:
         recheck = self.store.recheck_worker_groups(db, key)
         self.store.add_accepted(db, key, -recheck)
         self.counters.count("workers_banned")
-        self.log(f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
-                 f"{recheck} of its queued groups go back to the validator")
+        self.log(
+            f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
+            f"{recheck} of its queued groups go back to the validator"
+        )
 
     def metrics(self, db) -> dict[str, float]:
         """Rejections by reason, banned workers and groups awaiting the validator, for a batch's metrics."""
@@ -91,18 +93,36 @@ class ValidationQueue:
         for r in rows:
             g = json.loads(r["payload"])
             proofs = json.loads(r["proofs"] or "[]")
-            items.append({"id": r["id"], "worker": r["worker"], "policy_version": r["policy_version"],
-                          "temperature": g["temperature"], "prompt_ids": g["prompt_ids"],
-                          "samples": [{"token_ids": smp["token_ids"], "logprobs": smp["logprobs"], "seed": smp["seed"],
-                                       "proofs": proofs[i] if i < len(proofs) else []}
-                                      for i, smp in enumerate(g["samples"])],
-                          # Only a trusted key's group comes without proofs (submissions.py): its
-                          # logprobs are all that can be checked.
-                          "checks": "full" if any(proofs) else "logprobs",
-                          "engine_dtype": g.get("engine_dtype")})
+            items.append(
+                {
+                    "id": r["id"],
+                    "worker": r["worker"],
+                    "policy_version": r["policy_version"],
+                    "temperature": g["temperature"],
+                    "prompt_ids": g["prompt_ids"],
+                    "samples": [
+                        {
+                            "token_ids": smp["token_ids"],
+                            "logprobs": smp["logprobs"],
+                            "seed": smp["seed"],
+                            "proofs": proofs[i] if i < len(proofs) else [],
+                        }
+                        for i, smp in enumerate(g["samples"])
+                    ],
+                    # Only a trusted key's group comes without proofs (submissions.py): its
+                    # logprobs are all that can be checked.
+                    "checks": "full" if any(proofs) else "logprobs",
+                    "engine_dtype": g.get("engine_dtype"),
+                }
+            )
         self.counters.count("validator/claimed", len(items))
-        return {"items": items, "policies": policies, "min_version": lo, "config": cfg.validator.model_dump(),
-                "dtype": cfg.sampling.dtype}
+        return {
+            "items": items,
+            "policies": policies,
+            "min_version": lo,
+            "config": cfg.validator.model_dump(),
+            "dtype": cfg.sampling.dtype,
+        }
 
     def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:
         """Apply a validator's verdicts: passed groups join the queue, failed ones are rejected
@@ -126,8 +146,9 @@ class ValidationQueue:
                 self.store.set_verdict(db, v["id"], "rejected", verdict)
                 # The problem goes back to the pool, as for a slot refused at submission.
                 self.store.reissue_slot(db, row["lease_id"], row["slot"])
-                fraud = self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], reason,
-                                                   v.get("detail", ""), fraud=True)
+                fraud = self.store.count_rejection(
+                    db, row["worker"], row["lease_id"], row["slot"], reason, v.get("detail", ""), fraud=True
+                )
                 self.counters.count(f"rejected/{reason}")
                 self.record_fraud(db, row["worker"], reason, v.get("detail", ""), fraud)
             for gid in retry:

@@ -61,8 +61,11 @@ class ChunkResult:
     mant_err_median: float  # its median; 2**64 for both when no point matches
 
     def passes(self, *, exp_mismatches_max: int, mant_err_mean_max: float, mant_err_median_max: float) -> bool:
-        return (self.exp_mismatches <= exp_mismatches_max and self.mant_err_mean <= mant_err_mean_max
-                and self.mant_err_median <= mant_err_median_max)
+        return (
+            self.exp_mismatches <= exp_mismatches_max
+            and self.mant_err_mean <= mant_err_mean_max
+            and self.mant_err_median <= mant_err_median_max
+        )
 
 
 def _inverse_table() -> np.ndarray:
@@ -102,7 +105,7 @@ def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     for k in range(1, n):
         # dd[i] <- (dd[i] - dd[i-1]) / (x[i] - x[i-k]) for i >= k, from the previous round's dd.
         # Both differences are shifted into (0, 2 * PRIME) rather than reduced.
-        num = dd[k:] - dd[k - 1:-1]
+        num = dd[k:] - dd[k - 1 : -1]
         num += PRIME
         num *= _INV2[x[k:] - x[:-k] + PRIME]
         num %= PRIME
@@ -112,14 +115,14 @@ def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     factor[0] = 1
     minus_x = (PRIME - x) % PRIME
     for i in range(n):
-        coeffs[:i + 1] += dd[i] * factor[:i + 1]  # < 2**32 per term, n terms at most
+        coeffs[: i + 1] += dd[i] * factor[: i + 1]  # < 2**32 per term, n terms at most
         if i + 1 < n:
             # factor <- factor * (x - x_i); only its first i + 2 entries can be non-zero.
-            live = factor[:i + 2]
+            live = factor[: i + 2]
             new = live * minus_x[i]
             new[1:] += live[:-1]
             new %= PRIME
-            factor[:i + 2] = new
+            factor[: i + 2] = new
     coeffs %= PRIME
     return np.ascontiguousarray(coeffs.T)
 
@@ -130,7 +133,7 @@ def evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.int64) % PRIME
     out = np.repeat(coeffs[:, -1:], x.shape[1], axis=1)
     for i in range(coeffs.shape[1] - 2, -1, -1):
-        out = (out * x + coeffs[:, i:i + 1]) % PRIME
+        out = (out * x + coeffs[:, i : i + 1]) % PRIME
     return out
 
 
@@ -139,7 +142,7 @@ def to_bytes(modulus: int, coeffs: Sequence[int]) -> bytes:
     out = bytearray(2 + 2 * len(coeffs))
     out[0:2] = int(modulus).to_bytes(2, "big")
     for i, c in enumerate(coeffs):
-        out[2 + 2 * i: 4 + 2 * i] = int(c).to_bytes(2, "big")
+        out[2 + 2 * i : 4 + 2 * i] = int(c).to_bytes(2, "big")
     return bytes(out)
 
 
@@ -148,8 +151,10 @@ def parse(proof: bytes, topk: int) -> tuple[int, np.ndarray]:
     if not isinstance(proof, (bytes, bytearray)):
         raise ProofError(f"a proof must be bytes (decode base64 first), not {type(proof).__name__}")
     if len(proof) != 2 + 2 * topk:
-        raise ProofError(f"a proof is {len(proof)} bytes; top-{topk} proofs are {2 + 2 * topk} bytes "
-                         f"(a different top-k, or a truncated proof)")
+        raise ProofError(
+            f"a proof is {len(proof)} bytes; top-{topk} proofs are {2 + 2 * topk} bytes "
+            f"(a different top-k, or a truncated proof)"
+        )
     arr = np.frombuffer(proof, dtype=">u2").astype(np.int64)
     modulus, coeffs = int(arr[0]), arr[1:]
     if modulus == NULL_MODULUS:
@@ -229,12 +234,13 @@ def chunks(activations: Tensor | Sequence[Tensor], chunk_size: int, *, cast: boo
         if not len(activations):
             raise ProofError("no activations: a completion has at least one token")
         flat = as_bf16(activations) if cast else activations  # cast=False: done by the caller
-        return [flat[i:i + chunk_size].reshape(-1) for i in range(0, len(flat), chunk_size)]
+        return [flat[i : i + chunk_size].reshape(-1) for i in range(0, len(flat), chunk_size)]
     rows = list(activations)
     if not rows:
         raise ProofError("no activations: a completion has at least one token")
-    return [as_bf16(torch.cat([r.reshape(-1) for r in rows[i:i + chunk_size]]))
-            for i in range(0, len(rows), chunk_size)]
+    return [
+        as_bf16(torch.cat([r.reshape(-1) for r in rows[i : i + chunk_size]])) for i in range(0, len(rows), chunk_size)
+    ]
 
 
 # ---- build and verify -----------------------------------------------------------------------
@@ -261,13 +267,17 @@ def _find_moduli(x: np.ndarray) -> np.ndarray:
     raise ProofError("no modulus keeps these indices distinct (are there duplicate indices?)")
 
 
-def build_proofs_many(seqs: Sequence[Tensor | Sequence[Tensor]], *, chunk_size: int = 32,
-                      topk: int = 128) -> list[list[bytes]]:
+def build_proofs_many(
+    seqs: Sequence[Tensor | Sequence[Tensor]], *, chunk_size: int = 32, topk: int = 128
+) -> list[list[bytes]]:
     """The proofs of many sequences, built together: one top-k, one modulus search and one
     interpolation per chunk width, so the cost is per call rather than per proof."""
     _check_topk(topk)
-    if seqs and all(isinstance(a, Tensor) and a.dim() == 2 and len(a) for a in seqs) \
-            and len({a.shape[1] for a in seqs}) == 1:
+    if (
+        seqs
+        and all(isinstance(a, Tensor) and a.dim() == 2 and len(a) for a in seqs)
+        and len({a.shape[1] for a in seqs}) == 1
+    ):
         # The usual worker call: one cast and one finiteness check for the whole batch.
         whole = torch.cat(list(seqs))
         if not whole.is_floating_point():
@@ -300,13 +310,14 @@ def build_proofs_many(seqs: Sequence[Tensor | Sequence[Tensor]], *, chunk_size: 
             out[i] = row.tobytes()
     result, pos = [], 0
     for cs in per_seq:
-        result.append(out[pos:pos + len(cs)])
+        result.append(out[pos : pos + len(cs)])
         pos += len(cs)
     return result
 
 
-def verify_proofs(activations: Tensor | Sequence[Tensor], proofs: Sequence[bytes], *, chunk_size: int = 32,
-                  topk: int = 128) -> list[ChunkResult]:
+def verify_proofs(
+    activations: Tensor | Sequence[Tensor], proofs: Sequence[bytes], *, chunk_size: int = 32, topk: int = 128
+) -> list[ChunkResult]:
     """Compare proofs with activations recomputed by the validator; one result per chunk.
 
     ProofError if the proofs cannot be compared at all (count, size, null or malformed).
@@ -317,8 +328,9 @@ def verify_proofs(activations: Tensor | Sequence[Tensor], proofs: Sequence[bytes
     return result
 
 
-def verify_proofs_many(items: Sequence[tuple[Tensor | Sequence[Tensor], Sequence[bytes]]], *, chunk_size: int = 32,
-                       topk: int = 128) -> list[list[ChunkResult] | ProofError]:
+def verify_proofs_many(
+    items: Sequence[tuple[Tensor | Sequence[Tensor], Sequence[bytes]]], *, chunk_size: int = 32, topk: int = 128
+) -> list[list[ChunkResult] | ProofError]:
     """verify_proofs for many (activations, proofs) pairs at once: per pair, its chunk results
     or the ProofError that stops it from being compared (other pairs are unaffected)."""
     _check_topk(topk)
@@ -326,8 +338,11 @@ def verify_proofs_many(items: Sequence[tuple[Tensor | Sequence[Tensor], Sequence
     todo = []  # (item, chunk number, chunk, modulus, coeffs)
     acts = [a for a, _ in items]
     cast = True
-    if acts and all(isinstance(a, Tensor) and a.dim() == 2 and len(a) and a.is_floating_point() for a in acts) \
-            and len({a.shape[1] for a in acts}) == 1:
+    if (
+        acts
+        and all(isinstance(a, Tensor) and a.dim() == 2 and len(a) and a.is_floating_point() for a in acts)
+        and len({a.shape[1] for a in acts}) == 1
+    ):
         try:  # the validator's call: one cast and one finiteness check for everything
             acts, cast = list(as_bf16(torch.cat(acts)).split([len(a) for a in acts])), False
         except ProofError:

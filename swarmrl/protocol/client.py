@@ -15,8 +15,18 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.protocol import PROTOCOL_VERSION
-from swarmrl.protocol.messages import (Batch, Claim, Finished, LeaseReply, Published, Recorded, Registered, Status,
-                                       SubmitReply, WorkerRecord)
+from swarmrl.protocol.messages import (
+    Batch,
+    Claim,
+    Finished,
+    LeaseReply,
+    Published,
+    Recorded,
+    Registered,
+    Status,
+    SubmitReply,
+    WorkerRecord,
+)
 from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
 from swarmrl.protocol.tls import TLSError, explain, tls_failure
 
@@ -46,9 +56,11 @@ def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ())) or "<reply>"
-        raise ProtocolMismatch(f"the reply to {what} does not match swarmrl protocol v{PROTOCOL_VERSION} "
-                               f"({where}: {first.get('msg')}): run the same swarmrl version as the orchestrator "
-                               "(GET /v1/status says its protocol_version)") from None
+        raise ProtocolMismatch(
+            f"the reply to {what} does not match swarmrl protocol v{PROTOCOL_VERSION} "
+            f"({where}: {first.get('msg')}): run the same swarmrl version as the orchestrator "
+            "(GET /v1/status says its protocol_version)"
+        ) from None
     return reply
 
 
@@ -75,8 +87,9 @@ class _Client:
         # TCP_NODELAY: a request goes out as headers then body; with Nagle's algorithm and the
         # server's delayed ACK every POST waited ~40 ms (measured: lease p50 48 ms -> see docs).
         # local_address: the source address to connect from (a machine with several).
-        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-                                        local_address=local_address)
+        transport = httpx.HTTPTransport(
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], local_address=local_address
+        )
         self.http = httpx.Client(timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -92,8 +105,10 @@ class _Client:
             raise Unavailable(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code == 429 or r.status_code >= 500:
             retry = r.headers.get("retry-after")
-            raise Unavailable(f"{method} {path}: HTTP {r.status_code} {r.text[:200]}",
-                              retry_after=float(retry) if retry and retry.replace(".", "", 1).isdigit() else None)
+            raise Unavailable(
+                f"{method} {path}: HTTP {r.status_code} {r.text[:200]}",
+                retry_after=float(retry) if retry and retry.replace(".", "", 1).isdigit() else None,
+            )
         try:
             data = r.json()
         except ValueError:
@@ -112,8 +127,9 @@ class WorkerClient(_Client):
     is refused here (WrongRun) instead of being sent signatures. Without it the run id is read
     from GET /v1/status on first use."""
 
-    def __init__(self, url: str, key, timeout_s: float = 30.0, run_id: str | None = None,
-                 local_address: str | None = None):
+    def __init__(
+        self, url: str, key, timeout_s: float = 30.0, run_id: str | None = None, local_address: str | None = None
+    ):
         super().__init__(url, timeout_s, local_address)
         self.key = key
         self.key_hex = public_key_hex(key)
@@ -125,8 +141,10 @@ class WorkerClient(_Client):
         if self.run_id is None or self.pinned:
             served = str(self.status().get("run_id", ""))
             if self.pinned and served != self.pinned:
-                raise WrongRun(f"{self.url} serves run {served!r}, not the run {self.pinned} this worker was "
-                               "started for: check the orchestrator URL")
+                raise WrongRun(
+                    f"{self.url} serves run {served!r}, not the run {self.pinned} this worker was "
+                    "started for: check the orchestrator URL"
+                )
             self.run_id = served
             self.pinned = None  # checked once; the id is part of every signature from now on
         return self.run_id
@@ -161,8 +179,11 @@ class TrainerClient(_Client):
         return _checked(Batch, self._post(f"/v1/trainer/batches/{step}"), f"batch {step}")
 
     def publish(self, version: int, url: str, manifest: dict) -> dict:
-        return _checked(Published, self._post("/v1/trainer/policies",
-                                              {"version": version, "url": url, "manifest": manifest}), "publish")
+        return _checked(
+            Published,
+            self._post("/v1/trainer/policies", {"version": version, "url": url, "manifest": manifest}),
+            "publish",
+        )
 
     def finish(self) -> dict:
         return _checked(Finished, self._post("/v1/trainer/finish"), "finish")
@@ -179,12 +200,14 @@ class ValidatorClient(TrainerClient):
         return _checked(Claim, self._post("/v1/validator/claim", {"max_groups": max_groups}), "claim")
 
     def record(self, verdicts: list[dict], retry: list[int]) -> dict:
-        return _checked(Recorded, self._post("/v1/validator/verdicts", {"verdicts": verdicts, "retry": retry}),
-                        "verdicts")
+        return _checked(
+            Recorded, self._post("/v1/validator/verdicts", {"verdicts": verdicts, "retry": retry}), "verdicts"
+        )
 
 
-def retrying(call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2,
-             max_s: float = 5.0):
+def retrying(
+    call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2, max_s: float = 5.0
+):
     """Run `call` until it succeeds, retrying on Unavailable with exponential backoff; raise after
     `give_up_s` seconds of continuous failure. `check` runs between tries (watchdogs)."""
     delay, start, said = base_s, time.monotonic(), None

@@ -26,7 +26,6 @@ from typing import TypeGuard
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-
 FORMAT = "swarmrl-broadcast/1"
 MAX_SHARDS = 100_000  # shard names have five digits
 
@@ -35,8 +34,18 @@ _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", re.ASCII)
 _HEX64 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX128 = re.compile(r"[0-9a-f]{128}", re.ASCII)
 
-_FIELDS = {"format", "version", "parent", "created", "model_config", "files", "shard_size", "total_size", "shards",
-           "public_key"}
+_FIELDS = {
+    "format",
+    "version",
+    "parent",
+    "created",
+    "model_config",
+    "files",
+    "shard_size",
+    "total_size",
+    "shards",
+    "public_key",
+}
 
 
 class BroadcastError(RuntimeError):
@@ -74,8 +83,10 @@ def check_public_key(public_key, who: str) -> str:
     if not isinstance(public_key, str) or not _HEX64.fullmatch(public_key):
         raise BroadcastError(
             f"{who}: public_key must be the trainer's ed25519 public key as 64 lowercase hex characters "
-            f"(auth.public_key_hex; <run-dir>/trainer.pub), got {str(public_key)[:80]!r}")
+            f"(auth.public_key_hex; <run-dir>/trainer.pub), got {str(public_key)[:80]!r}"
+        )
     return public_key
+
 
 # ---- manifests ----------------------------------------------------------------------------------
 
@@ -94,8 +105,10 @@ def manifest_digest(manifest: dict) -> str:
 def content_digest(manifest: dict) -> str:
     """sha256 hex of a version's files (name, size, sha256 each, in name order): what the version
     holds, independent of when and how it was published. An adapter version names its base by it."""
-    files = sorted(({"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in manifest["files"]),
-                   key=lambda f: f["name"])
+    files = sorted(
+        ({"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in manifest["files"]),
+        key=lambda f: f["name"],
+    )
     return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
@@ -120,14 +133,17 @@ def describe_manifest(manifest, version: int | None) -> str:
 
 def check_manifest_shape(manifest, where: str) -> None:
     """Well-formedness only (no signature): every field, types, and internal consistency."""
+
     def bad(msg: str) -> BroadcastError:
         return BroadcastError(f"{where}: {msg}; the source is misconfigured or malicious, use another source")
 
     if not isinstance(manifest, dict):
         raise bad(f"not a JSON object ({type(manifest).__name__})")
     if "format" in manifest and manifest["format"] != FORMAT:
-        raise BroadcastError(f"{where}: format is {manifest['format']!r}, expected {FORMAT!r}; the sender runs an "
-                             "incompatible swarmrl version (upgrade both sides)")
+        raise BroadcastError(
+            f"{where}: format is {manifest['format']!r}, expected {FORMAT!r}; the sender runs an "
+            "incompatible swarmrl version (upgrade both sides)"
+        )
     missing = sorted(_FIELDS - set(manifest))
     if missing:
         raise bad(f"missing field(s) {', '.join(missing)}: not a {FORMAT} manifest")
@@ -162,8 +178,10 @@ def check_manifest_shape(manifest, where: str) -> None:
         if not isinstance(f, dict) or set(f) != {"name", "offset", "size", "sha256"}:
             raise bad(f"files[{i}] must be an object with exactly name, offset, size, sha256")
         if not is_plain_name(f["name"]):
-            raise bad(f"files[{i}] has a bad name {f['name']!r} (plain names only: letters, digits, '.', '_', '-'; "
-                      "no '..', not starting with '.')")
+            raise bad(
+                f"files[{i}] has a bad name {f['name']!r} (plain names only: letters, digits, '.', '_', '-'; "
+                "no '..', not starting with '.')"
+            )
         if f["name"] in names:
             raise bad(f"file {f['name']!r} is listed twice")
         names.add(f["name"])
@@ -202,31 +220,43 @@ def verify_manifest(manifest, public_key: str, version: int | None = None) -> No
     check_manifest_shape(manifest, where)
     sig = manifest.get("signature")
     if sig is None or sig == "":
-        raise BroadcastError(f"{where}: unsigned (no 'signature' field); only manifests signed by the trainer key "
-                             f"{pk[:16]}... are accepted: refuse it, the source is misconfigured or malicious")
+        raise BroadcastError(
+            f"{where}: unsigned (no 'signature' field); only manifests signed by the trainer key "
+            f"{pk[:16]}... are accepted: refuse it, the source is misconfigured or malicious"
+        )
     if not isinstance(sig, str) or not _HEX128.fullmatch(sig):
-        raise BroadcastError(f"{where}: the signature must be 128 lowercase hex characters; refuse it and use "
-                             "another source")
+        raise BroadcastError(
+            f"{where}: the signature must be 128 lowercase hex characters; refuse it and use another source"
+        )
     if manifest["public_key"] != pk:
-        raise BroadcastError(f"{where}: signed by key {manifest['public_key']}, not the configured trainer key {pk}; "
-                             "if the trainer's key changed, configure the new one (<run-dir>/trainer.pub), "
-                             "otherwise the source is forging versions")
+        raise BroadcastError(
+            f"{where}: signed by key {manifest['public_key']}, not the configured trainer key {pk}; "
+            "if the trainer's key changed, configure the new one (<run-dir>/trainer.pub), "
+            "otherwise the source is forging versions"
+        )
     try:
         Ed25519PublicKey.from_public_bytes(bytes.fromhex(pk)).verify(bytes.fromhex(sig), canonical(manifest))
     except ValueError:
-        raise BroadcastError(f"{where}: the configured trainer key {pk} is not a valid ed25519 public key; "
-                             "check <run-dir>/trainer.pub") from None
+        raise BroadcastError(
+            f"{where}: the configured trainer key {pk} is not a valid ed25519 public key; check <run-dir>/trainer.pub"
+        ) from None
     except InvalidSignature:
-        raise BroadcastError(f"{where}: bad signature: the manifest was altered after the trainer signed it (or "
-                             "signed by another key); refuse it and use another source") from None
+        raise BroadcastError(
+            f"{where}: bad signature: the manifest was altered after the trainer signed it (or "
+            "signed by another key); refuse it and use another source"
+        ) from None
     if version is not None and manifest["version"] != version:
-        raise BroadcastError(f"{where}: the manifest is for {version_name(manifest['version'])}, "
-                             f"not {version_name(version)}; "
-                             "the source serves the wrong version, use another source")
+        raise BroadcastError(
+            f"{where}: the manifest is for {version_name(manifest['version'])}, "
+            f"not {version_name(version)}; "
+            "the source serves the wrong version, use another source"
+        )
 
 
 def same_content(a: dict, b: dict) -> bool:
     """Same version, same bytes, same signer: all but the time of publishing and the signature."""
+
     def strip(m):
         return {k: v for k, v in m.items() if k not in ("created", "signature")}
+
     return json.dumps(strip(a), sort_keys=True) == json.dumps(strip(b), sort_keys=True)

@@ -47,8 +47,10 @@ class SampleIn(_Claims):
     logprobs: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_TOKENS)
     finish_reason: Literal["stop", "length"]
     proofs: list[Annotated[str, Field(max_length=MAX_PROOF_CHARS)]] = Field(
-        default_factory=list, max_length=MAX_TOKENS,
-        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)")
+        default_factory=list,
+        max_length=MAX_TOKENS,
+        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)",
+    )
 
 
 class GroupIn(_Claims):
@@ -56,11 +58,15 @@ class GroupIn(_Claims):
     policy_version: int = Field(ge=0, le=10**9)
     samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
     engine: Literal["builtin", "openai"] = Field(
-        "builtin", description="what generated the group: the seeded sampler (with proofs), or an OpenAI-compatible "
-                               "server (no proofs: accepted from trusted keys only)")
+        "builtin",
+        description="what generated the group: the seeded sampler (with proofs), or an OpenAI-compatible "
+        "server (no proofs: accepted from trusted keys only)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="the precision the engine computed in, when it is not the run's (an endpoint's server); "
-                          "the validator's logprob tolerance follows it")
+        None,
+        description="the precision the engine computed in, when it is not the run's (an endpoint's server); "
+        "the validator's logprob tolerance follows it",
+    )
 
 
 class SubmitIn(_In):
@@ -139,7 +145,8 @@ class Lease(_Out):
     temperature: float = Field(ge=0)
     max_new_tokens: int = Field(ge=1)
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="the run's inference precision: sample in exactly this (the validator prefills in it)")
+        "float32", description="the run's inference precision: sample in exactly this (the validator prefills in it)"
+    )
     proof: ProofSpec
     prompts: list[LeasedPrompt]
 
@@ -164,14 +171,17 @@ class Registered(_Out):
 class WorkerRecord(Registered):
     """POST /v1/workers/me: what the orchestrator holds against (and for) this key."""
 
-    fraud: int = Field(description="rejections no honest worker can get (protocol/reasons.py); bans at validator.ban_after")
+    fraud: int = Field(
+        description="rejections no honest worker can get (protocol/reasons.py); bans at validator.ban_after"
+    )
     banned: bool
     awaiting_validation: int = Field(description="accepted groups the validator has not checked yet")
     rejections: dict[str, int] = Field(description="rejections by reason code")
     expired_slots: int = Field(0, description="leased prompts this key let expire unsubmitted")
     proven: bool = Field(False, description="whether the key has orchestrator.proven_after accepted groups")
-    trusted: bool = Field(False, description="whether the key is in orchestrator.trusted_keys_file (may submit "
-                                             "groups without proofs)")
+    trusted: bool = Field(
+        False, description="whether the key is in orchestrator.trusted_keys_file (may submit groups without proofs)"
+    )
     lease_allowance: int = Field(0, description="prompts this key may hold leased now (docs/security.md)")
 
 
@@ -232,8 +242,10 @@ class ClaimedGroup(_Out):
     prompt_ids: list[int]
     samples: list[ClaimedSample]
     checks: Literal["full", "logprobs"] = Field(
-        "full", description="full: proofs, seeded sampling, logprobs; logprobs: a trusted key's group without "
-                            "proofs, whose logprobs alone can be checked")
+        "full",
+        description="full: proofs, seeded sampling, logprobs; logprobs: a trusted key's group without "
+        "proofs, whose logprobs alone can be checked",
+    )
     engine_dtype: str | None = Field(None, description="the precision its engine declared (logprobs checks)")
 
 
@@ -323,8 +335,10 @@ class Dashboard(_Out):
     orchestrator.dashboard_cache_s."""
 
     run: DashboardRun
-    progress: list[dict[str, float]] = Field(description="per step: batch metrics (reward/mean, length/mean, "
-                                                         "off_policy/max, ...) and held-out eval/accuracy when known")
+    progress: list[dict[str, float]] = Field(
+        description="per step: batch metrics (reward/mean, length/mean, "
+        "off_policy/max, ...) and held-out eval/accuracy when known"
+    )
     workers: list[DashboardWorker] = Field(description="the leaderboard: most accepted groups first (500 at most)")
     workers_total: int
     validation: DashboardValidation

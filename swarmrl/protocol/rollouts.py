@@ -42,9 +42,9 @@ class Group:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Group":
+    def from_dict(cls, data: dict) -> Group:
         return cls(**{**data, "samples": [Sample(**s) for s in data["samples"]]})
 
     @classmethod
-    def from_json(cls, text: str) -> "Group":
+    def from_json(cls, text: str) -> Group:
         return cls.from_dict(json.loads(text))

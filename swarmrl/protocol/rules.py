@@ -7,8 +7,9 @@ reason named in :mod:`swarmrl.protocol.reasons` (docs/protocol.md).
 from __future__ import annotations
 
 
-def termination_problem(token_ids: list[int], finish_reason: str, stop_ids: list[int],
-                        max_new_tokens: int) -> str | None:
+def termination_problem(
+    token_ids: list[int], finish_reason: str, stop_ids: list[int], max_new_tokens: int
+) -> str | None:
     """None if the completion ends the way the sampler ends one, else what is wrong.
 
     A completion stops at its first stop token, or runs to exactly the token limit.

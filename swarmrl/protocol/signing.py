@@ -69,8 +69,7 @@ def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
         return key
     path.parent.mkdir(parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     # O_EXCL: two workers started on the same file never overwrite each other's identity.
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -90,12 +89,14 @@ def public_key_hex(key: Ed25519PrivateKey) -> str:
 
 
 def signing_message(run_id: str, method: str, path: str, body: bytes, timestamp: str, nonce: str) -> bytes:
-    return "\n".join([SCHEME, run_id, method.upper(), path, hashlib.sha256(body).hexdigest(), timestamp,
-                      nonce]).encode()
+    return "\n".join(
+        [SCHEME, run_id, method.upper(), path, hashlib.sha256(body).hexdigest(), timestamp, nonce]
+    ).encode()
 
 
-def sign_headers(key: Ed25519PrivateKey, run_id: str, method: str, path: str, body: bytes, *,
-                 now: float | None = None) -> dict[str, str]:
+def sign_headers(
+    key: Ed25519PrivateKey, run_id: str, method: str, path: str, body: bytes, *, now: float | None = None
+) -> dict[str, str]:
     if not _RUN_ID.fullmatch(run_id or ""):
         raise ValueError(f"run id must be 32 lowercase hex characters (GET /v1/status), got {run_id!r}")
     ts = f"{time.time() if now is None else now:.3f}"
@@ -114,8 +115,16 @@ def _hex(value: str, nbytes: int, what: str) -> bytes:
     return raw
 
 
-def verify_request(headers: dict[str, str], method: str, path: str, body: bytes, *, run_id: str,
-                   max_skew_s: float, now: float | None = None) -> tuple[str, str, float]:
+def verify_request(
+    headers: dict[str, str],
+    method: str,
+    path: str,
+    body: bytes,
+    *,
+    run_id: str,
+    max_skew_s: float,
+    now: float | None = None,
+) -> tuple[str, str, float]:
     """Check the run, signature and timestamp of a request; return (key hex, nonce, timestamp).
 
     The nonce is only checked for shape here; uniqueness is the store's job."""
@@ -124,12 +133,16 @@ def verify_request(headers: dict[str, str], method: str, path: str, body: bytes,
         raise AuthError(f"unsigned request: missing header(s) {', '.join(missing)}; sign it with the worker key")
     claimed = headers.get(H_RUN)
     if not claimed:
-        raise WrongRun(f"request not bound to a run: header {H_RUN} is missing. Sign requests with the run id "
-                       "of GET /v1/status (swarmrl protocol v2); an older worker must be upgraded")
+        raise WrongRun(
+            f"request not bound to a run: header {H_RUN} is missing. Sign requests with the run id "
+            "of GET /v1/status (swarmrl protocol v2); an older worker must be upgraded"
+        )
     if claimed != run_id:
-        raise WrongRun(f"request signed for run {claimed[:40]!r}, but this orchestrator serves run {run_id}: "
-                       "a signature is only valid in the run it was made for; read the run id from "
-                       "GET /v1/status of the orchestrator you talk to")
+        raise WrongRun(
+            f"request signed for run {claimed[:40]!r}, but this orchestrator serves run {run_id}: "
+            "a signature is only valid in the run it was made for; read the run id from "
+            "GET /v1/status of the orchestrator you talk to"
+        )
     key_hex, ts, nonce, sig = (headers[h] for h in SIGNED_HEADERS)
     if not _LOWER_HEX.fullmatch(key_hex):
         # One spelling per key: bytes.fromhex would accept upper case and spaces, and the header
@@ -149,8 +162,10 @@ def verify_request(headers: dict[str, str], method: str, path: str, body: bytes,
         raise AuthError(f"header {H_TIMESTAMP} must be unix seconds, got {ts[:40]!r}") from None
     now = time.time() if now is None else now
     if not abs(now - t) <= max_skew_s:  # `not <=` also refuses nan
-        raise ClockSkew(f"timestamp {ts[:40]} is more than {max_skew_s:.0f} s from the orchestrator's clock "
-                        f"({now:.0f}); check the worker's clock")
+        raise ClockSkew(
+            f"timestamp {ts[:40]} is more than {max_skew_s:.0f} s from the orchestrator's clock "
+            f"({now:.0f}); check the worker's clock"
+        )
     try:
         pub.verify(signature, signing_message(run_id, method, path, body, ts, nonce))
     except InvalidSignature:

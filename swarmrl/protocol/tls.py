@@ -33,8 +33,9 @@ def server_context(cert_file: str | Path, key_file: str | Path, *, flag: str = "
     try:
         ctx.load_cert_chain(str(cert_file), str(key_file))
     except (ssl.SSLError, ValueError) as e:
-        raise TLSError(f"cannot use {cert_file} with {key_file} ({e}): give a PEM certificate (chain) and its "
-                       "PEM private key") from None
+        raise TLSError(
+            f"cannot use {cert_file} with {key_file} ({e}): give a PEM certificate (chain) and its PEM private key"
+        ) from None
     return ctx
 
 
@@ -86,9 +87,11 @@ def tls_failure(exc: BaseException) -> ssl.SSLError | None:
 
 def explain(url: str, err: ssl.SSLError) -> str:
     reason = getattr(err, "verify_message", None) or getattr(err, "reason", None) or str(err)
-    hint = ("the certificate is not for this host: use the host name the certificate names"
-            if "mismatch" in str(reason).lower() or "hostname" in str(reason).lower()
-            else "if it is signed by your own CA, pass --ca-file CA.pem")
+    hint = (
+        "the certificate is not for this host: use the host name the certificate names"
+        if "mismatch" in str(reason).lower() or "hostname" in str(reason).lower()
+        else "if it is signed by your own CA, pass --ca-file CA.pem"
+    )
     return f"TLS: cannot verify {url} ({reason}); {hint}"
 
 
@@ -108,26 +111,43 @@ def make_loopback_certificates(folder: str | Path) -> tuple[Path, Path, Path]:
     if ca_path.is_file() and cert_path.is_file() and key_path.is_file():
         return ca_path, cert_path, key_path
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def build(subject: str, issuer, signer, public, *, ca: bool, sans=None):
-        b = (x509.CertificateBuilder()
-             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(issuer).public_key(public).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=365))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=365))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if sans:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return b.sign(signer, hashes.SHA256())
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = build("swarmrl run CA", x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarmrl run CA")]), ca_key,
-               ca_key.public_key(), ca=True)
+    ca = build(
+        "swarmrl run CA",
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swarmrl run CA")]),
+        ca_key,
+        ca_key.public_key(),
+        ca=True,
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = build("127.0.0.1", ca.subject, ca_key, key.public_key(), ca=False,
-                 sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    cert = build(
+        "127.0.0.1",
+        ca.subject,
+        ca_key,
+        key.public_key(),
+        ca=False,
+        sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     os.chmod(key_path, 0o600)
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))

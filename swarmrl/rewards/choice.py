@@ -58,23 +58,27 @@ def check_choice(verification_info: dict) -> str | None:
     """None if ``verification_info`` can grade a multiple-choice row, else what is wrong."""
     example = 'e.g. {"answer": "C", "num_choices": 4}'
     if not isinstance(verification_info, dict):
-        return (f"verification_info must be an object {example}, "
-                f"got {type(verification_info).__name__}")
+        return f"verification_info must be an object {example}, got {type(verification_info).__name__}"
     num_choices = verification_info.get("num_choices")
     if isinstance(num_choices, bool) or not isinstance(num_choices, int):
-        return (f"verification_info 'num_choices' must be an integer from {MIN_CHOICES} to "
-                f"{MAX_CHOICES}, got {num_choices!r}; {example}")
+        return (
+            f"verification_info 'num_choices' must be an integer from {MIN_CHOICES} to "
+            f"{MAX_CHOICES}, got {num_choices!r}; {example}"
+        )
     if not MIN_CHOICES <= num_choices <= MAX_CHOICES:
-        return (f"verification_info 'num_choices' must be from {MIN_CHOICES} to {MAX_CHOICES}, "
-                f"got {num_choices}")
+        return f"verification_info 'num_choices' must be from {MIN_CHOICES} to {MAX_CHOICES}, got {num_choices}"
     answer = verification_info.get("answer")
     allowed = f"A-{_LETTERS[num_choices - 1]}"
     if not isinstance(answer, str) or len(answer) != 1 or answer not in _LETTERS:
-        return (f"verification_info 'answer' must be one capital letter ({allowed} for "
-                f"{num_choices} choices), got {answer!r}; {example}")
+        return (
+            f"verification_info 'answer' must be one capital letter ({allowed} for "
+            f"{num_choices} choices), got {answer!r}; {example}"
+        )
     if _LETTERS.index(answer) >= num_choices:
-        return (f"verification_info 'answer' is {answer!r} but with {num_choices} choices "
-                f"only {allowed} exist; fix 'answer' or 'num_choices'")
+        return (
+            f"verification_info 'answer' is {answer!r} but with {num_choices} choices "
+            f"only {allowed} exist; fix 'answer' or 'num_choices'"
+        )
     return None
 
 
@@ -104,13 +108,12 @@ def _final_letter(region: str) -> str | None:
 
 
 def _check_num_choices(num_choices: int) -> None:
-    if isinstance(num_choices, bool) or not isinstance(num_choices, int) or not (
-        MIN_CHOICES <= num_choices <= MAX_CHOICES
+    if (
+        isinstance(num_choices, bool)
+        or not isinstance(num_choices, int)
+        or not (MIN_CHOICES <= num_choices <= MAX_CHOICES)
     ):
-        raise ValueError(
-            f"num_choices must be an integer from {MIN_CHOICES} to {MAX_CHOICES}, "
-            f"got {num_choices!r}"
-        )
+        raise ValueError(f"num_choices must be an integer from {MIN_CHOICES} to {MAX_CHOICES}, got {num_choices!r}")
 
 
 def extract_choice(completion: str, num_choices: int) -> str | None:
@@ -148,8 +151,7 @@ def choice_task_reward(verification_info: dict, completion: str) -> tuple[float,
     if letter is None:
         return 0.0, missing_answer_reason(completion, "answer letter (\\boxed{X} or 'answer is X')")
     if _LETTERS.index(letter) >= num_choices:
-        return 0.0, (f"answered {letter}, which is not a choice "
-                     f"(A-{_LETTERS[num_choices - 1]}); expected {expected}")
+        return 0.0, (f"answered {letter}, which is not a choice (A-{_LETTERS[num_choices - 1]}); expected {expected}")
     if letter != expected:
         return 0.0, f"answered {letter}, expected {expected}"
     return 1.0, None

@@ -38,9 +38,10 @@ import math
 import os
 import re
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from swarmrl.config import SandboxConfig
 from swarmrl.data.schema import describe_json_error
@@ -70,9 +71,7 @@ def decode_test_cases(info: Mapping[str, Any]) -> dict[str, Any]:
     string); hand-written files often do not. Both are accepted.
     """
     if "test_cases" not in info:
-        raise ValueError(
-            f"prime_rl_code needs a 'test_cases' key; found keys {sorted(info)}"
-        )
+        raise ValueError(f"prime_rl_code needs a 'test_cases' key; found keys {sorted(info)}")
     raw = info["test_cases"]
     if isinstance(raw, str):
         try:
@@ -96,9 +95,7 @@ def check_code(info: Mapping[str, Any]) -> None:
             raise ValueError(f"'test_cases.{key}' must be a list, got {got}")
     n_in, n_out = len(cases["inputs"]), len(cases["outputs"])
     if n_in != n_out:
-        raise ValueError(
-            f"'test_cases' has {n_in} inputs but {n_out} outputs; they must pair up"
-        )
+        raise ValueError(f"'test_cases' has {n_in} inputs but {n_out} outputs; they must pair up")
     if n_in == 0:
         # Zero tests would make every program "pass": a free reward, not a task.
         raise ValueError("'test_cases' has no test cases")
@@ -131,8 +128,10 @@ def parse_test_cases(verification_info: dict) -> TestCases:
                 if not isinstance(value, str) and not (
                     isinstance(value, list) and all(isinstance(v, str) for v in value)
                 ):
-                    raise ValueError(f"test {index + 1}'s {what} must be a string or a list of lines "
-                                     f"for a stdin/stdout test, got {type(value).__name__}")
+                    raise ValueError(
+                        f"test {index + 1}'s {what} must be a string or a list of lines "
+                        f"for a stdin/stdout test, got {type(value).__name__}"
+                    )
     return TestCases(inputs, outputs, fn_name or None)
 
 
@@ -258,8 +257,9 @@ def run_test(sandbox: Sandbox, program: str, tests: TestCases, index: int, timeo
     return f"wrong answer: expected {_quote(json.dumps(wanted))}, got {_quote(json.dumps(value))}"
 
 
-def grade_code(sandbox: Sandbox, verification_info: dict, completion: str,
-               limits: CodeLimits = CodeLimits()) -> tuple[float, str | None]:
+def grade_code(
+    sandbox: Sandbox, verification_info: dict, completion: str, limits: CodeLimits = CodeLimits()
+) -> tuple[float, str | None]:
     """Reward for a ``prime_rl_code`` row and, below 1, the reason.
 
     Malformed test cases raise ValueError (a data bug, not a wrong answer).
@@ -297,8 +297,7 @@ class CodeGrader:
     def __init__(self, sandbox: Sandbox, limits: CodeLimits = CodeLimits()):
         self.sandbox = sandbox
         self.limits = limits
-        self._executor = ThreadPoolExecutor(max_workers=sandbox.settings.workers,
-                                            thread_name_prefix="swarmrl-code")
+        self._executor = ThreadPoolExecutor(max_workers=sandbox.settings.workers, thread_name_prefix="swarmrl-code")
 
     def describe(self) -> str:
         return self.sandbox.describe()
@@ -307,6 +306,7 @@ class CodeGrader:
         """``(verification_info, completion)`` -> ``(reward, reason)``, in order; or, for a row
         that could not be graded (malformed tests, a sandbox that failed to start, a bug of
         ours), the exception, which the caller turns into the row's error."""
+
         def one(job):
             try:
                 return grade_code(self.sandbox, job[0], job[1], self.limits)
@@ -314,6 +314,7 @@ class CodeGrader:
                 return exc
             except Exception as exc:  # noqa: BLE001 - never let one row take the scorer down
                 return RuntimeError(f"grading failed: {type(exc).__name__}: {exc}")
+
         return list(self._executor.map(one, jobs))
 
     def close(self) -> None:

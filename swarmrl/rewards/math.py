@@ -121,8 +121,10 @@ def _grade(ground_truth: str, answer: str) -> tuple[float, str | None]:
     digits = _absurd(prediction)
     if digits > max(MAX_ANSWER_DIGITS, 2 * _absurd(gold)):
         size = "beyond count" if digits == math.inf else f"~{digits:.3g}"
-        return 0.0, (f"answer {_quote(answer)} asks for numbers of {size} digits, more than the "
-                     f"{MAX_ANSWER_DIGITS} graded: not evaluated")
+        return 0.0, (
+            f"answer {_quote(answer)} asks for numbers of {size} digits, more than the "
+            f"{MAX_ANSWER_DIGITS} graded: not evaluated"
+        )
     # verify is asymmetric: the gold answer must come first.
     if verify(gold, prediction, timeout_seconds=None):
         return 1.0, None

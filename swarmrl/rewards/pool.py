@@ -85,8 +85,9 @@ def _cpu_seconds_used() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _worker_main(conn: Connection, preload: Sequence[str], memory_bytes: int | None = None,
-                 cpu_s: int | None = None) -> None:
+def _worker_main(
+    conn: Connection, preload: Sequence[str], memory_bytes: int | None = None, cpu_s: int | None = None
+) -> None:
     """Worker loop: receive ``(fn, args)``, send back ``("ok", value)`` or ``("error", text)``.
 
     The call is unpickled inside the try block so that a function the worker
@@ -124,8 +125,9 @@ def _worker_main(conn: Connection, preload: Sequence[str], memory_bytes: int | N
             # The heap may be left fragmented or half-built: report, and let the parent replace us.
             limit = f" of {memory_bytes >> 20} MiB" if memory_bytes is not None else ""
             try:
-                conn.send(("error_restart", f"out of memory: the call needed more than the grading process's "
-                                            f"limit{limit}"))
+                conn.send(
+                    ("error_restart", f"out of memory: the call needed more than the grading process's limit{limit}")
+                )
             except Exception:  # noqa: BLE001 - the parent sees the death instead
                 pass
             return
@@ -181,10 +183,13 @@ class VerifierPool:
                 f"start_method must be 'spawn' or 'forkserver', got {start_method!r}; "
                 "'fork' is unsafe once torch has started threads"
             )
-        if memory_bytes is not None and (isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int)
-                                         or memory_bytes < (64 << 20)):
-            raise ValueError(f"memory_bytes must be None (no limit) or an int of at least 64 MiB (the "
-                             f"interpreter alone needs that much), got {memory_bytes!r}")
+        if memory_bytes is not None and (
+            isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < (64 << 20)
+        ):
+            raise ValueError(
+                f"memory_bytes must be None (no limit) or an int of at least 64 MiB (the "
+                f"interpreter alone needs that much), got {memory_bytes!r}"
+            )
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_bytes = memory_bytes

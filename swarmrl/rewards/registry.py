@@ -48,12 +48,14 @@ class TaskType:
 
 def problem_of(parse: Callable[[dict], object]) -> Callable[[dict], str | None]:
     """A check from a parser that raises ValueError naming the problem (as the built-in ones do)."""
+
     def check(verification_info: dict) -> str | None:
         try:
             parse(verification_info)
         except ValueError as exc:
             return str(exc)
         return None
+
     return check
 
 
@@ -102,8 +104,9 @@ def load(specs: Iterable[str]) -> list[TaskType]:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"task type {spec!r}: cannot import {module_name!r} ({e}); put it on PYTHONPATH or "
-                             "install it") from None
+            raise ValueError(
+                f"task type {spec!r}: cannot import {module_name!r} ({e}); put it on PYTHONPATH or install it"
+            ) from None
         value = getattr(module, attr, None)
         found = value if isinstance(value, (list, tuple)) else [value]
         if not found or not all(isinstance(t, TaskType) for t in found):
@@ -133,7 +136,7 @@ class Graders:
             grader.close()
         self._graders.clear()
 
-    def __enter__(self) -> "Graders":
+    def __enter__(self) -> Graders:
         return self
 
     def __exit__(self, *exc) -> None:

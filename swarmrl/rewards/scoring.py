@@ -31,8 +31,10 @@ from swarmrl.rewards.length import LENGTH_MODES, length_reward
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders
 
-CODE_NEEDS_SANDBOX = ("code rows are graded in the bubblewrap sandbox, and this scorer was started "
-                      "without one; pass graders=open_graders(rows, sandbox config) (swarmrl.rewards.registry)")
+CODE_NEEDS_SANDBOX = (
+    "code rows are graded in the bubblewrap sandbox, and this scorer was started "
+    "without one; pass graders=open_graders(rows, sandbox config) (swarmrl.rewards.registry)"
+)
 
 # Fields every row must have, with the types they may take.
 _REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
@@ -114,8 +116,10 @@ def _validate_row(row: Any) -> tuple[_Job | None, str | None]:
     grader = registry.get(task_type)
     if grader is None:
         known = ", ".join(registry.names())
-        return None, (f"field 'task_type' has unknown value {task_type!r}; known task types: {known} "
-                      "(others can be added: swarmrl/rewards/registry.py)")
+        return None, (
+            f"field 'task_type' has unknown value {task_type!r}; known task types: {known} "
+            "(others can be added: swarmrl/rewards/registry.py)"
+        )
     problem = grader.check(info)
     if problem is not None:
         return None, problem
@@ -150,7 +154,8 @@ def score_rows(
     Rows that cannot be scored get reward 0 and an ``error`` naming the field
     and the problem; the others are still scored. Grading runs in ``pool``,
     grouped by task type; a task type whose grader owns a resource (code rows:
-    the sandbox) is graded by its grader in ``graders`` (without one its rows get an error). When a row has ``target_length`` the task reward is
+    the sandbox) is graded by its grader in ``graders`` (without one its rows get an error). When a row has
+    ``target_length`` the task reward is
     shaped by :func:`~swarmrl.rewards.length.length_reward`; the length is the
     row's ``completion_length`` if given, else ``count_tokens(completion)``
     (which is only called for rows with a target).
@@ -173,8 +178,11 @@ def score_rows(
         if task.grade is not None:
             outcomes = [(o.value, o.error) for o in pool.map(task.grade, calls)]
         elif resource is None:
-            missing = CODE_NEEDS_SANDBOX if task.name == CODE else (
-                f"{task.name} rows need their grader opened; pass graders=open_graders(...)")
+            missing = (
+                CODE_NEEDS_SANDBOX
+                if task.name == CODE
+                else (f"{task.name} rows need their grader opened; pass graders=open_graders(...)")
+            )
             outcomes = [(None, missing)] * len(calls)
         else:
             outcomes = [(None, str(r)) if isinstance(r, Exception) else (r, None) for r in resource.grade_many(calls)]
@@ -183,9 +191,7 @@ def score_rows(
                 scores[index] = _failed(error)
                 continue
             task_reward, reason = value
-            scores[index] = _shape(
-                float(task_reward), reason, jobs[index], count_tokens, length_mode, length_coef
-            )
+            scores[index] = _shape(float(task_reward), reason, jobs[index], count_tokens, length_mode, length_coef)
     return scores  # type: ignore[return-value]
 
 
@@ -252,7 +258,11 @@ def score_file(
     entries = _read_jsonl(input_path)
     good = [row for _, row, _ in entries if row is not None]
     scores = score_rows(
-        good, pool=pool, count_tokens=count_tokens, length_mode=length_mode, length_coef=length_coef,
+        good,
+        pool=pool,
+        count_tokens=count_tokens,
+        length_mode=length_mode,
+        length_coef=length_coef,
         graders=graders,
     )
     good_scores = iter(scores)
@@ -267,8 +277,11 @@ def score_file(
         for row in output_rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     scored = [row["reward"] for row in output_rows if row["error"] is None]
-    failed = [{"line": line_number, "error": row["error"]}
-              for (line_number, _, _), row in zip(entries, output_rows) if row["error"] is not None]
+    failed = [
+        {"line": line_number, "error": row["error"]}
+        for (line_number, _, _), row in zip(entries, output_rows)
+        if row["error"] is not None
+    ]
     return {
         "rows": len(output_rows),
         "scored": len(scored),

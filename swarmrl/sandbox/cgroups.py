@@ -152,8 +152,9 @@ def _write(path: Path, value: str) -> None:
     path.write_text(value)
 
 
-def _make_v1(mounts: list[Mount], own: dict[str, str], name: str, max_procs: int,
-             memory_bytes: int) -> tuple[SlotCgroup | None, str]:
+def _make_v1(
+    mounts: list[Mount], own: dict[str, str], name: str, max_procs: int, memory_bytes: int
+) -> tuple[SlotCgroup | None, str]:
     dirs = []
     try:
         for controller in ("pids", "memory", "cpu"):
@@ -181,8 +182,9 @@ def _make_v1(mounts: list[Mount], own: dict[str, str], name: str, max_procs: int
     return SlotCgroup(1, dirs), ""
 
 
-def _make_v2(mount: Mount, own: dict[str, str], name: str, max_procs: int,
-             memory_bytes: int) -> tuple[SlotCgroup | None, str]:
+def _make_v2(
+    mount: Mount, own: dict[str, str], name: str, max_procs: int, memory_bytes: int
+) -> tuple[SlotCgroup | None, str]:
     parent = mount.path / own.get("", "/").lstrip("/")
     d = parent / name
     try:
@@ -207,9 +209,9 @@ def _make_v2(mount: Mount, own: dict[str, str], name: str, max_procs: int,
     return SlotCgroup(2, [d]), ""
 
 
-def open_slot_cgroup(name: str, *, max_procs: int, memory_bytes: int,
-                     mounts_text: str | None = None, cgroup_text: str | None = None
-                     ) -> tuple[SlotCgroup | None, str]:
+def open_slot_cgroup(
+    name: str, *, max_procs: int, memory_bytes: int, mounts_text: str | None = None, cgroup_text: str | None = None
+) -> tuple[SlotCgroup | None, str]:
     """Create the cgroup(s) for one slot; ``(cgroup, "")`` or ``(None, why not)``.
 
     v2 is tried first where it has both controllers, then v1. The texts default to this

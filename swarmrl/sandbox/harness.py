@@ -100,7 +100,7 @@ def _run_call():
     sys.stdout.flush()
     data = text.encode("utf-8")
     while data:
-        data = data[os.write(answer_fd, data):]
+        data = data[os.write(answer_fd, data) :]
 
 
 def main():

@@ -134,7 +134,8 @@ def _python_prefix(python: str) -> Path:
         raise SandboxUnavailable(
             f"the sandbox's interpreter {python} lives under {prefix}, and binding that into the "
             "sandbox would expose too much of the host; set sandbox.python to an interpreter in "
-            "/usr/bin or in its own prefix (e.g. /opt/python3.11/bin/python3)")
+            "/usr/bin or in its own prefix (e.g. /opt/python3.11/bin/python3)"
+        )
     return prefix
 
 
@@ -205,8 +206,7 @@ class Sandbox:
     def _check_bwrap(self) -> None:
         if shutil.which(self.settings.bwrap) is None:
             raise SandboxUnavailable(
-                f"code tasks run untrusted programs in bubblewrap, and `{self.settings.bwrap}` "
-                f"is not on PATH. {FIX_IT}"
+                f"code tasks run untrusted programs in bubblewrap, and `{self.settings.bwrap}` is not on PATH. {FIX_IT}"
             )
 
     def _open_slot(self, slot: int) -> None:
@@ -257,7 +257,7 @@ class Sandbox:
             return "NO SANDBOX (sandbox.unsafe_no_sandbox)"
         uids = self._uids.uids if self._uids is not None else []
         user = f"uids {uids[0]}-{uids[-1]}" if uids else "a user namespace"
-        return (f"bubblewrap, {self.settings.workers} slots, as {user}, cgroups {self.cgroup_note}")
+        return f"bubblewrap, {self.settings.workers} slots, as {user}, cgroups {self.cgroup_note}"
 
     def close(self) -> None:
         if self._closed:
@@ -298,27 +298,64 @@ class Sandbox:
         prefix = self._prefix
         args = [
             self.settings.bwrap,
-            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session",
+            "--unshare-net",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
             *_system_binds(),
         ]
         if not str(prefix).startswith("/usr/") and str(prefix) != "/usr":
             args += ["--ro-bind", str(prefix), str(prefix)]
         args += [
-            "--ro-bind", str(box), "/box",
-            "--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--size", str(self.settings.tmp_bytes), "--tmpfs", "/tmp",
-            "--chdir", "/tmp",
-            "--clearenv", "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8",
+            "--ro-bind",
+            str(box),
+            "/box",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--perms",
+            "1777",
+            "--size",
+            str(self.settings.tmp_bytes),
+            "--tmpfs",
+            "/tmp",
+            "--chdir",
+            "/tmp",
+            "--clearenv",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
         ]
         uid = self.slot_uid(slot)
         if uid is not None:
             # Root: mounts are made as root, then the program drops to an unprivileged uid
             # with no capabilities left (bounding set included) and no way to gain them back.
-            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-                     "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+            args += [
+                "--cap-add",
+                "CAP_SETUID",
+                "--cap-add",
+                "CAP_SETGID",
+                "--cap-add",
+                "CAP_SETPCAP",
+                "/usr/bin/setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+                "--",
+            ]
         else:
             args[1:1] = ["--unshare-user", "--disable-userns"]
         args += inner
@@ -361,8 +398,11 @@ class Sandbox:
         try:
             process = subprocess.Popen(
                 self._command(slot, mode, limits, cgroup),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
                 cwd=str(box) if settings.unsafe_no_sandbox else "/",
             )
         except OSError as exc:

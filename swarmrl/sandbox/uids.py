@@ -37,11 +37,15 @@ def _lock_dir(path: Path) -> Path:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)
     except OSError as exc:
-        raise UidsUnavailable(f"cannot create the sandbox uid lock directory {path}: {exc}; only root runs "
-                              "sandbox slots as other uids, so run as root (or check that /run is writable)") from exc
+        raise UidsUnavailable(
+            f"cannot create the sandbox uid lock directory {path}: {exc}; only root runs "
+            "sandbox slots as other uids, so run as root (or check that /run is writable)"
+        ) from exc
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise UidsUnavailable(f"the sandbox uid lock directory {path} is not a directory owned by uid {os.geteuid()} "
-                              "and writable only by it; remove it (it is recreated) or choose another one")
+        raise UidsUnavailable(
+            f"the sandbox uid lock directory {path} is not a directory owned by uid {os.geteuid()} "
+            "and writable only by it; remove it (it is recreated) or choose another one"
+        )
     return path
 
 
@@ -85,7 +89,8 @@ class UidRange:
         raise UidsUnavailable(
             f"no {count} consecutive free sandbox uids between {uid_base} and {uid_base + SCAN}: other sandbox "
             f"pools on this machine hold them (lock files in {directory}); close some, or set sandbox.uid_base "
-            "to another range")
+            "to another range"
+        )
 
     def _drop(self) -> None:
         for fd in self._fds:

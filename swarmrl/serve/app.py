@@ -35,25 +35,31 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.serve.engine import Choice, Engine, GenRequest
 from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
 
 
-
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -61,8 +67,17 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 class Settings:
     """Limits of one server (the `swarmrl serve` flags)."""
 
-    def __init__(self, *, model_name: str, context: int, max_n: int = 16, max_request_bytes: int = 1 << 20,
-                 default_max_tokens: int = 256, vocab_size: int | None = None, model_path: str | None = None):
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        context: int,
+        max_n: int = 16,
+        max_request_bytes: int = 1 << 20,
+        default_max_tokens: int = 256,
+        vocab_size: int | None = None,
+        model_path: str | None = None,
+    ):
         self.model_name, self.context, self.max_n = model_name, context, max_n
         self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
         self.vocab_size, self.model_path = vocab_size, model_path
@@ -95,10 +110,13 @@ def trained_prompt_format(model_path: str | None) -> dict | None:
     targets = meta.get("length_targets")
     if targets:
         example += LENGTH_SUFFIX.format(N=targets[0])
-    return {"task": f"{digits}-digit arithmetic ({' and '.join(ops)})", "example": example,
-            "length_targets": targets,
-            "how": "send the prompt as the user message of /v1/chat/completions (the chat template the "
-                   "model was trained with); /v1/completions takes the templated text"}
+    return {
+        "task": f"{digits}-digit arithmetic ({' and '.join(ops)})",
+        "example": example,
+        "length_targets": targets,
+        "how": "send the prompt as the user message of /v1/chat/completions (the chat template the "
+        "model was trained with); /v1/completions takes the templated text",
+    }
 
 
 class Reloader:
@@ -121,8 +139,11 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
-                      else "invalid_request_error")
+        return _error(
+            exc.status_code,
+            str(exc.detail),
+            kind="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
@@ -147,8 +168,11 @@ class _Routes:
         and JSON are checked; then the checks that depend on this server."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
-            raise ApiError(413, f"request body of {length} bytes is over the limit of "
-                                f"{self.settings.max_request_bytes} bytes", kind="invalid_request_error")
+            raise ApiError(
+                413,
+                f"request body of {length} bytes is over the limit of {self.settings.max_request_bytes} bytes",
+                kind="invalid_request_error",
+            )
         raw = b""
         async for chunk in request.stream():
             raw += chunk
@@ -167,19 +191,37 @@ class _Routes:
             raise ApiError(400, message, param) from None
         if isinstance(req, TokenizeRequest):
             if req.model not in (None, self.settings.model_name):
-                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                    f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
-                               "model_not_found")
+                raise ApiError(
+                    404,
+                    f"the model {req.model!r} does not exist; this server serves "
+                    f"{self.settings.model_name!r} (GET /v1/models)",
+                    "model",
+                    "not_found_error",
+                    "model_not_found",
+                )
             return req
         if req.model != self.settings.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                f"{self.settings.model_name!r} (GET /v1/models)", "model", "not_found_error",
-                           "model_not_found")
-        for name, neutral in (("top_p", (1,)), ("top_k", (-1, 0)), ("frequency_penalty", (0,)),
-                              ("presence_penalty", (0,))):
+            raise ApiError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves "
+                f"{self.settings.model_name!r} (GET /v1/models)",
+                "model",
+                "not_found_error",
+                "model_not_found",
+            )
+        for name, neutral in (
+            ("top_p", (1,)),
+            ("top_k", (-1, 0)),
+            ("frequency_penalty", (0,)),
+            ("presence_penalty", (0,)),
+        ):
             if getattr(req, name) not in (None, *neutral):
-                raise ApiError(400, f"'{name}' is not supported (only {' or '.join(map(str, neutral))}); sampling "
-                                    "here is plain temperature sampling, which validators replay", name)
+                raise ApiError(
+                    400,
+                    f"'{name}' is not supported (only {' or '.join(map(str, neutral))}); sampling "
+                    "here is plain temperature sampling, which validators replay",
+                    name,
+                )
         if req.logit_bias:
             raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
         return req
@@ -190,16 +232,23 @@ class _Routes:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = self.settings.context - len(prompt_ids)
         if room < 1:
-            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context is "
-                                f"{self.settings.context} tokens", "messages" if chat else "prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt_ids)} tokens; this model's context is {self.settings.context} tokens",
+                "messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
         name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         asked = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
         max_tokens = asked if asked is not None else min(self.settings.default_max_tokens if chat else 16, room)
         if len(prompt_ids) + max_tokens > self.settings.context:
-            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
-                                f"model's context of {self.settings.context} tokens; lower {name}", name,
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
+                f"model's context of {self.settings.context} tokens; lower {name}",
+                name,
+                code="context_length_exceeded",
+            )
         n = 1 if req.n is None else req.n
         if n > self.settings.max_n:
             raise ApiError(400, f"'n' must be an integer between 1 and {self.settings.max_n}, got {n}", "n")
@@ -208,16 +257,18 @@ class _Routes:
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         seed = secrets.randbelow(1 << 62) if req.seed is None else req.seed
         if seed + n - 1 >= 1 << 63:  # completion j uses seed + j, a signed 64-bit integer
-            raise ApiError(400, f"'seed' + n - 1 must be below 2**63 (completion j is sampled with seed + j); "
-                                f"got seed {seed} with n {n}", "seed")
+            raise ApiError(
+                400,
+                f"'seed' + n - 1 must be below 2**63 (completion j is sampled with seed + j); "
+                f"got seed {seed} with n {n}",
+                "seed",
+            )
         stop = req.stops()
         if not all(stop):
             raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
         if req.stream and top_logprobs >= 0:
-            raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming",
-                           "logprobs")
-        return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop,
-                          max(top_logprobs, 0))
+            raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming", "logprobs")
+        return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop, max(top_logprobs, 0))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -250,15 +301,21 @@ class _Routes:
             try:
                 choices = await asyncio.wrap_future(future)
             except Exception as exc:  # noqa: BLE001 - the batch failed: end the stream with an error
-                error = {"error": {"message": f"generation failed: {type(exc).__name__}", "type": "server_error",
-                                   "param": None, "code": None}}
+                error = {
+                    "error": {
+                        "message": f"generation failed: {type(exc).__name__}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
                 yield f"data: {json.dumps(error)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             for index, choice in enumerate(choices):
                 yield f"data: {json.dumps(finish_chunk(index, choice))}\n\n"
             if include_usage:
-                yield f"data: {json.dumps({**finish_chunk(None, None), 'choices': [], 'usage': self.usage(request, choices)})}\n\n"
+                yield f"data: {json.dumps({**finish_chunk(None, None), 'choices': [], 'usage': self.usage(request, choices)})}\n\n"  # noqa: E501
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -285,8 +342,11 @@ class _Routes:
         if req.suffix:
             raise ApiError(400, "'suffix' is not supported", "suffix")
         if req.stream and req.return_token_ids:
-            raise ApiError(400, "'return_token_ids' together with 'stream' is not supported; ask without streaming",
-                           "return_token_ids")
+            raise ApiError(
+                400,
+                "'return_token_ids' together with 'stream' is not supported; ask without streaming",
+                "return_token_ids",
+            )
         top = req.logprobs
         ids = self.prompt_ids(req.prompt)
         gen = self.gen_request(req, ids, top_logprobs=-1 if top is None else top)
@@ -305,8 +365,12 @@ class _Routes:
             tops = None
             if top > 0:
                 tops = [{spell(t): lp for t, lp in entry} for entry in choice.top_logprobs]
-            return {"tokens": [spell(t) for t in choice.token_ids], "token_logprobs": choice.logprobs,
-                    "top_logprobs": tops, "text_offset": offsets}
+            return {
+                "tokens": [spell(t) for t in choice.token_ids],
+                "token_logprobs": choice.logprobs,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            }
 
         def ids_of(choice: Choice) -> dict:
             if not req.return_token_ids:
@@ -314,29 +378,55 @@ class _Routes:
             return {"token_ids": list(choice.token_ids), "prompt_token_ids": ids}
 
         def base(choices: list) -> dict:
-            return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                    "choices": choices}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+            }
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream(
                 gen,
-                lambda ev: [] if ev is None else [base([{"index": ev[0], "text": ev[1], "logprobs": None,
-                                                          "finish_reason": None}])],
-                lambda i, c: base([] if c is None else [{"index": i, "text": "", "logprobs": None,
-                                                          "finish_reason": c.finish_reason}]),
-                include)
+                lambda ev: (
+                    []
+                    if ev is None
+                    else [base([{"index": ev[0], "text": ev[1], "logprobs": None, "finish_reason": None}])]
+                ),
+                lambda i, c: base(
+                    [] if c is None else [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]
+                ),
+                include,
+            )
         choices = await self.run(gen)
-        return {**base([{"index": i, "text": c.text, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason,
-                         **ids_of(c)} for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
+        return {
+            **base(
+                [
+                    {
+                        "index": i,
+                        "text": c.text,
+                        "logprobs": logprobs_of(c),
+                        "finish_reason": c.finish_reason,
+                        **ids_of(c),
+                    }
+                    for i, c in enumerate(choices)
+                ]
+            ),
+            "usage": self.usage(gen, choices),
+        }
 
     async def tokenize(self, request: Request):
         req = await self.read_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         if req.messages is not None:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
-                                                      tokenize=False, add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages],
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+            )
         else:
             text = req.prompt
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -347,8 +437,9 @@ class _Routes:
         logprobs, top = req.logprobs, req.top_logprobs
         if top is not None and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages],
-                                                  tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in req.messages], tokenize=False, add_generation_prompt=True
+        )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         gen = self.gen_request(req, ids, top_logprobs=(top or 0) if logprobs else -1)
         cid, model = f"chatcmpl-{secrets.token_hex(12)}", self.settings.model_name
@@ -374,23 +465,51 @@ class _Routes:
 
             def make_chunk(ev):
                 if ev is None:  # the opening chunk of every choice names the role
-                    return [base([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}], "chat.completion.chunk") for j in range(gen.n)]
-                return [base([{"index": ev[0], "delta": {"content": ev[1]}, "logprobs": None,
-                               "finish_reason": None}], "chat.completion.chunk")]
+                    return [
+                        base(
+                            [
+                                {
+                                    "index": j,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                            "chat.completion.chunk",
+                        )
+                        for j in range(gen.n)
+                    ]
+                return [
+                    base(
+                        [{"index": ev[0], "delta": {"content": ev[1]}, "logprobs": None, "finish_reason": None}],
+                        "chat.completion.chunk",
+                    )
+                ]
 
             def finish_chunk(i, c):
                 if c is None:
                     return base([], "chat.completion.chunk")
-                return base([{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}],
-                            "chat.completion.chunk")
+                return base(
+                    [{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}],
+                    "chat.completion.chunk",
+                )
 
             return self.stream(gen, make_chunk, finish_chunk, include)
         choices = await self.run(gen)
-        return {**base([{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)]), "usage": self.usage(gen, choices)}
-
+        return {
+            **base(
+                [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs_of(c),
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, c in enumerate(choices)
+                ]
+            ),
+            "usage": self.usage(gen, choices),
+        }
 
     async def reload(self, request: Request):
         """POST /v1/reload {"model_path": FOLDER}: serve another checkpoint from now on.
@@ -399,20 +518,27 @@ class _Routes:
         swapped in: requests submitted before the swap finish on the old engine, whose thread
         drains its queue before it stops; later ones go to the new engine. One reload at a time."""
         if self.reloader is None:
-            raise ApiError(404, "reloading is off on this server: start swarmrl serve with --reload-token-file",
-                           kind="not_found_error")
+            raise ApiError(
+                404,
+                "reloading is off on this server: start swarmrl serve with --reload-token-file",
+                kind="not_found_error",
+            )
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), self.reloader.token.encode()):
-            raise ApiError(401, "POST /v1/reload needs 'Authorization: Bearer <the --reload-token-file's token>'",
-                           kind="authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "POST /v1/reload needs 'Authorization: Bearer <the --reload-token-file's token>'",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError):
             raise ApiError(400, "request body is not valid JSON") from None
         path = body.get("model_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
-            raise ApiError(400, "the body must be {\"model_path\": \"/a/checkpoint/folder\"}", "model_path")
+            raise ApiError(400, 'the body must be {"model_path": "/a/checkpoint/folder"}', "model_path")
         if not Path(path).is_dir():
             raise ApiError(400, f"'model_path' {path!r} is not a folder on the server's machine", "model_path")
         async with self.reloading:
@@ -420,14 +546,19 @@ class _Routes:
             try:
                 engine, context, vocab = await asyncio.to_thread(self.reloader.load, path)
             except Exception as exc:  # noqa: BLE001 - a bad folder is the caller's problem, told without a traceback
-                raise ApiError(400, f"could not load {path}: {type(exc).__name__}: {str(exc)[:300]}",
-                               "model_path") from None
+                raise ApiError(
+                    400, f"could not load {path}: {type(exc).__name__}: {str(exc)[:300]}", "model_path"
+                ) from None
             old, self.engine, self.tokenizer = self.engine, engine, engine.tokenizer
             self.settings.context, self.settings.vocab_size = context, vocab
             self.settings.model_path = str(Path(path).resolve())
             await asyncio.to_thread(old.close)
-        return {"success": True, "model_path": self.settings.model_path, "context": context,
-                "seconds": round(time.monotonic() - t0, 3)}
+        return {
+            "success": True,
+            "model_path": self.settings.model_path,
+            "context": context,
+            "seconds": round(time.monotonic() - t0, 3),
+        }
 
 
 def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = None) -> FastAPI:
@@ -440,10 +571,20 @@ def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = No
     async def models():
         # `root` is the checkpoint folder being served (vLLM's field), so a caller can check a reload.
         # `swarmrl_prompt_format`: the prompts the model was trained on, for this project's policies.
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": created,
-                                            "owned_by": "swarmrl", "max_model_len": settings.context,
-                                            "root": settings.model_path,
-                                            "swarmrl_prompt_format": trained_prompt_format(settings.model_path)}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "swarmrl",
+                    "max_model_len": settings.context,
+                    "root": settings.model_path,
+                    "swarmrl_prompt_format": trained_prompt_format(settings.model_path),
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -461,12 +602,26 @@ def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = No
     return app
 
 
-def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device: str = "cpu",
-          dtype: str = "float32", model_name: str | None = None, max_batch_rows: int = 32,
-          batch_window_ms: float = 5.0, max_n: int = 16, max_request_kb: int = 1024,
-          default_max_tokens: int = 256, url_file: str | None = None, threads: int | None = None,
-          reload_token_file: str | None = None, engine: str = "builtin", tls_cert: str | None = None,
-          tls_key: str | None = None) -> None:
+def serve(
+    model_path: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    device: str = "cpu",
+    dtype: str = "float32",
+    model_name: str | None = None,
+    max_batch_rows: int = 32,
+    batch_window_ms: float = 5.0,
+    max_n: int = 16,
+    max_request_kb: int = 1024,
+    default_max_tokens: int = 256,
+    url_file: str | None = None,
+    threads: int | None = None,
+    reload_token_file: str | None = None,
+    engine: str = "builtin",
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
     `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder."""
     import socket
@@ -491,8 +646,9 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
     def load(folder: str) -> tuple[Engine, int, int]:
         model, tokenizer = load_policy(folder, device=device, dtype=getattr(torch, dtype))
         model.eval()
-        runner = Engine(model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000,
-                        kind=engine_kind)
+        runner = Engine(
+            model, tokenizer, max_batch_rows=max_batch_rows, batch_window_s=batch_window_ms / 1000, kind=engine_kind
+        )
         return runner, int(getattr(model.config, "max_position_embeddings", 2048)), int(model.config.vocab_size)
 
     reloader = None
@@ -500,19 +656,35 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, device:
         reloader = Reloader(load, Path(reload_token_file).read_text().strip())
     engine, context, vocab = load(model_path)
     name = model_name or Path(model_path).resolve().name
-    app = build_app(engine, Settings(model_name=name, context=context, max_n=max_n,
-                                     max_request_bytes=max_request_kb << 10, default_max_tokens=default_max_tokens,
-                                     vocab_size=vocab, model_path=str(Path(model_path).resolve())), reloader)
+    app = build_app(
+        engine,
+        Settings(
+            model_name=name,
+            context=context,
+            max_n=max_n,
+            max_request_bytes=max_request_kb << 10,
+            default_max_tokens=default_max_tokens,
+            vocab_size=vocab,
+            model_path=str(Path(model_path).resolve()),
+        ),
+        reloader,
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"{'https' if tls_cert else 'http'}://{host}:{sock.getsockname()[1]}"
-    print(f"serving {name} ({context}-token context) at {url}/v1"
-          + ("; POST /v1/reload swaps the checkpoint" if reloader else ""), flush=True)
+    print(
+        f"serving {name} ({context}-token context) at {url}/v1"
+        + ("; POST /v1/reload swaps the checkpoint" if reloader else ""),
+        flush=True,
+    )
     fmt = trained_prompt_format(model_path)
     if fmt is not None:
-        print(f"trained on {fmt['task']} prompts such as {fmt['example']!r}; other prompts get nonsense. "
-              f"{fmt['how'][0].upper()}{fmt['how'][1:]}.", flush=True)
+        print(
+            f"trained on {fmt['task']} prompts such as {fmt['example']!r}; other prompts get nonsense. "
+            f"{fmt['how'][0].upper()}{fmt['how'][1:]}.",
+            flush=True,
+        )
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
     config = uvicorn.Config(app, log_level="warning", access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key)

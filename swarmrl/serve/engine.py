@@ -75,19 +75,26 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch_rows: int = 32, batch_window_s: float = 0.005,
-                 kind: str = "builtin"):
+    def __init__(
+        self, model, tokenizer, *, max_batch_rows: int = 32, batch_window_s: float = 0.005, kind: str = "builtin"
+    ):
         self.tokenizer = tokenizer
         self.stop_token_ids = [tokenizer.eos_token_id]
         self.kind = kind
-        self.sampler = build_engine(model, tokenizer, kind=kind, stop_token_ids=self.stop_token_ids,
-                                    max_batch=max_batch_rows)
+        self.sampler = build_engine(
+            model, tokenizer, kind=kind, stop_token_ids=self.stop_token_ids, max_batch=max_batch_rows
+        )
         self.continuous = self.sampler.continuous
         self.max_batch_rows = max_batch_rows
         # Static fallback only: how long a batch waits for more requests before it starts.
         self.batch_window_s = batch_window_s
-        self.stats = {"requests": 0, "steps": 0, "max_batch_rows": 0, "generated_tokens": 0,
-                      "continuous_batching": self.continuous}
+        self.stats = {
+            "requests": 0,
+            "steps": 0,
+            "max_batch_rows": 0,
+            "generated_tokens": 0,
+            "continuous_batching": self.continuous,
+        }
         self._queue: queue.Queue[GenRequest | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="swarmrl-engine", daemon=True)
         self._thread.start()
@@ -133,8 +140,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
                 self._fail([job.request for job in jobs], exc)
                 if self.continuous:  # a fresh engine: nothing half-done stays in its slots
-                    self.sampler = build_engine(self.sampler.model, self.tokenizer, kind=self.kind,
-                                                stop_token_ids=self.stop_token_ids, max_batch=self.max_batch_rows)
+                    self.sampler = build_engine(
+                        self.sampler.model,
+                        self.tokenizer,
+                        kind=self.kind,
+                        stop_token_ids=self.stop_token_ids,
+                        max_batch=self.max_batch_rows,
+                    )
                 jobs = []
                 continue
             jobs = [job for job in jobs if job.finish_reason is None]
@@ -164,6 +176,7 @@ class Engine:
                 elif request.on_delta is not None:
                     self._flush(row, final=False)
                 return row.finish is not None
+
             return hook
 
         def on_done(job: Job, row: _Row) -> None:
@@ -174,8 +187,14 @@ class Engine:
 
         jobs = []
         for row in rows:
-            job = Job(request.prompt_ids, request.seeds[row.index], request.max_tokens, request.temperature,
-                      request.top_logprobs, on_token=on_token(row))
+            job = Job(
+                request.prompt_ids,
+                request.seeds[row.index],
+                request.max_tokens,
+                request.temperature,
+                request.top_logprobs,
+                on_token=on_token(row),
+            )
             job.on_done = lambda job, row=row: on_done(job, row)
             jobs.append(job)
             if self.continuous:
@@ -233,10 +252,14 @@ class Engine:
                     ended[i] = True
             return ended
 
-        outs = self.sampler.generate([j.prompt for j in batch], [j.seed for j in batch],
-                                     max_new_tokens=max(j.max_new_tokens for j in batch),
-                                     temperature=batch[0].temperature, top_logprobs=max(j.top_logprobs for j in batch),
-                                     on_step=on_step)
+        outs = self.sampler.generate(
+            [j.prompt for j in batch],
+            [j.seed for j in batch],
+            max_new_tokens=max(j.max_new_tokens for j in batch),
+            temperature=batch[0].temperature,
+            top_logprobs=max(j.top_logprobs for j in batch),
+            on_step=on_step,
+        )
         self.stats["steps"] += 1
         for job, out in zip(batch, outs):
             job.logprobs = out.logprobs
@@ -253,7 +276,7 @@ class Engine:
         """
         if row.cut is not None:
             return
-        tail = row.ids[row.decoded:]
+        tail = row.ids[row.decoded :]
         if tail and tail[-1] in self.stop_token_ids:
             tail = tail[:-1]
         piece = self.tokenizer.decode(tail, skip_special_tokens=False)

@@ -82,7 +82,7 @@ _EXPECTED = {
     "stop": f"a non-empty string or a list of up to {MAX_STOP}",
     "stream": "true or false",
     "echo": "true or false",
-    "stream_options": "{\"include_usage\": true|false}",
+    "stream_options": '{"include_usage": true|false}',
     "logprobs": f"an integer between 0 and {MAX_TOP_LOGPROBS} (completions) or true/false (chat)",
     "top_logprobs": f"an integer between 0 and {MAX_TOP_LOGPROBS}",
     "prompt": "a string or a list of token ids (one prompt per request)",

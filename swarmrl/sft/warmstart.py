@@ -12,8 +12,8 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -23,8 +23,9 @@ from swarmrl.tasks import arithmetic
 from swarmrl.tasks.source import model_input
 
 
-def encode_example(tokenizer, prompt: str, completion: str,
-                   target_length: int | None = None) -> tuple[list[int], list[int]]:
+def encode_example(
+    tokenizer, prompt: str, completion: str, target_length: int | None = None
+) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion + eos, and a 0/1 mask marking what is learned."""
     _, p = model_input(tokenizer, prompt, target_length)  # exactly what the sampler sees in RL
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -50,7 +51,7 @@ def micro_batches(batch: list[tuple[list[int], list[int]]], parts: int) -> list[
         return [batch]
     ordered = sorted(batch, key=lambda example: len(example[0]))
     size = -(-len(ordered) // parts)
-    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
 def _accumulate(model, batch: list[tuple[list[int], list[int]]], parts: int, pad_id: int) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _sft_target(tokenizer, trace: str, cfg: Config, rng: random.Random) -> int |
 def base_cache_key(cfg: Config) -> str:
     """The cached base is reused only when everything that shaped it is the same."""
     s, t = cfg.sft, cfg.tasks
-    key = f"d{t.digits}-{t.ops.replace('+', 'p').replace('-', 'm')}-s{s.steps}-b{s.batch_size}-lr{s.lr:g}-n{s.examples}-slip{s.slip_rate:g}-seed{s.seed}"
+    key = f"d{t.digits}-{t.ops.replace('+', 'p').replace('-', 'm')}-s{s.steps}-b{s.batch_size}-lr{s.lr:g}-n{s.examples}-slip{s.slip_rate:g}-seed{s.seed}"  # noqa: E501
     # Suffixes only for non-default settings, so bases cached before these fields existed stay valid.
     if s.dtype != "float32":
         key += f"-{s.dtype}"
@@ -105,8 +106,13 @@ def base_cache_key(cfg: Config) -> str:
     return key
 
 
-def train_sft(cfg: Config, out_dir: str | Path, *, log=print,
-              on_step: Callable[[int, torch.nn.Module, torch.Tensor], None] | None = None) -> Path:
+def train_sft(
+    cfg: Config,
+    out_dir: str | Path,
+    *,
+    log=print,
+    on_step: Callable[[int, torch.nn.Module, torch.Tensor], None] | None = None,
+) -> Path:
     """Train the tiny base from scratch on arithmetic traces and save it to `out_dir`.
     `on_step(step, model, loss)` runs after each optimizer step (1-based), e.g. to score the
     model mid-way (benchmarks/study_sft_curve.py); it must leave the model in train mode."""
@@ -117,9 +123,16 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print,
     # Initialised in float32 (the same starting weights), then trained in the chosen precision.
     model = model.to(getattr(torch, cfg.sft.dtype))
     model.train()
-    rows = arithmetic.generate(cfg.sft.examples, digits=cfg.tasks.digits, ops=cfg.tasks.ops,
-                               split="train", seed=cfg.sft.seed + 1000, with_trace=True,
-                               slip_rate=cfg.sft.slip_rate, verbosity=tuple(cfg.sft.verbosity))
+    rows = arithmetic.generate(
+        cfg.sft.examples,
+        digits=cfg.tasks.digits,
+        ops=cfg.tasks.ops,
+        split="train",
+        seed=cfg.sft.seed + 1000,
+        with_trace=True,
+        slip_rate=cfg.sft.slip_rate,
+        verbosity=tuple(cfg.sft.verbosity),
+    )
     # With length control, each prompt names a target drawn independently of how verbose its
     # trace is: the base sees the instruction but does not follow it (RL's job to learn).
     # `sft.target_match` of them name the target nearest the trace's own length instead.
@@ -150,12 +163,20 @@ def train_sft(cfg: Config, out_dir: str | Path, *, log=print,
         if on_step is not None:
             on_step(step + 1, model, loss)
     model = model.float().eval()
-    meta = {"dtype": cfg.sft.dtype, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sft_steps": cfg.sft.steps, "micro_batches": cfg.sft.micro_batches, "slip_rate": cfg.sft.slip_rate,
-            "verbosity": cfg.sft.verbosity, "length_targets": cfg.length.targets if cfg.length.enabled else None,
-            "target_match": cfg.sft.target_match if cfg.length.enabled else None,
-            "digits": cfg.tasks.digits, "ops": cfg.tasks.ops,
-            "seconds": round(time.time() - t0, 1)}
+    meta = {
+        "dtype": cfg.sft.dtype,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "sft_steps": cfg.sft.steps,
+        "micro_batches": cfg.sft.micro_batches,
+        "slip_rate": cfg.sft.slip_rate,
+        "verbosity": cfg.sft.verbosity,
+        "length_targets": cfg.length.targets if cfg.length.enabled else None,
+        "target_match": cfg.sft.target_match if cfg.length.enabled else None,
+        "digits": cfg.tasks.digits,
+        "ops": cfg.tasks.ops,
+        "seconds": round(time.time() - t0, 1),
+    }
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})
 
 

@@ -80,8 +80,11 @@ def trace_for(problem: Problem, *, slip: str | None = None, verbosity: int = 0) 
     negative = False
     if op == "-" and a < b:
         a, b, negative = b, a, True
-        lines.append(f"{problem.a}<{problem.b} so -({a}-{b})" if verbosity < 2 else
-                     f"{problem.a} is less than {problem.b}, so compute -({a}-{b})")
+        lines.append(
+            f"{problem.a}<{problem.b} so -({a}-{b})"
+            if verbosity < 2
+            else f"{problem.a} is less than {problem.b}, so compute -({a}-{b})"
+        )
     da, db = str(a)[::-1], str(b)[::-1]
     carry = 0
     digits = []
@@ -141,9 +144,18 @@ def sample_problem(rng: random.Random, digits: int, ops: str) -> Problem:
     return Problem(rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops))
 
 
-def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
-             held_out_fraction: float = 0.1, seed: int = 0, with_trace: bool = False,
-             slip_rate: float = 0.0, verbosity: tuple[int, ...] = (0,)) -> list[dict]:
+def generate(
+    n: int,
+    *,
+    digits: int = 3,
+    ops: str = "+-",
+    split: str = "train",
+    held_out_fraction: float = 0.1,
+    seed: int = 0,
+    with_trace: bool = False,
+    slip_rate: float = 0.0,
+    verbosity: tuple[int, ...] = (0,),
+) -> list[dict]:
     """`n` distinct rows of one split. `with_trace` adds a `trace` column for SFT, in which a
     problem that admits a slip gets a slipped trace (a random one of its slips) with
     probability `slip_rate`, written at a verbosity level drawn uniformly from `verbosity`."""
@@ -158,8 +170,10 @@ def generate(n: int, *, digits: int = 3, ops: str = "+-", split: str = "train",
     lo = 10 ** (digits - 1) if digits > 1 else 0
     space = len(set(ops)) * (10**digits - lo) ** 2
     if n > space * (held_out_fraction if want_test else 1 - held_out_fraction) * 0.5:
-        raise ValueError(f"asked for {n} distinct {digits}-digit problems in split {split!r}; "
-                         "that is too close to all there are: raise `digits` or lower `n`")
+        raise ValueError(
+            f"asked for {n} distinct {digits}-digit problems in split {split!r}; "
+            "that is too close to all there are: raise `digits` or lower `n`"
+        )
     while len(rows) < n:
         p = sample_problem(rng, digits, ops)
         if p in seen or is_held_out(p, held_out_fraction) != want_test:

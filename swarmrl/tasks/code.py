@@ -62,9 +62,19 @@ _THOUGHTS: dict[str, str] = {}
 _WRONG: dict[str, str] = {}
 
 
-def _task(problem_id: str, kind: str, statement: str, solution: str, *, thought: str,
-          wrong: str, inputs: list, outputs: list, difficulty: int,
-          fn_name: str | None = None) -> CodeTask:
+def _task(
+    problem_id: str,
+    kind: str,
+    statement: str,
+    solution: str,
+    *,
+    thought: str,
+    wrong: str,
+    inputs: list,
+    outputs: list,
+    difficulty: int,
+    fn_name: str | None = None,
+) -> CodeTask:
     _THOUGHTS[problem_id] = thought
     _WRONG[problem_id] = wrong
     return CodeTask(problem_id, kind, statement, solution, fn_name, inputs, outputs, difficulty)
@@ -73,10 +83,10 @@ def _task(problem_id: str, kind: str, statement: str, solution: str, *, thought:
 TASKS: tuple[CodeTask, ...] = (
     # --- stdin tasks ---
     _task(
-        "code-sum-two", STDIN,
+        "code-sum-two",
+        STDIN,
         "You are given two integers a and b on one line, separated by a space. "
-        "Print a + b.\n\nExample: for the input `3 4` the output is `7`.\n\n"
-        + _STDIN_INSTRUCTION,
+        "Print a + b.\n\nExample: for the input `3 4` the output is `7`.\n\n" + _STDIN_INSTRUCTION,
         "a, b = map(int, input().split())\nprint(a + b)\n",
         thought="Read the two integers from the line and print their sum.",
         # Wrong operator: passes "0 0" but nothing else.
@@ -86,12 +96,12 @@ TASKS: tuple[CodeTask, ...] = (
         difficulty=1,
     ),
     _task(
-        "code-reverse-words", STDIN,
+        "code-reverse-words",
+        STDIN,
         "You are given one line of text made of words separated by single spaces "
         "(the line may be empty). Reverse the letters of each word but keep the words "
         "in their order, and print the result on one line.\n\n"
-        "Example: for the input `hello world` the output is `olleh dlrow`.\n\n"
-        + _STDIN_INSTRUCTION,
+        "Example: for the input `hello world` the output is `olleh dlrow`.\n\n" + _STDIN_INSTRUCTION,
         'print(" ".join(word[::-1] for word in input().split()))\n',
         thought="Split the line into words, reverse each one, and join them back with spaces.",
         # Reverses the whole line, so the word order flips too.
@@ -101,11 +111,11 @@ TASKS: tuple[CodeTask, ...] = (
         difficulty=2,
     ),
     _task(
-        "code-count-vowels", STDIN,
+        "code-count-vowels",
+        STDIN,
         "You are given one line of text (it may be empty). Print how many of its characters "
         "are vowels: a, e, i, o, u, in upper or lower case.\n\n"
-        "Example: for the input `hello` the output is `2`.\n\n"
-        + _STDIN_INSTRUCTION,
+        "Example: for the input `hello` the output is `2`.\n\n" + _STDIN_INSTRUCTION,
         'text = input().lower()\nprint(sum(ch in "aeiou" for ch in text))\n',
         thought="Lower-case the line so capitals count too, then count the vowel characters.",
         # Forgets upper case vowels.
@@ -115,11 +125,11 @@ TASKS: tuple[CodeTask, ...] = (
         difficulty=1,
     ),
     _task(
-        "code-max-of-n", STDIN,
+        "code-max-of-n",
+        STDIN,
         "The first line holds an integer n (n >= 1). The second line holds n integers "
         "separated by spaces. Print the largest of them.\n\n"
-        "Example: for the input lines `3` and `1 5 2` the output is `5`.\n\n"
-        + _STDIN_INSTRUCTION,
+        "Example: for the input lines `3` and `1 5 2` the output is `5`.\n\n" + _STDIN_INSTRUCTION,
         "n = int(input())\nnumbers = list(map(int, input().split()))\nprint(max(numbers[:n]))\n",
         thought="Read n, then the n numbers, and print the maximum.",
         # Starts the running maximum at 0, so an all-negative list prints 0.
@@ -132,13 +142,13 @@ TASKS: tuple[CodeTask, ...] = (
         difficulty=1,
     ),
     _task(
-        "code-average", STDIN,
+        "code-average",
+        STDIN,
         "The first line holds an integer n (n >= 0). The second line holds n integers "
         "separated by spaces (it is empty when n is 0). Print their average with exactly two "
-        "digits after the decimal point, as Python's `f\"{x:.2f}\"` writes it. The average of "
+        'digits after the decimal point, as Python\'s `f"{x:.2f}"` writes it. The average of '
         "no numbers is 0.\n\n"
-        "Example: for the input lines `4` and `1 2 3 4` the output is `2.50`.\n\n"
-        + _STDIN_INSTRUCTION,
+        "Example: for the input lines `4` and `1 2 3 4` the output is `2.50`.\n\n" + _STDIN_INSTRUCTION,
         # Reads all tokens at once so an empty second line (n = 0) needs no special case.
         "import sys\n\ndata = sys.stdin.read().split()\nn = int(data[0])\n"
         "numbers = [int(x) for x in data[1:1 + n]]\n"
@@ -158,15 +168,13 @@ TASKS: tuple[CodeTask, ...] = (
     ),
     # --- function tasks ---
     _task(
-        "code-gcd", FUNCTION,
+        "code-gcd",
+        FUNCTION,
         "Given two integers a and b (either may be zero or negative), compute their greatest "
         "common divisor. The result is never negative, and gcd(0, 0) is 0.\n\n"
-        "Example: gcd(12, 18) == 6.\n\n"
-        + _function_instruction("gcd(a, b)", "the greatest common divisor of a and b"),
-        "def gcd(a, b):\n    a, b = abs(a), abs(b)\n    while b:\n        a, b = b, a % b\n"
-        "    return a\n",
-        thought="Euclid's algorithm on the absolute values, so negative inputs give a "
-                "non-negative result.",
+        "Example: gcd(12, 18) == 6.\n\n" + _function_instruction("gcd(a, b)", "the greatest common divisor of a and b"),
+        "def gcd(a, b):\n    a, b = abs(a), abs(b)\n    while b:\n        a, b = b, a % b\n    return a\n",
+        thought="Euclid's algorithm on the absolute values, so negative inputs give a non-negative result.",
         # Skips abs(): Python's % takes the divisor's sign, so gcd(12, -8) comes out -4.
         wrong="def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a\n",
         fn_name="gcd",
@@ -175,42 +183,40 @@ TASKS: tuple[CodeTask, ...] = (
         difficulty=2,
     ),
     _task(
-        "code-is-palindrome", FUNCTION,
+        "code-is-palindrome",
+        FUNCTION,
         "A string is a palindrome if it reads the same forwards and backwards once case is "
         "ignored and every character that is not a letter or a digit is dropped. The empty "
         "string is a palindrome.\n\n"
         'Example: is_palindrome("A man, a plan, a canal: Panama") is True.\n\n'
         + _function_instruction("is_palindrome(s)", "True if s is a palindrome, else False"),
-        "def is_palindrome(s):\n    kept = [ch.lower() for ch in s if ch.isalnum()]\n"
-        "    return kept == kept[::-1]\n",
+        "def is_palindrome(s):\n    kept = [ch.lower() for ch in s if ch.isalnum()]\n    return kept == kept[::-1]\n",
         thought="Keep only letters and digits, lower-cased, and compare with the reverse.",
         # Compares the raw string, so punctuation and case break it.
         wrong="def is_palindrome(s):\n    return s == s[::-1]\n",
         fn_name="is_palindrome",
-        inputs=[["racecar"], ["A man, a plan, a canal: Panama"], ["hello"], [""], ["ab"],
-                ["No 'x' in Nixon"]],
+        inputs=[["racecar"], ["A man, a plan, a canal: Panama"], ["hello"], [""], ["ab"], ["No 'x' in Nixon"]],
         outputs=[True, True, False, True, False, True],
         difficulty=2,
     ),
     _task(
-        "code-fib", FUNCTION,
+        "code-fib",
+        FUNCTION,
         "The Fibonacci numbers are fib(0) = 0, fib(1) = 1 and fib(n) = fib(n - 1) + "
         "fib(n - 2). n is at most 90, so a loop is fast enough.\n\n"
-        "Example: fib(10) == 55.\n\n"
-        + _function_instruction("fib(n)", "the n-th Fibonacci number"),
-        "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
-        "    return a\n",
+        "Example: fib(10) == 55.\n\n" + _function_instruction("fib(n)", "the n-th Fibonacci number"),
+        "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
         thought="Iterate n times keeping the last two numbers; start from 0 and 1.",
         # Off by one: one step too few.
-        wrong="def fib(n):\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n"
-              "    return a\n",
+        wrong="def fib(n):\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return a\n",
         fn_name="fib",
         inputs=[[0], [1], [2], [10], [30], [50]],
         outputs=[0, 1, 1, 55, 832040, 12586269025],
         difficulty=1,
     ),
     _task(
-        "code-two-sum", FUNCTION,
+        "code-two-sum",
+        FUNCTION,
         "Given a list of integers nums and an integer target, find the two different "
         "positions i < j with nums[i] + nums[j] == target. Exactly one such pair exists.\n\n"
         "Example: two_sum([2, 7, 11, 15], 9) == [0, 1].\n\n"
@@ -219,19 +225,19 @@ TASKS: tuple[CodeTask, ...] = (
         "        if target - x in seen:\n            return [seen[target - x], j]\n"
         "        seen[x] = j\n    return []\n",
         thought="One pass with a dict from value to index: for each number, look up its "
-                "complement among the earlier ones.",
+        "complement among the earlier ones.",
         # Lets an element pair with itself: [3, 2, 4], 6 gives [0, 0].
         wrong="def two_sum(nums, target):\n    for i, x in enumerate(nums):\n"
-              "        for j, y in enumerate(nums):\n            if x + y == target:\n"
-              "                return [i, j]\n    return []\n",
+        "        for j, y in enumerate(nums):\n            if x + y == target:\n"
+        "                return [i, j]\n    return []\n",
         fn_name="two_sum",
-        inputs=[[[2, 7, 11, 15], 9], [[3, 2, 4], 6], [[3, 3], 6], [[-1, -2, -3, -4, -5], -8],
-                [[0, 4, 3, 0], 0]],
+        inputs=[[[2, 7, 11, 15], 9], [[3, 2, 4], 6], [[3, 3], 6], [[-1, -2, -3, -4, -5], -8], [[0, 4, 3, 0], 0]],
         outputs=[[0, 1], [1, 2], [0, 1], [2, 4], [0, 3]],
         difficulty=3,
     ),
     _task(
-        "code-mean", FUNCTION,
+        "code-mean",
+        FUNCTION,
         "Compute the arithmetic mean of a list of numbers as a float. The mean of an empty "
         "list is 0.0.\n\n"
         "Example: mean([1, 2, 3, 4]) == 2.5.\n\n"
@@ -267,8 +273,7 @@ def row_for(task: CodeTask) -> dict:
 
 def _completion(task: CodeTask, program: str) -> str:
     what = "program" if task.kind == STDIN else "function"
-    return (f"<think>\n{_THOUGHTS[task.problem_id]}\n</think>\n"
-            f"Here is the {what}:\n```python\n{program}```\n")
+    return f"<think>\n{_THOUGHTS[task.problem_id]}\n</think>\nHere is the {what}:\n```python\n{program}```\n"
 
 
 def reference_completion(task: CodeTask) -> str:

@@ -16,8 +16,9 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
         train = arithmetic.generate(t.train_size, digits=t.digits, ops=t.ops, split="train", seed=t.seed)
         held = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
         return train, held
-    result = load_tasks(t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range,
-                        checks=registry.checks())
+    result = load_tasks(
+        t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=registry.checks()
+    )
     log(result.summary())
     train = [r.model_dump() for r in result.rows]
     if not train:
@@ -36,6 +37,7 @@ def model_input(tokenizer, prompt: str, target_length: int | None) -> tuple[str,
     """The prompt as the policy sees it (length instruction appended) and its token ids."""
     if target_length is not None:
         prompt = with_length_target(prompt, target_length)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     return prompt, tokenizer(text, add_special_tokens=False)["input_ids"]

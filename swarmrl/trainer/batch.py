@@ -27,20 +27,35 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def slice(self, idx: slice | Tensor) -> "TrainBatch":
-        return TrainBatch(*(t[idx] for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                              self.inference_logprobs, self.advantages, self.policy_versions)))
+    def slice(self, idx: slice | Tensor) -> TrainBatch:
+        return TrainBatch(
+            *(
+                t[idx]
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.loss_mask,
+                    self.inference_logprobs,
+                    self.advantages,
+                    self.policy_versions,
+                )
+            )
+        )
 
-    def trimmed(self) -> "TrainBatch":
+    def trimmed(self) -> TrainBatch:
         """Drop padding columns no sequence of this slice uses (micro-batches vary in length)."""
         width = int(self.attention_mask.sum(1).max())
-        return TrainBatch(self.input_ids[:, :width], self.attention_mask[:, :width],
-                          self.loss_mask[:, : width - 1], self.inference_logprobs[:, : width - 1],
-                          self.advantages, self.policy_versions)
+        return TrainBatch(
+            self.input_ids[:, :width],
+            self.attention_mask[:, :width],
+            self.loss_mask[:, : width - 1],
+            self.inference_logprobs[:, : width - 1],
+            self.advantages,
+            self.policy_versions,
+        )
 
 
-def build_train_batch(groups: list[Group], *, pad_token_id: int, normalize_std: bool,
-                      adv_eps: float) -> TrainBatch:
+def build_train_batch(groups: list[Group], *, pad_token_id: int, normalize_std: bool, adv_eps: float) -> TrainBatch:
     """Groups (with rewards filled in by the trusted side) -> one padded batch."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [P, G]
     adv = group_advantages(rewards, normalize_std=normalize_std, eps=adv_eps).flatten()  # [P*G]

@@ -41,9 +41,11 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict, *, keep: int = 
     """`step` = rollout steps completed. Collective under FSDP2: every rank must call it."""
     # Under trainer.lora only the adapters train: the frozen base is policy version 0, not saved again.
     lora = getattr(trainer, "lora", False)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                 ignore_frozen_params=lora))
+    model_sd, optim_sd = get_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora),
+    )
     if lora:  # DCP keeps a tied frozen weight (lm_head = embeddings) anyway: the adapters only
         model_sd = {k: v for k, v in model_sd.items() if k in _trainable_keys(trainer.model)}
     if trainer.dist.rank != 0:
@@ -52,14 +54,17 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict, *, keep: int = 
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    torch.save({
-        "model": model_sd,
-        "optimizer": optim_sd,
-        "scheduler": trainer.scheduler.state_dict(),
-        "step": step,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "extra": extra,
-    }, tmp / "trainer.pt")
+    torch.save(
+        {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": trainer.scheduler.state_dict(),
+            "step": step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "extra": extra,
+        },
+        tmp / "trainer.pt",
+    )
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -82,11 +87,18 @@ def load_checkpoint(trainer, root: Path) -> dict | None:
         want = _trainable_keys(trainer.model)
         if set(state["model"]) != want:
             odd = sorted(set(state["model"]) ^ want)[:3]
-            raise ValueError(f"{path} does not match this trainer's LoRA adapters (differing tensors: {odd}...): it "
-                             "was written with other trainer.lora settings, or without LoRA. Resume with the settings "
-                             "it was written with, or start a new run")
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True, strict=not lora))
+            raise ValueError(
+                f"{path} does not match this trainer's LoRA adapters (differing tensors: {odd}...): it "
+                "was written with other trainer.lora settings, or without LoRA. Resume with the settings "
+                "it was written with, or start a new run"
+            )
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(full_state_dict=True, strict=not lora),
+    )
     trainer.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])

@@ -135,8 +135,9 @@ class MasterWeights:
     def __init__(self, masters: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
         self.model = cast_parameters(copy.deepcopy(masters), dtype)  # deepcopy keeps tied weights tied
         # Only trainable weights change after the copy (a LoRA run's frozen base never does).
-        self._pairs = [(low, master) for low, master in zip(self.model.parameters(), masters.parameters())
-                       if master.requires_grad]
+        self._pairs = [
+            (low, master) for low, master in zip(self.model.parameters(), masters.parameters()) if master.requires_grad
+        ]
         for low, master in self._pairs:
             low.register_post_accumulate_grad_hook(partial(_accumulate_into, master))
 
@@ -148,8 +149,9 @@ class MasterWeights:
             low.copy_(master)
 
 
-def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None,
-                cpu_offload: bool = False) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, *, param_dtype: torch.dtype | None = None, cpu_offload: bool = False
+) -> torch.nn.Module:
     """FSDP2: shard each decoder layer, then the root (embeddings, norm, head).
 
     `param_dtype` (mixed precision): each unit all-gathers its float32 shards cast to it, so
@@ -202,14 +204,18 @@ class GRPOTrainer:
         compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         cast_parameters(model, weights_dtype(cfg))
         if t.cpu_offload and self.dist.world_size == 1 and self.device.type != "cpu":
-            raise ValueError("trainer.cpu_offload offloads FSDP2's sharded state, and one trainer rank runs "
-                             "without FSDP2: run several ranks, or set trainer.cpu_offload = false")
+            raise ValueError(
+                "trainer.cpu_offload offloads FSDP2's sharded state, and one trainer rank runs "
+                "without FSDP2: run several ranks, or set trainer.cpu_offload = false"
+            )
         # trainer.lora: peft adapters on a frozen base (model/lora.py); the optimizer sees only them.
         self.lora = t.lora.rank > 0
         if self.lora:
             if self.dist.world_size > 1:  # the config refuses nproc > 1 with LoRA; this is a manual torchrun
-                raise ValueError("trainer.lora.rank > 0 needs a single trainer rank: start the trainer without "
-                                 "torchrun, or set trainer.lora.rank = 0")
+                raise ValueError(
+                    "trainer.lora.rank > 0 needs a single trainer rank: start the trainer without "
+                    "torchrun, or set trainer.lora.rank = 0"
+                )
             model = apply_lora(model, t.lora)
         self.reference = None
         if cfg.algorithm.kl_coef > 0 and self.lora:
@@ -225,8 +231,9 @@ class GRPOTrainer:
         # in one process, where it is MasterWeights' bf16 copy (FSDP2 casts inside its units).
         self._masters: MasterWeights | None = None
         if self.dist.world_size > 1:
-            self.model = shard_model(model, param_dtype=torch.bfloat16 if precision == "mixed" else None,
-                                     cpu_offload=t.cpu_offload)
+            self.model = shard_model(
+                model, param_dtype=torch.bfloat16 if precision == "mixed" else None, cpu_offload=t.cpu_offload
+            )
             self.compute_model = self.model
         else:
             self.model = self.compute_model = model
@@ -234,13 +241,15 @@ class GRPOTrainer:
                 self._masters = MasterWeights(model, torch.bfloat16)
                 self.compute_model = self._masters.model
         # Trainable parameters only: all of them, or the adapters under trainer.lora.
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=t.lr,
-                                           betas=t.betas, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
 
     # ---- forward passes --------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch,
-                       rows: torch.Tensor) -> list[tuple[torch.Tensor, TrainBatch, Pack | None]]:
+    def _micro_batches(
+        self, batch: TrainBatch, rows: torch.Tensor
+    ) -> list[tuple[torch.Tensor, TrainBatch, Pack | None]]:
         """`rows` of the batch as micro-batches: (their rows, the trimmed slice, its pack or None).
 
         Padded: `trainer.micro_batch_size` sequences each. Packed (`trainer.max_tokens_per_micro_batch`
@@ -259,15 +268,21 @@ class GRPOTrainer:
             # No KV cache either: a training forward never reads one back, it costs every layer's
             # keys and values, and under activation checkpointing a layer's recompute would append
             # to it a second time (then attend over twice the keys the mask covers).
-            out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                        use_cache=False)
+            out = model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.to(self.device),
+                use_cache=False,
+            )
             ids = mb.input_ids
         else:
             # No attention mask and no KV cache: only then does transformers read position ids that
             # restart at 0 as sequence boundaries and keep attention within each sequence (with a
             # cache, which use_cache's default creates, it silently attends across sequences).
-            out = model(input_ids=pack.input_ids.to(self.device), position_ids=pack.position_ids.to(self.device),
-                        use_cache=False)
+            out = model(
+                input_ids=pack.input_ids.to(self.device),
+                position_ids=pack.position_ids.to(self.device),
+                use_cache=False,
+            )
             ids = pack.input_ids
         return out.logits[:, :-1].float(), ids[:, 1:].to(self.device)
 
@@ -304,9 +319,11 @@ class GRPOTrainer:
 
     def _my_share(self, n: int) -> slice:
         if n % self.dist.world_size:
-            raise ValueError(f"a mini-batch of {n} sequences does not split over {self.dist.world_size} ranks: "
-                             "make sampling.prompts_per_step x sampling.group_size / trainer.optimizer_steps "
-                             "a multiple of the world size")
+            raise ValueError(
+                f"a mini-batch of {n} sequences does not split over {self.dist.world_size} ranks: "
+                "make sampling.prompts_per_step x sampling.group_size / trainer.optimizer_steps "
+                "a multiple of the world size"
+            )
         per = n // self.dist.world_size
         return slice(self.dist.rank * per, (self.dist.rank + 1) * per)
 
@@ -331,8 +348,9 @@ class GRPOTrainer:
         if alg.tis_cap != "off":  # the config turns it off with old_logprobs = "inference"
             # Decoupled PPO: the clip anchors on the proximal (recomputed) policy, and each token
             # is re-weighted from the stale policy that sampled it to that proximal one.
-            tis, is_metrics = behaviour_weights(old_lp, inf_lp, mask, cap=alg.tis_cap, level=alg.tis_level,
-                                                mask_band=alg.tis_mask_band)  # [N, L-1]
+            tis, is_metrics = behaviour_weights(
+                old_lp, inf_lp, mask, cap=alg.tis_cap, level=alg.tis_level, mask_band=alg.tis_mask_band
+            )  # [N, L-1]
             metrics.update(is_metrics)
         ref_lp = self._logprobs(self.reference, batch) if self.reference is not None else None
 
@@ -343,8 +361,12 @@ class GRPOTrainer:
             lo = k * per_opt
             mini = slice(lo, lo + per_opt)
             mini_mask = mask[mini]
-            normalizer = loss_normalizer(alg.normalization, num_tokens=int(mini_mask.sum()),
-                                         num_sequences=per_opt, max_tokens=cfg.sampling.max_new_tokens)
+            normalizer = loss_normalizer(
+                alg.normalization,
+                num_tokens=int(mini_mask.sum()),
+                num_sequences=per_opt,
+                max_tokens=cfg.sampling.max_new_tokens,
+            )
             share = self._my_share(per_opt)
             idx = torch.arange(lo, lo + per_opt)[share]
             self.optimizer.zero_grad(set_to_none=True)
@@ -366,8 +388,15 @@ class GRPOTrainer:
                     entropy=ent,
                     ref_logprobs=None if ref_lp is None else ref_lp[rows, :width].to(self.device),
                 )
-                loss, m = grpo_loss(inputs, normalizer=normalizer, delta=alg.delta, eps_low=alg.eps_low,
-                                    eps_high=alg.eps_high, entropy_coef=alg.entropy_coef, kl_coef=alg.kl_coef)
+                loss, m = grpo_loss(
+                    inputs,
+                    normalizer=normalizer,
+                    delta=alg.delta,
+                    eps_low=alg.eps_low,
+                    eps_high=alg.eps_high,
+                    entropy_coef=alg.entropy_coef,
+                    kl_coef=alg.kl_coef,
+                )
                 loss.backward()
                 if want_entropy:
                     m["entropy/mean"] = m["loss/entropy"]  # same masked mean; one key either way

@@ -29,8 +29,8 @@ from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.model.lora import save_adapter
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, retrying
-from swarmrl.protocol.rollouts import Group
 from swarmrl.protocol.manifest import content_digest
+from swarmrl.protocol.rollouts import Group
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards import registry
 from swarmrl.rewards.pool import VerifierPool
@@ -52,8 +52,10 @@ from swarmrl.transport.filesystem import RunDir, atomic_write_text
 def _forget_after(rd: RunDir, step: int) -> None:
     """On resume: the records of steps after the checkpoint are of steps that will be redone, so
     they go (metrics.jsonl and consumed.jsonl would otherwise list them twice)."""
-    for name, keep in (("metrics.jsonl", lambda r: r.get("step", 0) <= step and not r.get("final")),
-                       ("consumed.jsonl", lambda r: r.get("step", 0) < step)):
+    for name, keep in (
+        ("metrics.jsonl", lambda r: r.get("step", 0) <= step and not r.get("final")),
+        ("consumed.jsonl", lambda r: r.get("step", 0) < step),
+    ):
         path = rd.root / name
         if not path.exists():
             continue
@@ -92,9 +94,11 @@ def _same_checkpoint_on_every_rank(root: Path) -> None:
     if len(set(steps)) > 1:
         newest = max(s for s in steps if s is not None)
         behind = [r for r, s in enumerate(steps) if s != newest]
-        raise RuntimeError(f"--resume: ranks {behind} do not hold checkpoint step {newest} (per rank: {steps}); "
-                           f"copy {root}/step_{newest:06d} from node 0 to the same place on every trainer node "
-                           "(or share the run directory's filesystem), then start again")
+        raise RuntimeError(
+            f"--resume: ranks {behind} do not hold checkpoint step {newest} (per rank: {steps}); "
+            f"copy {root}/step_{newest:06d} from node 0 to the same place on every trainer node "
+            "(or share the run directory's filesystem), then start again"
+        )
 
 
 def _broadcast(obj, dist_info):
@@ -121,8 +125,9 @@ class _Link:
     """Rank 0's connection to the orchestrator: pull batches, announce versions. Every call
     rides out an orchestrator restart (retry with backoff for up to `unreachable_s`)."""
 
-    def __init__(self, client: TrainerClient, url: str, rd: RunDir, check, cfg, server: ShardServer,
-                 unreachable_s: float = 600):
+    def __init__(
+        self, client: TrainerClient, url: str, rd: RunDir, check, cfg, server: ShardServer, unreachable_s: float = 600
+    ):
         self.client, self.url, self.rd, self.check, self.cfg = client, url, rd, check, cfg
         self.server, self.unreachable_s = server, unreachable_s
         # The trainer's signing key: relays and workers accept only versions it signed.
@@ -139,9 +144,15 @@ class _Link:
         lora = self.cfg.trainer.lora.rank > 0
         base = self._lora_base(root) if lora and version else None
         unpublish_version(root, version)
-        manifest = publish_version(self.rd.version_path(version), root, version, key=self.key,
-                                   parent=version - 1 if version else None, shard_size=self.cfg.broadcast.shard_size,
-                                   base=base)
+        manifest = publish_version(
+            self.rd.version_path(version),
+            root,
+            version,
+            key=self.key,
+            parent=version - 1 if version else None,
+            shard_size=self.cfg.broadcast.shard_size,
+            base=base,
+        )
         self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
         keep = max(self.cfg.trainer.keep_versions, self.cfg.async_.bound + 2)
         # Under LoRA every later version is an adapter on version 0: the base stays served.
@@ -152,8 +163,9 @@ class _Link:
         published first if this broadcast root lacks it (a resume after it was lost)."""
         held = published_manifest(root, 0)
         if held is None:
-            held = publish_version(self.rd.version_path(0), root, 0, key=self.key,
-                                   shard_size=self.cfg.broadcast.shard_size)
+            held = publish_version(
+                self.rd.version_path(0), root, 0, key=self.key, shard_size=self.cfg.broadcast.shard_size
+            )
         return {"version": 0, "digest": content_digest(held)}
 
     def report(self, step: int, metrics: dict) -> None:
@@ -176,8 +188,9 @@ class _Link:
                 return resp
             if time.monotonic() - last > report_s:  # a standalone trainer may wait for workers to join
                 last = time.monotonic()
-                print(f"waiting {last - t0:.0f} s for batch {step}: {resp['queued']}/{resp['needed']} groups",
-                      flush=True)
+                print(
+                    f"waiting {last - t0:.0f} s for batch {step}: {resp['queued']}/{resp['needed']} groups", flush=True
+                )
             self.check()
             time.sleep(poll_s)
 
@@ -214,8 +227,10 @@ class _EvalPolicy:
         return self.unsharded.eval()
 
 
-def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str | None = None,
-                token_file: str | None = None) -> dict:
+# long: the trainer's whole loop (pull a batch, step, publish, checkpoint, evaluate), read top to bottom
+def run_trainer(
+    run_dir: str | Path, *, resume: bool = False, orchestrator: str | None = None, token_file: str | None = None
+) -> dict:
     rd = RunDir(run_dir)
     cfg = load_config(rd.root / "config.toml")
     registry.load(cfg.tasks.types)  # the run's own task types, for held-out grading
@@ -238,8 +253,13 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             print(f"resumed from checkpoint at step {start}", flush=True)
             if main:
                 _forget_after(rd, start)
-    pool = VerifierPool(cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s,
-                        memory_bytes=cfg.rewards.verify_memory_mb << 20) if main else None
+    pool = (
+        VerifierPool(
+            cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s, memory_bytes=cfg.rewards.verify_memory_mb << 20
+        )
+        if main
+        else None
+    )
     # Only rank 0 evaluates: the other ranks (on other nodes too) need no task files.
     held_out = task_rows(cfg, log=lambda *_: None)[1] if main else []
     graders = open_graders(held_out, cfg.sandbox) if main else Graders()
@@ -254,8 +274,9 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 from swarmrl.protocol.tls import server_context
 
                 tls = server_context(cfg.broadcast.tls_cert, cfg.broadcast.tls_key, flag="broadcast.tls_cert")
-            server = ShardServer(rd.root / "broadcast", tls=tls, host=cfg.trainer.weights_host,
-                                 port=cfg.trainer.weights_port).start()
+            server = ShardServer(
+                rd.root / "broadcast", tls=tls, host=cfg.trainer.weights_host, port=cfg.trainer.weights_port
+            ).start()
             origin = cfg.trainer.weights_url or server.url
             link = _Link(_orchestrator(rd, orchestrator, token_file), origin, rd, _parent_watchdog(), cfg, server)
             # Where relays find the origin (`swarmrl rl` starts them once this exists).
@@ -283,8 +304,12 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 with open(rd.root / "consumed.jsonl", "a") as f:
                     f.write(json.dumps({"step": step, "group_ids": resp["group_ids"]}) + "\n")
             groups = _broadcast(groups, dinfo)
-            batch = build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
-                                      normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+            batch = build_train_batch(
+                groups,
+                pad_token_id=tokenizer.pad_token_id,
+                normalize_std=cfg.algorithm.normalize_std,
+                adv_eps=cfg.algorithm.adv_eps,
+            )
             t1 = time.monotonic()
             metrics.update(trainer.train_step(batch))
             t2 = time.monotonic()
@@ -295,7 +320,9 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 rd.prune_versions(keep_from=min(step + 1 - cfg.async_.bound, step + 2 - cfg.trainer.keep_versions))
             t3 = time.monotonic()
             metrics.update({"time/train": t2 - t1, "time/publish": t3 - t2, "time/step": t3 - t0})
-            metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(t3 - t0, 1e-9)
+            metrics["throughput/generated_tokens_per_s"] = metrics.get("batch/generated_tokens", 0.0) / max(
+                t3 - t0, 1e-9
+            )
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.trainer.steps and main:
                 held = evaluate(policy_for_eval(sd), tokenizer, held_out, cfg, pool, graders=graders)
@@ -306,8 +333,11 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
                 save_checkpoint(trainer, rd.root / "checkpoints", done, extra)
             if main:
                 _log_metrics(rd, {"step": done, **metrics})
-                print(f"step {done} reward {metrics['reward/mean']:.3f} acc {metrics['reward/task_mean_all']:.3f} "
-                      f"off_policy {metrics['off_policy/max']:.0f} step {metrics['time/step']:.2f}s", flush=True)
+                print(
+                    f"step {done} reward {metrics['reward/mean']:.3f} acc {metrics['reward/task_mean_all']:.3f} "
+                    f"off_policy {metrics['off_policy/max']:.0f} step {metrics['time/step']:.2f}s",
+                    flush=True,
+                )
         summary = {}
         if main:
             rd.request_stop()  # first: the launcher must know workers leaving now are done, not dead
@@ -315,8 +345,12 @@ def run_trainer(run_dir: str | Path, *, resume: bool = False, orchestrator: str 
             after = evaluate(policy_for_eval(sd), tokenizer, held_out, cfg, pool, graders=graders)
             _log_metrics(rd, {"step": cfg.trainer.steps, "final": True, **after})
             link.report(cfg.trainer.steps, after)
-            summary = {"accuracy_before": extra.get("accuracy_before"), "accuracy_after": after["eval/accuracy"],
-                       "steps": cfg.trainer.steps, "trainer_seconds": time.monotonic() - t_run}
+            summary = {
+                "accuracy_before": extra.get("accuracy_before"),
+                "accuracy_after": after["eval/accuracy"],
+                "steps": cfg.trainer.steps,
+                "trainer_seconds": time.monotonic() - t_run,
+            }
             atomic_write_text(rd.root / "trainer_summary.json", json.dumps(summary, indent=1))
             print(f"held-out accuracy after: {after['eval/accuracy']:.3f}", flush=True)
         return summary

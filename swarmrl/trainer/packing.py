@@ -42,9 +42,11 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """
     too_long = [n for n in lengths if n > budget]
     if too_long:
-        raise ValueError(f"{BUDGET_FIELD}={budget} is smaller than a sequence of {max(too_long)} tokens "
-                         f"(prompt + completion) in this batch: set it to at least {max(too_long)}, "
-                         "or leave it unset to pad micro-batches of trainer.micro_batch_size sequences")
+        raise ValueError(
+            f"{BUDGET_FIELD}={budget} is smaller than a sequence of {max(too_long)} tokens "
+            f"(prompt + completion) in this batch: set it to at least {max(too_long)}, "
+            "or leave it unset to pad micro-batches of trainer.micro_batch_size sequences"
+        )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     free: list[int] = []
@@ -79,8 +81,9 @@ class Pack:
         crosses into it from the previous sequence) are 0, which the loss mask excludes anyway.
         """
         out = packed.new_zeros((len(self.rows), self.width))  # [k, width]
-        return out.index_put((self.dst_row.to(out.device), self.dst_col.to(out.device)),
-                             packed[0, self.src.to(packed.device)])
+        return out.index_put(
+            (self.dst_row.to(out.device), self.dst_col.to(out.device)), packed[0, self.src.to(packed.device)]
+        )
 
 
 def pack_sequences(input_ids: Tensor, lengths: Tensor, budget: int) -> list[Pack]:
@@ -106,11 +109,15 @@ def pack_sequences(input_ids: Tensor, lengths: Tensor, budget: int) -> list[Pack
             dst_row.append(torch.full((n - 1,), r))
             dst_col.append(torch.arange(n - 1))
             offset += n
-        packs.append(Pack(
-            rows=torch.tensor(members, dtype=torch.long),
-            input_ids=torch.cat(ids)[None],  # [1, T]
-            position_ids=torch.cat(pos)[None],  # [1, T]
-            src=torch.cat(src), dst_row=torch.cat(dst_row), dst_col=torch.cat(dst_col),
-            width=max(lens[i] for i in members) - 1,
-        ))
+        packs.append(
+            Pack(
+                rows=torch.tensor(members, dtype=torch.long),
+                input_ids=torch.cat(ids)[None],  # [1, T]
+                position_ids=torch.cat(pos)[None],  # [1, T]
+                src=torch.cat(src),
+                dst_row=torch.cat(dst_row),
+                dst_col=torch.cat(dst_col),
+                width=max(lens[i] for i in members) - 1,
+            )
+        )
     return packs

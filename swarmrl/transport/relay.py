@@ -34,9 +34,11 @@ from swarmrl.transport.broadcast import (
 )
 from swarmrl.transport.broadcast.common import load_manifest_file, remove_dir
 
-NEED_KEY = ("a relay mirrors only versions the trainer signed, so it needs the trainer's public key: pass "
-            "--trainer-key <run-dir>/trainer.pub (the file, or the 64 hex characters in it; the trainer writes it "
-            "into its run directory), or Relay(..., public_key=...) in code")
+NEED_KEY = (
+    "a relay mirrors only versions the trainer signed, so it needs the trainer's public key: pass "
+    "--trainer-key <run-dir>/trainer.pub (the file, or the 64 hex characters in it; the trainer writes it "
+    "into its run directory), or Relay(..., public_key=...) in code"
+)
 
 
 def require_trainer_key(public_key) -> str:
@@ -52,10 +54,26 @@ class Relay:
     after `retry_s`, doubling with each failure up to `max_retry_s`; `max_connections` bounds the
     clients served at once (`ShardServer`)."""
 
-    def __init__(self, upstreams: list[str], cache_dir: str | Path, *, public_key: str, host: str = "127.0.0.1",
-                 port: int = 0, keep: int = 3, poll_s: float = 0.5, parallel: int = 4, timeout_s: float = 10.0,
-                 max_bytes_per_s: float | None = None, max_connections: int = 64, retry_s: float = 5.0,
-                 max_retry_s: float = 600.0, failures_per_poll: int = 2, log=print, tls=None):
+    def __init__(
+        self,
+        upstreams: list[str],
+        cache_dir: str | Path,
+        *,
+        public_key: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        keep: int = 3,
+        poll_s: float = 0.5,
+        parallel: int = 4,
+        timeout_s: float = 10.0,
+        max_bytes_per_s: float | None = None,
+        max_connections: int = 64,
+        retry_s: float = 5.0,
+        max_retry_s: float = 600.0,
+        failures_per_poll: int = 2,
+        log=print,
+        tls=None,
+    ):
         if not upstreams:
             raise BroadcastError("a relay needs at least one upstream URL (the origin or another relay)")
         self.public_key = require_trainer_key(public_key)
@@ -65,8 +83,9 @@ class Relay:
         self.keep, self.poll_s = keep, poll_s
         self.parallel, self.timeout_s, self.log = parallel, timeout_s, log
         self.retry_s, self.max_retry_s, self.failures_per_poll = retry_s, max_retry_s, failures_per_poll
-        self.server = ShardServer(self.root, host, port, max_bytes_per_s=max_bytes_per_s,
-                                  max_connections=max_connections, tls=tls)
+        self.server = ShardServer(
+            self.root, host, port, max_bytes_per_s=max_bytes_per_s, max_connections=max_connections, tls=tls
+        )
         self.scores = SourceScores()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,14 +141,27 @@ class Relay:
 
     def _mirror(self, v: int, advertised: dict[str, set[int]], failures: dict[str, int], now: float) -> bool:
         """Mirror version v from the upstreams listing it (not backing off from it); True if held now."""
-        sources = [u for u in self.upstreams if v in advertised.get(u, ())
-                   and self._failed.get((u, v), (0, 0.0))[1] <= now and failures[u] < self.failures_per_poll]
+        sources = [
+            u
+            for u in self.upstreams
+            if v in advertised.get(u, ())
+            and self._failed.get((u, v), (0, 0.0))[1] <= now
+            and failures[u] < self.failures_per_poll
+        ]
         if not sources:
             return False
         t0 = time.monotonic()
         try:
-            mirror_version(v, sources, self.root, public_key=self.public_key, scores=self.scores,
-                           parallel=self.parallel, timeout_s=self.timeout_s, log=self.log)
+            mirror_version(
+                v,
+                sources,
+                self.root,
+                public_key=self.public_key,
+                scores=self.scores,
+                parallel=self.parallel,
+                timeout_s=self.timeout_s,
+                log=self.log,
+            )
         except BroadcastError as e:
             for u in sources:
                 failures[u] += 1
@@ -157,8 +189,10 @@ class Relay:
     def _skip(self, version: int, sources: list[str], why: str) -> None:
         self.last_error = f"{version_name(version)}: {why}"
         if version not in self.skipped:  # once per version, not every poll
-            self.log(f"relay: skipping {version_name(version)} listed by {', '.join(sources)}: it does not verify or "
-                     f"cannot be fetched ({why}); mirroring the other versions, will ask again later")
+            self.log(
+                f"relay: skipping {version_name(version)} listed by {', '.join(sources)}: it does not verify or "
+                f"cannot be fetched ({why}); mirroring the other versions, will ask again later"
+            )
         self.skipped[version] = why
 
     def _forget(self, advertised: dict[str, set[int]]) -> None:
@@ -219,8 +253,9 @@ class Relay:
         self.close()
 
 
-def wait_for_upstream(upstreams: list[str], *, tries: int, backoff_s: float = 0.5, timeout_s: float = 5.0,
-                      log=print) -> None:
+def wait_for_upstream(
+    upstreams: list[str], *, tries: int, backoff_s: float = 0.5, timeout_s: float = 5.0, log=print
+) -> None:
     """Bounded retries at start: BroadcastError naming the upstreams if none answers `tries` times."""
     last = None
     for attempt in range(tries):
@@ -232,13 +267,25 @@ def wait_for_upstream(upstreams: list[str], *, tries: int, backoff_s: float = 0.
                 last = e
         if attempt + 1 < tries:
             time.sleep(min(5.0, backoff_s * 2**attempt))
-    raise BroadcastError(f"no upstream reachable after {tries} tries ({', '.join(upstreams)}); last error: {last}. "
-                         "Check the URLs and that the origin (the trainer) or the upstream relay is running")
+    raise BroadcastError(
+        f"no upstream reachable after {tries} tries ({', '.join(upstreams)}); last error: {last}. "
+        "Check the URLs and that the origin (the trainer) or the upstream relay is running"
+    )
 
 
-def run_relay(upstreams: list[str], cache_dir: str, *, host: str, port: int, keep: int, public_key: str | None,
-              startup_tries: int = 10, url_file: str | None = None, max_bytes_per_s: float | None = None,
-              tls=None) -> None:
+def run_relay(
+    upstreams: list[str],
+    cache_dir: str,
+    *,
+    host: str,
+    port: int,
+    keep: int,
+    public_key: str | None,
+    startup_tries: int = 10,
+    url_file: str | None = None,
+    max_bytes_per_s: float | None = None,
+    tls=None,
+) -> None:
     """`swarmrl relay`: mirror and serve until interrupted. BroadcastError at once without the trainer key."""
     import json
     import os
@@ -247,8 +294,16 @@ def run_relay(upstreams: list[str], cache_dir: str, *, host: str, port: int, kee
 
     require_trainer_key(public_key)  # before waiting for upstreams: the fix is on this command line
     wait_for_upstream(upstreams, tries=startup_tries)
-    relay = Relay(upstreams, cache_dir, host=host, port=port, keep=keep, public_key=public_key,
-                  max_bytes_per_s=max_bytes_per_s, tls=tls).start()
+    relay = Relay(
+        upstreams,
+        cache_dir,
+        host=host,
+        port=port,
+        keep=keep,
+        public_key=public_key,
+        max_bytes_per_s=max_bytes_per_s,
+        tls=tls,
+    ).start()
     print(f"relay listening on {relay.url}, mirroring {', '.join(upstreams)} into {cache_dir}", flush=True)
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": relay.url, "pid": os.getpid()}))

@@ -81,8 +81,9 @@ def _median(sorted_values: list[float]) -> float:
 
 
 @torch.inference_mode()
-def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_tokens: int = 16384,
-            bucket_rows: int = 16):
+def prefill(
+    model, groups: list[tuple[list[int], list[list[int]]]], max_batch_tokens: int = 16384, bucket_rows: int = 16
+):
     """For each (prompt, completions) group, (hidden [n, H], logits [n, V]) per completion, in
     float32, rows being the positions that chose each completion token.
 
@@ -111,23 +112,28 @@ def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_to
         ids = torch.zeros((len(batch), wp), dtype=torch.long)
         mask = torch.zeros((len(batch), wp), dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, wp - len(p):] = torch.tensor(p)
-            mask[r, wp - len(p):] = 1
+            ids[r, wp - len(p) :] = torch.tensor(p)
+            mask[r, wp - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache()
-        first = model.base_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                                 use_cache=True, **{cache_kw: cache}).last_hidden_state[:, -1]  # [m, H]
+        first = model.base_model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **{cache_kw: cache},
+        ).last_hidden_state[:, -1]  # [m, H]
         rows = [(r, c) for r, j in enumerate(batch) for c in groups[j][1]]
         # Completion rows sorted by length and run in buckets, each on its own copy of the prompt
         # cache: padding every row to the longest completion wasted about half the work.
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))
         hidden_rows: list = [None] * len(rows)
         for b in range(0, len(order), bucket_rows):
-            idx = order[b:b + bucket_rows]
+            idx = order[b : b + bucket_rows]
             wc = max(len(rows[i][1]) for i in idx) - 1
             if wc <= 0:
                 for i in idx:
-                    hidden_rows[i] = first[rows[i][0]:rows[i][0] + 1]
+                    hidden_rows[i] = first[rows[i][0] : rows[i][0] + 1]
                 continue
             sel = torch.tensor([rows[i][0] for i in idx], device=dev)
             bucket_cache = copy.deepcopy(cache) if b + bucket_rows < len(order) else cache
@@ -136,16 +142,20 @@ def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_to
             cmask = torch.zeros((len(idx), wc), dtype=torch.long)
             for k, i in enumerate(idx):
                 c = rows[i][1]
-                cids[k, :len(c) - 1] = torch.tensor(c[:-1])
-                cmask[k, :len(c) - 1] = 1
+                cids[k, : len(c) - 1] = torch.tensor(c[:-1])
+                cmask[k, : len(c) - 1] = 1
             cids, cmask = cids.to(dev), cmask.to(dev)
             start = torch.tensor([len(prompts[rows[i][0]]) for i in idx], device=dev)
-            rest = model.base_model(input_ids=cids, attention_mask=torch.cat([mask[sel], cmask], 1),
-                                    position_ids=start[:, None] + torch.arange(wc, device=dev)[None],
-                                    use_cache=True, **{cache_kw: bucket_cache}).last_hidden_state
+            rest = model.base_model(
+                input_ids=cids,
+                attention_mask=torch.cat([mask[sel], cmask], 1),
+                position_ids=start[:, None] + torch.arange(wc, device=dev)[None],
+                use_cache=True,
+                **{cache_kw: bucket_cache},
+            ).last_hidden_state
             for k, i in enumerate(idx):
                 r, c = rows[i]
-                hidden_rows[i] = torch.cat([first[r:r + 1], rest[k, :len(c) - 1]])
+                hidden_rows[i] = torch.cat([first[r : r + 1], rest[k, : len(c) - 1]])
         stacked = torch.cat(hidden_rows)
         logits = head(stacked).float().cpu().split([len(c) for _, c in rows])
         hiddens = stacked.float().cpu().split([len(c) for _, c in rows])
@@ -157,8 +167,17 @@ def prefill(model, groups: list[tuple[list[int], list[list[int]]]], max_batch_to
 
 
 class Validator:
-    def __init__(self, cfg: ValidatorConfig, cache_dir: str | Path, *, device: str = "cpu",
-                 dtype: str | None = None, log=print, relays: list[str] = (), trainer_key=None):
+    def __init__(
+        self,
+        cfg: ValidatorConfig,
+        cache_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        log=print,
+        relays: list[str] = (),
+        trainer_key=None,
+    ):
         self.cfg, self.cache = cfg, Path(cache_dir)
         # Weights like a worker gets them (relays first, then the announced origin), checked
         # against the trainer's key: `trainer_key` (a str, or a callable returning one), else the
@@ -182,11 +201,25 @@ class Validator:
         key = self.trainer_key() if callable(self.trainer_key) else self.trainer_key
         key = key or str(policy["manifest"].get("public_key", ""))
         sources, keep = [*self.relays, policy["url"]], max(2, len(self.models) + 2)
-        folder = fetch_version(version, sources, self.cache / "policies", public_key=key, scores=self.scores,
-                               keep=keep, expected_digest=digest)
+        folder = fetch_version(
+            version,
+            sources,
+            self.cache / "policies",
+            public_key=key,
+            scores=self.scores,
+            keep=keep,
+            expected_digest=digest,
+        )
         # A LoRA adapter is merged into the base its signed manifest names, exactly as workers do.
-        base = fetch_base(policy["manifest"], sources, self.cache / "policies", public_key=key, verified=self.bases,
-                          scores=self.scores, keep=keep)
+        base = fetch_base(
+            policy["manifest"],
+            sources,
+            self.cache / "policies",
+            public_key=key,
+            verified=self.bases,
+            scores=self.scores,
+            keep=keep,
+        )
         model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype), base=base)
         self.models[(version, dtype)] = (digest, model.eval())
         return model
@@ -230,23 +263,37 @@ class Validator:
         for n, problem, res in zip(lengths, decoded, checked):
             if problem is None and isinstance(res, ProofError):
                 problem = str(res)
-            out.append(SampleReport([] if problem else res, float(margins[pos:pos + n].max()),
-                                    float(errs[pos:pos + n].max()), problem))
+            out.append(
+                SampleReport(
+                    [] if problem else res,
+                    float(margins[pos : pos + n].max()),
+                    float(errs[pos : pos + n].max()),
+                    problem,
+                )
+            )
             pos += n
         return out
 
     def judge_logprobs(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
         """A proofless trusted group's verdict: its reported logprobs against the prefill's."""
         tol = self.cfg.trusted_logprob_limit(dtype, item.get("engine_dtype"))
-        stats = {"logprob_err_max": max(r.logprob_err_max for r in reports),
-                 "sampling_margin_max": max(r.margin_max for r in reports), "chunks": 0}
+        stats = {
+            "logprob_err_max": max(r.logprob_err_max for r in reports),
+            "sampling_margin_max": max(r.margin_max for r in reports),
+            "chunks": 0,
+        }
         for i, r in enumerate(reports):
             if r.logprob_err_max > tol:
                 declared = item.get("engine_dtype") or dtype
-                return Verdict(item["id"], False, "logprobs",
-                               f"completion {i}: reported logprobs differ from policy v{item['policy_version']}'s by up "
-                               f"to {r.logprob_err_max:.3g} (tolerance {tol} for a {declared} server in a {dtype} run): "
-                               "the server is not serving this version, or samples at another temperature", stats)
+                return Verdict(
+                    item["id"],
+                    False,
+                    "logprobs",
+                    f"completion {i}: reported logprobs differ from policy v{item['policy_version']}'s by up "
+                    f"to {r.logprob_err_max:.3g} (tolerance {tol} for a {declared} server in a {dtype} run): "
+                    "the server is not serving this version, or samples at another temperature",
+                    stats,
+                )
         return Verdict(item["id"], True, stats=stats)
 
     def judge(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
@@ -270,45 +317,72 @@ class Validator:
             if r.proof_error:
                 return Verdict(item["id"], False, "proofs_malformed", f"completion {i}: {r.proof_error}", stats)
         for i, r in enumerate(reports):
-            bad = [(j, c) for j, c in enumerate(r.chunks)
-                   if not c.passes(exp_mismatches_max=lim["exp_mismatches_max"],
-                                   mant_err_mean_max=lim["mant_err_mean_max"],
-                                   mant_err_median_max=lim["mant_err_median_max"])]
+            bad = [
+                (j, c)
+                for j, c in enumerate(r.chunks)
+                if not c.passes(
+                    exp_mismatches_max=lim["exp_mismatches_max"],
+                    mant_err_mean_max=lim["mant_err_mean_max"],
+                    mant_err_median_max=lim["mant_err_median_max"],
+                )
+            ]
             if bad:
                 j, c = bad[0]
-                return Verdict(item["id"], False, "toploc",
-                               f"completion {i}, chunk {j} (of {len(r.chunks)}; {len(bad)} fail): "
-                               f"{c.exp_mismatches} sign/exponent mismatches (max {lim['exp_mismatches_max']}), "
-                               f"mantissa error mean {c.mant_err_mean:.3g} (max {lim['mant_err_mean_max']}), "
-                               f"median {c.mant_err_median:.3g} (max {lim['mant_err_median_max']}): these hidden "
-                               f"states are not those of policy v{item['policy_version']} in {dtype}", stats)
+                return Verdict(
+                    item["id"],
+                    False,
+                    "toploc",
+                    f"completion {i}, chunk {j} (of {len(r.chunks)}; {len(bad)} fail): "
+                    f"{c.exp_mismatches} sign/exponent mismatches (max {lim['exp_mismatches_max']}), "
+                    f"mantissa error mean {c.mant_err_mean:.3g} (max {lim['mant_err_mean_max']}), "
+                    f"median {c.mant_err_median:.3g} (max {lim['mant_err_median_max']}): these hidden "
+                    f"states are not those of policy v{item['policy_version']} in {dtype}",
+                    stats,
+                )
         if stats["mant_err_group"] > lim["group_mant_err_max"]:
-            return Verdict(item["id"], False, "toploc",
-                           f"the median over the group's {len(means)} chunks of their mantissa error means is "
-                           f"{stats['mant_err_group']:.3g} (max {lim['group_mant_err_max']}): these hidden states "
-                           f"are consistently further from policy v{item['policy_version']}'s in {dtype} than "
-                           "rounding explains (a quantised or otherwise altered model)", stats)
+            return Verdict(
+                item["id"],
+                False,
+                "toploc",
+                f"the median over the group's {len(means)} chunks of their mantissa error means is "
+                f"{stats['mant_err_group']:.3g} (max {lim['group_mant_err_max']}): these hidden states "
+                f"are consistently further from policy v{item['policy_version']}'s in {dtype} than "
+                "rounding explains (a quantised or otherwise altered model)",
+                stats,
+            )
         for i, r in enumerate(reports):
             if r.margin_max > lim["sampling_margin"]:
-                return Verdict(item["id"], False, "sampling",
-                               f"completion {i}: a token is not the seeded sampler's choice under the lease's seed "
-                               f"(score gap {r.margin_max:.3g} > {lim['sampling_margin']})", stats)
+                return Verdict(
+                    item["id"],
+                    False,
+                    "sampling",
+                    f"completion {i}: a token is not the seeded sampler's choice under the lease's seed "
+                    f"(score gap {r.margin_max:.3g} > {lim['sampling_margin']})",
+                    stats,
+                )
         for i, r in enumerate(reports):
             if r.logprob_err_max > lim["logprob_tol"]:
-                return Verdict(item["id"], False, "logprobs",
-                               f"completion {i}: reported logprobs differ from the recomputed ones by up to "
-                               f"{r.logprob_err_max:.3g} (tolerance {lim['logprob_tol']})", stats)
+                return Verdict(
+                    item["id"],
+                    False,
+                    "logprobs",
+                    f"completion {i}: reported logprobs differ from the recomputed ones by up to "
+                    f"{r.logprob_err_max:.3g} (tolerance {lim['logprob_tol']})",
+                    stats,
+                )
         return Verdict(item["id"], True, stats=stats)
 
-    def check(self, items: list[dict], policies: dict[int, dict],
-              dtype: str = "float32") -> tuple[list[Verdict], list[int]]:
+    def check(
+        self, items: list[dict], policies: dict[int, dict], dtype: str = "float32"
+    ) -> tuple[list[Verdict], list[int]]:
         """Verdicts for the items whose policy could be loaded, and the ids to retry later;
         `dtype` is the run's inference precision (the claim's), the one the prefill runs in."""
         if self.pinned_dtype is not None and dtype != self.pinned_dtype:
             # Judging in another precision would reject honest work as fraud and ban its workers.
             raise WrongPrecision(
                 f"this run samples in {dtype} (the claim says so) but this validator was started with --dtype "
-                f"{self.pinned_dtype}: restart without --dtype, or with --dtype {dtype}")
+                f"{self.pinned_dtype}: restart without --dtype, or with --dtype {dtype}"
+            )
         verdicts, retry = [], []
         by_version: dict[int, list[dict]] = {}
         for it in items:
@@ -335,6 +409,6 @@ class Validator:
             reports = self.reports([o for res in outs for o in res], samples, temps)
             pos = 0
             for it in group:
-                verdicts.append(self.judge(it, reports[pos:pos + len(it["samples"])], dtype))
+                verdicts.append(self.judge(it, reports[pos : pos + len(it["samples"])], dtype))
                 pos += len(it["samples"])
         return verdicts, retry

@@ -40,8 +40,9 @@ class HttpSource:
         return retrying(lambda: self.client.claim(n), what="claim", give_up_s=self.unreachable_s, log=self.log)
 
     def record(self, verdicts: list[dict], retry: list[int]) -> dict:
-        return retrying(lambda: self.client.record(verdicts, retry), what="verdicts", give_up_s=self.unreachable_s,
-                        log=self.log)
+        return retrying(
+            lambda: self.client.record(verdicts, retry), what="verdicts", give_up_s=self.unreachable_s, log=self.log
+        )
 
     def finished(self) -> bool:
         return bool(retrying(self.client.status, what="status", give_up_s=self.unreachable_s, log=self.log)["finished"])
@@ -123,9 +124,17 @@ def start_in_process(orch, run_dir: Path, *, log=print) -> tuple[threading.Threa
     return thread, stop
 
 
-def run_external(orchestrator: str, *, token_file: str, cache_dir: str, threads: int | None = None,
-                 device: str = "cpu", dtype: str | None = None, relays: list[str] = (),
-                 trainer_key: str | None = None) -> None:
+def run_external(
+    orchestrator: str,
+    *,
+    token_file: str,
+    cache_dir: str,
+    threads: int | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    relays: list[str] = (),
+    trainer_key: str | None = None,
+) -> None:
     """`swarmrl validator`: check groups for a remote orchestrator until the run finishes. The
     thresholds, batch size and precision come from the orchestrator with every claim; `dtype`,
     if given, only makes this validator stop when the run's precision is another."""

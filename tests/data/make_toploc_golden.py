@@ -54,7 +54,7 @@ def top_magnitudes(x: torch.Tensor) -> list[np.ndarray]:
     """Sorted (descending) 15-bit magnitude patterns of each chunk of CHUNK rows."""
     out = []
     for s in range(0, x.shape[0], CHUNK):
-        m = x[s:s + CHUNK].reshape(-1).view(torch.int16).numpy().astype(np.int64) & 0x7FFF
+        m = x[s : s + CHUNK].reshape(-1).view(torch.int16).numpy().astype(np.int64) & 0x7FFF
         out.append(np.sort(m)[::-1])
     return out
 
@@ -77,7 +77,10 @@ def record(seed: int, T: int, H: int, note: str) -> dict:
     assert 0 not in moduli, "the reference wrote a null proof"
     ref = verify_proofs_bytes(x, proofs, CHUNK, TOPK, skip_prefill=True)
     return {
-        "seed": seed, "T": T, "H": H, "note": note,
+        "seed": seed,
+        "T": T,
+        "H": H,
+        "note": note,
         "input_sha256": hashlib.sha256(x.view(torch.int16).numpy().astype("<i2").tobytes()).hexdigest(),
         "moduli": moduli,
         "inner_ties": inner_ties(x),
@@ -124,14 +127,23 @@ def main() -> None:
         "numpy_version": np.__version__,
         "python_version": sys.version.split()[0],
         "call": "build_proofs_bytes / build_proofs_base64([row for row in x], 32, 128, skip_prefill=True)",
-        "chunk_size": CHUNK, "topk": TOPK,
+        "chunk_size": CHUNK,
+        "topk": TOPK,
         "cases": cases,
     }
     OUT.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{len(cases)} cases, {sum(len(c['moduli']) for c in cases)} proofs, {OUT.stat().st_size} bytes -> {OUT}")
     for c in cases:
-        print(c["seed"], c["T"], c["H"], c["moduli"], "ties", c["inner_ties"],
-              "ref exp_mismatches", [r[0] for r in c["reference_verify"]])
+        print(
+            c["seed"],
+            c["T"],
+            c["H"],
+            c["moduli"],
+            "ties",
+            c["inner_ties"],
+            "ref exp_mismatches",
+            [r[0] for r in c["reference_verify"]],
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from runs import EASY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,11 +43,30 @@ def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_pa
     run, log = tmp_path / "run", tmp_path / "rl.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path", str(easy_base),
-             "--trainer.steps", "40", "--async.adversaries", "cherry_pick", "--validator.ban_after", "2", *EASY,
-             "--eval.every", "2"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "swarmrl.cli",
+                "rl",
+                "--run-dir",
+                str(run),
+                "--model.path",
+                str(easy_base),
+                "--trainer.steps",
+                "40",
+                "--async.adversaries",
+                "cherry_pick",
+                "--validator.ban_after",
+                "2",
+                *EASY,
+                "--eval.every",
+                "2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
         url = _wait_for_file(run / "orchestrator.json", proc, log)["url"]
         errors: list[str] = []
@@ -65,10 +85,12 @@ def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_pa
             page.wait_for_function(f"{points} > {first}", timeout=300_000)  # the charts follow the run
             page.wait_for_selector("#workers tr.banned", timeout=300_000)
             # Held-out accuracy comes from the trainer (before training, then every eval.every steps).
-            page.wait_for_function("Number(document.querySelector('#chart-accuracy').dataset.points || 0) >= 2",
-                                   timeout=300_000)
-            page.wait_for_function("document.querySelectorAll('#workers tbody tr:not(.banned)').length >= 2",
-                                   timeout=120_000)
+            page.wait_for_function(
+                "Number(document.querySelector('#chart-accuracy').dataset.points || 0) >= 2", timeout=300_000
+            )
+            page.wait_for_function(
+                "document.querySelectorAll('#workers tbody tr:not(.banned)').length >= 2", timeout=120_000
+            )
             banned = page.locator("#workers tr.banned td:nth-child(3)").all_text_contents()
             assert banned == ["adversary-0-cherry_pick"], banned
             assert page.locator("#workers tr.banned .status-banned").all_text_contents() == ["banned"]

@@ -11,7 +11,6 @@
   machine (`swarmrl trainer --node-rank 1` on a copy of the run's config and base).
 """
 
-
 from __future__ import annotations
 
 import json
@@ -28,15 +27,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import EASY, swarmrl
 from safetensors.torch import load_file
+
+from runs import EASY, swarmrl
 
 # Weights must move by far more than the tolerance for the comparison to mean anything: no
 # warmup, lr 3e-4, so each optimizer step moves every weight by ~3e-4 (Adam) and 1e-5 is ~3%
 # of one step. A wrong shard, a dropped or duplicated sample or a wrong normaliser moves them
 # by a sizeable part of a step; float32 reduction order by ~1e-7.
-FAST = [*EASY, "--trainer.lr", "3e-4", "--trainer.warmup_steps", "0", "--async.workers", "1",
-        "--trainer.keep_versions", "20", "--logging.plots", "false", "--broadcast.relays", "0"]
+FAST = [
+    *EASY,
+    "--trainer.lr",
+    "3e-4",
+    "--trainer.warmup_steps",
+    "0",
+    "--async.workers",
+    "1",
+    "--trainer.keep_versions",
+    "20",
+    "--logging.plots",
+    "false",
+    "--broadcast.relays",
+    "0",
+]
 TOL = 1e-5
 
 
@@ -50,7 +63,6 @@ def _steps(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [r for r in map(json.loads, lines) if "time/step" in r]
-
 
 
 def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], list[dict]]:
@@ -74,8 +86,12 @@ def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor
             with store.read() as db:
                 ids = json.loads(store.batch(db, step)["group_ids"])
                 groups = [Group.from_json(p) for p in store.payloads(db, ids)]
-            batch = build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
-                                      normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+            batch = build_train_batch(
+                groups,
+                pad_token_id=tokenizer.pad_token_id,
+                normalize_std=cfg.algorithm.normalize_std,
+                adv_eps=cfg.algorithm.adv_eps,
+            )
             metrics.append(trainer.train_step(batch))
             # One process: the state dict holds the live parameters, which the next step updates.
             states.append({k: v.clone() for k, v in trainer.full_state_dict().items()})
@@ -111,8 +127,18 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
     run = tmp_path / "run"
     steps = 3
     t0 = time.monotonic()
-    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", str(steps),
-                   "--trainer.nproc", "2", *FAST)
+    proc = swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        str(steps),
+        "--trainer.nproc",
+        "2",
+        *FAST,
+    )
     wall = time.monotonic() - t0
     assert "2 ranks x 1 nodes under torchrun (gloo)" in proc.stdout
     for rank in (0, 1):
@@ -128,8 +154,7 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
     assert moved > 50 * TOL, moved
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["accuracy_after"] is not None
-    print(f"2 ranks vs 1: max |diff| {worst:.3g} over {steps} versions; weights moved {moved:.3g}; "
-          f"run {wall:.0f} s")
+    print(f"2 ranks vs 1: max |diff| {worst:.3g} over {steps} versions; weights moved {moved:.3g}; run {wall:.0f} s")
     assert _processes_of(run) == []
 
 
@@ -137,17 +162,38 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
 def test_a_dead_rank_ends_the_run_naming_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
-                             str(easy_base), "--trainer.steps", "500", "--trainer.nproc", "2", *FAST],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "rl",
+            "--run-dir",
+            str(run),
+            "--model.path",
+            str(easy_base),
+            "--trainer.steps",
+            "500",
+            "--trainer.nproc",
+            "2",
+            *FAST,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     rank1 = run / "logs" / "trainer-rank1.log"
     try:
         rank0 = run / "logs" / "trainer-rank0.log"
         deadline = time.time() + 180
         # Mid-run: rank 0 has evaluated the base and waits for batch 0, rank 1 waits in the
         # collective that hands it over.
-        while time.time() < deadline and proc.poll() is None and not (
-                rank0.exists() and "held-out accuracy before" in rank0.read_text()):
+        while (
+            time.time() < deadline
+            and proc.poll() is None
+            and not (rank0.exists() and "held-out accuracy before" in rank0.read_text())
+        ):
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read()
         pid = int(re.search(r"pid (\d+)", rank1.read_text()).group(1))
@@ -176,10 +222,29 @@ def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thr
     run, node1 = tmp_path / "run", tmp_path / "node1"
     steps = 2
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
-                                 str(easy_base), "--trainer.steps", str(steps), "--trainer.nnodes", "2",
-                                 "--trainer.rdzv_endpoint", f"127.0.0.1:{_free_port()}", *FAST],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "rl",
+            "--run-dir",
+            str(run),
+            "--model.path",
+            str(easy_base),
+            "--trainer.steps",
+            str(steps),
+            "--trainer.nnodes",
+            "2",
+            "--trainer.rdzv_endpoint",
+            f"127.0.0.1:{_free_port()}",
+            *FAST,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     second = None
     try:
         deadline = time.time() + 120
@@ -188,8 +253,13 @@ def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thr
         (node1 / "policies").mkdir(parents=True)
         shutil.copy(run / "config.toml", node1 / "config.toml")
         shutil.copytree(run / "policies" / "v000000", node1 / "policies" / "v000000")
-        second = subprocess.run([sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(node1),
-                                 "--node-rank", "1"], capture_output=True, text=True, env=env, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(node1), "--node-rank", "1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:

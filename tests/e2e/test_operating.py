@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 def rehearsal_block() -> str:
     text = (ROOT / "docs" / "operating.md").read_text()
     assert MARKER in text, "docs/operating.md lost its rehearsal block"
-    found = re.search(r"```bash\n(.*?)```", text[text.index(MARKER):], re.S)
+    found = re.search(r"```bash\n(.*?)```", text[text.index(MARKER) :], re.S)
     assert found is not None
     return found.group(1)
 
@@ -42,8 +42,9 @@ def _free(port: int) -> bool:
 
 def test_the_readme_holds_the_same_rehearsal():
     readme = (ROOT / "README.md").read_text()
-    assert "```bash\n" + rehearsal_block() + "```" in readme, \
+    assert "```bash\n" + rehearsal_block() + "```" in readme, (
         "README.md's hand-started block differs from docs/operating.md's rehearsal: copy it over"
+    )
 
 
 def test_the_rehearsal_block_names_every_role():
@@ -64,10 +65,15 @@ def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
     # `swarmrl` as installed for this interpreter (a venv's console script, or the module).
     (bindir / "swarmrl").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m swarmrl.cli "$@"\n')
     (bindir / "swarmrl").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path / "home"),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "-c", rehearsal_block()], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=540)
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path / "home"),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        ["bash", "-c", rehearsal_block()], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540
+    )
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}{logs}"
     run = tmp_path / "runs" / "rehearsal"
@@ -76,8 +82,10 @@ def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
     assert json.loads((run / "trainer_summary.json").read_text())["steps"] == 4
     # Every role did its part: the validator checked groups, the workers fetched through the relay
     # over https, and nobody was rejected.
-    assert "https://127.0.0.1:8412" in (tmp_path / "logs" / "worker-1.log").read_text() + \
-        (tmp_path / "logs" / "worker-2.log").read_text()
+    assert (
+        "https://127.0.0.1:8412"
+        in (tmp_path / "logs" / "worker-1.log").read_text() + (tmp_path / "logs" / "worker-2.log").read_text()
+    )
     with sqlite3.connect(run / "orchestrator.sqlite") as db:
         states = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
         workers = db.execute("SELECT name, validated, banned FROM workers").fetchall()

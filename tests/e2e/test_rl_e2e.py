@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from runs import EASY, swarmrl
 
 
@@ -29,9 +30,24 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     """One run carries two tests' assertions (issue 27): the plain end-to-end checks, and issue 18's
     run with every service on https (a CA made for the run; children trust it)."""
     run = tmp_path / "run"
-    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "4",
-                   "--async.bound", "1", "--async.workers", "2", "--logging.plots", "true", "--async.tls", "true",
-                   *EASY)
+    proc = swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "4",
+        "--async.bound",
+        "1",
+        "--async.workers",
+        "2",
+        "--logging.plots",
+        "true",
+        "--async.tls",
+        "true",
+        *EASY,
+    )
     summary = json.loads((run / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "max_off_policy"):
         assert key in summary, key
@@ -60,7 +76,11 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     # Every policy version is a complete HF folder; the newest one is the final policy.
     assert (run / "policies" / "v000004" / "config.json").exists()
     assert sorted(p.name for p in (run / "plots").glob("*.png")) == [
-        "heldout_accuracy.png", "length.png", "reward.png", "step_time.png"]
+        "heldout_accuracy.png",
+        "length.png",
+        "reward.png",
+        "step_time.png",
+    ]
     assert (run / "checkpoints" / "step_000004" / "trainer.pt").exists()
     assert '"accuracy_after"' in proc.stdout
     assert _processes_of(run) == []  # no process of the run is left behind
@@ -70,13 +90,26 @@ def test_a_synchronous_run_refuses_a_restart_and_resumes(easy_base, tmp_path):
     """One run carries three tests' assertions (issue 27): the synchronous bound (k = 0), starting
     over an existing run refused, and resuming it with a raised step budget."""
     run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "2",
-            "--trainer.checkpoint_every", "1", "--async.bound", "0", *EASY)
+    swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "2",
+        "--trainer.checkpoint_every",
+        "1",
+        "--async.bound",
+        "0",
+        *EASY,
+    )
     steps = [r for r in metrics(run) if "time/step" in r]
     assert len(steps) == 2 and all(r["off_policy/max"] == 0 for r in steps)
     # Starting over an existing run is refused, without a traceback, and names the way out.
-    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY,
-                   check=False)
+    proc = swarmrl(
+        "rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY, check=False
+    )
     assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
     # Raise the step budget in the run's own config, as a user extending a run would.
     cfg = (run / "config.toml").read_text().replace("steps = 2\n", "steps = 4\n", 1)
@@ -104,13 +137,32 @@ def _stop(proc: subprocess.Popen) -> None:
 def _start_long_run(easy_base: Path, run: Path) -> subprocess.Popen:
     """A run far longer than the test, returned once its trainer has written metrics."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path",
-                             str(easy_base), "--trainer.steps", "500", *EASY],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "rl",
+            "--run-dir",
+            str(run),
+            "--model.path",
+            str(easy_base),
+            "--trainer.steps",
+            "500",
+            *EASY,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.time() + 120
     # The trainer has written metrics, and the launcher has started the workers (after the relays).
-    while time.time() < deadline and proc.poll() is None and not (
-            (run / "metrics.jsonl").exists() and (run / "logs" / "worker-1.log").exists()):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not ((run / "metrics.jsonl").exists() and (run / "logs" / "worker-1.log").exists())
+    ):
         time.sleep(0.2)
     time.sleep(0.5)
     return proc
@@ -126,8 +178,9 @@ def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
     proc = _start_long_run(easy_base, run)
     try:
-        pids = subprocess.run(["pgrep", "-f", f"cache-dir {run}/workers/worker-0"], capture_output=True,
-                              text=True).stdout.split()
+        pids = subprocess.run(
+            ["pgrep", "-f", f"cache-dir {run}/workers/worker-0"], capture_output=True, text=True
+        ).stdout.split()
         assert pids, "worker not found"
         os.kill(int(pids[0]), signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
@@ -155,8 +208,13 @@ def _role(*args: str, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "SWARMRL_LAUNCHER_PID"}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "swarmrl.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "swarmrl.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_base, tmp_path):
@@ -164,9 +222,9 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
     the orchestrator is killed with SIGKILL mid-run and restarted on the same port."""
     import shutil
 
-    from orchestrator_harness import OrchestratorProcess
-
     from swarmrl.config import load_config
+
+    from orchestrator_harness import OrchestratorProcess
 
     run = tmp_path / "run"
     run.mkdir()
@@ -177,8 +235,20 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
     orch = OrchestratorProcess(run).start()
     roles = [_role("trainer", "--run-dir", str(run), log=run / "trainer.log")]
     for i in range(2):
-        roles.append(_role("worker", "--orchestrator", orch.url, "--key-file", str(run / f"w{i}" / "key.pem"),
-                           "--cache-dir", str(run / f"w{i}"), "--name", f"w{i}", log=run / f"w{i}.log"))
+        roles.append(
+            _role(
+                "worker",
+                "--orchestrator",
+                orch.url,
+                "--key-file",
+                str(run / f"w{i}" / "key.pem"),
+                "--cache-dir",
+                str(run / f"w{i}"),
+                "--name",
+                f"w{i}",
+                log=run / f"w{i}.log",
+            )
+        )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and len([r for r in _read(run) if "time/step" in r]) < 3:
@@ -224,11 +294,26 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
 
     run = tmp_path / "run"
     kinds = ["cherry_pick", "edit_tokens", "other_model"]
-    proc = swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "8",
-                   "--async.adversaries", ",".join(kinds), "--validator.ban_after", "2", *EASY, timeout=600)
+    proc = swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "8",
+        "--async.adversaries",
+        ",".join(kinds),
+        "--validator.ban_after",
+        "2",
+        *EASY,
+        timeout=600,
+    )
     db = sqlite3.connect(run / "orchestrator.sqlite")
-    workers = {key: (name, banned, fraud) for key, name, banned, fraud in
-               db.execute("SELECT key, name, banned, fraud FROM workers")}
+    workers = {
+        key: (name, banned, fraud)
+        for key, name, banned, fraud in db.execute("SELECT key, name, banned, fraud FROM workers")
+    }
     bad = {k for k, (name, _, _) in workers.items() if name.startswith("adversary-")}
     good = set(workers) - bad
     assert len(bad) == 3 and len(good) == 2
@@ -236,20 +321,29 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
     assert all(workers[k][1] == 0 and workers[k][2] == 0 for k in good), workers  # ... no honest fraud
     # An honest worker may only be refused for being late (a loaded machine), never for its work.
     marks = ",".join("?" * len(good))
-    honest = {r for (r,) in db.execute(f"SELECT DISTINCT reason FROM rejections WHERE worker IN ({marks})",
-                                       tuple(good))}
+    honest = {
+        r for (r,) in db.execute(f"SELECT DISTINCT reason FROM rejections WHERE worker IN ({marks})", tuple(good))
+    }
     assert honest <= {"stale", "duplicate", "in_progress", "slot_closed"}, honest
-    reasons = {name: r for name, r in db.execute(
-        "SELECT workers.name, GROUP_CONCAT(DISTINCT rejections.reason) FROM rejections "
-        "JOIN workers ON workers.key = rejections.worker WHERE workers.name LIKE 'adversary-%' "
-        "AND rejections.reason NOT IN ('stale', 'duplicate', 'in_progress', 'slot_closed') GROUP BY workers.name")}
-    assert reasons == {"adversary-0-cherry_pick": "sampling", "adversary-1-edit_tokens": "sampling",
-                       "adversary-2-other_model": "toploc"}, reasons
+    reasons = {
+        name: r
+        for name, r in db.execute(
+            "SELECT workers.name, GROUP_CONCAT(DISTINCT rejections.reason) FROM rejections "
+            "JOIN workers ON workers.key = rejections.worker WHERE workers.name LIKE 'adversary-%' "
+            "AND rejections.reason NOT IN ('stale', 'duplicate', 'in_progress', 'slot_closed') GROUP BY workers.name"
+        )
+    }
+    assert reasons == {
+        "adversary-0-cherry_pick": "sampling",
+        "adversary-1-edit_tokens": "sampling",
+        "adversary-2-other_model": "toploc",
+    }, reasons
     # Every group the trainer consumed passed the full check. An adversary's group can only be
     # among them if it is token for token what the lease's seeds give (a best-of-4 whose picks all
     # equal the seeded samples, on a confident model): honest work, whoever sent it.
-    consumed = [gid for line in (run / "consumed.jsonl").read_text().splitlines()
-                for gid in json.loads(line)["group_ids"]]
+    consumed = [
+        gid for line in (run / "consumed.jsonl").read_text().splitlines() for gid in json.loads(line)["group_ids"]
+    ]
     marks = ",".join("?" * len(consumed))
     rows = db.execute(f"SELECT worker, verdict FROM groups WHERE id IN ({marks})", consumed).fetchall()
     assert len(rows) == len(consumed) and all(json.loads(v)["ok"] for _, v in rows)
@@ -274,14 +368,28 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     from swarmrl.config import read_key_file
 
     run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "6",
-            "--async.endpoint_workers", "1", "--validator.trusted_rate", "0.5", *EASY, timeout=600)
+    swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "6",
+        "--async.endpoint_workers",
+        "1",
+        "--validator.trusted_rate",
+        "0.5",
+        *EASY,
+        timeout=600,
+    )
     db = sqlite3.connect(run / "orchestrator.sqlite")
     names = dict(db.execute("SELECT key, name FROM workers"))
     trusted = read_key_file(run / "trusted_keys.txt")
     assert [names[k] for k in trusted] == ["worker-openai-0"] and len(names) == 3
-    consumed = [gid for line in (run / "consumed.jsonl").read_text().splitlines()
-                for gid in json.loads(line)["group_ids"]]
+    consumed = [
+        gid for line in (run / "consumed.jsonl").read_text().splitlines() for gid in json.loads(line)["group_ids"]
+    ]
     marks = ",".join("?" * len(consumed))
     rows = db.execute(f"SELECT worker, proofs, verdict, payload FROM groups WHERE id IN ({marks})", consumed).fetchall()
     mine = [r for r in rows if r[0] in trusted]
@@ -289,12 +397,17 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     # The endpoint worker's groups were trained on: no proofs, declared as the server's.
     assert mine and all(not any(json.loads(p)) and json.loads(g)["engine"] == "openai" for _, p, _, g in mine)
     # The built-in workers' groups all passed the full check (proofs, seeded sampling, logprobs).
-    assert theirs and all(v is not None and json.loads(v)["ok"] and json.loads(v)["stats"]["chunks"] > 0
-                          for _, _, v, _ in theirs)
+    assert theirs and all(
+        v is not None and json.loads(v)["ok"] and json.loads(v)["stats"]["chunks"] > 0 for _, _, v, _ in theirs
+    )
     # Some of the endpoint worker's groups got the logprob check; none failed it; nobody was refused for fraud.
-    checked = [json.loads(v) for (v,) in db.execute(
-        f"SELECT verdict FROM groups WHERE verdict IS NOT NULL AND worker IN ({','.join('?' * len(trusted))})",
-        tuple(trusted))]
+    checked = [
+        json.loads(v)
+        for (v,) in db.execute(
+            f"SELECT verdict FROM groups WHERE verdict IS NOT NULL AND worker IN ({','.join('?' * len(trusted))})",
+            tuple(trusted),
+        )
+    ]
     assert checked and all(v["ok"] and v["stats"]["chunks"] == 0 for v in checked)
     assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
     # Every new version went into the server through its reload endpoint.
@@ -312,8 +425,22 @@ def test_swarmrl_rl_with_lora_publishes_adapters_that_workers_use_and_the_valida
     from swarmrl.protocol.manifest import content_digest
 
     run = tmp_path / "run"
-    swarmrl("rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "3",
-            "--trainer.lora.rank", "8", "--trainer.lr", "1e-3", "--async.bound", "1", *EASY)
+    swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "3",
+        "--trainer.lora.rank",
+        "8",
+        "--trainer.lr",
+        "1e-3",
+        "--async.bound",
+        "1",
+        *EASY,
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["accuracy_after"] is not None
     m0 = json.loads((run / "broadcast" / "v000000" / "manifest.json").read_text())

@@ -36,15 +36,18 @@ ORCH = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leas
 
 
 # ---- the rules, by hand ------------------------------------------------------------------------
-@pytest.mark.parametrize("accepted, expired, fraud, expect", [
-    (0, 0, 0, 8),     # a new key: new_key_slots
-    (4, 0, 0, 10),    # 8 + 4 * 0.5
-    (100, 0, 0, 16),  # capped at max_open_leases (2) full leases of 8
-    (0, 8, 0, 0),     # a new key that let one lease expire holds nothing for a while
-    (100, 8, 0, 8),   # a proven worker that crashed once keeps half
-    (0, 3, 2, 3),     # 8 - 3 - 2
-    (0, 20, 0, 0),    # never negative
-])
+@pytest.mark.parametrize(
+    "accepted, expired, fraud, expect",
+    [
+        (0, 0, 0, 8),  # a new key: new_key_slots
+        (4, 0, 0, 10),  # 8 + 4 * 0.5
+        (100, 0, 0, 16),  # capped at max_open_leases (2) full leases of 8
+        (0, 8, 0, 0),  # a new key that let one lease expire holds nothing for a while
+        (100, 8, 0, 8),  # a proven worker that crashed once keeps half
+        (0, 3, 2, 3),  # 8 - 3 - 2
+        (0, 20, 0, 0),  # never negative
+    ],
+)
 def test_allowance(accepted, expired, fraud, expect):
     assert allowance(Standing(accepted, expired, fraud, leased=0), ORCH, lease_prompts=8) == expect
 
@@ -124,12 +127,23 @@ def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     procs = []
     for name in ("a", "b"):
-        run = make_run_dir(root / name, "--validator.rate", "0", "--validator.ban_after", "3",
-                           "--orchestrator.proven_after", "0", "--async.max_pending_groups", "1000",
-                           "--sampling.prompts_per_step", "100")
+        run = make_run_dir(
+            root / name,
+            "--validator.rate",
+            "0",
+            "--validator.ban_after",
+            "3",
+            "--orchestrator.proven_after",
+            "0",
+            "--async.max_pending_groups",
+            "1000",
+            "--sampling.prompts_per_step",
+            "100",
+        )
         proc = OrchestratorProcess(run).start()
         TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0))
+            0, "http://127.0.0.1:9", signed_version(run, 0)
+        )
         procs.append(proc)
     yield procs
     for p in procs:
@@ -156,10 +170,19 @@ def test_a_request_signed_for_run_a_is_refused_by_run_b(two_runs):
 
 def _submission(lease: dict) -> dict:
     """A well-formed submission (its content does not matter for these refusals)."""
-    return {"lease_id": lease["lease_id"], "groups": [
-        {"slot": p["slot"], "policy_version": 0,
-         "samples": [{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "finish_reason": "length", "proofs": ["AA=="]}]}
-        for p in lease["prompts"]]}
+    return {
+        "lease_id": lease["lease_id"],
+        "groups": [
+            {
+                "slot": p["slot"],
+                "policy_version": 0,
+                "samples": [
+                    {"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "finish_reason": "length", "proofs": ["AA=="]}
+                ],
+            }
+            for p in lease["prompts"]
+        ],
+    }
 
 
 def test_the_framing_sequence_does_not_ban_an_honest_worker(two_runs):
@@ -177,8 +200,10 @@ def test_the_framing_sequence_does_not_ban_an_honest_worker(two_runs):
     for _ in range(4):
         body = json.dumps(_submission(stolen), separators=(",", ":")).encode()
         # The honest worker signs for the run it talks to (b); b replays the bytes to a.
-        headers = {"content-type": "application/json",
-                   **sign_headers(honest_key, honest_b.run(), "POST", "/v1/rollouts", body)}
+        headers = {
+            "content-type": "application/json",
+            **sign_headers(honest_key, honest_b.run(), "POST", "/v1/rollouts", body),
+        }
         r = httpx.post(a.url + "/v1/rollouts", content=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"] == "wrong_run"
         # Fed straight to the honest worker in run a: refused, counted against nobody.
@@ -191,13 +216,26 @@ def test_the_framing_sequence_does_not_ban_an_honest_worker(two_runs):
 
 
 def test_a_hoarder_loses_its_allowance_and_new_keys_share_a_cap(tmp_path):
-    run = make_run_dir(tmp_path / "run", "--validator.rate", "0", "--orchestrator.lease_timeout_s", "1",
-                       "--orchestrator.new_key_slots", "2", "--orchestrator.proven_after", "2",
-                       "--async.max_pending_groups", "8", "--sampling.prompts_per_step", "4")
+    run = make_run_dir(
+        tmp_path / "run",
+        "--validator.rate",
+        "0",
+        "--orchestrator.lease_timeout_s",
+        "1",
+        "--orchestrator.new_key_slots",
+        "2",
+        "--orchestrator.proven_after",
+        "2",
+        "--async.max_pending_groups",
+        "8",
+        "--sampling.prompts_per_step",
+        "4",
+    )
     proc = OrchestratorProcess(run).start()
     try:
         TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0))
+            0, "http://127.0.0.1:9", signed_version(run, 0)
+        )
         keys = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(4)]
         for i, w in enumerate(keys):
             w.register(f"new-{i}")
@@ -225,13 +263,26 @@ def test_hoarded_leases_do_not_take_proven_workers_capacity(tmp_path):
     proven = [Ed25519PrivateKey.generate() for _ in range(2)]
     keys_file = tmp_path / "trusted.txt"
     keys_file.write_text("".join(WorkerClient("http://127.0.0.1:9", k).key_hex + "\n" for k in proven))
-    run = make_run_dir(tmp_path / "run", "--validator.rate", "0", "--orchestrator.new_key_slots", "2",
-                       "--sampling.worker_batch_prompts", "2", "--async.max_pending_groups", "4",
-                       "--sampling.prompts_per_step", "2", "--orchestrator.trusted_keys_file", str(keys_file))
+    run = make_run_dir(
+        tmp_path / "run",
+        "--validator.rate",
+        "0",
+        "--orchestrator.new_key_slots",
+        "2",
+        "--sampling.worker_batch_prompts",
+        "2",
+        "--async.max_pending_groups",
+        "4",
+        "--sampling.prompts_per_step",
+        "2",
+        "--orchestrator.trusted_keys_file",
+        str(keys_file),
+    )
     proc = OrchestratorProcess(run).start()
     try:
         TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0))
+            0, "http://127.0.0.1:9", signed_version(run, 0)
+        )
         hoarders = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(2)]
         for i, w in enumerate(hoarders):
             w.register(f"hoarder-{i}")
@@ -276,8 +327,24 @@ def test_a_closed_run_admits_listed_keys_only(tmp_path):
 def test_a_worker_pinned_to_a_run_refuses_another_orchestrator(two_runs, tmp_path):
     a, b = two_runs
     run_a = WorkerClient(a.url, Ed25519PrivateKey.generate()).run()
-    done = subprocess.run([sys.executable, "-m", "swarmrl.cli", "worker", "--orchestrator", b.url, "--run-id", run_a,
-                           "--key-file", str(tmp_path / "key.pem"), "--cache-dir", str(tmp_path / "cache")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "worker",
+            "--orchestrator",
+            b.url,
+            "--run-id",
+            run_a,
+            "--key-file",
+            str(tmp_path / "key.pem"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stdout + done.stderr  # the CLI's exit code for a refusal it explains
     assert f"not the run {run_a}" in done.stderr and "Traceback" not in done.stderr

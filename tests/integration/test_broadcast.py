@@ -56,7 +56,8 @@ def fake_model(folder: Path, kib: int = 300, seed: int = 0) -> Path:
 def same_files(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
     return names == sorted(p.name for p in b.iterdir() if not p.name.startswith(".")) and all(
-        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
 
 
 def closed_port_url() -> str:
@@ -115,7 +116,8 @@ def test_publish_layout_and_fetch_gives_identical_files(origin, tmp_path):
     shards = sorted((root / "v000001" / "shards").iterdir())
     assert [p.name for p in shards] == [f"{i:05d}" for i in range(len(manifest["shards"]))]
     assert b"".join(p.read_bytes() for p in shards) == b"".join(
-        (model / f["name"]).read_bytes() for f in manifest["files"])
+        (model / f["name"]).read_bytes() for f in manifest["files"]
+    )
     assert json.loads((root / "v000001" / "manifest.json").read_text()) == manifest
     assert [p.name for p in root.iterdir()] == ["v000001"]  # no temp folder left behind
     assert read_versions(root) == [1]
@@ -136,8 +138,12 @@ def test_publish_layout_and_fetch_gives_identical_files(origin, tmp_path):
         assert fetch_version(1, [server.url], dest_root, public_key=PUB, **FAST) == got
         assert [p for p, _ in server.requests[n:]] == ["/v000001/manifest.json"]
     # Knowing which publication it wants, a client needs no source at all for a folder it holds.
-    assert fetch_version(1, [closed_port_url()], dest_root, public_key=PUB, expected_digest=manifest_digest(manifest),
-                         **FAST) == got
+    assert (
+        fetch_version(
+            1, [closed_port_url()], dest_root, public_key=PUB, expected_digest=manifest_digest(manifest), **FAST
+        )
+        == got
+    )
 
 
 def test_republishing_is_a_no_op_with_the_same_content_and_refused_with_other_content(origin, tmp_path):
@@ -266,10 +272,23 @@ def test_ranges_head_and_path_safety(origin, tmp_path):
         assert status == 200 and json.loads(body) == manifest
         status, _, body = raw(url, "GET", "/versions")
         assert status == 200 and json.loads(body) == {"versions": [1]}
-        for bad in ["/v000001/../secret.txt", "/v000001/shards/../manifest.json", "/%2e%2e/secret.txt",
-                    "/v000001/%2e%2e/%2e%2e/secret.txt", "/v000001/shards/%2e%2e/manifest.json", "/secret.txt",
-                    "/v000001/shards/00001?x=1", "/v000001/shards/0001", "/v000001/shards/99999", "/v000002/manifest.json",
-                    "/v000001/shards", "/v000001/", "/", "//etc/passwd", "/v000001/shards/00001/"]:
+        for bad in [
+            "/v000001/../secret.txt",
+            "/v000001/shards/../manifest.json",
+            "/%2e%2e/secret.txt",
+            "/v000001/%2e%2e/%2e%2e/secret.txt",
+            "/v000001/shards/%2e%2e/manifest.json",
+            "/secret.txt",
+            "/v000001/shards/00001?x=1",
+            "/v000001/shards/0001",
+            "/v000001/shards/99999",
+            "/v000002/manifest.json",
+            "/v000001/shards",
+            "/v000001/",
+            "/",
+            "//etc/passwd",
+            "/v000001/shards/00001/",
+        ]:
             status, _, body = raw(url, "GET", bad)
             assert status == 404 and b"not served" not in body, bad
         assert raw(url, "POST", "/v000001/manifest.json")[0] == 501
@@ -292,8 +311,9 @@ def test_a_corrupted_shard_on_one_server_is_fetched_elsewhere_and_scored_down(or
     log = []
     with ShardServer(root) as a, ShardServer(copy) as b:
         # b first: unknown sources are tried in the order given, so b gets shard 00000.
-        got = fetch_version(1, [b.url, a.url], tmp_path / "client", public_key=PUB, scores=scores, log=log.append,
-                            parallel=1, **FAST)
+        got = fetch_version(
+            1, [b.url, a.url], tmp_path / "client", public_key=PUB, scores=scores, log=log.append, parallel=1, **FAST
+        )
         assert same_files(got, model)
         snap = scores.snapshot()
         assert snap[b.url]["bad_shards"] == 1 and "sha256 mismatch" in snap[b.url]["last_error"]
@@ -433,6 +453,7 @@ def test_prune_versions_keeps_the_newest_and_versions_in_use(tmp_path):
     manifest = json.loads((root / "v000001" / "manifest.json").read_text())
     result = {}
     with SlowServer(root, busy_grace_s=0.0) as server:
+
         def download():
             try:
                 download_shards(manifest, [server.url], tmp_path / "shards", parallel=1, timeout_s=10.0)
@@ -494,13 +515,15 @@ def test_fetch_version_keeps_the_newest_versions_and_replaces_a_republished_one(
         for v in (3, 1, 2):  # fetching an old version keeps it, even past `keep`
             assert same_files(fetch_version(v, [server.url], dest_root, public_key=PUB, keep=1, **FAST), models[v])
             assert sorted(p.name for p in dest_root.iterdir() if not p.name.startswith(".")) == (
-                ["v000003"] if v == 3 else ["v000001", "v000003"] if v == 1 else ["v000002", "v000003"])
+                ["v000003"] if v == 3 else ["v000001", "v000003"] if v == 1 else ["v000002", "v000003"]
+            )
         # The trainer resumes and republishes v2 with other weights: the client notices and refetches.
         unpublish_version(root, 2)
         new2 = fake_model(tmp_path / "new2", kib=90, seed=22)
         m2 = publish_version(new2, root, 2, key=KEY, parent=1, shard_size=SHARD)
-        got = fetch_version(2, [server.url], dest_root, public_key=PUB, keep=2,
-                            expected_digest=manifest_digest(m2), **FAST)
+        got = fetch_version(
+            2, [server.url], dest_root, public_key=PUB, keep=2, expected_digest=manifest_digest(m2), **FAST
+        )
         assert same_files(got, new2)
 
 
@@ -519,8 +542,15 @@ def test_a_stalled_source_times_out_and_moves_to_the_back(origin, tmp_path):
     try:
         with StalledServer(root) as stalled, ShardServer(root) as good:
             t0 = time.monotonic()
-            got = fetch_version(1, [stalled.url, good.url], tmp_path / "client", public_key=PUB, scores=scores,
-                                parallel=1, timeout_s=0.5)
+            got = fetch_version(
+                1,
+                [stalled.url, good.url],
+                tmp_path / "client",
+                public_key=PUB,
+                scores=scores,
+                parallel=1,
+                timeout_s=0.5,
+            )
             assert same_files(got, model) and time.monotonic() - t0 < 5
             snap = scores.snapshot()
             assert snap[stalled.url]["failures"] == 1 and snap[stalled.url]["score"] < snap[good.url]["score"]
@@ -533,6 +563,7 @@ def test_concurrent_fetches_into_one_dest_root_agree(origin, tmp_path):
     model, root, manifest = origin
     out, errors = {}, []
     with ShardServer(root) as server:
+
         def client(i: int) -> None:
             try:
                 out[i] = fetch_version(1, [server.url], tmp_path / "client", public_key=PUB, parallel=2, **FAST)

@@ -25,8 +25,9 @@ SEED_TOML = ROOT / "configs" / "intellect2-qwq32b.toml"
 def swarmrl(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code: int | None = 2) -> None:
@@ -41,7 +42,20 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code:
 def test_help_lists_every_command(tmp_path):
     proc = swarmrl("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert set(COMMANDS) == {"rl", "sft", "score", "tasks", "orchestrator", "trainer", "worker", "validator", "relay", "serve", "eval", "status"}
+    assert set(COMMANDS) == {
+        "rl",
+        "sft",
+        "score",
+        "tasks",
+        "orchestrator",
+        "trainer",
+        "worker",
+        "validator",
+        "relay",
+        "serve",
+        "eval",
+        "status",
+    }
     for name, text in COMMANDS.items():
         assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
         assert " ".join(text.split()[:3]) in " ".join(proc.stdout.split())
@@ -72,8 +86,9 @@ def test_rl_dry_run_prints_toml_with_overrides(tmp_path):
 
 
 def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):
-    proc = swarmrl("rl", "--config", str(SEED_TOML), "--run-dir", "myrun", "--dry-run",
-                   "--trainer.lr", "1e-6", cwd=tmp_path)
+    proc = swarmrl(
+        "rl", "--config", str(SEED_TOML), "--run-dir", "myrun", "--dry-run", "--trainer.lr", "1e-6", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     printed = tomllib.loads(proc.stdout)
     assert printed["run_dir"] == "myrun"
@@ -82,15 +97,21 @@ def test_rl_dry_run_with_config_file_and_run_dir(tmp_path):
     assert not (tmp_path / "myrun").exists()
 
 
-@pytest.mark.parametrize(("args", "needles"), [
-    (["--trainer.lr", "fast"], ["trainer.lr", "valid number"]),
-    (["--length.mode", "sometimes"], ["length.mode", "'exact', 'max' or 'clip'"]),
-    (["--trainer.lrr", "1"], ["trainer.lrr", "allowed", "warmup_steps"]),
-    (["--algorithm.tis_cap", "0"], ["algorithm.tis_cap", "greater than 0"]),
-    (["--algorithm.tis_level", "group"], ["algorithm.tis_level", "'token' or 'sequence'"]),
-    (["--algorithm.tis_cap", "2", "--algorithm.old_logprobs", "inference"], ["tis_cap", "recompute"]),
-    (["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "2"], ["tis_mask_band", "needs algorithm.tis_cap"]),
-])
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--trainer.lr", "fast"], ["trainer.lr", "valid number"]),
+        (["--length.mode", "sometimes"], ["length.mode", "'exact', 'max' or 'clip'"]),
+        (["--trainer.lrr", "1"], ["trainer.lrr", "allowed", "warmup_steps"]),
+        (["--algorithm.tis_cap", "0"], ["algorithm.tis_cap", "greater than 0"]),
+        (["--algorithm.tis_level", "group"], ["algorithm.tis_level", "'token' or 'sequence'"]),
+        (["--algorithm.tis_cap", "2", "--algorithm.old_logprobs", "inference"], ["tis_cap", "recompute"]),
+        (
+            ["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "2"],
+            ["tis_mask_band", "needs algorithm.tis_cap"],
+        ),
+    ],
+)
 def test_bad_override_exits_2_without_traceback(tmp_path, args, needles):
     proc = swarmrl("rl", "--dry-run", *args, cwd=tmp_path)
     assert_clean_failure(proc, *needles)
@@ -129,8 +150,15 @@ def test_tasks_rejects_impossible_requests(tmp_path):
 
 
 def _row(pid: str, completion: str, verification_info: str = json.dumps({"ground_truth": "46"})) -> str:
-    return json.dumps({"problem_id": pid, "task_type": "verifiable_math", "prompt": "Compute 12 + 34.",
-                       "verification_info": verification_info, "completion": completion})
+    return json.dumps(
+        {
+            "problem_id": pid,
+            "task_type": "verifiable_math",
+            "prompt": "Compute 12 + 34.",
+            "verification_info": verification_info,
+            "completion": completion,
+        }
+    )
 
 
 def test_score_file(tmp_path):
@@ -160,15 +188,17 @@ def test_score_file(tmp_path):
     assert summary["rows"] == 5 and summary["scored"] == 3 and summary["errors"] == 2
     assert summary["mean_reward"] == pytest.approx(1 / 3) and summary["mean_reward_all_rows"] == pytest.approx(1 / 5)
     assert [e["line"] for e in summary["first_errors"]] == [4, 5]
-    again = swarmrl("score", "--input", str(inp), "--output", str(out), "--workers", "1", "--allow-errors",
-                    cwd=tmp_path)
+    again = swarmrl(
+        "score", "--input", str(inp), "--output", str(out), "--workers", "1", "--allow-errors", cwd=tmp_path
+    )
     assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == summary
 
 
 def test_score_missing_input(tmp_path):
     out = tmp_path / "out.jsonl"
-    proc = swarmrl("score", "--input", str(tmp_path / "nope.jsonl"), "--output", str(out),
-                   "--workers", "1", cwd=tmp_path)
+    proc = swarmrl(
+        "score", "--input", str(tmp_path / "nope.jsonl"), "--output", str(out), "--workers", "1", cwd=tmp_path
+    )
     assert_clean_failure(proc, "nope.jsonl", "does not exist", code=None)
     assert not out.exists()
 
@@ -216,14 +246,24 @@ def test_service_url_rules_and_retry_messages(monkeypatch):
 def test_two_workers_cannot_share_a_cache_folder(tmp_path):
     # Issue 18: two workers started from the README shared one cache folder and outbox. Now the
     # default folder is per key file, and a folder in use is refused.
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time; os.makedirs(sys.argv[1], exist_ok=True); f = open(sys.argv[1] + '/.lock', 'a+');"
-        "fcntl.flock(f, fcntl.LOCK_EX); f.write('worker pid 4242'); f.flush(); print('held', flush=True); time.sleep(60)"),
-        str(tmp_path / "shared")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time; os.makedirs(sys.argv[1], exist_ok=True); f = open(sys.argv[1] + '/.lock', 'a+');"  # noqa: E501
+                "fcntl.flock(f, fcntl.LOCK_EX); f.write('worker pid 4242'); f.flush(); print('held', flush=True); time.sleep(60)"  # noqa: E501
+            ),
+            str(tmp_path / "shared"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", "--cache-dir", str(tmp_path / "shared"),
-                       cwd=tmp_path)
+        proc = swarmrl(
+            "worker", "--orchestrator", "http://127.0.0.1:9", "--cache-dir", str(tmp_path / "shared"), cwd=tmp_path
+        )
         assert_clean_failure(proc, "is in use by worker pid 4242", "give each worker its own --cache-dir")
     finally:
         holder.kill()
@@ -243,9 +283,24 @@ def test_a_stopped_trainer_says_how_to_resume_and_resume_drops_redone_rows(tmp_p
     run = make_run_dir(tmp_path / "run")
     (tmp_path / "tok").write_text("x")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(run),
-                             "--orchestrator", "http://127.0.0.1:9", "--token-file", str(tmp_path / "tok")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "trainer",
+            "--run-dir",
+            str(run),
+            "--orchestrator",
+            "http://127.0.0.1:9",
+            "--token-file",
+            str(tmp_path / "tok"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 120
     line = ""
     while "retrying" not in line:  # it is up and waiting for the (absent) orchestrator
@@ -259,8 +314,11 @@ def test_a_stopped_trainer_says_how_to_resume_and_resume_drops_redone_rows(tmp_p
     from swarmrl.trainer.loop import _forget_after
     from swarmrl.transport.filesystem import RunDir
 
-    rows = [{"step": 0, "eval/accuracy": 0.1}, *({"step": s, "reward/mean": 0.5} for s in (1, 2, 3, 4)),
-            {"step": 4, "final": True}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        *({"step": s, "reward/mean": 0.5} for s in (1, 2, 3, 4)),
+        {"step": 4, "final": True},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "consumed.jsonl").write_text("".join(json.dumps({"step": s, "group_ids": [s]}) + "\n" for s in range(4)))
     _forget_after(RunDir(run), 2)  # resumed from the checkpoint at step 2: steps 3 and 4 are redone
@@ -272,7 +330,9 @@ def test_prepare_says_what_to_start_next():
     # Issue 18: `swarmrl rl --prepare` said only "start the roles on it".
     from swarmrl.launch.launcher import prepared_next_steps
 
-    text = prepared_next_steps(load_config(None, ["--validator.mode", "external", "--trainer.steps", "7"]), Path("runs/x"))
+    text = prepared_next_steps(
+        load_config(None, ["--validator.mode", "external", "--trainer.steps", "7"]), Path("runs/x")
+    )
     order = [text.index(f"swarmrl {role}") for role in ("orchestrator", "trainer", "relay", "worker", "validator")]
     assert order == sorted(order) and "7 steps" in text and "runs/x/validator.token" in text
     inline = prepared_next_steps(load_config(None, []), Path("runs/x"))

@@ -33,8 +33,13 @@ def test_tasks_and_score_commands_grade_reference_and_wrong_programs(tmp_path):
         assert made.returncode == 0, made.stderr
     # One file: references, wrong programs, a math row and a broken code row side by side.
     lines = (rows.with_suffix(".reference").read_text() + rows.with_suffix(".wrong").read_text()).splitlines()
-    math_row = {"problem_id": "m", "task_type": "verifiable_math", "prompt": "1+1?",
-                "verification_info": json.dumps({"ground_truth": "2"}), "completion": "\\boxed{2}"}
+    math_row = {
+        "problem_id": "m",
+        "task_type": "verifiable_math",
+        "prompt": "1+1?",
+        "verification_info": json.dumps({"ground_truth": "2"}),
+        "completion": "\\boxed{2}",
+    }
     broken = {**json.loads(lines[0]), "problem_id": "broken", "verification_info": json.dumps({"test_cases": "{"})}
     rows.write_text("\n".join(lines + [json.dumps(math_row), json.dumps(broken)]) + "\n")
     out = tmp_path / "scored.jsonl"
@@ -43,7 +48,11 @@ def test_tasks_and_score_commands_grade_reference_and_wrong_programs(tmp_path):
     assert scored.returncode == 0, scored.stderr
     n = len(code_tasks.TASKS)
     summary = json.loads(scored.stdout)
-    assert {k: summary[k] for k in ("rows", "scored", "errors")} == {"rows": 2 * n + 2, "scored": 2 * n + 1, "errors": 1}
+    assert {k: summary[k] for k in ("rows", "scored", "errors")} == {
+        "rows": 2 * n + 2,
+        "scored": 2 * n + 1,
+        "errors": 1,
+    }
     assert summary["mean_reward"] == pytest.approx((n + 1) / (2 * n + 1))
     assert summary["first_errors"] == [{"line": 2 * n + 2, "error": summary["first_errors"][0]["error"]}]
     results = [json.loads(line) for line in out.read_text().splitlines()]
@@ -61,8 +70,17 @@ def test_score_refuses_code_rows_when_bubblewrap_cannot_run(tmp_path):
     assert refused.returncode == 2
     assert "apt-get install bubblewrap" in refused.stderr and "Traceback" not in refused.stderr
     assert not out.exists()
-    unsafe = swarmrl("score", "--input", str(rows), "--output", str(out), "--sandbox.bwrap", "/nonexistent/bwrap",
-                     "--sandbox.unsafe_no_sandbox", "true")
+    unsafe = swarmrl(
+        "score",
+        "--input",
+        str(rows),
+        "--output",
+        str(out),
+        "--sandbox.bwrap",
+        "/nonexistent/bwrap",
+        "--sandbox.unsafe_no_sandbox",
+        "true",
+    )
     assert unsafe.returncode == 0 and "WARNING: sandbox.unsafe_no_sandbox is set" in unsafe.stderr
     assert json.loads(unsafe.stdout)["mean_reward"] == 1.0
 
@@ -81,9 +99,19 @@ def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
     tok = build_char_tokenizer()
     source = tmp_path / "code.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in code_tasks.generate()))
-    run = make_run_dir(tmp_path / "run", "--tasks.source", str(source), "--tasks.eval_size", "1",
-                       "--sampling.max_new_tokens", "400", "--validator.rate", "0",
-                       "--sandbox.workers", "2")
+    run = make_run_dir(
+        tmp_path / "run",
+        "--tasks.source",
+        str(source),
+        "--tasks.eval_size",
+        "1",
+        "--sampling.max_new_tokens",
+        "400",
+        "--validator.rate",
+        "0",
+        "--sandbox.workers",
+        "2",
+    )
     by_id = {t.problem_id: t for t in code_tasks.TASKS}
     orch = OrchestratorProcess(run).start()
     try:
@@ -99,8 +127,14 @@ def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
             for text in (code_tasks.reference_completion(task), code_tasks.wrong_completion(task)):
                 ids = tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
                 assert len(ids) <= 400 and tok.decode(ids, skip_special_tokens=False).startswith(text)
-                samples.append({"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop",
-                                "proofs": honest_proofs(run / "policies" / "v000000", prompt["prompt_ids"], ids)})
+                samples.append(
+                    {
+                        "token_ids": ids,
+                        "logprobs": [-0.5] * len(ids),
+                        "finish_reason": "stop",
+                        "proofs": honest_proofs(run / "policies" / "v000000", prompt["prompt_ids"], ids),
+                    }
+                )
             groups.append({"slot": prompt["slot"], "policy_version": 0, "samples": samples})
         result = worker.submit({"lease_id": lease["lease_id"], "groups": groups})
         assert result["rejected"] == []
@@ -112,8 +146,15 @@ def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
 def test_the_orchestrator_will_not_start_on_code_tasks_without_a_sandbox(tmp_path):
     source = tmp_path / "code.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in code_tasks.generate()))
-    run = make_run_dir(tmp_path / "run", "--tasks.source", str(source), "--tasks.eval_size", "1",
-                       "--sandbox.bwrap", "/nonexistent/bwrap")
+    run = make_run_dir(
+        tmp_path / "run",
+        "--tasks.source",
+        str(source),
+        "--tasks.eval_size",
+        "1",
+        "--sandbox.bwrap",
+        "/nonexistent/bwrap",
+    )
     orch = OrchestratorProcess(run)
     with pytest.raises(RuntimeError, match="did not start"):
         orch.start(timeout_s=60)

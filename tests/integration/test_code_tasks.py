@@ -36,8 +36,9 @@ def _program_of(completion: str) -> str:
 def _run(program: str, stdin: str) -> subprocess.CompletedProcess:
     # -I: isolated mode, so the repository and user site-packages cannot leak in.
     # check=False: a crash is a failed case, reported by the caller, not an exception here.
-    return subprocess.run([sys.executable, "-I", "-c", program], input=stdin, check=False,
-                          capture_output=True, text=True, timeout=10)
+    return subprocess.run(
+        [sys.executable, "-I", "-c", program], input=stdin, check=False, capture_output=True, text=True, timeout=10
+    )
 
 
 def _same(got, want) -> bool:
@@ -64,8 +65,7 @@ def _failures(task: CodeTask, program: str, *, stop_at_first: bool = False) -> l
             ok = proc.returncode == 0 and proc.stdout == want
             got = proc.stdout if proc.returncode == 0 else proc.stderr[-300:]
         else:
-            caller = (f"{program}\nimport json, sys\n"
-                      f"print(json.dumps({task.fn_name}(*json.loads(sys.stdin.read()))))\n")
+            caller = f"{program}\nimport json, sys\nprint(json.dumps({task.fn_name}(*json.loads(sys.stdin.read()))))\n"
             proc = _run(caller, json.dumps(args))
             try:
                 ok = proc.returncode == 0 and _same(json.loads(proc.stdout), want)
@@ -122,8 +122,7 @@ def test_row_schema(task: CodeTask):
 
 def test_edge_cases_covered():
     stdin_floats = [t for t in TASKS if t.kind == STDIN and any("." in o for o in t.outputs)]
-    fn_floats = [t for t in TASKS if t.kind == FUNCTION
-                 and any(isinstance(o, float) for o in t.outputs)]
+    fn_floats = [t for t in TASKS if t.kind == FUNCTION and any(isinstance(o, float) for o in t.outputs)]
     assert stdin_floats and fn_floats
     assert 4 <= min(len(t.inputs) for t in TASKS) and max(len(t.inputs) for t in TASKS) <= 6
 

@@ -26,8 +26,20 @@ def run_eval(out: Path, *args: str) -> tuple[dict, list[dict]]:
 def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
     # The easy base was warm-started without a length instruction, so none is added here: its
     # accuracy stays above 0 and equal scores mean something.
-    args = ["--benchmark", "arithmetic", "--tasks.digits", "1", "--tasks.eval_size", "8", "--k", "4",
-            "--max-tokens", "32", "--seed", "0"]
+    args = [
+        "--benchmark",
+        "arithmetic",
+        "--tasks.digits",
+        "1",
+        "--tasks.eval_size",
+        "8",
+        "--k",
+        "4",
+        "--max-tokens",
+        "32",
+        "--seed",
+        "0",
+    ]
     local, local_rows = run_eval(tmp_path / "local", "--model", str(easy_base), *args)
     server = Server(easy_base, tmp_path)
     try:
@@ -67,8 +79,19 @@ def test_endpoint_default_max_tokens_fits_the_context(easy_base, tmp_path):
         both = httpx.post(server.url + "/tokenize", json={**chat, "prompt": "x"})
         assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
         assert httpx.post(server.url + "/tokenize", json={**chat, "model": "other"}).status_code == 404
-        summary, _ = run_eval(tmp_path / "auto", "--endpoint", server.url, "--benchmark", "arithmetic",
-                              "--tasks.digits", "1", "--tasks.eval_size", "2", "--k", "1")
+        summary, _ = run_eval(
+            tmp_path / "auto",
+            "--endpoint",
+            server.url,
+            "--benchmark",
+            "arithmetic",
+            "--tasks.digits",
+            "1",
+            "--tasks.eval_size",
+            "2",
+            "--k",
+            "1",
+        )
     finally:
         server.stop()
     assert counted["count"] + 512 > context  # the old default alone would not fit
@@ -82,14 +105,32 @@ def test_benchmark_files_in_each_format(tmp_path):
     files = {
         "math": [{"id": "aime-1", "problem": "What is 1+1?", "answer": "2"}],
         "mcq": [{"id": "q1", "question": "Which is even?", "choices": ["3", "4", "5"], "answer": "B"}],
-        "code": [{"question_id": "lcb-1", "question_content": "Print the sum of two integers.",
-                  "public_test_cases": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}])}],
+        "code": [
+            {
+                "question_id": "lcb-1",
+                "question_content": "Print the sum of two integers.",
+                "public_test_cases": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+            }
+        ],
     }
     for name, rows in files.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        summary, results = run_eval(tmp_path / f"out-{name}", "--model", str(model), "--benchmark", str(path),
-                                    "--k", "2", "--max-tokens", "12", "--sandbox.workers", "1", "--length-target", "10")
+        summary, results = run_eval(
+            tmp_path / f"out-{name}",
+            "--model",
+            str(model),
+            "--benchmark",
+            str(path),
+            "--k",
+            "2",
+            "--max-tokens",
+            "12",
+            "--sandbox.workers",
+            "1",
+            "--length-target",
+            "10",
+        )
         assert summary["problems"] == 1 and summary["errors"] == 0, summary
         assert summary["length/target"] == 10 and 0 <= summary["length/within_10pct"] <= 1
         lengths = results[0]["lengths"]
@@ -101,16 +142,45 @@ def test_benchmark_files_in_each_format(tmp_path):
 def test_eval_errors_are_clear(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"neither": 1}) + "\n")
-    proc = swarmrl("eval", "--model", str(tmp_path), "--benchmark", str(bad), "--output-dir", str(tmp_path / "o"),
-                   check=False)
+    proc = swarmrl(
+        "eval", "--model", str(tmp_path), "--benchmark", str(bad), "--output-dir", str(tmp_path / "o"), check=False
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "format" in proc.stderr.lower()
-    proc = swarmrl("eval", "--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code", "--output-dir",
-                   str(tmp_path / "o"), check=False)
+    proc = swarmrl(
+        "eval",
+        "--endpoint",
+        "http://127.0.0.1:9/v1",
+        "--benchmark",
+        "code",
+        "--output-dir",
+        str(tmp_path / "o"),
+        check=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "ConnectError" in proc.stderr
-    proc = swarmrl("eval", "--model", str(tmp_path), "--benchmark", "code", "--k", "0", "--output-dir",
-                   str(tmp_path / "o"), check=False)
+    proc = swarmrl(
+        "eval",
+        "--model",
+        str(tmp_path),
+        "--benchmark",
+        "code",
+        "--k",
+        "0",
+        "--output-dir",
+        str(tmp_path / "o"),
+        check=False,
+    )
     assert proc.returncode == 2 and "--k must be at least 1" in proc.stderr
-    proc = swarmrl("eval", "--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code", "--streams", "2",
-                   "--output-dir", str(tmp_path / "o"), check=False)
+    proc = swarmrl(
+        "eval",
+        "--endpoint",
+        "http://127.0.0.1:9/v1",
+        "--benchmark",
+        "code",
+        "--streams",
+        "2",
+        "--output-dir",
+        str(tmp_path / "o"),
+        check=False,
+    )
     assert proc.returncode == 2 and "--streams 2: give 1, or more with --model on a CPU" in proc.stderr

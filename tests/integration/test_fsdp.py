@@ -20,14 +20,34 @@ pytestmark = pytest.mark.timeout(400)
 
 def one_and_two_ranks(tmp_path: Path, kind: str, one_args: list[str], two_args: list[str]) -> tuple[dict, dict]:
     """The same run in one process and on 2 gloo ranks; rank 0's results of each."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     run_checked([sys.executable, SCRIPT, kind, str(one), *one_args], env)
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), SCRIPT, kind, str(two), *two_args],
-                env)
+    run_checked(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            SCRIPT,
+            kind,
+            str(two),
+            *two_args,
+        ],
+        env,
+    )
     a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
     assert (a["world_size"], b["world_size"]) == (1, 2)
     return a, b
@@ -57,8 +77,13 @@ def test_fsdp2_matches_single_process(tmp_path):
     for run in (a, b):
         assert run["resumed"].keys() == run["state"].keys()
         for k in run["state"]:
-            torch.testing.assert_close(run["resumed"][k], run["state"][k], rtol=0, atol=0,
-                                       msg=lambda m, k=k, w=run["world_size"]: f"world {w} {k}: {m}")
+            torch.testing.assert_close(
+                run["resumed"][k],
+                run["state"][k],
+                rtol=0,
+                atol=0,
+                msg=lambda m, k=k, w=run["world_size"]: f"world {w} {k}: {m}",
+            )
         assert run["resumed_metrics"] == run["metrics"][1]
 
     for ma, mb in zip(a["metrics"], b["metrics"]):
@@ -88,9 +113,12 @@ def test_fsdp2_packed_matches_single_process_padded(tmp_path):
 def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
     """One process (MasterWeights) against 2 gloo ranks (FSDP2's MixedPrecisionPolicy, with
     activation checkpointing and CPU offload on): the same mixed-precision recipe."""
-    a, b = one_and_two_ranks(tmp_path, "precision", ["--trainer.precision", "mixed"],
-                             ["--trainer.precision", "mixed", "--trainer.activation_checkpointing", "true",
-                              "--trainer.cpu_offload", "true"])
+    a, b = one_and_two_ranks(
+        tmp_path,
+        "precision",
+        ["--trainer.precision", "mixed"],
+        ["--trainer.precision", "mixed", "--trainer.activation_checkpointing", "true", "--trainer.cpu_offload", "true"],
+    )
     for run in (a, b):
         assert run["param_dtypes"] == ["torch.float32"] and run["opt_dtypes"] == ["torch.float32"]
         assert {v.dtype for v in run["masters"].values()} == {torch.float32}
@@ -114,8 +142,10 @@ def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
     zero_grad = {k for k in a["masters"] if k.endswith("k_proj.bias")}
     step1 = {k: float((a["masters_step1"][k] - b["masters_step1"][k]).abs().max()) for k in a["masters"]}
     worst1 = max(set(step1) - zero_grad, key=step1.get)
-    print(f"step 1, FSDP2 vs one process: max |diff| {step1[worst1]:.3g} ({worst1}); key biases "
-          f"{max(step1[k] for k in zero_grad):.3g}")
+    print(
+        f"step 1, FSDP2 vs one process: max |diff| {step1[worst1]:.3g} ({worst1}); key biases "
+        f"{max(step1[k] for k in zero_grad):.3g}"
+    )
     assert step1[worst1] < 1e-6, (worst1, step1[worst1])
     assert all(step1[k] <= 2 * lr * (1 + 1e-3) for k in zero_grad), {k: step1[k] for k in zero_grad}
     # Step 2 runs its forward on the bf16 rounding of the step-1 masters, and a master that sits

@@ -35,8 +35,10 @@ FLOOR = 0.7  # of the calm throughput; the 80% goal is measured by the benchmark
 def test_honest_workers_keep_their_throughput_under_attack(tmp_path):
     got = scenario(tmp_path, phase_s=PHASE_S)
     calm, attacked, report = got["calm"], got["attacked"], got["report"]
-    print(f"honest groups/s: calm {calm:.2f}, attacked {attacked:.2f} ({attacked / calm:.0%}); "
-          f"worst /healthz {got['worst_healthz_s'] * 1000:.0f} ms; final {json.dumps(report['final'])}")
+    print(
+        f"honest groups/s: calm {calm:.2f}, attacked {attacked:.2f} ({attacked / calm:.0%}); "
+        f"worst /healthz {got['worst_healthz_s'] * 1000:.0f} ms; final {json.dumps(report['final'])}"
+    )
     print("calm:", got["calm_stats"], "\nattacked:", got["attacked_stats"])
     assert calm > 0
     assert attacked >= FLOOR * calm, f"honest throughput fell to {attacked / calm:.0%} under attack"
@@ -57,4 +59,6 @@ def test_honest_workers_keep_their_throughput_under_attack(tmp_path):
     refused = {k: v for k, v in report["final"].items() if k in leased and v not in {"banned", "allowance_exhausted"}}
     assert not refused, (refused, {k: seen.get(k) for k in refused})
     never = {k: v for k, v in report["final"].items() if k not in leased}
-    assert all(v in {"banned", "allowance_exhausted", "lease"} or v.startswith("no_lease") for v in never.values()), never
+    assert all(v in {"banned", "allowance_exhausted", "lease"} or v.startswith("no_lease") for v in never.values()), (
+        never
+    )

@@ -92,8 +92,11 @@ def train_adapter(base: Path, out: Path, steps: int = 8, lr: float = 3e-3, rank:
 
 def test_missing_target_modules_fail_before_anything_starts(tmp_path):
     cfg = load_config(None, ["--trainer.lora.rank", "8", "--trainer.lora.target_modules", "q_proj,c_attn"])
-    with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: the built-in tiny Qwen2 has no linear "
-                                         r"layer named 'c_attn'.*down_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer\.lora\.target_modules: the built-in tiny Qwen2 has no linear "
+        r"layer named 'c_attn'.*down_proj",
+    ):
         check_lora_config(cfg)
     check_lora_config(load_config(None, ["--trainer.lora.rank", "8"]))  # the defaults fit the built-in model
     check_lora_config(load_config(None, ["--trainer.lora.target_modules", "c_attn"]))  # rank 0: LoRA is off
@@ -103,16 +106,30 @@ def test_missing_target_modules_fail_before_anything_starts(tmp_path):
 
     gpt2 = tmp_path / "gpt2"
     GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300).save_pretrained(gpt2)
-    with pytest.raises(ValueError, match=r"trainer\.lora\.target_modules: model\.path .* has no linear layer named "
-                                         r"'q_proj', .*its linear layers are c_attn, c_fc, c_proj, lm_head"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer\.lora\.target_modules: model\.path .* has no linear layer named "
+        r"'q_proj', .*its linear layers are c_attn, c_fc, c_proj, lm_head",
+    ):
         check_lora_config(load_config(None, ["--trainer.lora.rank", "8", "--model.path", str(gpt2)]))
 
     # `swarmrl rl` stops on it before building a base or starting a child process.
     from runs import swarmrl
 
     run = tmp_path / "run"
-    proc = swarmrl("rl", "--run-dir", str(run), "--trainer.lora.rank", "8", "--trainer.lora.target_modules",
-                   "qkv", "--logging.progress", "false", check=False, timeout=120)
+    proc = swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--trainer.lora.rank",
+        "8",
+        "--trainer.lora.target_modules",
+        "qkv",
+        "--logging.progress",
+        "false",
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "trainer.lora.target_modules" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert not (run / "policies" / "v000000").exists() and not list(run.glob("logs/*.log"))
@@ -132,8 +149,14 @@ def test_adapter_versions_are_over_10x_smaller_than_full_ones(tmp_path):
     save_adapter(peft_model, tmp_path / "policies" / "v000001")
     assert sorted(p.name for p in (tmp_path / "policies" / "v000001").iterdir()) == ADAPTER_FILES
     full = publish_version(tmp_path / "policies" / "v000000", tmp_path / "broadcast", 0, key=TRAINER_KEY)
-    adapter = publish_version(tmp_path / "policies" / "v000001", tmp_path / "broadcast", 1, key=TRAINER_KEY,
-                              parent=0, base={"version": 0, "digest": content_digest(full)})
+    adapter = publish_version(
+        tmp_path / "policies" / "v000001",
+        tmp_path / "broadcast",
+        1,
+        key=TRAINER_KEY,
+        parent=0,
+        base={"version": 0, "digest": content_digest(full)},
+    )
     ratio = full["total_size"] / adapter["total_size"]
     print(f"full {full['total_size']} bytes, adapter {adapter['total_size']} bytes: {ratio:.1f}x")
     assert ratio >= 10, (full["total_size"], adapter["total_size"])
@@ -143,10 +166,30 @@ def test_adapter_versions_are_over_10x_smaller_than_full_ones(tmp_path):
     # every projection is ~1% of a 0.5B Qwen2 and ~0.2% of a 32B one.
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    for shape, at_least in ((dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936), 100),
-                            (dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064), 400)):
+    for shape, at_least in (
+        (
+            dict(
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                vocab_size=151936,
+            ),
+            100,
+        ),
+        (
+            dict(
+                hidden_size=5120,
+                intermediate_size=27648,
+                num_hidden_layers=64,
+                num_attention_heads=40,
+                num_key_value_heads=8,
+                vocab_size=152064,
+            ),
+            400,
+        ),
+    ):
         with torch.device("meta"):
             tied = shape["hidden_size"] < 1000  # 0.5B ties its embeddings, 32B does not
             big = AutoModelForCausalLM.from_config(Qwen2Config(**shape, tie_word_embeddings=tied))
@@ -166,15 +209,18 @@ def test_relays_keep_the_base_their_adapters_name(tmp_path):
     for v in (1, 2, 3):
         publish_version(tmp_path / "adapter", root, v, key=TRAINER_KEY, parent=v - 1, base=base)
     with ShardServer(root) as origin:
-        relay = Relay([origin.url], tmp_path / "relay", public_key=public_key_hex(TRAINER_KEY), keep=1,
-                      log=lambda *_: None)
+        relay = Relay(
+            [origin.url], tmp_path / "relay", public_key=public_key_hex(TRAINER_KEY), keep=1, log=lambda *_: None
+        )
         try:
             relay.sync_once()
             relay.sync_once()  # and pruning keeps it
         finally:
             relay.server.close()
     assert sorted(p.name for p in (tmp_path / "relay").iterdir() if not p.name.startswith(".")) == [
-        "v000000", "v000003"]
+        "v000000",
+        "v000003",
+    ]
 
 
 # ---- a worker given only adapters, and the validator ---------------------------------------------
@@ -194,14 +240,22 @@ class LoggingServer(ShardServer):
 
 class World:
     def __init__(self, root: Path):
-        self.run = make_run_dir(root / "run", "--validator.ban_after", "1000", "--async.max_pending_groups", "10000",
-                                "--sampling.prompts_per_step", "1000", "--trainer.lora.rank", "8")
+        self.run = make_run_dir(
+            root / "run",
+            "--validator.ban_after",
+            "1000",
+            "--async.max_pending_groups",
+            "10000",
+            "--sampling.prompts_per_step",
+            "1000",
+            "--trainer.lora.rank",
+            "8",
+        )
         policies = self.run / "policies"
         self.peft_model = train_adapter(policies / "v000000", policies / "v000001")
         m0 = signed_version(self.run, 0)
         self.base = {"version": 0, "digest": content_digest(m0)}
-        m1 = publish_version(policies / "v000001", self.run / "broadcast", 1, key=TRAINER_KEY, parent=0,
-                             base=self.base)
+        m1 = publish_version(policies / "v000001", self.run / "broadcast", 1, key=TRAINER_KEY, parent=0, base=self.base)
         self.server = LoggingServer(self.run / "broadcast").start()
         self.orch = OrchestratorProcess(self.run).start()
         self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
@@ -213,8 +267,14 @@ class World:
 
     def worker(self, name: str) -> Worker:
         d = self.run.parent / "workers" / name
-        w = Worker(self.orch.url, key_file=d / "key.pem", cache_dir=d, name=name, log=self.logs.append,
-                   trainer_key=public_key_hex(TRAINER_KEY))
+        w = Worker(
+            self.orch.url,
+            key_file=d / "key.pem",
+            cache_dir=d,
+            name=name,
+            log=self.logs.append,
+            trainer_key=public_key_hex(TRAINER_KEY),
+        )
         w.client.register(name)
         return w
 
@@ -251,8 +311,9 @@ def test_a_worker_given_only_adapters_produces_work_the_validator_passes(world):
     assert (merged.state_dict()[q] - base.state_dict()[q]).abs().max() > 1e-4  # the adapter is in it
     ids = torch.tensor([list(range(5, 40))])
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, world.peft_model(input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            merged(input_ids=ids).logits, world.peft_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
 
     # Real leases, real sampling with proofs; the validator (in the orchestrator) fetches the same
     # adapter and base and re-runs the merged policy: every group passes the full check.
@@ -278,8 +339,14 @@ def test_a_base_other_than_the_signed_one_is_refused(world, tmp_path):
     policies = world.run / "policies"
     # The trainer's own signature over an adapter naming another base (a stale cache, a mixed-up
     # run): workers and validators refuse to merge it into the v0 they can get.
-    wrong = publish_version(policies / "v000001", world.run / "broadcast", 2, key=TRAINER_KEY, parent=1,
-                            base={"version": 0, "digest": "ab" * 32})
+    wrong = publish_version(
+        policies / "v000001",
+        world.run / "broadcast",
+        2,
+        key=TRAINER_KEY,
+        parent=1,
+        base={"version": 0, "digest": "ab" * 32},
+    )
     with pytest.raises(BroadcastError, match="refusing to merge the adapter"):
         fetch_base(wrong, sources, tmp_path / "cache", public_key=key)
     w = world.worker("fooled")
@@ -289,7 +356,8 @@ def test_a_base_other_than_the_signed_one_is_refused(world, tmp_path):
     cfg = load_config(world.run / "config.toml")
     with pytest.raises(BroadcastError, match="refusing to merge the adapter"):
         Validator(cfg.validator, tmp_path / "validator", log=lambda *_: None).model(
-            2, {"version": 2, "url": world.server.url, "manifest": wrong})
+            2, {"version": 2, "url": world.server.url, "manifest": wrong}
+        )
 
     # A relay that rewrites the base an adapter names breaks the trainer's signature.
     forged = copy.deepcopy(world.policy[1]["manifest"])

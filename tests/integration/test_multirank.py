@@ -30,13 +30,16 @@ def test_a_world_size_that_does_not_split_the_mini_batch_fails_at_load():
         load_config(None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "3", "--trainer.rdzv_endpoint", "h:1"])
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["--trainer.nnodes", "2"], "trainer.rdzv_endpoint"),
-    (["--trainer.rdzv_endpoint", "node0"], "trainer.rdzv_endpoint"),
-    (["--trainer.rdzv_endpoint", "node0:99999"], "trainer.rdzv_endpoint"),
-    (["--trainer.nproc", "2", "--model.device", "cuda:1"], "model.device"),
-    (["--trainer.nproc", "0"], "trainer.nproc"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["--trainer.nnodes", "2"], "trainer.rdzv_endpoint"),
+        (["--trainer.rdzv_endpoint", "node0"], "trainer.rdzv_endpoint"),
+        (["--trainer.rdzv_endpoint", "node0:99999"], "trainer.rdzv_endpoint"),
+        (["--trainer.nproc", "2", "--model.device", "cuda:1"], "model.device"),
+        (["--trainer.nproc", "0"], "trainer.nproc"),
+    ],
+)
 def test_settings_that_cannot_work_fail_at_load_naming_the_field(overrides, field):
     from swarmrl.config import ConfigError, load_config
 
@@ -52,8 +55,9 @@ def test_swarmrl_rl_refuses_before_starting_anything(tmp_path):
     assert not run.exists()
     # More CUDA ranks than this machine has GPUs: refused before the base is built or anything starts.
     n = max(2, torch.cuda.device_count() + 1)
-    proc = swarmrl("rl", "--run-dir", str(run), "--trainer.nproc", str(n), "--model.device", "cuda", *EASY,
-                   check=False, timeout=60)
+    proc = swarmrl(
+        "rl", "--run-dir", str(run), "--trainer.nproc", str(n), "--model.device", "cuda", *EASY, check=False, timeout=60
+    )
     assert proc.returncode == 2 and f"trainer.nproc={n}" in proc.stderr and "Traceback" not in proc.stderr
     assert not run.exists()
 
@@ -84,12 +88,20 @@ def test_the_torchrun_command_for_a_second_node():
     from swarmrl.config import load_config
     from swarmrl.launch import torchrun
 
-    cfg = load_config(None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "2",
-                             "--trainer.rdzv_endpoint", "10.0.0.1:29500"])
+    cfg = load_config(
+        None, [*EASY, "--trainer.nproc", "2", "--trainer.nnodes", "2", "--trainer.rdzv_endpoint", "10.0.0.1:29500"]
+    )
     cmd = torchrun.torchrun_command(cfg, node_rank=1, trainer_args=["--run-dir", "r"], log_dir="r/logs")
     text = " ".join(cmd)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    for part in ("--nnodes 2", "--nproc-per-node 2", "--node-rank 1", "--master-addr 10.0.0.1",
-                 "--master-port 29500", "--max-restarts 0", "-m swarmrl.cli trainer --run-dir r --rank-logs r/logs"):
+    for part in (
+        "--nnodes 2",
+        "--nproc-per-node 2",
+        "--node-rank 1",
+        "--master-addr 10.0.0.1",
+        "--master-port 29500",
+        "--max-restarts 0",
+        "-m swarmrl.cli trainer --run-dir r --rank-logs r/logs",
+    ):
         assert part in text, part
     assert torchrun.rank_env(cfg)["SWARMRL_BACKEND"] == "gloo"  # CPU trainer: gloo even where CUDA exists

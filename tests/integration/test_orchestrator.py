@@ -18,6 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmrl.model.tokenizer import build_char_tokenizer
+from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
+from swarmrl.protocol.signing import sign_headers
+from swarmrl.tasks.source import model_input
+
 from orchestrator_harness import (
     OrchestratorProcess,
     answers,
@@ -26,11 +32,6 @@ from orchestrator_harness import (
     make_run_dir,
     signed_version,
 )
-
-from swarmrl.model.tokenizer import build_char_tokenizer
-from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
-from swarmrl.protocol.signing import sign_headers
-from swarmrl.tasks.source import model_input
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,8 +51,13 @@ def hand_run_dir(root: Path, *overrides: str) -> Path:
 @pytest.fixture(scope="module")
 def orch(tmp_path_factory):
     # Many tests share this process and leave leases open: back-pressure must not stop the next.
-    run = hand_run_dir(tmp_path_factory.mktemp("orch") / "run", "--async.max_pending_groups", "10000",
-                       "--sampling.prompts_per_step", "1000")
+    run = hand_run_dir(
+        tmp_path_factory.mktemp("orch") / "run",
+        "--async.max_pending_groups",
+        "10000",
+        "--sampling.prompts_per_step",
+        "1000",
+    )
     global POLICY
     POLICY = run / "policies" / "v000000"
     proc = OrchestratorProcess(run).start()
@@ -77,9 +83,15 @@ def group(prompt: dict, version: int, right: int, group_size: int = 2) -> dict:
     """`right` of the `group_size` completions carry the correct answer."""
     good = completion_ids(TOK, ANSWERS[prompt["problem_id"]])
     bad = completion_ids(TOK, str(int(ANSWERS[prompt["problem_id"]]) + 1))
-    samples = [{"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop",
-                "proofs": honest_proofs(POLICY, prompt["prompt_ids"], ids)}
-               for ids in [good] * right + [bad] * (group_size - right)]
+    samples = [
+        {
+            "token_ids": ids,
+            "logprobs": [-0.5] * len(ids),
+            "finish_reason": "stop",
+            "proofs": honest_proofs(POLICY, prompt["prompt_ids"], ids),
+        }
+        for ids in [good] * right + [bad] * (group_size - right)
+    ]
     return {"slot": prompt["slot"], "policy_version": version, "samples": samples}
 
 
@@ -137,19 +149,23 @@ def test_rewards_are_recomputed_and_claimed_rewards_refused(orch):
     claimed[1]["samples"][1]["task_reward"] = 1.0
     refused = w.submit({"lease_id": bad_lease["lease_id"], "groups": claimed})
     assert refused["accepted"] == []
-    assert [(r["reason"], "rewards" in r["detail"] or "task_reward" in r["detail"]) for r in refused["rejected"]] \
-        == [("claimed_reward", True), ("claimed_reward", True)]
+    assert [(r["reason"], "rewards" in r["detail"] or "task_reward" in r["detail"]) for r in refused["rejected"]] == [
+        ("claimed_reward", True),
+        ("claimed_reward", True),
+    ]
     lease = w.lease(0)["lease"]
     groups = [group(p, 0, right=1) for p in lease["prompts"]]
     result = w.submit({"lease_id": lease["lease_id"], "groups": groups})
     assert [a["rewards"] for a in result["accepted"]] == [[1.0, 0.0], [1.0, 0.0]]
     assert result["rejected"] == []
     db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-    stored = [json.loads(p) for (p,) in db.execute("SELECT payload FROM groups WHERE lease_id = ?",
-                                                    (lease["lease_id"],))]
+    stored = [
+        json.loads(p) for (p,) in db.execute("SELECT payload FROM groups WHERE lease_id = ?", (lease["lease_id"],))
+    ]
     assert [g["rewards"] for g in stored] == [[1.0, 0.0], [1.0, 0.0]]
-    assert all(len(g["samples"]) == 2 and g["samples"][0]["seed"] in p["seeds"]
-               for g, p in zip(stored, lease["prompts"]))
+    assert all(
+        len(g["samples"]) == 2 and g["samples"][0]["seed"] in p["seeds"] for g, p in zip(stored, lease["prompts"])
+    )
 
 
 def test_signatures_nonces_timestamps_and_identity(orch):
@@ -163,15 +179,24 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     assert httpx.post(orch.url + "/v1/leases", content=body, headers=headers).status_code == 200
     replay = httpx.post(orch.url + "/v1/leases", content=body, headers=headers)
     assert replay.status_code == 401 and replay.json()["error"] == "replayed_nonce"
-    tampered = httpx.post(orch.url + "/v1/leases", content=b'{"policy_version": 1}',
-                          headers={**headers, "x-swarmrl-nonce": "a" * 32})
+    tampered = httpx.post(
+        orch.url + "/v1/leases", content=b'{"policy_version": 1}', headers={**headers, "x-swarmrl-nonce": "a" * 32}
+    )
     assert tampered.status_code == 401 and "signature" in tampered.json()["detail"]
     # Signed for one path, sent to another.
-    moved = httpx.post(orch.url + "/v1/leases", content=body, headers={
-        "content-type": "application/json", **sign_headers(key, run_of(orch), "POST", "/v1/workers/register", body)})
+    moved = httpx.post(
+        orch.url + "/v1/leases",
+        content=body,
+        headers={
+            "content-type": "application/json",
+            **sign_headers(key, run_of(orch), "POST", "/v1/workers/register", body),
+        },
+    )
     assert moved.status_code == 401
-    old = {"content-type": "application/json",
-           **sign_headers(key, run_of(orch), "POST", "/v1/leases", body, now=time.time() - 3600)}
+    old = {
+        "content-type": "application/json",
+        **sign_headers(key, run_of(orch), "POST", "/v1/leases", body, now=time.time() - 3600),
+    }
     r = httpx.post(orch.url + "/v1/leases", content=body, headers=old)
     assert r.status_code == 401 and r.json()["error"] == "clock_skew" and "clock" in r.json()["detail"]
     r = httpx.post(orch.url + "/v1/leases", content=body, headers={"content-type": "application/json"})
@@ -180,8 +205,11 @@ def test_signatures_nonces_timestamps_and_identity(orch):
     assert r.status_code == 401 and "hex" in r.json()["detail"]
     # The same key spelled in upper case would be another identity (and another nonce space).
     fresh = sign_headers(key, run_of(orch), "POST", "/v1/leases", body)
-    r = httpx.post(orch.url + "/v1/leases", content=body,
-                   headers={**fresh, "content-type": "application/json", "x-swarmrl-key": fresh["x-swarmrl-key"].upper()})
+    r = httpx.post(
+        orch.url + "/v1/leases",
+        content=body,
+        headers={**fresh, "content-type": "application/json", "x-swarmrl-key": fresh["x-swarmrl-key"].upper()},
+    )
     assert r.status_code == 401 and "lowercase" in r.json()["detail"]
 
 
@@ -225,14 +253,23 @@ def test_foreign_unknown_late_and_malformed_submissions(orch):
     assert [r["reason"] for r in twice["rejected"]] == ["duplicate"]
 
 
-@pytest.mark.parametrize("body, needle", [
-    (b"{not json", "json"),
-    (b'{"lease_id": "x", "groups": []}', "lease_id"),
-    (b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": "one", "policy_version": 0, "samples": []}]}', "slot"),
-    (b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": 0, "policy_version": 0, "samples": '
-     b'[{"token_ids": [1], "logprobs": [NaN], "finish_reason": "stop"}]}]}', "logprobs"),
-    (b'[1, 2, 3]', "body"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (b"{not json", "json"),
+        (b'{"lease_id": "x", "groups": []}', "lease_id"),
+        (
+            b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": "one", "policy_version": 0, "samples": []}]}',
+            "slot",
+        ),
+        (
+            b'{"lease_id": "' + b"a" * 32 + b'", "groups": [{"slot": 0, "policy_version": 0, "samples": '
+            b'[{"token_ids": [1], "logprobs": [NaN], "finish_reason": "stop"}]}]}',
+            "logprobs",
+        ),
+        (b"[1, 2, 3]", "body"),
+    ],
+)
 def test_garbage_gets_a_422_naming_the_problem(orch, body, needle):
     key = Ed25519PrivateKey.generate()
     WorkerClient(orch.url, key).register("g")
@@ -298,7 +335,10 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
         assert db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0] == 2
         assert db.execute("SELECT step, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY step").fetchall() == [
-            (0, 2), (1, 2), (2, 2)]
+            (0, 2),
+            (1, 2),
+            (2, 2),
+        ]
         # Uninformative groups (all right) are stored and counted, never batched.
         uninformative = lease_and_submit(w, 2, right=2)
         assert [a["informative"] for a in uninformative["accepted"]] == [False, False]
@@ -339,8 +379,9 @@ def test_an_expired_lease_is_reissued_and_a_late_submission_refused(tmp_path):
 
 
 def test_rate_limits_answer_429_with_retry_after(tmp_path):
-    orch = OrchestratorProcess(hand_run_dir(tmp_path / "run", "--orchestrator.rate_per_s", "1",
-                                            "--orchestrator.rate_burst", "5")).start()
+    orch = OrchestratorProcess(
+        hand_run_dir(tmp_path / "run", "--orchestrator.rate_per_s", "1", "--orchestrator.rate_burst", "5")
+    ).start()
     try:
         key = Ed25519PrivateKey.generate()
         codes = [signed_post(orch, key, "/v1/workers/register", b'{"name": "x"}') for _ in range(10)]
@@ -365,8 +406,14 @@ def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
         publish(orch, 0)
         lease = worker.client.lease(0)["lease"]
         path = worker.outbox / f"{lease['lease_id']}.json"
-        path.write_text(json.dumps({"expires_at": lease["expires_at"], "submission": {
-            "lease_id": lease["lease_id"], "groups": [group(p, 0, 1) for p in lease["prompts"]]}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "expires_at": lease["expires_at"],
+                    "submission": {"lease_id": lease["lease_id"], "groups": [group(p, 0, 1) for p in lease["prompts"]]},
+                }
+            )
+        )
         orch.kill9()
         with pytest.raises(Unavailable):
             worker.client.status()
@@ -401,8 +448,12 @@ def test_orchestrator_refuses_a_run_dir_without_config(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "config.toml" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -468,16 +519,29 @@ def test_dashboard_document_and_swarmrl_status(orch, tmp_path):
     assert not mine[0]["banned"] and doc["workers_total"] >= 1
     assert sum(doc["validation"]["groups"].values()) >= 1 and doc["broadcast"]["versions"][0]["version"] == 0
     # Nothing secret: no token, no full key, no path of the run folder.
-    for secret in ((orch.run_dir / "trainer.token").read_text().strip(),
-                   (orch.run_dir / "validator.token").read_text().strip(), w.key_hex, str(orch.run_dir)):
+    for secret in (
+        (orch.run_dir / "trainer.token").read_text().strip(),
+        (orch.run_dir / "validator.token").read_text().strip(),
+        w.key_hex,
+        str(orch.run_dir),
+    ):
         assert secret not in raw.text
     assert "/v1/dashboard" in httpx.get(orch.url + "/openapi.json").json()["paths"]
-    out = subprocess.run([sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url + "/v1"],
-                         capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+    out = subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url + "/v1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     assert w.key_hex[:16] in out.stdout and "board-me" in out.stdout and "progress" in out.stdout
-    as_json = subprocess.run([sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url, "--json"],
-                             capture_output=True, text=True, timeout=60)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", "status", "--orchestrator", orch.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert json.loads(as_json.stdout)["run"]["run_id"] == doc["run"]["run_id"]
 
 
@@ -498,7 +562,10 @@ def test_trainer_reports_held_out_accuracy_to_the_dashboard(orch):
         TrainerClient(orch.url, "wrong").report(7, {"eval/accuracy": 1.0})
     import swarmrl.orchestrator.dashboard as dashboard
 
-    held = json.loads(sqlite3.connect(orch.run_dir / "orchestrator.sqlite").execute(
-        "SELECT value FROM meta WHERE key = 'trainer_metrics'").fetchone()[0])
+    held = json.loads(
+        sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
+        .execute("SELECT value FROM meta WHERE key = 'trainer_metrics'")
+        .fetchone()[0]
+    )
     assert held["7"] == {"eval/accuracy": 0.625}  # only charted keys are kept
     assert "eval/accuracy" in dashboard.PROGRESS_KEYS

@@ -15,12 +15,13 @@ import schemathesis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from swarmrl.protocol.client import TrainerClient, WorkerClient
 from swarmrl.protocol.signing import sign_headers
+
+from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,8 +41,15 @@ class Signer(requests.auth.AuthBase):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     # High rate limits: the fuzzer itself must not be throttled into only ever seeing 429s.
-    run = make_run_dir(tmp_path_factory.mktemp("fuzz") / "run", "--orchestrator.rate_per_s", "10000",
-                       "--orchestrator.rate_burst", "10000", "--orchestrator.max_request_bytes", "200000")
+    run = make_run_dir(
+        tmp_path_factory.mktemp("fuzz") / "run",
+        "--orchestrator.rate_per_s",
+        "10000",
+        "--orchestrator.rate_burst",
+        "10000",
+        "--orchestrator.max_request_bytes",
+        "200000",
+    )
     proc = OrchestratorProcess(run).start()
     token = (run / "trainer.token").read_text().strip()
     TrainerClient(proc.url, token).publish(0, "http://127.0.0.1:9", signed_version(run, 0))
@@ -70,10 +78,13 @@ def test_no_request_produces_a_server_error(live, mode):
             nonlocal calls
             with requests.Session() as session:
                 case.call_and_validate(session=session, checks=[not_a_server_error])
-                case.call_and_validate(session=session, checks=[not_a_server_error], auth=Signer(live["key"], live["run_id"]))
+                case.call_and_validate(
+                    session=session, checks=[not_a_server_error], auth=Signer(live["key"], live["run_id"])
+                )
                 for token in (live["token"], live["validator"]):
-                    case.call_and_validate(session=session, checks=[not_a_server_error],
-                                           headers={"authorization": f"Bearer {token}"})
+                    case.call_and_validate(
+                        session=session, checks=[not_a_server_error], headers={"authorization": f"Bearer {token}"}
+                    )
             calls += 4
 
         try:

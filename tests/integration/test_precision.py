@@ -68,10 +68,24 @@ def sampled_groups(model, tok, n_groups: int, seed: int) -> list[dict]:
     sampler = Sampler(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     outs = sampler.generate(flat, seeds, max_new_tokens=64, temperature=1.0, return_hidden=True)
     proofs = build_proofs_many([o.hidden for o in outs], chunk_size=32, topk=128)
-    return [{"id": i, "policy_version": 0, "temperature": 1.0, "prompt_ids": prompts[i],
-             "samples": [{"token_ids": outs[j].token_ids, "logprobs": outs[j].logprobs, "seed": seeds[j],
-                          "proofs": encode(proofs[j])} for j in range(i * G, (i + 1) * G)]}
-            for i in range(n_groups)]
+    return [
+        {
+            "id": i,
+            "policy_version": 0,
+            "temperature": 1.0,
+            "prompt_ids": prompts[i],
+            "samples": [
+                {
+                    "token_ids": outs[j].token_ids,
+                    "logprobs": outs[j].logprobs,
+                    "seed": seeds[j],
+                    "proofs": encode(proofs[j]),
+                }
+                for j in range(i * G, (i + 1) * G)
+            ],
+        }
+        for i in range(n_groups)
+    ]
 
 
 def verdicts(model, items: list[dict], dtype: str) -> list:
@@ -81,7 +95,7 @@ def verdicts(model, items: list[dict], dtype: str) -> list:
     outs = v.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in items])
     samples = [s for it in items for s in it["samples"]]
     reports = v.reports([o for res in outs for o in res], samples, [1.0] * len(samples))
-    return [v.judge(it, reports[i * G:(i + 1) * G], dtype) for i, it in enumerate(items)]
+    return [v.judge(it, reports[i * G : (i + 1) * G], dtype) for i, it in enumerate(items)]
 
 
 # ---- the checks, in process -----------------------------------------------------------------------
@@ -121,8 +135,15 @@ def test_thresholds_follow_the_run_dtype():
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16run")
-    run = make_run_dir(root / "run", "--sampling.dtype", "bfloat16", "--validator.ban_after", "1000",
-                       "--sampling.prompts_per_step", "1000")
+    run = make_run_dir(
+        root / "run",
+        "--sampling.dtype",
+        "bfloat16",
+        "--validator.ban_after",
+        "1000",
+        "--sampling.prompts_per_step",
+        "1000",
+    )
     manifest = signed_version(run, 0)
     server = ShardServer(run / "broadcast").start()
     orch = OrchestratorProcess(run).start()
@@ -135,8 +156,15 @@ def bf16_run(tmp_path_factory):
 
 def worker(root, orch, name: str, policy: dict, **kw) -> Worker:
     d = root / "workers" / name
-    w = Worker(orch.url, key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None,
-               trainer_key=public_key_hex(TRAINER_KEY), **kw)
+    w = Worker(
+        orch.url,
+        key_file=d / "key.pem",
+        cache_dir=d,
+        name=name,
+        log=lambda *_: None,
+        trainer_key=public_key_hex(TRAINER_KEY),
+        **kw,
+    )
     w.client.register(name)
     assert w._ensure_policy(policy)
     return w
@@ -177,10 +205,32 @@ def test_workers_follow_the_run_and_the_validator_judges_in_bf16(bf16_run):
 def test_the_worker_cli_pinned_to_float32_stops_with_a_message(bf16_run):
     root, orch, _ = bf16_run
     d = root / "workers" / "cli"
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "worker", "--orchestrator", orch.url,
-                           "--key-file", str(d / "key.pem"), "--cache-dir", str(d), "--dtype", "float32",
-                           "--trainer-key", public_key_hex(TRAINER_KEY), "--threads", "1"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "worker",
+            "--orchestrator",
+            orch.url,
+            "--key-file",
+            str(d / "key.pem"),
+            "--cache-dir",
+            str(d),
+            "--dtype",
+            "float32",
+            "--trainer-key",
+            public_key_hex(TRAINER_KEY),
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert ("this run samples in bfloat16 (the lease says so) but this worker was started with --dtype float32: "
-            "restart without --dtype, or with --dtype bfloat16") in proc.stderr
+    assert (
+        "this run samples in bfloat16 (the lease says so) but this worker was started with --dtype float32: "
+        "restart without --dtype, or with --dtype bfloat16"
+    ) in proc.stderr

@@ -51,9 +51,26 @@ def fake_model(folder: Path, kib: int = 768, seed: int = 0) -> Path:
 def start_relay(tmp: Path, name: str, upstream: str, *extra: str) -> tuple[subprocess.Popen, str]:
     url_file = tmp / f"{name}.json"
     log = open(tmp / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", upstream, "--cache-dir",
-                             str(tmp / name), "--trainer-key", PUB, "--url-file", str(url_file), *extra],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "relay",
+            "--upstream",
+            upstream,
+            "--cache-dir",
+            str(tmp / name),
+            "--trainer-key",
+            PUB,
+            "--url-file",
+            str(url_file),
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not url_file.exists():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()
@@ -78,7 +95,8 @@ def same_files(a: Path, b: Path) -> bool:
     """Same model files (the client keeps the signed manifest as a dotfile beside them)."""
     names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
     return names == sorted(p.name for p in b.iterdir() if not p.name.startswith(".")) and all(
-        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
 
 
 def test_a_tree_of_an_origin_two_relays_and_four_clients_ends_byte_identical(tmp_path):
@@ -114,8 +132,10 @@ def test_a_relay_serving_a_corrupted_shard_is_caught_and_scored_down(tmp_path):
     model = fake_model(tmp_path / "model")
     publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
     with ShardServer(tmp_path / "origin") as origin:
-        with Relay([origin.url], tmp_path / "good", public_key=PUB, log=lambda *_: None) as good, \
-                Relay([origin.url], tmp_path / "bad", public_key=PUB, log=lambda *_: None) as bad:
+        with (
+            Relay([origin.url], tmp_path / "good", public_key=PUB, log=lambda *_: None) as good,
+            Relay([origin.url], tmp_path / "bad", public_key=PUB, log=lambda *_: None) as bad,
+        ):
             wait_mirrored(good.root, 1)
             wait_mirrored(bad.root, 1)
             shards = sorted((bad.root / "v000001" / "shards").iterdir())
@@ -150,8 +170,15 @@ def test_a_relay_killed_mid_download_and_the_client_finishes_from_another(tmp_pa
 
             def client() -> None:
                 try:
-                    result["folder"] = fetch_version(1, [slow_url, fast_url], tmp_path / "client", public_key=PUB,
-                                                     scores=scores, timeout_s=2.0, parallel=2)
+                    result["folder"] = fetch_version(
+                        1,
+                        [slow_url, fast_url],
+                        tmp_path / "client",
+                        public_key=PUB,
+                        scores=scores,
+                        timeout_s=2.0,
+                        parallel=2,
+                    )
                 except BroadcastError as e:  # pragma: no cover - reported by the assertion below
                     result["error"] = e
 
@@ -197,9 +224,25 @@ def test_a_manifest_without_a_valid_signature_is_refused(tmp_path):
 
 def test_an_unreachable_upstream_is_a_bounded_clear_error(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", "http://127.0.0.1:9",
-                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2", "--trainer-key", PUB],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "relay",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--cache-dir",
+            str(tmp_path / "relay"),
+            "--startup-tries",
+            "2",
+            "--trainer-key",
+            PUB,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "http://127.0.0.1:9" in proc.stderr and "no upstream reachable after 2 tries" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -213,9 +256,23 @@ def test_a_relay_refuses_to_start_without_the_trainer_key(tmp_path):
     with pytest.raises(BroadcastError, match="64 lowercase hex"):
         Relay(["http://127.0.0.1:9"], tmp_path / "relay", public_key="not-a-key")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "relay", "--upstream", "http://127.0.0.1:9",
-                           "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "relay",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--cache-dir",
+            str(tmp_path / "relay"),
+            "--startup-tries",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "--trainer-key" in proc.stderr and "trainer.pub" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -242,8 +299,9 @@ def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_pa
     publish_version(fake_model(tmp_path / "m1", kib=64, seed=1), root, 1, key=KEY, shard_size=16 << 10)
     publish_version(fake_model(tmp_path / "m2", kib=64, seed=2), root, 2, key=KEY, shard_size=16 << 10)
     # v3 is newer than the real ones, but signed by someone else.
-    publish_version(fake_model(tmp_path / "m3", kib=64, seed=3), root, 3, key=Ed25519PrivateKey.generate(),
-                    shard_size=16 << 10)
+    publish_version(
+        fake_model(tmp_path / "m3", kib=64, seed=3), root, 3, key=Ed25519PrivateKey.generate(), shard_size=16 << 10
+    )
     # A cache left by a relay that mirrored without checking signatures: not served on.
     cache = tmp_path / "relay"
     cache.mkdir()
@@ -253,8 +311,9 @@ def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_pa
     logs: list[str] = []
     with LyingServer(root) as liar, ShardServer(root) as honest:
         # `keep` 2: the relay must look past the three bogus versions above the real ones.
-        with Relay([liar.url], cache, public_key=PUB, keep=2, poll_s=0.05, retry_s=0.2, timeout_s=2.0,
-                   log=logs.append) as relay:
+        with Relay(
+            [liar.url], cache, public_key=PUB, keep=2, poll_s=0.05, retry_s=0.2, timeout_s=2.0, log=logs.append
+        ) as relay:
             assert 7 not in read_versions(cache)
             wait_mirrored(cache, 2, timeout_s=30)
             wait_mirrored(cache, 1, timeout_s=30)
@@ -274,8 +333,15 @@ def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_pa
             assert same_files(got, tmp_path / "m4")
         # Two upstreams, one lying: the honest one's versions are mirrored as fast as ever.
         t0 = time.monotonic()
-        with Relay([liar.url, honest.url], tmp_path / "relay2", public_key=PUB, keep=2, poll_s=0.05,
-                   timeout_s=2.0, log=lambda *_: None):
+        with Relay(
+            [liar.url, honest.url],
+            tmp_path / "relay2",
+            public_key=PUB,
+            keep=2,
+            poll_s=0.05,
+            timeout_s=2.0,
+            log=lambda *_: None,
+        ):
             wait_mirrored(tmp_path / "relay2", 4, timeout_s=30)
             wait_mirrored(tmp_path / "relay2", 2, timeout_s=30)
         assert time.monotonic() - t0 < 15
@@ -291,8 +357,9 @@ def test_workers_wait_briefly_for_a_relay_instead_of_going_to_the_origin(tmp_pat
             publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
             scores = SourceScores()
             t0 = time.monotonic()
-            folder = fetch_version(1, [relay.url, origin.url], tmp_path / "client", public_key=PUB, scores=scores,
-                                   relay_wait_s=10)
+            folder = fetch_version(
+                1, [relay.url, origin.url], tmp_path / "client", public_key=PUB, scores=scores, relay_wait_s=10
+            )
             assert same_files(folder, model) and time.monotonic() - t0 < 10
             snap = scores.snapshot()
             assert snap[relay.url.rstrip("/")]["successes"] > 0, snap
@@ -303,7 +370,8 @@ def test_workers_wait_briefly_for_a_relay_instead_of_going_to_the_origin(tmp_pat
         publish_version(model, tmp_path / "origin2", 2, key=KEY, shard_size=64 << 10)
         scores = SourceScores()
         t0 = time.monotonic()
-        folder = fetch_version(2, [stale_relay.url, origin.url], tmp_path / "client2", public_key=PUB, scores=scores,
-                               relay_wait_s=1.0)
+        folder = fetch_version(
+            2, [stale_relay.url, origin.url], tmp_path / "client2", public_key=PUB, scores=scores, relay_wait_s=1.0
+        )
         assert same_files(folder, model) and 1.0 <= time.monotonic() - t0 < 20
         assert scores.snapshot()[origin.url.rstrip("/")]["successes"] > 0

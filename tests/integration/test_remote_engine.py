@@ -21,10 +21,18 @@ pytestmark = pytest.mark.timeout(300)
 # ---- reading a choice (unit) ------------------------------------------------------------------
 def vllm_choice(ids, logprobs, finish="stop", with_ids=False) -> dict:
     """A vLLM /v1/completions choice for logprobs=1, return_tokens_as_token_ids=true."""
-    choice = {"index": 0, "text": "...", "finish_reason": finish, "stop_reason": None,
-              "logprobs": {"text_offset": list(range(len(ids))), "token_logprobs": logprobs,
-                           "tokens": [f"token_id:{t}" for t in ids],
-                           "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids, logprobs)]}}
+    choice = {
+        "index": 0,
+        "text": "...",
+        "finish_reason": finish,
+        "stop_reason": None,
+        "logprobs": {
+            "text_offset": list(range(len(ids))),
+            "token_logprobs": logprobs,
+            "tokens": [f"token_id:{t}" for t in ids],
+            "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids, logprobs)],
+        },
+    }
     if with_ids:
         choice["token_ids"] = ids
     return choice
@@ -37,22 +45,38 @@ def test_vllm_shape_reads_ids_from_the_logprob_tokens():
 
 def test_sglang_shape_reads_ids_from_token_ids():
     # SGLang answers return_token_ids and spells logprob tokens as text.
-    choice = {"index": 0, "text": "ab", "finish_reason": "stop", "matched_stop": 2, "token_ids": [7, 8, 2],
-              "logprobs": {"tokens": ["a", "b", "<eos>"], "token_logprobs": [-1.0, -0.5, -0.2],
-                           "top_logprobs": [None, None, None], "text_offset": [0, 1, 2]}}
+    choice = {
+        "index": 0,
+        "text": "ab",
+        "finish_reason": "stop",
+        "matched_stop": 2,
+        "token_ids": [7, 8, 2],
+        "logprobs": {
+            "tokens": ["a", "b", "<eos>"],
+            "token_logprobs": [-1.0, -0.5, -0.2],
+            "top_logprobs": [None, None, None],
+            "text_offset": [0, 1, 2],
+        },
+    }
     assert parse_choice(choice) == ([7, 8, 2], [-1.0, -0.5, -0.2], "stop")
 
 
-@pytest.mark.parametrize("choice, needle", [
-    ({"finish_reason": "stop", "logprobs": None, "text": "x"}, "no per-token logprobs"),
-    ({"finish_reason": "stop", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}}, "not spelled 'token_id:ID'"),
-    (vllm_choice([1, 2], [-1.0]), "2 tokens but 1 logprobs"),
-    (vllm_choice([1, 2], [-1.0, None]), "not a finite number"),
-    (vllm_choice([1, 2], [-1.0, 0.5]), "not a finite number"),
-    (vllm_choice([1, 2], [-1.0, -2.0], finish="abort"), "finish_reason 'abort'"),
-    ({**vllm_choice([1, 2], [-1.0, -2.0]), "token_ids": [1, 3]}, "name different tokens"),
-    ({**vllm_choice([1], [-1.0]), "token_ids": [-1]}, "non-negative integers"),
-])
+@pytest.mark.parametrize(
+    "choice, needle",
+    [
+        ({"finish_reason": "stop", "logprobs": None, "text": "x"}, "no per-token logprobs"),
+        (
+            {"finish_reason": "stop", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}},
+            "not spelled 'token_id:ID'",
+        ),
+        (vllm_choice([1, 2], [-1.0]), "2 tokens but 1 logprobs"),
+        (vllm_choice([1, 2], [-1.0, None]), "not a finite number"),
+        (vllm_choice([1, 2], [-1.0, 0.5]), "not a finite number"),
+        (vllm_choice([1, 2], [-1.0, -2.0], finish="abort"), "finish_reason 'abort'"),
+        ({**vllm_choice([1, 2], [-1.0, -2.0]), "token_ids": [1, 3]}, "name different tokens"),
+        ({**vllm_choice([1], [-1.0]), "token_ids": [-1]}, "non-negative integers"),
+    ],
+)
 def test_unusable_replies_name_the_problem(choice, needle):
     with pytest.raises(EndpointError, match=needle):
         parse_choice(choice)
@@ -80,8 +104,14 @@ def recording_link(tmp_path: Path, load: str, answers: dict) -> tuple[ServerLink
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        calls.append((request.method, request.url.path, json.loads(request.content) if request.content else None,
-                      request.headers.get("authorization")))
+        calls.append(
+            (
+                request.method,
+                request.url.path,
+                json.loads(request.content) if request.content else None,
+                request.headers.get("authorization"),
+            )
+        )
         return httpx.Response(200, json=answers.get(request.url.path, {}))
 
     link = ServerLink(EndpointSettings("http://gpu-box:30000/v1", load=load, api_key="k"), tmp_path)
@@ -92,15 +122,25 @@ def recording_link(tmp_path: Path, load: str, answers: dict) -> tuple[ServerLink
 def test_sglang_mode_posts_update_weights_from_disk(tmp_path):
     folder = tmp_path / "v000003"
     folder.mkdir()
-    link, calls = recording_link(tmp_path, "sglang", {
-        "/update_weights_from_disk": {"success": True, "message": "Succeeded to update model weights."},
-        "/v1/models": {"data": [{"id": "qwq", "root": "/models/qwq"}]}})
+    link, calls = recording_link(
+        tmp_path,
+        "sglang",
+        {
+            "/update_weights_from_disk": {"success": True, "message": "Succeeded to update model weights."},
+            "/v1/models": {"data": [{"id": "qwq", "root": "/models/qwq"}]},
+        },
+    )
     link.load(folder, 3)
-    assert calls[0] == ("POST", "/update_weights_from_disk", {"model_path": str(folder.resolve()),
-                                                              "weight_version": "v3"}, "Bearer k")
+    assert calls[0] == (
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(folder.resolve()), "weight_version": "v3"},
+        "Bearer k",
+    )
     assert calls[1][:2] == ("GET", "/v1/models") and link.model_name == "qwq"
-    failing, _ = recording_link(tmp_path, "sglang", {"/update_weights_from_disk": {"success": False,
-                                                                                  "message": "shape mismatch"}})
+    failing, _ = recording_link(
+        tmp_path, "sglang", {"/update_weights_from_disk": {"success": False, "message": "shape mismatch"}}
+    )
     with pytest.raises(EndpointError, match="shape mismatch"):
         failing.load(folder, 3)
 
@@ -115,13 +155,18 @@ def test_vllm_mode_repoints_the_link_then_reloads_and_resets_the_cache(tmp_path)
     link.load(new, 2)
     assert link.link.is_symlink() and link.link.resolve() == new.resolve()
     assert [(m, p, b) for m, p, b, _ in calls if p != "/v1/models"] == [
-        ("POST", "/collective_rpc", {"method": "reload_weights"}), ("POST", "/reset_prefix_cache", None)] * 2
+        ("POST", "/collective_rpc", {"method": "reload_weights"}),
+        ("POST", "/reset_prefix_cache", None),
+    ] * 2
 
 
 def test_server_errors_reach_the_worker_with_the_servers_message(tmp_path):
     link = ServerLink(EndpointSettings("http://127.0.0.1:9"), tmp_path)
-    link.endpoint.client = httpx.Client(transport=httpx.MockTransport(
-        lambda r: httpx.Response(401, json={"error": {"message": "needs 'Authorization: Bearer'"}})))
+    link.endpoint.client = httpx.Client(
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(401, json={"error": {"message": "needs 'Authorization: Bearer'"}})
+        )
+    )
     with pytest.raises(EndpointError, match="answered 401: needs 'Authorization: Bearer'"):
         link.load(tmp_path, 1)
     unreachable = ServerLink(EndpointSettings("http://127.0.0.1:9", timeout_s=2), tmp_path)
@@ -140,8 +185,10 @@ def test_restart_mode_runs_the_server_and_restarts_it_on_each_version(tmp_path):
         folders.append(tmp_path / f"v{seed:06d}")
     port = free_port()
     command = f"{sys.executable} -m swarmrl.cli serve --model {{model}} --port {port} --threads 1"
-    link = ServerLink(EndpointSettings(f"http://127.0.0.1:{port}", load="restart", server_command=command,
-                                       start_timeout_s=120), tmp_path)
+    link = ServerLink(
+        EndpointSettings(f"http://127.0.0.1:{port}", load="restart", server_command=command, start_timeout_s=120),
+        tmp_path,
+    )
     try:
         outs = []
         for version, folder in enumerate(folders):
@@ -162,25 +209,52 @@ def test_restart_mode_runs_the_server_and_restarts_it_on_each_version(tmp_path):
 
 
 def test_restart_mode_reports_a_server_that_dies_with_its_log(tmp_path):
-    link = ServerLink(EndpointSettings("http://127.0.0.1:9", load="restart", start_timeout_s=60,
-                                       server_command=f"{sys.executable} -m swarmrl.cli serve --model {{model}}"),
-                      tmp_path)
+    link = ServerLink(
+        EndpointSettings(
+            "http://127.0.0.1:9",
+            load="restart",
+            start_timeout_s=60,
+            server_command=f"{sys.executable} -m swarmrl.cli serve --model {{model}}",
+        ),
+        tmp_path,
+    )
     with pytest.raises(EndpointError, match="exited with code 2") as info:
         link.load(tmp_path / "missing", 0)
     assert "server.log" in str(info.value) and "is not a folder" in str(info.value)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--engine", "openai"], "--engine openai needs --endpoint URL"),
-    (["--endpoint", "http://127.0.0.1:8100"], "--endpoint is for --engine openai"),
-    (["--engine", "openai", "--endpoint", "http://x", "--load", "restart"], "needs --server-command with {model}"),
-    (["--engine", "openai", "--endpoint", "http://x", "--adversary", "replay"], "cannot be combined"),
-    (["--engine", "openai", "--endpoint", "http://x", "--endpoint-key-file", "/nonexistent/key"], "--endpoint-key-file"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--engine", "openai"], "--engine openai needs --endpoint URL"),
+        (["--endpoint", "http://127.0.0.1:8100"], "--endpoint is for --engine openai"),
+        (["--engine", "openai", "--endpoint", "http://x", "--load", "restart"], "needs --server-command with {model}"),
+        (["--engine", "openai", "--endpoint", "http://x", "--adversary", "replay"], "cannot be combined"),
+        (
+            ["--engine", "openai", "--endpoint", "http://x", "--endpoint-key-file", "/nonexistent/key"],
+            "--endpoint-key-file",
+        ),
+    ],
+)
 def test_worker_engine_flags_fail_cleanly(flags, needle, tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "worker", "--orchestrator", "http://127.0.0.1:9",
-                           "--cache-dir", str(tmp_path), "--key-file", str(tmp_path / "k.pem"), *flags],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmrl.cli",
+            "worker",
+            "--orchestrator",
+            "http://127.0.0.1:9",
+            "--cache-dir",
+            str(tmp_path),
+            "--key-file",
+            str(tmp_path / "k.pem"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

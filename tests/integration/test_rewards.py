@@ -87,10 +87,20 @@ def test_math_task_reward_rejects_bad_ground_truth(info):
         math_task_reward(info, "\\boxed{1}")
 
 
-@pytest.mark.parametrize("answer", [
-    "9^{9^{9^{9}}}", "9^{9^9}", "\\frac{10^{10^{8}}}{3}", "99999999999^{99999999999}", "1000000!",
-    "(10^{10})^{10^{7}}", "10^{-10^{9}}", "(x+1)^{1000000}", "1" * 1200,
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "9^{9^{9^{9}}}",
+        "9^{9^9}",
+        "\\frac{10^{10^{8}}}{3}",
+        "99999999999^{99999999999}",
+        "1000000!",
+        "(10^{10})^{10^{7}}",
+        "10^{-10^{9}}",
+        "(x+1)^{1000000}",
+        "1" * 1200,
+    ],
+)
 def test_absurd_answers_score_0_without_being_evaluated(answer):
     started = time.monotonic()
     reward, reason = math_task_reward({"ground_truth": "92"}, "\\boxed{" + answer + "}")
@@ -98,10 +108,17 @@ def test_absurd_answers_score_0_without_being_evaluated(answer):
     assert time.monotonic() - started < 1.0  # each of these costs sympy seconds to hours
 
 
-@pytest.mark.parametrize(("ground_truth", "answer"), [
-    ("2^{100}", "1267650600228229401496703205376"), ("e^{-x^2}", "e^{-x^{2}}"), ("120", "5!"),
-    ("x^{100}", "x^{100}"), ("10^{100000}", "10^{100000}"), ("2^{1000000}", "2^{1000000}"),
-])
+@pytest.mark.parametrize(
+    ("ground_truth", "answer"),
+    [
+        ("2^{100}", "1267650600228229401496703205376"),
+        ("e^{-x^2}", "e^{-x^{2}}"),
+        ("120", "5!"),
+        ("x^{100}", "x^{100}"),
+        ("10^{100000}", "10^{100000}"),
+        ("2^{1000000}", "2^{1000000}"),
+    ],
+)
 def test_big_answers_are_graded_when_the_ground_truth_is_as_big(ground_truth, answer):
     assert math_task_reward({"ground_truth": ground_truth}, "\\boxed{" + answer + "}") == (1.0, None)
 
@@ -206,8 +223,11 @@ TOWER = "<think>big</think> \\boxed{9^{9^{9^{9}}}}"
 
 
 def test_a_worst_case_answer_scores_0_within_the_timeout_and_the_pool_goes_on(pool):
-    rows = [_math_row("tower", TOWER), _math_row("right", "\\boxed{92}"),
-            _math_row("fraction", "\\boxed{\\frac{99999999999^{99999999999}}{7}}")]
+    rows = [
+        _math_row("tower", TOWER),
+        _math_row("right", "\\boxed{92}"),
+        _math_row("fraction", "\\boxed{\\frac{99999999999^{99999999999}}{7}}"),
+    ]
     started = time.monotonic()
     tower, right, fraction = score_rows(rows, pool=pool, count_tokens=_count_words)
     assert time.monotonic() - started < 2 * pool.timeout_s + 1.5  # two workers: at most two timeouts in a row
@@ -290,8 +310,11 @@ def test_score_rows_mixes_good_and_malformed_rows(pool):
         {k: v for k, v in _math_row("no-completion", "").items() if k != "completion"},
         {**_math_row("unknown-task", "\\boxed{92}"), "task_type": "poetry"},
         {**_math_row("code-no-tests", "print(1)"), "task_type": "prime_rl_code"},
-        {**_math_row("code", "```python\nprint(1)\n```"), "task_type": "prime_rl_code",
-         "verification_info": json.dumps({"test_cases": json.dumps({"inputs": [""], "outputs": ["1"]})})},
+        {
+            **_math_row("code", "```python\nprint(1)\n```"),
+            "task_type": "prime_rl_code",
+            "verification_info": json.dumps({"test_cases": json.dumps({"inputs": [""], "outputs": ["1"]})}),
+        },
         _math_row("no-ground-truth", "\\boxed{92}", ground_truth=None),
         _math_row("bad-target", "\\boxed{92}", target_length="many"),
         # 0.001 * (1000 - 800) + 0.5 = 0.7 of the reward kept.
@@ -339,8 +362,12 @@ def test_score_file_round_trip(pool, tmp_path):
 
     counts = score_file(input_path, output_path, pool=pool, count_tokens=_count_words)
 
-    assert {k: counts[k] for k in ("rows", "scored", "errors", "mean_reward")} == {"rows": 4, "scored": 2, "errors": 2,
-                                                                                   "mean_reward": 0.5}
+    assert {k: counts[k] for k in ("rows", "scored", "errors", "mean_reward")} == {
+        "rows": 4,
+        "scored": 2,
+        "errors": 2,
+        "mean_reward": 0.5,
+    }
     assert counts["mean_reward_all_rows"] == 0.25 and [e["line"] for e in counts["first_errors"]] == [2, 5]
     out = [json.loads(line) for line in output_path.read_text(encoding="utf-8").splitlines()]
     assert [row.get("problem_id") for row in out] == ["right", None, "wrong", None]

@@ -34,15 +34,23 @@ from swarmrl.tasks import code as code_tasks
 UID_BASE = 61500  # away from the default; each pool claims its own uids from here up
 WORKERS = 2
 
-SUM_INFO = {"test_cases": json.dumps({
-    "inputs": ["1 2\n", "10 20\n", "-4 4\n"],
-    "outputs": ["3\n", "30\n", "0\n"],
-})}
-ADD_INFO = {"test_cases": json.dumps({
-    "fn_name": "add",
-    "inputs": [[1, 2], [10, 20], [-4, 4]],
-    "outputs": [3, 30, 0],
-})}
+SUM_INFO = {
+    "test_cases": json.dumps(
+        {
+            "inputs": ["1 2\n", "10 20\n", "-4 4\n"],
+            "outputs": ["3\n", "30\n", "0\n"],
+        }
+    )
+}
+ADD_INFO = {
+    "test_cases": json.dumps(
+        {
+            "fn_name": "add",
+            "inputs": [[1, 2], [10, 20], [-4, 4]],
+            "outputs": [3, 30, 0],
+        }
+    )
+}
 SUM_OK = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
@@ -80,8 +88,15 @@ def leftover_cgroups(grader: CodeGrader) -> list[Path]:
 def grader():
     if shutil.which("bwrap") is None:
         pytest.fail("bubblewrap is not installed: `apt-get install bubblewrap` (make test does it)")
-    cfg = SandboxConfig(workers=WORKERS, test_timeout_s=2.0, total_timeout_s=8.0, uid_base=UID_BASE,
-                        memory_mb=256, max_output_kb=256, startup_grace_s=1.0)
+    cfg = SandboxConfig(
+        workers=WORKERS,
+        test_timeout_s=2.0,
+        total_timeout_s=8.0,
+        uid_base=UID_BASE,
+        memory_mb=256,
+        max_output_kb=256,
+        startup_grace_s=1.0,
+    )
     g = open_code_grader(cfg)
     yield g
     g.close()
@@ -156,10 +171,13 @@ def test_unsafe_no_sandbox_warns_at_every_start_and_still_grades(capsys):
     assert err.count("WARNING: sandbox.unsafe_no_sandbox is set") == 2
 
 
-@pytest.mark.parametrize("bwrap, says", [
-    ("/nonexistent/bwrap", "is not on PATH"),
-    ("/bin/false", "a trivial program failed"),
-])
+@pytest.mark.parametrize(
+    "bwrap, says",
+    [
+        ("/nonexistent/bwrap", "is not on PATH"),
+        ("/bin/false", "a trivial program failed"),
+    ],
+)
 def test_code_tasks_are_refused_when_bubblewrap_cannot_run(bwrap, says):
     with pytest.raises(SandboxUnavailable) as info:
         Sandbox(SandboxSettings(workers=1, bwrap=bwrap))
@@ -179,19 +197,13 @@ def test_infinite_loop(grader, intact):
 
 
 def test_fork_bomb(grader, intact):
-    bomb = (
-        "import os\n"
-        "while True:\n"
-        "    try:\n"
-        "        os.fork()\n"
-        "    except OSError:\n"
-        "        pass\n"
-    )
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     reward, reason = grade(grader, bomb)
     # Which limit stops it first depends on the machine's load: time, processes or memory.
     assert reward == 0.0 and any(s in reason for s in ("time limit exceeded", "resource limit", "memory limit")), reason
-    assert leftover_cgroups(grader) == [] or not any((p / "cgroup.procs").read_text().strip()
-                                                     for p in leftover_cgroups(grader))
+    assert leftover_cgroups(grader) == [] or not any(
+        (p / "cgroup.procs").read_text().strip() for p in leftover_cgroups(grader)
+    )
     # The host can still start processes.
     assert subprocess.run(["true"]).returncode == 0
 
@@ -204,8 +216,11 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
     if not (cpu_root / "cpu.cfs_quota_us").exists():
         pytest.skip("no cgroup v1 cpu controller on this machine")
     prefix = f"swarmrl-{os.getpid()}-{id(grader.sandbox):x}-"
-    runner = threading.Thread(target=grader.sandbox.run, args=("import time\ntime.sleep(2)\n",),
-                              kwargs=dict(mode="stdio", stdin=b"", timeout_s=5))
+    runner = threading.Thread(
+        target=grader.sandbox.run,
+        args=("import time\ntime.sleep(2)\n",),
+        kwargs=dict(mode="stdio", stdin=b"", timeout_s=5),
+    )
     runner.start()
     seen = None
     deadline = time.monotonic() + 3
@@ -213,8 +228,11 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
         for d in cpu_root.glob(f"{prefix}*"):
             try:
                 if (d / "cgroup.procs").read_text().strip():  # the one holding the running program
-                    seen = (d, (d / "cpu.cfs_quota_us").read_text().strip(),
-                            (d / "cpu.cfs_period_us").read_text().strip())
+                    seen = (
+                        d,
+                        (d / "cpu.cfs_quota_us").read_text().strip(),
+                        (d / "cpu.cfs_period_us").read_text().strip(),
+                    )
             except FileNotFoundError:  # an earlier execution's cgroup, removed as we looked
                 continue
         time.sleep(0.05)
@@ -224,13 +242,16 @@ def test_each_execution_gets_one_core_of_cpu(grader, intact):
     assert not seen[0].exists()  # removed once the execution ended
 
 
-@pytest.mark.parametrize("program", [
-    "x = bytearray(8 * 1024 ** 3)\nprint(3)\n",
-    "hoard = []\nwhile True:\n    hoard.append(' ' * 10 ** 7)\n",
-    # 16 forks, each writing (not just reserving) 200 MB: the cgroup's memory limit, not
-    # RLIMIT_AS, is what stops these.
-    "import os\nfor _ in range(16):\n    if os.fork() == 0:\n        break\nhoard = [b'x' * (200 * 1024 ** 2)]\nwhile True:\n    hoard.append(b'x' * 10 ** 7)\n",
-])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "x = bytearray(8 * 1024 ** 3)\nprint(3)\n",
+        "hoard = []\nwhile True:\n    hoard.append(' ' * 10 ** 7)\n",
+        # 16 forks, each writing (not just reserving) 200 MB: the cgroup's memory limit, not
+        # RLIMIT_AS, is what stops these.
+        "import os\nfor _ in range(16):\n    if os.fork() == 0:\n        break\nhoard = [b'x' * (200 * 1024 ** 2)]\nwhile True:\n    hoard.append(b'x' * 10 ** 7)\n",  # noqa: E501
+    ],
+)
 def test_memory_bomb(grader, intact, program):
     reward, reason = grade(grader, program)
     assert reward == 0.0
@@ -325,8 +346,16 @@ def test_killing_the_parent_and_other_processes(grader, intact):
     # which only the pid namespace protects.
     sentinels = [
         subprocess.Popen(["sleep", "60"]),
-        subprocess.Popen(["setpriv", f"--reuid={grader.sandbox.slot_uid(0)}", f"--regid={grader.sandbox.slot_uid(0)}",
-                          "--clear-groups", "sleep", "60"]),
+        subprocess.Popen(
+            [
+                "setpriv",
+                f"--reuid={grader.sandbox.slot_uid(0)}",
+                f"--regid={grader.sandbox.slot_uid(0)}",
+                "--clear-groups",
+                "sleep",
+                "60",
+            ]
+        ),
     ]
     pids = [p.pid for p in sentinels] + [os.getpid(), os.getppid()]
     try:
@@ -334,9 +363,11 @@ def test_killing_the_parent_and_other_processes(grader, intact):
             program = f"import os, signal\nos.kill({pid}, signal.SIGKILL)\n" + SUM_OK
             reward, reason = grade(grader, program)
             assert reward == 0.0 and "ProcessLookupError" in reason, (pid, reason)
-        for program in ("import os, signal\nos.kill(-1, signal.SIGKILL)\n",
-                        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + SUM_OK,
-                        "import os, signal\nos.killpg(0, signal.SIGKILL)\n"):
+        for program in (
+            "import os, signal\nos.kill(-1, signal.SIGKILL)\n",
+            "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + SUM_OK,
+            "import os, signal\nos.killpg(0, signal.SIGKILL)\n",
+        ):
             reward, reason = grade(grader, program)
             assert reward == 0.0, (program, reason)
         assert all(p.poll() is None for p in sentinels), "a sentinel process was killed"
@@ -346,45 +377,53 @@ def test_killing_the_parent_and_other_processes(grader, intact):
             p.wait()
 
 
-@pytest.mark.parametrize("program, says", [
-    # Replace the comparison: the host compares, not anything in the sandbox.
-    ("import swarmrl.rewards.code as c\nc.stdout_matches = lambda *a: True\n", "ModuleNotFoundError"),
-    ("import builtins\nbuiltins.str.__eq__ = lambda a, b: True\n", "TypeError"),
-    # Exit early, with success, before printing anything.
-    ("import sys\nsys.exit(0)\n", "wrong answer"),
-    ("import os\nos._exit(0)\n", "wrong answer"),
-    # Print the expected output of another test (test 1's answer, every time).
-    ("print(3)\n", "test 2 of 3: wrong answer"),
-    # Patch builtins so any print shows test 1's answer; claim success on stderr.
-    ("import builtins, sys\n_w = sys.stdout.write\nbuiltins.print = lambda *a, **k: _w('3\\n')\n"
-     "sys.stderr.write('All tests passed\\n')\nprint('anything')\n", "test 2 of 3: wrong answer"),
-])
+@pytest.mark.parametrize(
+    "program, says",
+    [
+        # Replace the comparison: the host compares, not anything in the sandbox.
+        ("import swarmrl.rewards.code as c\nc.stdout_matches = lambda *a: True\n", "ModuleNotFoundError"),
+        ("import builtins\nbuiltins.str.__eq__ = lambda a, b: True\n", "TypeError"),
+        # Exit early, with success, before printing anything.
+        ("import sys\nsys.exit(0)\n", "wrong answer"),
+        ("import os\nos._exit(0)\n", "wrong answer"),
+        # Print the expected output of another test (test 1's answer, every time).
+        ("print(3)\n", "test 2 of 3: wrong answer"),
+        # Patch builtins so any print shows test 1's answer; claim success on stderr.
+        (
+            "import builtins, sys\n_w = sys.stdout.write\nbuiltins.print = lambda *a, **k: _w('3\\n')\n"
+            "sys.stderr.write('All tests passed\\n')\nprint('anything')\n",
+            "test 2 of 3: wrong answer",
+        ),
+    ],
+)
 def test_faking_success_on_stdio_tests(grader, intact, program, says):
     reward, reason = grade(grader, program)
     assert reward == 0.0 and says in reason, reason
 
 
-class_always_equal = (
-    "class Yes:\n    def __eq__(self, other):\n        return True\n"
-    "def add(a, b):\n    return Yes()\n"
+class_always_equal = "class Yes:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes()\n"
+
+
+@pytest.mark.parametrize(
+    "program, says",
+    [
+        (class_always_equal, "cannot be written as JSON"),
+        (
+            "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes(7)\n",
+            "wrong answer",
+        ),
+        ("import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b\n", "no return value came back"),
+        # fd 1 is the program's stderr while it runs: the answer channel is not reachable that way.
+        ("import os\nos.write(1, b'3')\nos._exit(0)\n", "no return value came back"),
+        ("import json\njson.dumps = lambda *a, **k: '3'\ndef add(a, b):\n    return 0\n", "test 2 of 3: wrong answer"),
+        ("def add(a, b):\n    print(a + b)\n", "wrong answer: expected '3', got 'null'"),
+        ("def plus(a, b):\n    return a + b\n", "defines no function 'add'"),
+        # Garbage on the answer channel must not crash the host's parser.
+        ("import os\nos.write(3, b'[' * 200000)\nos._exit(0)\n", "no return value came back"),
+        ("import os\nos.write(3, b'7' * 5000)\nos._exit(0)\n", "no return value came back"),
+        ("def add(a, b):\n    return 10 ** 400\n", "wrong answer"),
+    ],
 )
-
-
-@pytest.mark.parametrize("program, says", [
-    (class_always_equal, "cannot be written as JSON"),
-    ("class Yes(int):\n    def __eq__(self, other):\n        return True\n"
-     "def add(a, b):\n    return Yes(7)\n", "wrong answer"),
-    ("import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b\n", "no return value came back"),
-    # fd 1 is the program's stderr while it runs: the answer channel is not reachable that way.
-    ("import os\nos.write(1, b'3')\nos._exit(0)\n", "no return value came back"),
-    ("import json\njson.dumps = lambda *a, **k: '3'\ndef add(a, b):\n    return 0\n", "test 2 of 3: wrong answer"),
-    ("def add(a, b):\n    print(a + b)\n", "wrong answer: expected '3', got 'null'"),
-    ("def plus(a, b):\n    return a + b\n", "defines no function 'add'"),
-    # Garbage on the answer channel must not crash the host's parser.
-    ("import os\nos.write(3, b'[' * 200000)\nos._exit(0)\n", "no return value came back"),
-    ("import os\nos.write(3, b'7' * 5000)\nos._exit(0)\n", "no return value came back"),
-    ("def add(a, b):\n    return 10 ** 400\n", "wrong answer"),
-])
 def test_faking_success_on_function_tests(grader, intact, program, says):
     reward, reason = grade(grader, program, ADD_INFO)
     assert reward == 0.0 and says in reason, reason
@@ -399,10 +438,15 @@ def test_a_float_answer_is_not_crashed_by_a_huge_integer(grader, intact):
 
 
 def test_many_hostile_completions_at_once_then_the_next_request(grader, intact):
-    jobs = [(SUM_INFO, completion("while True:\n    pass\n")),
-            (SUM_INFO, completion("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")),
-            (SUM_INFO, completion("x = bytearray(8 * 1024 ** 3)\n")),
-            (SUM_INFO, completion(SUM_OK))] * 2
+    jobs = [
+        (SUM_INFO, completion("while True:\n    pass\n")),
+        (
+            SUM_INFO,
+            completion("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"),
+        ),
+        (SUM_INFO, completion("x = bytearray(8 * 1024 ** 3)\n")),
+        (SUM_INFO, completion(SUM_OK)),
+    ] * 2
     results = grader.grade_many(jobs)
     assert [r[0] for r in results] == [0.0, 0.0, 0.0, 1.0] * 2
 
@@ -441,14 +485,18 @@ def test_a_killed_scorer_takes_its_sandboxes_with_it(tmp_path):
 def test_every_pool_gets_its_own_uids_in_this_process_and_in_others(grader, intact):
     if os.geteuid() != 0:
         pytest.skip("only root runs slots as other uids; as another user each program has its own user namespace")
-    script = ("from swarmrl.sandbox.runner import Sandbox, SandboxSettings\n"
-              f"s = Sandbox(SandboxSettings(workers=2, uid_base={UID_BASE}))\n"
-              "print(*s.uids, flush=True)\n"
-              "input()\n")
+    script = (
+        "from swarmrl.sandbox.runner import Sandbox, SandboxSettings\n"
+        f"s = Sandbox(SandboxSettings(workers=2, uid_base={UID_BASE}))\n"
+        "print(*s.uids, flush=True)\n"
+        "input()\n"
+    )
     other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        with Sandbox(SandboxSettings(workers=2, uid_base=UID_BASE)) as a, \
-                Sandbox(SandboxSettings(workers=3, uid_base=UID_BASE)) as b:
+        with (
+            Sandbox(SandboxSettings(workers=2, uid_base=UID_BASE)) as a,
+            Sandbox(SandboxSettings(workers=3, uid_base=UID_BASE)) as b,
+        ):
             theirs = [int(u) for u in other.stdout.readline().split()]
             pools = [grader.sandbox.uids, a.uids, b.uids, theirs]
             assert [len(u) for u in pools] == [WORKERS, 2, 3, 2]
@@ -469,17 +517,21 @@ def test_a_fork_bomb_in_one_pool_leaves_another_pools_programs_alone(grader, int
     """RLIMIT_NPROC counts a uid's processes host-wide: with shared uids the bomb in one pool
     would make this other pool's program fail to fork."""
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    forker = ("import os, time\n"
-              "kids = []\n"
-              "for _ in range(8):\n"
-              "    pid = os.fork()\n"
-              "    if pid == 0:\n        time.sleep(0.2)\n        os._exit(0)\n"
-              "    kids.append(pid)\n"
-              "for k in kids:\n    os.waitpid(k, 0)\n"
-              "print('forked 8')\n")
+    forker = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(8):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n        time.sleep(0.2)\n        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "for k in kids:\n    os.waitpid(k, 0)\n"
+        "print('forked 8')\n"
+    )
     with Sandbox(SandboxSettings(workers=1, uid_base=UID_BASE)) as other:
-        bombs = [threading.Thread(target=grader.sandbox.run, args=(bomb,),
-                                  kwargs=dict(mode="stdio", stdin=b"", timeout_s=4)) for _ in range(WORKERS)]
+        bombs = [
+            threading.Thread(target=grader.sandbox.run, args=(bomb,), kwargs=dict(mode="stdio", stdin=b"", timeout_s=4))
+            for _ in range(WORKERS)
+        ]
         for b in bombs:  # one in every slot of the grader's pool
             b.start()
         try:

@@ -29,10 +29,26 @@ class Server:
         self.url_file = run / "url.json"
         self.log = open(run / "serve.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmrl.cli", "serve", "--model", str(model), "--port", "0",
-             "--url-file", str(self.url_file), "--threads", "1", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "swarmrl.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                "0",
+                "--url-file",
+                str(self.url_file),
+                "--threads",
+                "1",
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         deadline = time.monotonic() + 60
         while not self.url_file.exists():
             assert self.proc.poll() is None and time.monotonic() < deadline, (run / "serve.log").read_text()
@@ -95,8 +111,9 @@ def test_a_policy_says_which_prompts_it_was_trained_on(tmp_path):
 
 
 def test_chat_matches_the_local_sampler_token_for_token_with_logprobs(server, model_dir):
-    reply = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=24, seed=7,
-                                                  n=2, logprobs=True, top_logprobs=3)
+    reply = server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=24, seed=7, n=2, logprobs=True, top_logprobs=3
+    )
     local, tokenizer = local_samples(model_dir, MESSAGES, [7, 8], 24)
     assert len(reply.choices) == 2
     for choice, mine in zip(reply.choices, local):
@@ -113,18 +130,24 @@ def test_chat_matches_the_local_sampler_token_for_token_with_logprobs(server, mo
 
 
 def test_plain_completion_with_logprobs_and_length_limit(server):
-    reply = server.client.completions.create(model=server.model, prompt="12+7=", max_tokens=5, seed=1,
-                                             temperature=0.7, logprobs=2)
+    reply = server.client.completions.create(
+        model=server.model, prompt="12+7=", max_tokens=5, seed=1, temperature=0.7, logprobs=2
+    )
     choice = reply.choices[0]
     assert choice.finish_reason in ("length", "stop")
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == reply.usage.completion_tokens
     assert all(len(t) <= 2 for t in lp.top_logprobs)
-    again = server.client.completions.create(model=server.model, prompt="12+7=", max_tokens=5, seed=1,
-                                             temperature=0.7, logprobs=2)
+    again = server.client.completions.create(
+        model=server.model, prompt="12+7=", max_tokens=5, seed=1, temperature=0.7, logprobs=2
+    )
     assert again.choices[0].text == choice.text  # a seed makes a request reproducible
-    greedy = [server.client.completions.create(model=server.model, prompt="12+7=", max_tokens=5,
-                                               temperature=0).choices[0].text for _ in range(2)]
+    greedy = [
+        server.client.completions.create(model=server.model, prompt="12+7=", max_tokens=5, temperature=0)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert greedy[0] == greedy[1]
 
 
@@ -144,34 +167,51 @@ def test_streaming_gives_the_same_text_as_one_response(server):
     assert finish == {c.index: c.finish_reason for c in whole.choices}
     assert usage.completion_tokens == whole.usage.completion_tokens
     assert sum(1 for p in parts[0] if p) > 1  # it arrived in pieces
-    streamed = "".join(chunk.choices[0].text for chunk in server.client.completions.create(
-        model=server.model, prompt="9+9=", max_tokens=20, seed=2, stream=True) if chunk.choices)
-    assert streamed == server.client.completions.create(model=server.model, prompt="9+9=", max_tokens=20,
-                                                        seed=2).choices[0].text
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in server.client.completions.create(
+            model=server.model, prompt="9+9=", max_tokens=20, seed=2, stream=True
+        )
+        if chunk.choices
+    )
+    assert (
+        streamed
+        == server.client.completions.create(model=server.model, prompt="9+9=", max_tokens=20, seed=2).choices[0].text
+    )
 
 
 def test_stop_strings_cut_the_text(server):
     free = server.client.completions.create(model=server.model, prompt="abc", max_tokens=40, seed=5, temperature=0.5)
     text = free.choices[0].text
-    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].isprintable() and text[i : i + 2].strip())
-    cut = server.client.completions.create(model=server.model, prompt="abc", max_tokens=40, seed=5, temperature=0.5,
-                                           stop=[stop, "never-there"])
+    stop = next(
+        text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].isprintable() and text[i : i + 2].strip()
+    )
+    cut = server.client.completions.create(
+        model=server.model, prompt="abc", max_tokens=40, seed=5, temperature=0.5, stop=[stop, "never-there"]
+    )
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < free.usage.completion_tokens or free.choices[0].finish_reason == "stop"
 
 
 def test_concurrent_clients_are_batched_and_get_what_they_would_alone(server):
-    alone = [server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=20,
-                                                   seed=100 + i).choices[0].message.content for i in range(8)]
+    alone = [
+        server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=20, seed=100 + i)
+        .choices[0]
+        .message.content
+        for i in range(8)
+    ]
     before = httpx.get(server.url + "/stats").json()
     together: list[str | None] = [None] * 8
     barrier = threading.Barrier(8)
 
     def one(i: int) -> None:
         barrier.wait()
-        together[i] = server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=20,
-                                                            seed=100 + i).choices[0].message.content
+        together[i] = (
+            server.client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=20, seed=100 + i)
+            .choices[0]
+            .message.content
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
@@ -186,20 +226,23 @@ def test_concurrent_clients_are_batched_and_get_what_they_would_alone(server):
     assert after["steps"] - before["steps"] < after["generated_tokens"] - before["generated_tokens"]
 
 
-@pytest.mark.parametrize("kwargs, status, param", [
-    (dict(temperature=-1), 400, "temperature"),
-    (dict(n=0), 400, "n"),
-    (dict(n=17), 400, "n"),
-    (dict(max_tokens=10_000), 400, "max_tokens"),
-    (dict(top_p=0.5), 400, "top_p"),
-    (dict(logprobs=True, stream=True), 400, "logprobs"),
-    (dict(top_logprobs=2), 400, "top_logprobs"),
-    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-    (dict(seed=-3), 400, "seed"),
-    (dict(extra_body={"mystery": 1}), 400, "mystery"),
-    (dict(model="gpt-7"), 404, "model"),
-    (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        (dict(temperature=-1), 400, "temperature"),
+        (dict(n=0), 400, "n"),
+        (dict(n=17), 400, "n"),
+        (dict(max_tokens=10_000), 400, "max_tokens"),
+        (dict(top_p=0.5), 400, "top_p"),
+        (dict(logprobs=True, stream=True), 400, "logprobs"),
+        (dict(top_logprobs=2), 400, "top_logprobs"),
+        (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+        (dict(seed=-3), 400, "seed"),
+        (dict(extra_body={"mystery": 1}), 400, "mystery"),
+        (dict(model="gpt-7"), 404, "model"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    ],
+)
 def test_bad_requests_get_openai_errors(server, kwargs, status, param):
     args = {"model": server.model, "messages": MESSAGES, **kwargs}
     with pytest.raises(openai.APIStatusError) as info:
@@ -218,7 +261,9 @@ def test_context_overflow_and_oversized_and_malformed_bodies(server):
     with pytest.raises(openai.APIStatusError) as info:
         server.client.completions.create(model=server.model, prompt="x" * (2 << 20), max_tokens=4)
     assert info.value.status_code == 413
-    raw = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    raw = httpx.post(
+        server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     missing = httpx.get(server.url + "/v1/nowhere")
     assert missing.status_code == 404 and "error" in missing.json()
@@ -227,19 +272,30 @@ def test_context_overflow_and_oversized_and_malformed_bodies(server):
 
 
 def test_serve_refuses_a_missing_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", "serve", "--model", str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", "serve", "--model", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "is not a folder" in proc.stderr and "Traceback" not in proc.stderr
 
 
-
-@pytest.mark.parametrize("body, param", [
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", None),
-    (b"[" * 100_000 + b"]" * 100_000, None),
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}', "stream"),
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": 1}',
-     "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+            None,
+        ),
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}', "stream"),
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": 1}',
+            "stream_options",
+        ),
+    ],
+)
 def test_hostile_bodies_get_a_400_not_a_500(server, body, param):
     reply = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert reply.status_code == 400, reply.text

@@ -34,16 +34,33 @@ def folders(tmp_path_factory) -> tuple[Path, Path]:
 def server(folders, tmp_path_factory):
     run = tmp_path_factory.mktemp("serve-rl")
     (run / "token").write_text("s3cret\n")
-    s = Server(folders[0], run, "--reload-token-file", str(run / "token"), "--served-model-name", "policy",
-               "--batch-window-ms", "20")
+    s = Server(
+        folders[0],
+        run,
+        "--reload-token-file",
+        str(run / "token"),
+        "--served-model-name",
+        "policy",
+        "--batch-window-ms",
+        "20",
+    )
     s.token = "s3cret"
     yield s
     s.stop()
 
 
 def ask(server, prompt_ids: list[int], seed: int, max_tokens: int = 24, **extra) -> dict:
-    body = {"model": "policy", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-            "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True, **extra}
+    body = {
+        "model": "policy",
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": seed,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        **extra,
+    }
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
@@ -62,8 +79,12 @@ def prompt_of(folder: Path) -> list[int]:
 
 
 def reload(server, folder: Path, token: str | None = None) -> httpx.Response:
-    return httpx.post(server.url + "/v1/reload", json={"model_path": str(folder)},
-                      headers={"authorization": f"Bearer {token or server.token}"}, timeout=120)
+    return httpx.post(
+        server.url + "/v1/reload",
+        json={"model_path": str(folder)},
+        headers={"authorization": f"Bearer {token or server.token}"},
+        timeout=120,
+    )
 
 
 def test_token_id_prompts_are_answered_with_token_ids_and_logprobs_as_vllm_does(server, folders):
@@ -81,19 +102,25 @@ def test_token_id_prompts_are_answered_with_token_ids_and_logprobs_as_vllm_does(
     assert logprobs == pytest.approx(mine.logprobs, abs=1e-4)
     assert reply["usage"]["prompt_tokens"] == len(ids)
     # The same prompt as text gives the same completion.
-    text = httpx.post(server.url + "/v1/completions", json={"model": "policy", "prompt": PROMPT, "max_tokens": 24,
-                                                             "seed": seed}, timeout=120).json()
+    text = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "policy", "prompt": PROMPT, "max_tokens": 24, "seed": seed},
+        timeout=120,
+    ).json()
     assert text["choices"][0]["text"] == choice["text"]
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"prompt": [1, 2, 10_000_000]}, "prompt"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
-    ({"top_k": 5}, "top_k"),
-    ({"seed": (1 << 63) - 1, "n": 2}, "seed"),
-    ({"return_token_ids": "yes"}, "return_token_ids"),
-    ({"stream": True, "return_token_ids": True}, "return_token_ids"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"prompt": [1, 2, 10_000_000]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"top_k": 5}, "top_k"),
+        ({"seed": (1 << 63) - 1, "n": 2}, "seed"),
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"stream": True, "return_token_ids": True}, "return_token_ids"),
+    ],
+)
 def test_bad_rl_requests_get_a_400_naming_the_parameter(server, extra, param):
     body = {"model": "policy", "prompt": [5, 6, 7], "max_tokens": 4, **extra}
     reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
@@ -148,8 +175,9 @@ def test_requests_in_flight_during_a_reload_are_answered(server, folders):
 def test_reload_is_off_without_a_token_file(folders, tmp_path):
     s = Server(folders[0], tmp_path)
     try:
-        reply = httpx.post(s.url + "/v1/reload", json={"model_path": str(folders[1])},
-                           headers={"authorization": "Bearer anything"})
+        reply = httpx.post(
+            s.url + "/v1/reload", json={"model_path": str(folders[1])}, headers={"authorization": "Bearer anything"}
+        )
         assert reply.status_code == 404 and "--reload-token-file" in reply.json()["error"]["message"]
     finally:
         s.stop()

@@ -21,8 +21,14 @@ def policy():
 @pytest.fixture(scope="module")
 def streams(policy):
     model, tok = policy
-    engine = StreamedEngine(model, stop_token_ids=[model.config.vocab_size], pad_token_id=tok.pad_token_id,
-                            streams=3, max_batch=24, capacity=64)
+    engine = StreamedEngine(
+        model,
+        stop_token_ids=[model.config.vocab_size],
+        pad_token_id=tok.pad_token_id,
+        streams=3,
+        max_batch=24,
+        capacity=64,
+    )
     yield engine
     engine.close()
 

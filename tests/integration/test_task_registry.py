@@ -35,21 +35,30 @@ TOY_MODULE = textwrap.dedent('''
 
 
 def _row(word, completion, task_type="toy_echo"):
-    return {"problem_id": word, "task_type": task_type, "prompt": f"say {word}",
-            "verification_info": json.dumps({"word": word}), "completion": completion}
+    return {
+        "problem_id": word,
+        "task_type": task_type,
+        "prompt": f"say {word}",
+        "verification_info": json.dumps({"word": word}),
+        "completion": completion,
+    }
 
 
 def test_a_toy_task_type_is_one_module_plus_one_registration(tmp_path):
     (tmp_path / "toy_tasks.py").write_text(TOY_MODULE)
-    rows = [_row("apple", "I say apple"), _row("pear", "I say plum"),
-            {**_row("fig", "fig"), "verification_info": "{}"}]
+    rows = [_row("apple", "I say apple"), _row("pear", "I say plum"), {**_row("fig", "fig"), "verification_info": "{}"}]
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cli = [sys.executable, "-m", "swarmrl.cli", "score", "--input", str(src), "--workers", "1"]
 
-    proc = subprocess.run([*cli, "--output", str(tmp_path / "out.jsonl"), "--tasks.types", '["toy_tasks:TASK"]'],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [*cli, "--output", str(tmp_path / "out.jsonl"), "--tasks.types", '["toy_tasks:TASK"]'],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     # The "fig" row cannot be scored: written with its error, and the command exits 1 saying so.
     assert proc.returncode == 1 and "1 of 3 rows could not be scored" in proc.stderr, proc.stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -58,15 +67,25 @@ def test_a_toy_task_type_is_one_module_plus_one_registration(tmp_path):
     assert out[2]["error"] == "verification_info needs a 'word' string"  # its check ran before grading
 
     # Without the registration the same rows are refused, naming the known types.
-    proc = subprocess.run([*cli, "--output", str(tmp_path / "plain.jsonl"), "--allow-errors"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [*cli, "--output", str(tmp_path / "plain.jsonl"), "--allow-errors"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
     assert all("unknown value 'toy_echo'" in r["error"] and "verifiable_math" in r["error"] for r in plain)
 
     # A bad registration fails before any row is read, saying what to write.
-    proc = subprocess.run([*cli, "--output", str(tmp_path / "x.jsonl"), "--tasks.types", '["toy_tasks"]'],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [*cli, "--output", str(tmp_path / "x.jsonl"), "--tasks.types", '["toy_tasks"]'],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "module:ATTRIBUTE" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -79,8 +98,10 @@ class _CountingGrader:
         type(self).opened += 1
 
     def grade_many(self, jobs):
-        return [(float(len(completion)), None) if info["word"] != "boom" else RuntimeError("grader crashed")
-                for info, completion in jobs]
+        return [
+            (float(len(completion)), None) if info["word"] != "boom" else RuntimeError("grader crashed")
+            for info, completion in jobs
+        ]
 
     def close(self):
         type(self).closed += 1

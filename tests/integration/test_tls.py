@@ -35,10 +35,16 @@ def _name(cn: str) -> x509.Name:
 
 def _cert(subject: str, issuer_key, issuer: x509.Name, key, *, ca: bool, sans=()) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
@@ -47,9 +53,11 @@ def _cert(subject: str, issuer_key, issuer: x509.Name, key, *, ca: bool, sans=()
 def _write(path: Path, cert: x509.Certificate, key=None) -> None:
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     if key is not None:
-        path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                               serialization.PrivateFormat.PKCS8,
-                                                               serialization.NoEncryption()))
+        path.with_suffix(".key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +67,38 @@ def pki(tmp_path_factory) -> Path:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert("swarmrl test CA", ca_key, _name("swarmrl test CA"), ca_key, ca=True)
     _write(d / "ca", ca)
-    for name, sans in (("server", [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-                       ("wronghost", [x509.DNSName("other.example")])):
+    for name, sans in (
+        ("server", [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+        ("wronghost", [x509.DNSName("other.example")]),
+    ):
         key = ec.generate_private_key(ec.SECP256R1())
         _write(d / name, _cert(name, ca_key, ca.subject, key, ca=False, sans=sans), key)
     return d
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"})
+    return subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"},
+    )
 
 
 class _Orchestrator:
     def __init__(self, run: Path, *tls: str):
         self.log = open(run.parent / f"orch-{run.name}.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(run),
-                                      "--port", "0", *tls], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir", str(run), "--port", "0", *tls],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while not (run / "orchestrator.json").exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (run.parent / f"orch-{run.name}.log").read_text()
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
+                run.parent / f"orch-{run.name}.log"
+            ).read_text()
             time.sleep(0.05)
         self.url = json.loads((run / "orchestrator.json").read_text())["url"]
 
@@ -97,8 +117,15 @@ def test_orchestrator_over_https_verified_with_the_run_ca(pki, tmp_path):
         assert ok.returncode == 0, ok.stderr
         assert len(json.loads(ok.stdout)["run"]["run_id"]) == 32
         # Without the CA the certificate cannot be verified: a clear refusal, no traceback, no retrying.
-        bad = _cli("worker", "--orchestrator", orch.url, "--cache-dir", str(tmp_path / "w"),
-                   "--key-file", str(tmp_path / "w.pem"))
+        bad = _cli(
+            "worker",
+            "--orchestrator",
+            orch.url,
+            "--cache-dir",
+            str(tmp_path / "w"),
+            "--key-file",
+            str(tmp_path / "w.pem"),
+        )
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert "TLS: cannot verify" in bad.stderr and "--ca-file" in bad.stderr
         with pytest.raises(httpx.ConnectError):

@@ -32,8 +32,16 @@ from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir,
 
 pytestmark = pytest.mark.timeout(300)
 
-SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000",
-          "--sampling.prompts_per_step", "1000", "--validator.trusted_rate", "1")
+SHARED = (
+    "--validator.ban_after",
+    "1000",
+    "--async.max_pending_groups",
+    "10000",
+    "--sampling.prompts_per_step",
+    "1000",
+    "--validator.trusted_rate",
+    "1",
+)
 
 
 class Fleet:
@@ -61,15 +69,26 @@ class Fleet:
         """An endpoint worker on the shared server; its key is in the trusted file for "trusted"."""
         d = self.root / name
         settings = EndpointSettings(self.serve.url, load="reload", api_key="reload-secret")
-        w = Worker(self.orch.url, key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None,
-                   trainer_key=public_key_hex(TRAINER_KEY), endpoint=settings)
+        w = Worker(
+            self.orch.url,
+            key_file=d / "key.pem",
+            cache_dir=d,
+            name=name,
+            log=lambda *_: None,
+            trainer_key=public_key_hex(TRAINER_KEY),
+            endpoint=settings,
+        )
         w.client.register(name)
         return w
 
     def verdicts(self, key: str) -> list[dict]:
         with sqlite3.connect(self.run / "orchestrator.sqlite") as db:
-            return [json.loads(v) for (v,) in db.execute(
-                "SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT NULL ORDER BY id", (key,))]
+            return [
+                json.loads(v)
+                for (v,) in db.execute(
+                    "SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT NULL ORDER BY id", (key,)
+                )
+            ]
 
     def close(self) -> None:
         self.serve.stop()
@@ -99,8 +118,9 @@ def test_a_trusted_endpoint_workers_groups_round_trip_and_get_the_logprob_check(
     # Generated with the lease's seeds: swarmrl serve samples as the built-in engine does.
     model, tok = load_policy(fleet.run / "policies" / "v000001")
     p = lease["prompts"][0]
-    local = build_engine(model.eval(), tok).generate([p["prompt_ids"]] * len(p["seeds"]), p["seeds"],
-                                                     max_new_tokens=lease["max_new_tokens"])
+    local = build_engine(model.eval(), tok).generate(
+        [p["prompt_ids"]] * len(p["seeds"]), p["seeds"], max_new_tokens=lease["max_new_tokens"]
+    )
     assert [s["token_ids"] for s in sub["groups"][0]["samples"]] == [c.token_ids for c in local]
     result = w.client.submit(sub)
     assert result["rejected"] == [] and len(result["accepted"]) == len(lease["prompts"])
@@ -130,8 +150,12 @@ def test_a_server_serving_another_version_fails_the_logprob_check(fleet):
     w = fleet.worker("trusted")
     assert w._ensure_policy(fleet.policy[1])
     # The server is put back on v0 behind the worker's back; its work still claims v1.
-    reply = httpx.post(fleet.serve.url + "/v1/reload", json={"model_path": str(fleet.run / "policies" / "v000000")},
-                       headers={"authorization": "Bearer reload-secret"}, timeout=60)
+    reply = httpx.post(
+        fleet.serve.url + "/v1/reload",
+        json={"model_path": str(fleet.run / "policies" / "v000000")},
+        headers={"authorization": "Bearer reload-secret"},
+        timeout=60,
+    )
     assert reply.status_code == 200
     before = len(fleet.verdicts(fleet.trusted_key))
     result = w.client.submit(w.generate(lease_of(w)))

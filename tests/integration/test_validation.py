@@ -41,8 +41,7 @@ from orchestrator_harness import (
 
 pytestmark = pytest.mark.timeout(300)
 
-SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000",
-          "--sampling.prompts_per_step", "1000")
+SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000", "--sampling.prompts_per_step", "1000")
 
 
 def train_a_little(src: Path, dst: Path, steps: int = 10, lr: float = 3e-3) -> None:
@@ -86,8 +85,14 @@ class World:
     def worker(self, name: str, kind: str | None = None, version: int = 1, **extra) -> Worker:
         self.count += 1
         d = self.root / "workers" / f"{name}-{self.count}"
-        args = dict(key_file=d / "key.pem", cache_dir=d, name=name, log=lambda *_: None,
-                    trainer_key=public_key_hex(TRAINER_KEY), **extra)
+        args = dict(
+            key_file=d / "key.pem",
+            cache_dir=d,
+            name=name,
+            log=lambda *_: None,
+            trainer_key=public_key_hex(TRAINER_KEY),
+            **extra,
+        )
         w = AdversarialWorker(self.orch.url, kind=kind, **args) if kind else Worker(self.orch.url, **args)
         w.client.register(name)
         assert w._ensure_policy(self.policy[version])
@@ -142,8 +147,10 @@ def attack(world: World, kind: str) -> tuple[dict, dict]:
 
 def verdicts(world: World, worker_key: str) -> list[dict]:
     with world.db() as db:
-        return [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT "
-                                                     "NULL", (worker_key,))]
+        return [
+            json.loads(v)
+            for (v,) in db.execute("SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT NULL", (worker_key,))
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +193,17 @@ def test_a_worker_decoding_in_streams_passes_the_full_check(world):
 
 
 # ---- cheats caught by the validator's prefill -----------------------------------------------------
-@pytest.mark.parametrize("kind, reason", [
-    ("other_model", "toploc"),
-    ("edit_tokens", "sampling"),
-    ("edit_logprobs", "logprobs"),
-    ("cherry_pick", "sampling"),
-    ("garbage_proofs", "toploc"),
-    ("replay", "sampling"),
-])
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("other_model", "toploc"),
+        ("edit_tokens", "sampling"),
+        ("edit_logprobs", "logprobs"),
+        ("cherry_pick", "sampling"),
+        ("garbage_proofs", "toploc"),
+        ("replay", "sampling"),
+    ],
+)
 def test_cheats_are_rejected_by_the_validator(world, kind, reason):
     if kind == "replay":  # its first lease is honest; the replay is the second
         adv = world.worker("adv-replay", "replay")
@@ -232,12 +242,15 @@ def test_an_old_policy_claimed_as_new_is_rejected(world):
 
 
 # ---- cheats caught by the orchestrator's cheap checks ----------------------------------------------
-@pytest.mark.parametrize("kind, reason", [
-    ("claim_reward", "claimed_reward"),
-    ("truncated_proofs", "proofs_malformed"),
-    ("missing_proofs", "proofs_missing"),
-    ("wrong_group_size", "group_size"),
-])
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("claim_reward", "claimed_reward"),
+        ("truncated_proofs", "proofs_malformed"),
+        ("missing_proofs", "proofs_missing"),
+        ("wrong_group_size", "group_size"),
+    ],
+)
 def test_cheats_refused_at_submission(world, kind, reason):
     result, record = attack(world, kind)
     assert result["accepted"] == [] and [r["reason"] for r in result["rejected"]] == [reason, reason]
@@ -261,7 +274,10 @@ def test_another_workers_lease_is_refused(world):
 def test_a_forged_signature_is_refused_and_costs_the_victim_nothing(world):
     forger = Ed25519PrivateKey.generate()
     body = json.dumps({"policy_version": 1}).encode()
-    headers = {"content-type": "application/json", **sign_headers(forger, world.honest.client.run(), "POST", "/v1/leases", body)}
+    headers = {
+        "content-type": "application/json",
+        **sign_headers(forger, world.honest.client.run(), "POST", "/v1/leases", body),
+    }
     headers["x-swarmrl-key"] = world.honest.client.key_hex  # claims to be the honest worker
     r = httpx.post(world.orch.url + "/v1/leases", content=body, headers=headers)
     assert r.status_code == 401 and r.json()["error"] == "bad_signature"
@@ -286,7 +302,10 @@ def test_an_oversized_payload_is_refused_before_parsing(world):
     sub = adv.generate(lease)
     sub["groups"][0]["samples"][0]["padding"] = "x" * (9 << 20)
     body = json.dumps(sub).encode()
-    headers = {"content-type": "application/json", **sign_headers(adv.key, adv.client.run(), "POST", "/v1/rollouts", body)}
+    headers = {
+        "content-type": "application/json",
+        **sign_headers(adv.key, adv.client.run(), "POST", "/v1/rollouts", body),
+    }
     r = httpx.post(world.orch.url + "/v1/rollouts", content=body, headers=headers, timeout=60)
     assert r.status_code == 413 and r.json()["error"] == "too_large"
     honest_clean(world)
@@ -339,9 +358,24 @@ def test_an_external_validator_process_judges_the_groups(tmp_path):
         time.sleep(0.5)
         assert world.honest.client.me()["awaiting_validation"] == 2  # nobody validates in-process
         log = open(tmp_path / "validator.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "validator", "--orchestrator", world.orch.url,
-                                 "--token-file", str(world.run / "validator.token"), "--cache-dir",
-                                 str(tmp_path / "vcache"), "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "swarmrl.cli",
+                "validator",
+                "--orchestrator",
+                world.orch.url,
+                "--token-file",
+                str(world.run / "validator.token"),
+                "--cache-dir",
+                str(tmp_path / "vcache"),
+                "--threads",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         assert settled(adv)["rejections"] == {"sampling": 2}
         honest_clean(world)
         # A wrong token is refused, with a message that says which file holds the right one.

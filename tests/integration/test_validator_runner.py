@@ -27,8 +27,13 @@ class _Source:
         self.items, self.policies, self.recorded = items, policies, []
 
     def claim(self, n):
-        return {"items": self.items[:n], "policies": self.policies, "min_version": 0,
-                "config": ValidatorConfig().model_dump(), "dtype": "float32"}
+        return {
+            "items": self.items[:n],
+            "policies": self.policies,
+            "min_version": 0,
+            "config": ValidatorConfig().model_dump(),
+            "dtype": "float32",
+        }
 
     def record(self, verdicts, retry):
         self.recorded.append((verdicts, list(retry)))
@@ -41,8 +46,19 @@ def _dead_url() -> str:
 
 
 def test_groups_whose_policy_cannot_load_are_put_back_not_counted_and_logged_once(tmp_path):
-    items = [{"id": i, "worker": "w", "policy_version": 3, "temperature": 1.0, "prompt_ids": [1, 2],
-              "samples": [], "checks": "full", "engine_dtype": None} for i in range(4)]
+    items = [
+        {
+            "id": i,
+            "worker": "w",
+            "policy_version": 3,
+            "temperature": 1.0,
+            "prompt_ids": [1, 2],
+            "samples": [],
+            "checks": "full",
+            "engine_dtype": None,
+        }
+        for i in range(4)
+    ]
     policies = {"3": {"url": _dead_url(), "manifest": {"version": 3, "files": [], "public_key": ""}}}
     source = _Source(items, policies)
     lines = []

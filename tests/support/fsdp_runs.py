@@ -48,8 +48,16 @@ def trainer_run(out: str) -> None:
     resumed_metrics = fresh.train_step(batch)
     resumed = fresh.full_state_dict()
     if dist_info.is_main:
-        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size,
-                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
+        torch.save(
+            {
+                "state": sd,
+                "metrics": metrics,
+                "world_size": dist_info.world_size,
+                "resumed": resumed,
+                "resumed_metrics": resumed_metrics,
+            },
+            out,
+        )
     if dist_info.world_size > 1:
         torch.distributed.destroy_process_group()
 
@@ -60,8 +68,9 @@ def packing_run(out: str, budget: int) -> None:
     extra = ["--trainer.max_tokens_per_micro_batch", str(budget)] if budget else []
     cfg = packing_cfg("--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2", *extra)
     model, _ = build_tiny_policy(0, **SHAPE)
-    groups = random_groups(model, prompts=4, group_size=4, prompt_lens=(6, 6), completion_lens=FSDP_COMPLETIONS,
-                           seed=11)
+    groups = random_groups(
+        model, prompts=4, group_size=4, prompt_lens=(6, 6), completion_lens=FSDP_COMPLETIONS, seed=11
+    )
     batch = packing_batch(groups, cfg)
     trainer = GRPOTrainer(model, cfg, dist_info)
     metrics = [trainer.train_step(batch), trainer.train_step(batch)]
@@ -88,17 +97,27 @@ def precision_run(out: str, overrides: list[str]) -> None:
         torch.distributed.barrier()
     metrics.append(trainer.train_step(batch))
     masters, published = trainer.full_state_dict(), trainer.full_state_dict(torch.bfloat16)
-    opt_dtypes = sorted({str(v.dtype) for st in trainer.optimizer.state.values()
-                         for k, v in st.items() if k != "step"})
+    opt_dtypes = sorted({str(v.dtype) for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step"})
     param_dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
     fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
     load_checkpoint(fresh, ckpt)
     resumed_metrics = fresh.train_step(batch)
     resumed = fresh.full_state_dict()
     if dist_info.is_main:
-        torch.save({"masters": masters, "masters_step1": masters_step1, "published": published, "metrics": metrics, "opt_dtypes": opt_dtypes,
-                    "param_dtypes": param_dtypes, "world_size": dist_info.world_size,
-                    "resumed": resumed, "resumed_metrics": resumed_metrics}, out)
+        torch.save(
+            {
+                "masters": masters,
+                "masters_step1": masters_step1,
+                "published": published,
+                "metrics": metrics,
+                "opt_dtypes": opt_dtypes,
+                "param_dtypes": param_dtypes,
+                "world_size": dist_info.world_size,
+                "resumed": resumed,
+                "resumed_metrics": resumed_metrics,
+            },
+            out,
+        )
     if dist_info.world_size > 1:
         torch.distributed.destroy_process_group()
 

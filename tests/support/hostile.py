@@ -43,8 +43,13 @@ if TYPE_CHECKING:  # at run time scenario() imports it (the attacker process, ma
 
 # Answers a grader can burn its whole time limit (or memory) on: power towers, huge factorials
 # and fractions, deep nesting.
-WORST = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{1000000!}", r"\boxed{\frac{10^{10^{9}}}{7}}",
-         r"\boxed{((((((((((1))))))))))^{99999}}", r"\boxed{2^{x^{x^{x}}}}"]
+WORST = [
+    r"\boxed{9^{9^{9^{9}}}}",
+    r"\boxed{1000000!}",
+    r"\boxed{\frac{10^{10^{9}}}{7}}",
+    r"\boxed{((((((((((1))))))))))^{99999}}",
+    r"\boxed{2^{x^{x^{x}}}}",
+]
 
 
 def code_of(e: Exception) -> str:
@@ -63,8 +68,11 @@ def garbage(lease: dict, tokenizer_ids: list[list[int]], max_new: int, eos: int,
         samples = []
         for _ in range(lease["group_size"]):
             ids = random.choice(tokenizer_ids)[: max_new - 1] + [eos]
-            proofs = encode(build_proofs(torch.randn(len(ids), hidden), chunk_size=lease["proof"]["chunk_size"],
-                                         topk=lease["proof"]["topk"]))
+            proofs = encode(
+                build_proofs(
+                    torch.randn(len(ids), hidden), chunk_size=lease["proof"]["chunk_size"], topk=lease["proof"]["topk"]
+                )
+            )
             samples.append({"token_ids": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop", "proofs": proofs})
         groups.append({"slot": p["slot"], "policy_version": lease["max_version"], "samples": samples})
     return {"lease_id": lease["lease_id"], "groups": groups}
@@ -73,10 +81,26 @@ def garbage(lease: dict, tokenizer_ids: list[list[int]], max_new: int, eos: int,
 # ---- the scenario (honest side) ----------------------------------------------------------------
 #: The run's settings: small leases, a tight back-pressure limit (so hoarding would bite), every
 #: group validated, short leases so hoarded ones expire within the test.
-CONFIG = ("--sampling.max_new_tokens", "48", "--async.bound", "1000", "--async.max_pending_groups", "16",
-          "--sampling.prompts_per_step", "2", "--orchestrator.new_key_slots", "2",
-          "--orchestrator.proven_after", "2", "--orchestrator.lease_timeout_s", "3",
-          "--orchestrator.registrations_per_min", "30", "--validator.ban_after", "3")
+CONFIG = (
+    "--sampling.max_new_tokens",
+    "48",
+    "--async.bound",
+    "1000",
+    "--async.max_pending_groups",
+    "16",
+    "--sampling.prompts_per_step",
+    "2",
+    "--orchestrator.new_key_slots",
+    "2",
+    "--orchestrator.proven_after",
+    "2",
+    "--orchestrator.lease_timeout_s",
+    "3",
+    "--orchestrator.registrations_per_min",
+    "30",
+    "--validator.ban_after",
+    "3",
+)
 
 
 class Honest:
@@ -193,8 +217,14 @@ def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_worker
         workers = []
         for i in range(honest_workers):
             d = root / f"honest-{i}"
-            w = Worker(orch.url, key_file=d / "key.pem", cache_dir=d, name=f"honest-{i}", log=lambda *_: None,
-                       trainer_key=public_key_hex(TRAINER_KEY))
+            w = Worker(
+                orch.url,
+                key_file=d / "key.pem",
+                cache_dir=d,
+                name=f"honest-{i}",
+                log=lambda *_: None,
+                trainer_key=public_key_hex(TRAINER_KEY),
+            )
             w.client.register(f"honest-{i}")
             assert w._ensure_policy(policy)
             workers.append(w)
@@ -212,17 +242,39 @@ def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_worker
         threading.Thread(target=healthz_loop, args=(orch.url, stop, worst), daemon=True).start()
         calm, calm_stats = honest.measure(phase_s)
         out = root / "attack.json"
-        attackers = subprocess.Popen([sys.executable, __file__, orch.url, str(phase_s + 3), str(out), "--keys",
-                                      str(keys), "--tokenizer", str(run / "policies" / "v000000"), "--settle", "4"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        attackers = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                orch.url,
+                str(phase_s + 3),
+                str(out),
+                "--keys",
+                str(keys),
+                "--tokenizer",
+                str(run / "policies" / "v000000"),
+                "--settle",
+                "4",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         time.sleep(3)  # registrations done, the attack under way
         attacked, attacked_stats = honest.measure(phase_s)
         output = attackers.communicate(timeout=120)[0].decode(errors="replace")
         if attackers.returncode != 0:
             raise RuntimeError("the attackers failed:\n" + output)
         report = json.loads(out.read_text())
-        return {"calm": calm, "attacked": attacked, "calm_stats": calm_stats, "attacked_stats": attacked_stats, "worst_healthz_s": worst[0], "report": report,
-                "honest_rejected": list(honest.rejected), "honest_records": [w.client.me() for w in workers]}
+        return {
+            "calm": calm,
+            "attacked": attacked,
+            "calm_stats": calm_stats,
+            "attacked_stats": attacked_stats,
+            "worst_healthz_s": worst[0],
+            "report": report,
+            "honest_rejected": list(honest.rejected),
+            "honest_records": [w.client.me() for w in workers],
+        }
     finally:
         stop.set()
         if honest is not None:
@@ -240,8 +292,12 @@ def main() -> None:
     ap.add_argument("seconds", type=float)
     ap.add_argument("out")
     ap.add_argument("--keys", type=int, default=20)
-    ap.add_argument("--settle", type=float, default=0.0,
-                    help="seconds to wait after the attack before the final lease attempts (let leases expire)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds to wait after the attack before the final lease attempts (let leases expire)",
+    )
     ap.add_argument("--tokenizer", required=True, help="a policy folder (the garbage's token ids, hidden size)")
     args = ap.parse_args()
     # The attackers' own CPU would be on their machines, not the run's: on a shared loopback
@@ -304,8 +360,9 @@ def main() -> None:
         while time.monotonic() < deadline:
             n += 1
             try:
-                WorkerClient(args.url, Ed25519PrivateKey.generate(), timeout_s=10,
-                             local_address="127.0.0.3").register(f"flood-{n}")
+                WorkerClient(args.url, Ed25519PrivateKey.generate(), timeout_s=10, local_address="127.0.0.3").register(
+                    f"flood-{n}"
+                )
                 note("flood", "registered")
             except (Refused, Unavailable) as e:
                 note("flood", code_of(e))
@@ -316,17 +373,26 @@ def main() -> None:
         body = os.urandom(4096)
         while time.monotonic() < deadline:
             try:
-                r = http.post(args.url + "/v1/rollouts", content=body,
-                              headers={"x-swarmrl-run": status["run_id"], "x-swarmrl-key": "ab" * 32,
-                                       "x-swarmrl-timestamp": f"{time.time():.3f}", "x-swarmrl-nonce": os.urandom(8).hex(),
-                                       "x-swarmrl-signature": "cd" * 64})
+                r = http.post(
+                    args.url + "/v1/rollouts",
+                    content=body,
+                    headers={
+                        "x-swarmrl-run": status["run_id"],
+                        "x-swarmrl-key": "ab" * 32,
+                        "x-swarmrl-timestamp": f"{time.time():.3f}",
+                        "x-swarmrl-nonce": os.urandom(8).hex(),
+                        "x-swarmrl-signature": "cd" * 64,
+                    },
+                )
                 note("junk", str(r.status_code))
             except httpx.HTTPError as e:
                 note("junk", type(e).__name__)
             time.sleep(0.01)
 
-    threads = [threading.Thread(target=hoarder if i % 2 == 0 else spammer, args=(i, w), daemon=True)
-               for i, w in enumerate(clients)]
+    threads = [
+        threading.Thread(target=hoarder if i % 2 == 0 else spammer, args=(i, w), daemon=True)
+        for i, w in enumerate(clients)
+    ]
     threads += [threading.Thread(target=registration_flood, daemon=True), threading.Thread(target=junk, daemon=True)]
     for t in threads:
         t.start()
@@ -341,9 +407,15 @@ def main() -> None:
         except (Refused, Unavailable) as e:
             final[f"key{i}"] = code_of(e)
     with open(args.out, "w") as f:
-        json.dump({"seen": {k: dict(v) for k, v in seen.items()}, "final": final,
-                   "roles": {f"key{i}": "hoarder" if i % 2 == 0 else "garbage" for i in range(len(clients))}}, f,
-                  indent=1)
+        json.dump(
+            {
+                "seen": {k: dict(v) for k, v in seen.items()},
+                "final": final,
+                "roles": {f"key{i}": "hoarder" if i % 2 == 0 else "garbage" for i in range(len(clients))},
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,26 @@ from swarmrl.transport.broadcast import publish_version
 TRAINER_KEY = Ed25519PrivateKey.generate()  # signs the versions tests publish
 
 # Small everything: 2 prompts per lease and per batch, groups of 2, short completions.
-SMALL = ["--sampling.prompts_per_step", "2", "--sampling.group_size", "2", "--sampling.worker_batch_prompts", "2",
-         "--sampling.max_new_tokens", "16", "--tasks.train_size", "40", "--tasks.eval_size", "4",
-         "--trainer.optimizer_steps", "1", "--orchestrator.lease_timeout_s", "30", "--async.bound", "1"]
+SMALL = [
+    "--sampling.prompts_per_step",
+    "2",
+    "--sampling.group_size",
+    "2",
+    "--sampling.worker_batch_prompts",
+    "2",
+    "--sampling.max_new_tokens",
+    "16",
+    "--tasks.train_size",
+    "40",
+    "--tasks.eval_size",
+    "4",
+    "--trainer.optimizer_steps",
+    "1",
+    "--orchestrator.lease_timeout_s",
+    "30",
+    "--async.bound",
+    "1",
+]
 
 
 def make_run_dir(root: Path, *overrides: str) -> Path:
@@ -40,8 +57,9 @@ def signed_version(run_dir: Path, version: int, policy_dir: Path | None = None) 
     """Publish a policy folder (default: the run's v0 weights) as broadcast version `version`,
     signed by TRAINER_KEY, the way the trainer does; returns the manifest to announce."""
     folder = policy_dir or run_dir / "policies" / "v000000"
-    return publish_version(folder, run_dir / "broadcast", version, key=TRAINER_KEY,
-                           parent=version - 1 if version else None)
+    return publish_version(
+        folder, run_dir / "broadcast", version, key=TRAINER_KEY, parent=version - 1 if version else None
+    )
 
 
 def free_port() -> int:
@@ -64,9 +82,22 @@ class OrchestratorProcess:
         info.unlink(missing_ok=True)
         log = open(self.run_dir / "orchestrator.log", "ab")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarmrl.cli", "orchestrator", "--run-dir",
-                                      str(self.run_dir), "--port", str(self.port)],
-                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "swarmrl.cli",
+                "orchestrator",
+                "--run-dir",
+                str(self.run_dir),
+                "--port",
+                str(self.port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while not info.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -96,16 +127,18 @@ class OrchestratorProcess:
 def answers(cfg_overrides=()) -> dict[str, str]:
     """problem_id -> correct answer for the SMALL task set."""
     cfg = load_config(None, [*SMALL, *cfg_overrides])
-    rows = arithmetic.generate(cfg.tasks.train_size, digits=cfg.tasks.digits, ops=cfg.tasks.ops, split="train",
-                               seed=cfg.tasks.seed)
+    rows = arithmetic.generate(
+        cfg.tasks.train_size, digits=cfg.tasks.digits, ops=cfg.tasks.ops, split="train", seed=cfg.tasks.seed
+    )
     return {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
 
 
 _MODELS: dict = {}
 
 
-def honest_proofs(policy_dir: Path, prompt_ids: list[int], token_ids: list[int], *, chunk_size: int = 32,
-                  topk: int = 128) -> list[str]:
+def honest_proofs(
+    policy_dir: Path, prompt_ids: list[int], token_ids: list[int], *, chunk_size: int = 32, topk: int = 128
+) -> list[str]:
     """The TOPLOC proofs an honest worker running this policy would send for these tokens, built
     from a real prefill (hand-written completions are not sampled, but their proofs are real)."""
     from swarmrl.model.checkpoint import load_policy
@@ -115,7 +148,7 @@ def honest_proofs(policy_dir: Path, prompt_ids: list[int], token_ids: list[int],
     key = str(policy_dir)
     if key not in _MODELS:
         _MODELS[key] = load_policy(policy_dir)[0].eval()
-    (hidden, _), = prefill(_MODELS[key], [(prompt_ids, [token_ids])])[0]
+    ((hidden, _),) = prefill(_MODELS[key], [(prompt_ids, [token_ids])])[0]
     return encode(build_proofs(hidden, chunk_size=chunk_size, topk=topk))
 
 

@@ -15,9 +15,17 @@ FSDP_COMPLETIONS = [[38, 38, 38, 4], [4, 3, 5, 2], [20, 2, 30, 3], [1, 40, 3, 36
 FSDP_BUDGET = 48
 
 
-def random_groups(model, *, prompts: int, group_size: int, prompt_lens: tuple[int, int],
-                  completion_lens: tuple[int, int] | list[list[int]], seed: int = 0,
-                  temperature: float = 1.0, noise: float = 0.3) -> list[Group]:
+def random_groups(
+    model,
+    *,
+    prompts: int,
+    group_size: int,
+    prompt_lens: tuple[int, int],
+    completion_lens: tuple[int, int] | list[list[int]],
+    seed: int = 0,
+    temperature: float = 1.0,
+    noise: float = 0.3,
+) -> list[Group]:
     """Groups of random tokens with varied lengths; inference logprobs are the model's own,
     each perturbed by N(0, noise), so ratios move off 1 and clipping and TIS have work to do.
     `completion_lens`: a (lo, hi) range, or explicit lengths per group."""
@@ -37,25 +45,56 @@ def random_groups(model, *, prompts: int, group_size: int, prompt_lens: tuple[in
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor([prompt + completion])).logits[0] / temperature  # [L, V]
             logp = logits.log_softmax(-1)
-            lps = [float(logp[p_len + j - 1, tok]) + float(torch.randn((), generator=gen)) * noise
-                   for j, tok in enumerate(completion)]
+            lps = [
+                float(logp[p_len + j - 1, tok]) + float(torch.randn((), generator=gen)) * noise
+                for j, tok in enumerate(completion)
+            ]
             samples.append(Sample(token_ids=completion, logprobs=lps, finish_reason="stop", seed=si))
         rewards = [float(r) for r in torch.randint(0, 2, (group_size,), generator=gen)]
         rewards[0], rewards[1] = 1.0, 0.0  # every group informative
-        groups.append(Group(problem_id=f"p{gi}", task_type="synthetic", prompt=f"prompt {gi}",
-                            verification_info="{}", prompt_ids=prompt, samples=samples, policy_version=0,
-                            worker="test", temperature=temperature, rewards=rewards, task_rewards=rewards))
+        groups.append(
+            Group(
+                problem_id=f"p{gi}",
+                task_type="synthetic",
+                prompt=f"prompt {gi}",
+                verification_info="{}",
+                prompt_ids=prompt,
+                samples=samples,
+                policy_version=0,
+                worker="test",
+                temperature=temperature,
+                rewards=rewards,
+                task_rewards=rewards,
+            )
+        )
     model.train()
     return groups
 
 
 def make_cfg(*overrides: str):
-    return load_config(None, [
-        "--sampling.prompts_per_step", "4", "--sampling.group_size", "4", "--sampling.max_new_tokens", "40",
-        "--trainer.micro_batch_size", "3", "--trainer.warmup_steps", "0", "--trainer.schedule", "constant",
-        "--trainer.lr", "1e-3", *overrides])
+    return load_config(
+        None,
+        [
+            "--sampling.prompts_per_step",
+            "4",
+            "--sampling.group_size",
+            "4",
+            "--sampling.max_new_tokens",
+            "40",
+            "--trainer.micro_batch_size",
+            "3",
+            "--trainer.warmup_steps",
+            "0",
+            "--trainer.schedule",
+            "constant",
+            "--trainer.lr",
+            "1e-3",
+            *overrides,
+        ],
+    )
 
 
 def make_batch(groups, cfg):
-    return build_train_batch(groups, pad_token_id=0, normalize_std=cfg.algorithm.normalize_std,
-                             adv_eps=cfg.algorithm.adv_eps)
+    return build_train_batch(
+        groups, pad_token_id=0, normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps
+    )

@@ -7,18 +7,46 @@ import subprocess
 import sys
 
 # A tiny base that learns 1-digit addition in seconds, for tests that need a policy with signal.
-EASY = ["--tasks.digits", "1", "--tasks.ops", "+-", "--tasks.train_size", "40", "--tasks.eval_size", "8",
-        "--sft.examples", "40", "--sft.batch_size", "32", "--sft.slip_rate", "0.5",
-        "--sampling.max_new_tokens", "32", "--sampling.prompts_per_step", "4", "--sampling.group_size", "4",
-        "--sampling.worker_batch_prompts", "4", "--trainer.micro_batch_size", "16",
-        "--eval.samples", "1", "--eval.every", "0", "--logging.progress", "false"]
+EASY = [
+    "--tasks.digits",
+    "1",
+    "--tasks.ops",
+    "+-",
+    "--tasks.train_size",
+    "40",
+    "--tasks.eval_size",
+    "8",
+    "--sft.examples",
+    "40",
+    "--sft.batch_size",
+    "32",
+    "--sft.slip_rate",
+    "0.5",
+    "--sampling.max_new_tokens",
+    "32",
+    "--sampling.prompts_per_step",
+    "4",
+    "--sampling.group_size",
+    "4",
+    "--sampling.worker_batch_prompts",
+    "4",
+    "--trainer.micro_batch_size",
+    "16",
+    "--eval.samples",
+    "1",
+    "--eval.every",
+    "0",
+    "--logging.progress",
+    "false",
+]
 
 
 def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
     """Run the CLI as a user would; on failure, the assertion shows its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"swarmrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

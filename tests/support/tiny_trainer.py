@@ -22,14 +22,34 @@ COMPLETION_LENS = [[3, 6, 4, 8], [5, 2, 7, 4]]  # ragged, so padding and trimmin
 # 8 sequences, 2 optimizer steps of 4, micro-batches of 2: one process runs 2 micro-batches per
 # optimizer step, each of 2 FSDP ranks runs 1 (its half), so accumulation is exercised too.
 BASE_OVERRIDES = [
-    "--sampling.prompts_per_step", "2", "--sampling.group_size", "4",
-    "--sampling.max_new_tokens", "16",
-    "--trainer.optimizer_steps", "2", "--trainer.micro_batch_size", "2",
-    "--trainer.warmup_steps", "0", "--trainer.lr", "1e-3", "--trainer.schedule", "constant",
+    "--sampling.prompts_per_step",
+    "2",
+    "--sampling.group_size",
+    "4",
+    "--sampling.max_new_tokens",
+    "16",
+    "--trainer.optimizer_steps",
+    "2",
+    "--trainer.micro_batch_size",
+    "2",
+    "--trainer.warmup_steps",
+    "0",
+    "--trainer.lr",
+    "1e-3",
+    "--trainer.schedule",
+    "constant",
 ]
 EXPECTED_KEYS = {
-    "loss/policy", "grad_norm", "lr", "clip/low_frac", "clip/high_frac", "clip/delta_frac",
-    "ratio/mean", "ratio/max", "entropy/mean", "train/tokens",
+    "loss/policy",
+    "grad_norm",
+    "lr",
+    "clip/low_frac",
+    "clip/high_frac",
+    "clip/delta_frac",
+    "ratio/mean",
+    "ratio/max",
+    "entropy/mean",
+    "train/tokens",
 }
 
 
@@ -63,20 +83,40 @@ def make_groups(model, seed: int = 1, rewards=REWARDS, temperature: float = 1.0)
         samples = []
         for si, c_len in enumerate(c_lens):
             completion = torch.randint(5, 261, (c_len,), generator=gen).tolist()
-            samples.append(Sample(token_ids=completion,
-                                  logprobs=sequence_token_logprobs(model, prompt, completion, temperature),
-                                  finish_reason="stop", seed=100 * gi + si))
-        groups.append(Group(problem_id=f"p{gi}", task_type="synthetic", prompt=f"prompt {gi}",
-                            verification_info="{}", prompt_ids=prompt, samples=samples,
-                            policy_version=gi, worker="test", temperature=temperature,
-                            rewards=list(rewards[gi]), task_rewards=list(rewards[gi])))
+            samples.append(
+                Sample(
+                    token_ids=completion,
+                    logprobs=sequence_token_logprobs(model, prompt, completion, temperature),
+                    finish_reason="stop",
+                    seed=100 * gi + si,
+                )
+            )
+        groups.append(
+            Group(
+                problem_id=f"p{gi}",
+                task_type="synthetic",
+                prompt=f"prompt {gi}",
+                verification_info="{}",
+                prompt_ids=prompt,
+                samples=samples,
+                policy_version=gi,
+                worker="test",
+                temperature=temperature,
+                rewards=list(rewards[gi]),
+                task_rewards=list(rewards[gi]),
+            )
+        )
     model.train(was_training)
     return groups
 
 
 def make_batch(groups, cfg, tokenizer) -> TrainBatch:
-    return build_train_batch(groups, pad_token_id=tokenizer.pad_token_id,
-                             normalize_std=cfg.algorithm.normalize_std, adv_eps=cfg.algorithm.adv_eps)
+    return build_train_batch(
+        groups,
+        pad_token_id=tokenizer.pad_token_id,
+        normalize_std=cfg.algorithm.normalize_std,
+        adv_eps=cfg.algorithm.adv_eps,
+    )
 
 
 def prepare(*overrides: str, seed: int = 0):
@@ -106,4 +146,6 @@ def free_port() -> int:
 
 def run_checked(cmd: list[str], env: dict) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )

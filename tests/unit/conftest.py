@@ -22,17 +22,23 @@ class StartedAProcess(AssertionError):
 
 def _refuse(what: str):
     def refused(*args, **kwargs):
-        raise StartedAProcess(f"a unit test {what}: move it to tests/integration/ (or test the pure "
-                              f"function underneath without the {what.split()[0]})")
+        raise StartedAProcess(
+            f"a unit test {what}: move it to tests/integration/ (or test the pure "
+            f"function underneath without the {what.split()[0]})"
+        )
+
     return refused
 
 
 def _guarded_socket_method(name: str, original):
     def method(self, *args, **kwargs):
         if self.family in (socket.AF_INET, socket.AF_INET6):
-            raise StartedAProcess(f"a unit test opened a network socket ({name} {args[:1]}): move it to "
-                                  f"tests/integration/, or use an in-process ASGI client")
+            raise StartedAProcess(
+                f"a unit test opened a network socket ({name} {args[:1]}): move it to "
+                f"tests/integration/, or use an in-process ASGI client"
+            )
         return original(self, *args, **kwargs)
+
     return method
 
 
@@ -46,4 +52,3 @@ def no_processes_or_sockets(monkeypatch):
     for name in ("bind", "listen", "connect", "connect_ex"):
         monkeypatch.setattr(socket.socket, name, _guarded_socket_method(name, getattr(socket.socket, name)))
     yield
-

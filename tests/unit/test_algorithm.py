@@ -199,6 +199,7 @@ def test_micro_batches_sum_to_full_batch():
     kw = dict(entropy_coef=0.0, kl_coef=0.1)
     for mode in ("token", "constant"):
         norm = loss_normalizer(mode, num_tokens=int(mask.sum()), num_sequences=B, max_tokens=T)
+
         def loss_of(s: slice, norm: float = norm) -> torch.Tensor:  # old_logprobs double as the reference
             inputs = LossInputs(logprobs[s], old[s], adv[s], mask[s], w[s], ref_logprobs=old[s])
             return grpo_loss(inputs, normalizer=norm, **kw)[0]
@@ -328,8 +329,12 @@ def test_behaviour_weights_on_policy_is_identity():
 def test_behaviour_weights_scale_the_loss():
     # The weights multiply each token's clipped term: halving a token's weight halves its loss.
     lp = torch.zeros(1, 2, requires_grad=True)
-    x = LossInputs(logprobs=lp, old_logprobs=torch.zeros(1, 2), advantages=torch.tensor([1.0]),
-                   loss_mask=torch.tensor([[True, True]]))
+    x = LossInputs(
+        logprobs=lp,
+        old_logprobs=torch.zeros(1, 2),
+        advantages=torch.tensor([1.0]),
+        loss_mask=torch.tensor([[True, True]]),
+    )
     base, _ = grpo_loss(x, normalizer=2.0)
     w, _ = behaviour_weights(torch.tensor([[0.0, -LN2]]), torch.zeros(1, 2), x.loss_mask, cap=2.0)
     weighted, _ = grpo_loss(LossInputs(**{**x.__dict__, "importance_weights": w}), normalizer=2.0)
@@ -338,12 +343,15 @@ def test_behaviour_weights_scale_the_loss():
     assert float(weighted.detach()) == pytest.approx(-0.75)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"cap": 0.0}, "cap must be > 0"),
-    ({"cap": -1.0}, "cap must be > 0"),
-    ({"cap": 2.0, "level": "group"}, "unknown importance-weight level"),
-    ({"cap": 2.0, "mask_band": 1.0}, "mask_band must be > 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"cap": 0.0}, "cap must be > 0"),
+        ({"cap": -1.0}, "cap must be > 0"),
+        ({"cap": 2.0, "level": "group"}, "unknown importance-weight level"),
+        ({"cap": 2.0, "mask_band": 1.0}, "mask_band must be > 1"),
+    ],
+)
 def test_behaviour_weights_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         behaviour_weights(PROX, BEHAV, OP_MASK, **kwargs)

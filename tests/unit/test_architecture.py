@@ -23,17 +23,33 @@ ROOT = Path(__file__).resolve().parents[2] / "swarmrl"
 
 # Lower layers never import higher ones; rooms in the same layer do not import each other.
 LAYERS = {
-    "config": 0, "protocol": 0,
-    "data": 1, "model": 1, "algorithm": 1, "proofs": 1, "sandbox": 1, "transport": 1,
+    "config": 0,
+    "protocol": 0,
+    "data": 1,
+    "model": 1,
+    "algorithm": 1,
+    "proofs": 1,
+    "sandbox": 1,
+    "transport": 1,
     "rewards": 2,
-    "tasks": 3, "inference": 3,
-    "eval": 4, "sft": 4, "validator": 4, "orchestrator": 4, "serve": 4,
-    "trainer": 5, "adversary": 5, "launch": 5,
+    "tasks": 3,
+    "inference": 3,
+    "eval": 4,
+    "sft": 4,
+    "validator": 4,
+    "orchestrator": 4,
+    "serve": 4,
+    "trainer": 5,
+    "adversary": 5,
+    "launch": 5,
     "entrypoints": 6,
     "cli": 7,
 }
 MAX_FILE_LINES = 800
-MAX_FUNCTION_LINES = 120
+# A function's size is its statements (the lines a statement starts on), not its physical lines:
+# ruff format puts one argument a line when a call does not fit, which says nothing about how much
+# a reader must hold. 100 is what the longest functions held when the limit was 120 dense lines.
+MAX_FUNCTION_STATEMENTS = 100
 
 
 def _modules() -> dict[str, Path]:
@@ -57,7 +73,9 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         for name in names:
             if name in known:
@@ -116,7 +134,9 @@ def _graph() -> dict[str, set[str]]:
 
 def test_every_package_has_a_layer():
     rooms = {_room(m) for m in _modules()} - {"swarmrl"}
-    assert rooms <= set(LAYERS), f"new package(s) {sorted(rooms - set(LAYERS))}: give them a layer here and in docs/architecture.md"
+    assert rooms <= set(LAYERS), (
+        f"new package(s) {sorted(rooms - set(LAYERS))}: give them a layer here and in docs/architecture.md"
+    )
 
 
 def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
@@ -139,7 +159,7 @@ def import_loops(graph: dict[str, set[str]]) -> list[str]:
             if nxt.startswith(node + "."):
                 continue  # a package's __init__ importing its own submodules is not a loop
             if state.get(nxt) == "open":
-                loops.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                loops.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -162,18 +182,27 @@ def test_no_import_loops():
 
 def test_no_module_uses_another_modules_private_names():
     modules = _modules()
-    found = [line for module, path in sorted(modules.items())
-             for line in private_imports(module, path.read_text(), set(modules), path.name == "__init__.py")]
-    assert not found, ("private names used outside their module (make them public, or move the shared "
-                       "helper where it belongs):\n  " + "\n  ".join(found))
+    found = [
+        line
+        for module, path in sorted(modules.items())
+        for line in private_imports(module, path.read_text(), set(modules), path.name == "__init__.py")
+    ]
+    assert not found, (
+        "private names used outside their module (make them public, or move the shared "
+        "helper where it belongs):\n  " + "\n  ".join(found)
+    )
 
 
 def test_the_checkers_catch_what_they_look_for():
     # The loop that existed before the protocol package (config -> adversary -> worker -> adversary).
-    graph = {"swarmrl.config": {"swarmrl.inference.adversary"},
-             "swarmrl.inference.adversary": {"swarmrl.inference.worker"},
-             "swarmrl.inference.worker": {"swarmrl.inference.adversary"}}
-    assert import_loops(graph) == ["swarmrl.inference.adversary -> swarmrl.inference.worker -> swarmrl.inference.adversary"]
+    graph = {
+        "swarmrl.config": {"swarmrl.inference.adversary"},
+        "swarmrl.inference.adversary": {"swarmrl.inference.worker"},
+        "swarmrl.inference.worker": {"swarmrl.inference.adversary"},
+    }
+    assert import_loops(graph) == [
+        "swarmrl.inference.adversary -> swarmrl.inference.worker -> swarmrl.inference.adversary"
+    ]
     assert upward_imports(graph, LAYERS) == ["swarmrl.config (layer 0) imports swarmrl.inference.adversary (layer 3)"]
     assert import_loops({"swarmrl.a": {"swarmrl.a.b"}, "swarmrl.a.b": {"swarmrl.a"}}) == []
     # The real graph is read, lazy imports inside functions included.
@@ -183,19 +212,26 @@ def test_the_checkers_catch_what_they_look_for():
     # Private names: relative and absolute imports, attribute access through an imported module,
     # lazily inside a function; not dunders, not the module's own names, not public ones.
     known = {"swarmrl.a", "swarmrl.a.b", "swarmrl.a.c", "swarmrl.a.d"}
-    planted = ("from .b import _x, y, __version__\n"
-               "from swarmrl.a import c\n"
-               "import swarmrl.a.b, swarmrl.a.c as cc\n"
-               "from swarmrl.a.d import _mine\n"
-               "def f():\n"
-               "    from swarmrl.a.b import _lazy\n"
-               "    return c._z + swarmrl.a.b._w + cc._q + c.__name__ + c.public\n")
+    planted = (
+        "from .b import _x, y, __version__\n"
+        "from swarmrl.a import c\n"
+        "import swarmrl.a.b, swarmrl.a.c as cc\n"
+        "from swarmrl.a.d import _mine\n"
+        "def f():\n"
+        "    from swarmrl.a.b import _lazy\n"
+        "    return c._z + swarmrl.a.b._w + cc._q + c.__name__ + c.public\n"
+    )
     assert private_imports("swarmrl.a.d", planted, known) == [
-        "swarmrl.a.d:1 imports _x from swarmrl.a.b", "swarmrl.a.d:6 imports _lazy from swarmrl.a.b",
-        "swarmrl.a.d:7 uses swarmrl.a.b._w", "swarmrl.a.d:7 uses swarmrl.a.c._q", "swarmrl.a.d:7 uses swarmrl.a.c._z"]
+        "swarmrl.a.d:1 imports _x from swarmrl.a.b",
+        "swarmrl.a.d:6 imports _lazy from swarmrl.a.b",
+        "swarmrl.a.d:7 uses swarmrl.a.b._w",
+        "swarmrl.a.d:7 uses swarmrl.a.c._q",
+        "swarmrl.a.d:7 uses swarmrl.a.c._z",
+    ]
     # A package's __init__ is no exception: `from .b import _x` in swarmrl.a reaches into swarmrl.a.b.
     assert private_imports("swarmrl.a", "from .b import _x\n", known, is_package=True) == [
-        "swarmrl.a:1 imports _x from swarmrl.a.b"]
+        "swarmrl.a:1 imports _x from swarmrl.a.b"
+    ]
 
 
 def test_files_and_functions_stay_readable():
@@ -204,16 +240,20 @@ def test_files_and_functions_stay_readable():
         text = path.read_text()
         lines = text.count("\n")
         if lines > MAX_FILE_LINES:
-            too_long.append(f"{path.relative_to(ROOT.parent)}: {lines} lines (max {MAX_FILE_LINES}): split it by concern")
+            too_long.append(
+                f"{path.relative_to(ROOT.parent)}: {lines} lines (max {MAX_FILE_LINES}): split it by concern"
+            )
         source = text.splitlines()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
+                n = len({inner.lineno for inner in ast.walk(node) if isinstance(inner, ast.stmt)})
                 # A long function may stay long if the line above it says why ("long: ...").
                 said = node.lineno >= 2 and "long:" in source[node.lineno - 2 - len(node.decorator_list)]
-                if n > MAX_FUNCTION_LINES and not said:
-                    too_long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {n} lines "
-                                    f"(max {MAX_FUNCTION_LINES}, or a '# long: why' comment above it)")
+                if n > MAX_FUNCTION_STATEMENTS and not said:
+                    too_long.append(
+                        f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {n} statements "
+                        f"(max {MAX_FUNCTION_STATEMENTS}, or a '# long: why' comment above it)"
+                    )
     assert not too_long, "\n  ".join(["too big:", *too_long])
 
 

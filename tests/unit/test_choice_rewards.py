@@ -38,13 +38,14 @@ def test_missing_answer_after_think() -> None:
 
 
 def test_missing_answer_without_think() -> None:
-    assert choice_task_reward(INFO, "no idea") == (
-        0.0, "no answer letter (\\boxed{X} or 'answer is X')")
+    assert choice_task_reward(INFO, "no idea") == (0.0, "no answer letter (\\boxed{X} or 'answer is X')")
 
 
 def test_unclosed_think() -> None:
     assert choice_task_reward(INFO, "<think>the answer is C \\boxed{C}") == (
-        0.0, "completion opens <think> but never closes it")
+        0.0,
+        "completion opens <think> but never closes it",
+    )
 
 
 def test_answer_only_inside_think_does_not_count() -> None:

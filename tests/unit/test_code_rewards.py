@@ -15,19 +15,24 @@ from swarmrl.sandbox.cgroups import open_slot_cgroup, read_mounts, read_own_cgro
 
 
 def test_the_program_is_the_last_python_block_after_the_final_think():
-    text = ("<think>```python\nprint('draft')\n```</think>\n"
-            "```python\nprint(1)\n```\nbetter:\n```py\nprint(2)\n```\nand\n```\nnot python\n```\n")
+    text = (
+        "<think>```python\nprint('draft')\n```</think>\n"
+        "```python\nprint(1)\n```\nbetter:\n```py\nprint(2)\n```\nand\n```\nnot python\n```\n"
+    )
     assert extract_program(text) == "print(2)\n"
     assert extract_program("```Python3\nx = 1\n```") == "x = 1\n"  # no think block at all
 
 
-@pytest.mark.parametrize("text", [
-    "<think>```python\nprint(1)\n```",  # opened, never closed
-    "<think>```python\nprint(1)\n```</think> so the answer is above",  # only inside the thought
-    "</think>```python\n   \n```",  # empty block
-    "</think>```javascript\nconsole.log(1)\n```",
-    "</think>```python\nprint(1)\n",  # unclosed fence
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<think>```python\nprint(1)\n```",  # opened, never closed
+        "<think>```python\nprint(1)\n```</think> so the answer is above",  # only inside the thought
+        "</think>```python\n   \n```",  # empty block
+        "</think>```javascript\nconsole.log(1)\n```",
+        "</think>```python\nprint(1)\n",  # unclosed fence
+    ],
+)
 def test_no_program(text):
     assert extract_program(text) is None
 
@@ -44,16 +49,19 @@ def test_test_cases_as_string_or_object_with_and_without_fn_name():
     assert lines.inputs == [["1", "2"]]
 
 
-@pytest.mark.parametrize("info, says", [
-    ({}, "needs a 'test_cases' key"),
-    ({"test_cases": "{nope"}, "'test_cases' is not valid JSON"),
-    ({"test_cases": "[1]"}, "must be a JSON object"),
-    ({"test_cases": {"inputs": ["1"]}}, "'test_cases.outputs' must be a list"),
-    ({"test_cases": {"inputs": ["1"], "outputs": []}}, "1 inputs but 0 outputs"),
-    ({"test_cases": {"inputs": [], "outputs": []}}, "no test cases"),
-    ({"test_cases": {"fn_name": "no such", "inputs": [[1]], "outputs": [1]}}, "identifier"),
-    ({"test_cases": {"inputs": [5], "outputs": ["5"]}}, "test 1's input must be a string"),
-])
+@pytest.mark.parametrize(
+    "info, says",
+    [
+        ({}, "needs a 'test_cases' key"),
+        ({"test_cases": "{nope"}, "'test_cases' is not valid JSON"),
+        ({"test_cases": "[1]"}, "must be a JSON object"),
+        ({"test_cases": {"inputs": ["1"]}}, "'test_cases.outputs' must be a list"),
+        ({"test_cases": {"inputs": ["1"], "outputs": []}}, "1 inputs but 0 outputs"),
+        ({"test_cases": {"inputs": [], "outputs": []}}, "no test cases"),
+        ({"test_cases": {"fn_name": "no such", "inputs": [[1]], "outputs": [1]}}, "identifier"),
+        ({"test_cases": {"inputs": [5], "outputs": ["5"]}}, "test 1's input must be a string"),
+    ],
+)
 def test_malformed_test_cases_name_the_problem(info, says):
     with pytest.raises(ValueError, match=says):
         parse_test_cases(info)
@@ -62,29 +70,35 @@ def test_malformed_test_cases_name_the_problem(info, says):
 # -- comparing stdout ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("got, expected", [
-    ("3\n", "3\n"),
-    ("3", "3\n"),  # missing final newline
-    ("1 2  \r\n3\r\n\r\n", "1 2\n3\n"),  # CRLF, trailing spaces, trailing blank lines
-    ("0.5\n", "0.50\n"),  # the expected token is a float: compared as numbers
-    ("0.3333333\n", "0.333333333\n"),  # within 1e-6
-    ("1e3\n", "1000.0\n"),
-    ("1 2\n3\n", "1 2 3\n"),  # same tokens, other line breaks
-])
+@pytest.mark.parametrize(
+    "got, expected",
+    [
+        ("3\n", "3\n"),
+        ("3", "3\n"),  # missing final newline
+        ("1 2  \r\n3\r\n\r\n", "1 2\n3\n"),  # CRLF, trailing spaces, trailing blank lines
+        ("0.5\n", "0.50\n"),  # the expected token is a float: compared as numbers
+        ("0.3333333\n", "0.333333333\n"),  # within 1e-6
+        ("1e3\n", "1000.0\n"),
+        ("1 2\n3\n", "1 2 3\n"),  # same tokens, other line breaks
+    ],
+)
 def test_stdout_matches(got, expected):
     assert stdout_matches(got, expected)
 
 
-@pytest.mark.parametrize("got, expected", [
-    ("4\n", "3\n"),
-    ("3.0\n", "3\n"),  # the expected token is an integer: no float tolerance
-    ("0.51\n", "0.50\n"),
-    ("0.333\n", "0.333333333\n"),  # off by 3.3e-4
-    ("", "3\n"),
-    ("3 3\n", "3\n"),
-    ("nan\n", "0.5\n"),
-    ("YES\n", "yes\n"),
-])
+@pytest.mark.parametrize(
+    "got, expected",
+    [
+        ("4\n", "3\n"),
+        ("3.0\n", "3\n"),  # the expected token is an integer: no float tolerance
+        ("0.51\n", "0.50\n"),
+        ("0.333\n", "0.333333333\n"),  # off by 3.3e-4
+        ("", "3\n"),
+        ("3 3\n", "3\n"),
+        ("nan\n", "0.5\n"),
+        ("YES\n", "yes\n"),
+    ],
+)
 def test_stdout_does_not_match(got, expected):
     assert not stdout_matches(got, expected)
 
@@ -92,34 +106,40 @@ def test_stdout_does_not_match(got, expected):
 # -- comparing return values ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("got, expected", [
-    (3, 3),
-    (0.1 + 0.2, 0.3),
-    (2, 2.0),
-    ([1, [2, "a"]], [1, [2, "a"]]),
-    ({"k": 1.0000001}, {"k": 1.0}),
-    (5, [5]),  # APPS-style data wraps a return value in a one-element list
-    ([5], [5]),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "got, expected",
+    [
+        (3, 3),
+        (0.1 + 0.2, 0.3),
+        (2, 2.0),
+        ([1, [2, "a"]], [1, [2, "a"]]),
+        ({"k": 1.0000001}, {"k": 1.0}),
+        (5, [5]),  # APPS-style data wraps a return value in a one-element list
+        ([5], [5]),
+        (None, None),
+    ],
+)
 def test_value_matches(got, expected):
     assert value_matches(got, expected)
 
 
-@pytest.mark.parametrize("got, expected", [
-    (True, 1),  # a bool is not a number
-    (1, True),
-    ("3", 3),
-    ([1, 2], [2, 1]),
-    ([1, 2], [[1, 2, 3]]),
-    ({"a": 1}, {"a": 1, "b": 2}),
-    (0.31, 0.3),
-    (None, [None, None]),
-    (1e9, 999999999),  # an expected integer is exact: a float approximation of a count is wrong
-    (1e18, 10**18 + 12345),
-    (10**400, 1.5),  # too large for a float: not close to anything (and no OverflowError)
-    (float("inf"), 1.5),
-])
+@pytest.mark.parametrize(
+    "got, expected",
+    [
+        (True, 1),  # a bool is not a number
+        (1, True),
+        ("3", 3),
+        ([1, 2], [2, 1]),
+        ([1, 2], [[1, 2, 3]]),
+        ({"a": 1}, {"a": 1, "b": 2}),
+        (0.31, 0.3),
+        (None, [None, None]),
+        (1e9, 999999999),  # an expected integer is exact: a float approximation of a count is wrong
+        (1e18, 10**18 + 12345),
+        (10**400, 1.5),  # too large for a float: not close to anything (and no OverflowError)
+        (float("inf"), 1.5),
+    ],
+)
 def test_value_does_not_match(got, expected):
     assert not value_matches(got, expected)
 
@@ -138,7 +158,10 @@ CGROUP_V1 = "8:pids:/\n4:memory:/process_api/abc\n0::/\n"
 def test_reading_mounts_and_own_cgroups():
     mounts = read_mounts(MOUNTS_V1)
     assert [(str(m.path), m.kind) for m in mounts] == [
-        ("/sys/fs/cgroup/pids", "cgroup"), ("/sys/fs/cgroup/memory", "cgroup"), ("/sys/fs/cgroup/unified", "cgroup2")]
+        ("/sys/fs/cgroup/pids", "cgroup"),
+        ("/sys/fs/cgroup/memory", "cgroup"),
+        ("/sys/fs/cgroup/unified", "cgroup2"),
+    ]
     assert "pids" in mounts[0].controllers and "memory" in mounts[1].controllers
     assert read_own_cgroups(CGROUP_V1) == {"pids": "/", "memory": "/process_api/abc", "": "/"}
 
@@ -154,9 +177,13 @@ def _fake_v2(root: Path, own: str, controllers: str, enabled: str) -> Path:
 
 def test_v2_slot_in_a_delegated_cgroup(tmp_path):
     parent = _fake_v2(tmp_path, "/user.slice/me", "cpu memory pids", "")
-    slot, why = open_slot_cgroup("run1", max_procs=10, memory_bytes=1 << 20,
-                                 mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n",
-                                 cgroup_text="0::/user.slice/me\n")
+    slot, why = open_slot_cgroup(
+        "run1",
+        max_procs=10,
+        memory_bytes=1 << 20,
+        mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n",
+        cgroup_text="0::/user.slice/me\n",
+    )
     assert why == "" and slot.version == 2 and slot.dirs == [parent / "run1"]
     assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
     assert (parent / "run1" / "cpu.max").read_text() == "100000 100000"  # one core
@@ -167,8 +194,9 @@ def test_v2_slot_in_a_delegated_cgroup(tmp_path):
 def test_v2_without_delegated_controllers_says_why(tmp_path):
     _fake_v2(tmp_path, "/me", "cpu memory pids", "")
     (tmp_path / "me" / "cgroup.controllers").write_text("cpu")
-    slot, why = open_slot_cgroup("run1", max_procs=10, memory_bytes=1,
-                                 mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n", cgroup_text="0::/me\n")
+    slot, why = open_slot_cgroup(
+        "run1", max_procs=10, memory_bytes=1, mounts_text=f"cgroup2 {tmp_path} cgroup2 rw 0 0\n", cgroup_text="0::/me\n"
+    )
     assert slot is None and "not delegated" in why and "memory" in why
 
 

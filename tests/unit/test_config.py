@@ -31,8 +31,11 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 def _diff(a: dict, b: dict) -> list[str]:
     fa, fb = _flatten(a), _flatten(b)
     missing = object()
-    return [f"{k}: {fa.get(k, '<absent>')!r} != {fb.get(k, '<absent>')!r}"
-            for k in sorted(set(fa) | set(fb)) if fa.get(k, missing) != fb.get(k, missing)]
+    return [
+        f"{k}: {fa.get(k, '<absent>')!r} != {fb.get(k, '<absent>')!r}"
+        for k in sorted(set(fa) | set(fb))
+        if fa.get(k, missing) != fb.get(k, missing)
+    ]
 
 
 def _dump(cfg: Config) -> dict:
@@ -74,8 +77,9 @@ def test_default_toml_matches_defaults_field_by_field():
     in_file = tomllib.loads(DEFAULT_TOML.read_text())
     generated = tomllib.loads(Config().to_toml())
     differences = _diff(in_file, generated)
-    assert not differences, "configs/default.toml differs from Config() defaults (file != default):\n  " + \
-        "\n  ".join(differences)
+    assert not differences, "configs/default.toml differs from Config() defaults (file != default):\n  " + "\n  ".join(
+        differences
+    )
     assert load_config(DEFAULT_TOML) == Config()
 
 
@@ -113,8 +117,9 @@ def test_seed_values_quoted_in_docstrings_match_seed_config():
         value = _get(cfg, dotted)
         if m is None or not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
-        assert value == pytest.approx(float(m.group(1))), \
+        assert value == pytest.approx(float(m.group(1))), (
             f"{dotted} is documented as 'Seed run: {m.group(1)}' but {SEED_TOML.name} has {value!r}"
+        )
         checked.append(dotted)
     # The scan must actually see the recipe's fields, or it checks nothing.
     for name in ("sampling.group_size", "trainer.lr", "trainer.optimizer_steps", "async.bound"):
@@ -125,17 +130,29 @@ def test_seed_values_quoted_in_docstrings_match_seed_config():
 
 
 def test_overrides_of_every_value_kind():
-    cfg = load_config(None, [
-        "--trainer.steps", "7",                      # int
-        "--trainer.lr", "3e-7",                      # float
-        "--length.enabled", "true",                  # bool
-        "--length.targets", "[10, 20, 30]",          # list
-        "--trainer.betas", "[0.8, 0.95]",            # tuple from a list
-        "--tasks.source", "data/my tasks.jsonl",     # bare string, no quotes needed
-        "--model.dtype", "bfloat16",                 # literal
-        "--algorithm.normalize_std", "false",
-        "--seed", "3",                               # top-level field
-    ])
+    cfg = load_config(
+        None,
+        [
+            "--trainer.steps",
+            "7",  # int
+            "--trainer.lr",
+            "3e-7",  # float
+            "--length.enabled",
+            "true",  # bool
+            "--length.targets",
+            "[10, 20, 30]",  # list
+            "--trainer.betas",
+            "[0.8, 0.95]",  # tuple from a list
+            "--tasks.source",
+            "data/my tasks.jsonl",  # bare string, no quotes needed
+            "--model.dtype",
+            "bfloat16",  # literal
+            "--algorithm.normalize_std",
+            "false",
+            "--seed",
+            "3",  # top-level field
+        ],
+    )
     assert cfg.trainer.steps == 7
     assert cfg.trainer.lr == pytest.approx(3e-7)
     assert cfg.length.enabled is True
@@ -150,8 +167,7 @@ def test_overrides_of_every_value_kind():
 
 
 def test_equals_form_and_alias_section():
-    cfg = load_config(None, ["--trainer.lr=1e-3", "--async.bound=0", "--model.device=cuda:1",
-                             "--tasks.ops=+"])
+    cfg = load_config(None, ["--trainer.lr=1e-3", "--async.bound=0", "--model.device=cuda:1", "--tasks.ops=+"])
     assert cfg.trainer.lr == pytest.approx(1e-3)
     assert cfg.async_.bound == 0
     assert cfg.model.device == "cuda:1"
@@ -160,8 +176,10 @@ def test_equals_form_and_alias_section():
 
 
 def test_string_fields_keep_text_that_looks_like_another_type():
-    cfg = load_config(None, ["--run_dir", "2024", "--tasks.source", "123", "--model.device", "true",
-                             "--logging.wandb_project", '"quoted"'])
+    cfg = load_config(
+        None,
+        ["--run_dir", "2024", "--tasks.source", "123", "--model.device", "true", "--logging.wandb_project", '"quoted"'],
+    )
     assert cfg.run_dir == "2024"
     assert cfg.tasks.source == "123"
     assert cfg.model.device == "true"
@@ -192,14 +210,17 @@ def test_unknown_key_names_key_and_lists_allowed_fields():
         load_config(None, ["--trainer.lr.x", "1"])
 
 
-@pytest.mark.parametrize(("args", "field", "allowed"), [
-    (["--length.mode", "sometimes"], "length.mode", "'exact', 'max' or 'clip'"),
-    (["--sampling.group_size", "1"], "sampling.group_size", "greater than or equal to 2"),
-    (["--trainer.lr", "fast"], "trainer.lr", "valid number"),
-    (["--trainer.lr", "-1"], "trainer.lr", "greater than 0"),
-    (["--tasks.ops", "*"], "tasks.ops", "pattern"),
-    (["--length.enabled", "maybe"], "length.enabled", "valid boolean"),
-])
+@pytest.mark.parametrize(
+    ("args", "field", "allowed"),
+    [
+        (["--length.mode", "sometimes"], "length.mode", "'exact', 'max' or 'clip'"),
+        (["--sampling.group_size", "1"], "sampling.group_size", "greater than or equal to 2"),
+        (["--trainer.lr", "fast"], "trainer.lr", "valid number"),
+        (["--trainer.lr", "-1"], "trainer.lr", "greater than 0"),
+        (["--tasks.ops", "*"], "tasks.ops", "pattern"),
+        (["--length.enabled", "maybe"], "length.enabled", "valid boolean"),
+    ],
+)
 def test_bad_value_names_field_and_what_is_allowed(args, field, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
@@ -258,10 +279,21 @@ def test_to_toml_round_trips(tmp_path, source):
     cfg = {
         "defaults": lambda: Config(),
         "seed": lambda: load_config(SEED_TOML),
-        "overridden": lambda: load_config(None, ["--run_dir", "runs/x", "--algorithm.tis_cap", "2.5",
-                                                 "--async.max_pending_groups", "9",
-                                                 "--trainer.betas", "[0.85, 0.9]",
-                                                 "--tasks.solve_rate_range", "[0.2, 0.7]"]),
+        "overridden": lambda: load_config(
+            None,
+            [
+                "--run_dir",
+                "runs/x",
+                "--algorithm.tis_cap",
+                "2.5",
+                "--async.max_pending_groups",
+                "9",
+                "--trainer.betas",
+                "[0.85, 0.9]",
+                "--tasks.solve_rate_range",
+                "[0.2, 0.7]",
+            ],
+        ),
     }[source]()
     path = tmp_path / "dumped.toml"
     path.write_text(cfg.to_toml())
@@ -277,16 +309,19 @@ def test_every_field_is_documented():
 
 
 def test_off_policy_correction_settings_are_checked():
-    cfg = load_config(None, ["--algorithm.tis_cap", "2", "--algorithm.tis_level", "sequence",
-                             "--algorithm.tis_mask_band", "4"])
+    cfg = load_config(
+        None, ["--algorithm.tis_cap", "2", "--algorithm.tis_level", "sequence", "--algorithm.tis_mask_band", "4"]
+    )
     assert (cfg.algorithm.tis_cap, cfg.algorithm.tis_level, cfg.algorithm.tis_mask_band) == (2.0, "sequence", 4.0)
-    for bad, needle in ((["--algorithm.tis_cap", "-1"], "tis_cap"),
-                        (["--algorithm.tis_cap", "2", "--algorithm.tis_mask_band", "0.5"], "tis_mask_band"),
-                        (["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "3"], "needs algorithm.tis_cap"),
-                        (["--algorithm.tis_cap", "0"], "greater than 0"),
-                        (["--algorithm.tis_cap", "sometimes"], "tis_cap"),
-                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_cap", "2"], "recompute"),
-                        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_mask_band", "3"], "recompute")):
+    for bad, needle in (
+        (["--algorithm.tis_cap", "-1"], "tis_cap"),
+        (["--algorithm.tis_cap", "2", "--algorithm.tis_mask_band", "0.5"], "tis_mask_band"),
+        (["--algorithm.tis_cap", "off", "--algorithm.tis_mask_band", "3"], "needs algorithm.tis_cap"),
+        (["--algorithm.tis_cap", "0"], "greater than 0"),
+        (["--algorithm.tis_cap", "sometimes"], "tis_cap"),
+        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_cap", "2"], "recompute"),
+        (["--algorithm.old_logprobs", "inference", "--algorithm.tis_mask_band", "3"], "recompute"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, bad)
 

@@ -27,6 +27,7 @@ def parse_row(record, row, source=None):
 def load_tasks(source, **kwargs):
     return loading.load_tasks(source, checks=CHECKS, **kwargs)
 
+
 SOLVE = "solve_rate_qwen_r1_distill_7b"
 
 
@@ -194,9 +195,7 @@ def test_saved_dataset_dict_defaults_to_train(tmp_path):
     import datasets
 
     rows = good_rows()
-    dd = datasets.DatasetDict(
-        train=datasets.Dataset.from_list(rows[:3]), test=datasets.Dataset.from_list(rows[3:])
-    )
+    dd = datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:3]), test=datasets.Dataset.from_list(rows[3:]))
     dd.save_to_disk(str(tmp_path / "dd"))
     assert ids(load_tasks(tmp_path / "dd")) == ["math-1", "code-2", "math-3"]
     assert ids(load_tasks(tmp_path / "dd", split="test")) == ["code-4"]

@@ -34,13 +34,17 @@ def _never(model):
 
 
 def _engine(model, tok, max_batch=4, **kw):
-    return BatchEngine(model, stop_token_ids=kw.pop("stop", _never(model)), pad_token_id=tok.pad_token_id,
-                       max_batch=max_batch, **kw)
+    return BatchEngine(
+        model, stop_token_ids=kw.pop("stop", _never(model)), pad_token_id=tok.pad_token_id, max_batch=max_batch, **kw
+    )
 
 
 def _alone(model, tok, prompt, seed, n, temperature=1.0):
-    return Sampler(model, stop_token_ids=_never(model), pad_token_id=tok.pad_token_id).generate(
-        [prompt], [seed], max_new_tokens=n, temperature=temperature)[0].token_ids
+    return (
+        Sampler(model, stop_token_ids=_never(model), pad_token_id=tok.pad_token_id)
+        .generate([prompt], [seed], max_new_tokens=n, temperature=temperature)[0]
+        .token_ids
+    )
 
 
 def test_a_job_submitted_mid_batch_starts_at_once_and_gets_what_it_gets_alone(policy):
@@ -129,8 +133,11 @@ def test_rows_at_different_temperatures_share_steps(policy):
     model, tok = policy
     engine = _engine(model, tok)
     p1, p2, p3 = _prompts([5, 8, 3], seed=7)
-    jobs = [engine.submit(Job(p1, 1, 10, temperature=0.0)), engine.submit(Job(p2, 2, 10, temperature=1.0)),
-            engine.submit(Job(p3, 3, 10, temperature=0.5, top_logprobs=2))]
+    jobs = [
+        engine.submit(Job(p1, 1, 10, temperature=0.0)),
+        engine.submit(Job(p2, 2, 10, temperature=1.0)),
+        engine.submit(Job(p3, 3, 10, temperature=0.5, top_logprobs=2)),
+    ]
     while engine.pending():
         engine.step()
     for job, (p, s, t) in zip(jobs, [(p1, 1, 0.0), (p2, 2, 1.0), (p3, 3, 0.5)]):

@@ -36,12 +36,15 @@ def assert_schema_rows(rows: list[dict]) -> None:
 
 
 def test_math_rows(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "aime.jsonl", [
-        {"id": "2024-I-1", "problem": "  Find $x$.\n", "answer": 33, "solution": "long", "year": 2024},
-        {"question": "What is 1/2 + 1/4?", "answer": "3/4"},
-        {"prompt": "Compute 0.1 * 2.", "answer": 0.2},
-        {"problem": "Count.", "answer": 7.0},
-    ])
+    path = write_jsonl(
+        tmp_path / "aime.jsonl",
+        [
+            {"id": "2024-I-1", "problem": "  Find $x$.\n", "answer": 33, "solution": "long", "year": 2024},
+            {"question": "What is 1/2 + 1/4?", "answer": "3/4"},
+            {"prompt": "Compute 0.1 * 2.", "answer": 0.2},
+            {"problem": "Count.", "answer": 7.0},
+        ],
+    )
     rows = load_benchmark(path)
     assert_schema_rows(rows)
     assert rows[0] == {
@@ -58,10 +61,13 @@ def test_math_rows(tmp_path: Path) -> None:
 
 
 def test_math_missing_answer_names_row_and_field(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "m.jsonl", [
-        {"problem": "ok", "answer": "1"},
-        {"problem": "no answer", "answer": None},
-    ])
+    path = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"problem": "ok", "answer": "1"},
+            {"problem": "no answer", "answer": None},
+        ],
+    )
     with pytest.raises(ValueError, match=r"row 2, field 'answer': is missing"):
         load_benchmark(path)
 
@@ -88,9 +94,11 @@ def lcb_stdin_record() -> dict:
         "question_content": "Print the sum of two integers.",
         "platform": "atcoder",
         "starter_code": "",
-        "public_test_cases": json.dumps([
-            {"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
-        ]),
+        "public_test_cases": json.dumps(
+            [
+                {"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
+            ]
+        ),
         "private_test_cases": [{"input": "5 5\n", "output": "10\n", "testtype": "stdin"}],
         "metadata": "{}",
         "difficulty": "easy",
@@ -98,20 +106,22 @@ def lcb_stdin_record() -> dict:
 
 
 def lcb_functional_record() -> dict:
-    starter = ("class Solution:\n    def twoSum(self, nums: List[int], target: int) "
-               "-> List[int]:\n        ")
+    starter = "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        "
     return {
         "question_id": "1",
         "question_content": "Return indices of two numbers adding up to target.",
         "starter_code": starter,
-        "public_test_cases": json.dumps([
-            {"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"},
-            {"input": "[3,2,4]\n6\n", "output": "[1,2]", "testtype": "functional"},
-        ]),
-        "private_test_cases": json.dumps([
-            {"input": "\"a b\"\n{\"k\": [1, null]}\ntrue", "output": "\"x\"",
-             "testtype": "functional"},
-        ]),
+        "public_test_cases": json.dumps(
+            [
+                {"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"},
+                {"input": "[3,2,4]\n6\n", "output": "[1,2]", "testtype": "functional"},
+            ]
+        ),
+        "private_test_cases": json.dumps(
+            [
+                {"input": '"a b"\n{"k": [1, null]}\ntrue', "output": '"x"', "testtype": "functional"},
+            ]
+        ),
         "metadata": json.dumps({"func_name": "twoSum"}),
     }
 
@@ -125,8 +135,7 @@ def test_code_stdin_row(tmp_path: Path) -> None:
     assert row["prompt"] == "Print the sum of two integers." + STDIN_TAIL
     info = json.loads(row["verification_info"])
     assert isinstance(info["test_cases"], str)  # double-encoded like the public dataset
-    assert json.loads(info["test_cases"]) == {"inputs": ["1 2\n", "5 5\n"],
-                                              "outputs": ["3\n", "10\n"]}
+    assert json.loads(info["test_cases"]) == {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
     tests = parse_test_cases(info)
     assert tests.fn_name is None and len(tests.inputs) == 2
 
@@ -187,8 +196,7 @@ def test_code_mixed_test_types_refused(tmp_path: Path) -> None:
 
 def test_code_bad_argument_line_names_the_test(tmp_path: Path) -> None:
     record = lcb_functional_record()
-    record["public_test_cases"] = json.dumps(
-        [{"input": "[1]\nnot json", "output": "1", "testtype": "functional"}])
+    record["public_test_cases"] = json.dumps([{"input": "[1]\nnot json", "output": "1", "testtype": "functional"}])
     with pytest.raises(ValueError, match=r"field 'public_test_cases\[1\]': line 2 of the input"):
         load_benchmark(write_jsonl(tmp_path / "lcb.jsonl", [record]))
 
@@ -205,13 +213,20 @@ def test_code_without_tests_refused(tmp_path: Path) -> None:
 
 
 def test_mcq_listed_choices_exact_prompt(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "mcq.jsonl", [
-        {"id": "q1", "question": "Which is a noble gas?", "choices": ["N", "Ne", "Na"],
-         "answer": "B", "subject": "chemistry"},
-        {"id": "q2", "question": "2+2?", "choices": ["3", "4"], "answer": 1},
-        {"id": "q3", "question": "Sky?", "choices": ["green", " blue ", "red", "grey"],
-         "answer": "blue"},
-    ])
+    path = write_jsonl(
+        tmp_path / "mcq.jsonl",
+        [
+            {
+                "id": "q1",
+                "question": "Which is a noble gas?",
+                "choices": ["N", "Ne", "Na"],
+                "answer": "B",
+                "subject": "chemistry",
+            },
+            {"id": "q2", "question": "2+2?", "choices": ["3", "4"], "answer": 1},
+            {"id": "q3", "question": "Sky?", "choices": ["green", " blue ", "red", "grey"], "answer": "blue"},
+        ],
+    )
     rows = load_benchmark(path)
     assert_schema_rows(rows)
     assert rows[0] == {
@@ -237,8 +252,7 @@ def test_mcq_listed_choices_exact_prompt(tmp_path: Path) -> None:
     ],
 )
 def test_mcq_bad_answer(tmp_path: Path, answer, choices, message: str) -> None:
-    path = write_jsonl(tmp_path / "mcq.jsonl", [
-        {"question": "q", "choices": choices, "answer": answer}])
+    path = write_jsonl(tmp_path / "mcq.jsonl", [{"question": "q", "choices": choices, "answer": answer}])
     with pytest.raises(ValueError, match=rf"row 1, field 'answer': .*{message}"):
         load_benchmark(path, "mcq")
 
@@ -254,8 +268,7 @@ def test_mcq_bad_answer(tmp_path: Path, answer, choices, message: str) -> None:
     ],
 )
 def test_mcq_bad_choices(tmp_path: Path, choices, message: str) -> None:
-    path = write_jsonl(tmp_path / "mcq.jsonl", [
-        {"question": "q", "choices": choices, "answer": 0}])
+    path = write_jsonl(tmp_path / "mcq.jsonl", [{"question": "q", "choices": choices, "answer": 0}])
     with pytest.raises(ValueError, match=rf"row 1, field 'choices': .*{message}"):
         load_benchmark(path, "mcq")
 
@@ -282,8 +295,7 @@ def test_gpqa_shuffle_is_deterministic_and_tracks_the_correct_text(tmp_path: Pat
     ids = [f"rec{i}" for i in range(24)]
     first = load_benchmark(write_jsonl(tmp_path / "gpqa.jsonl", [gpqa_record(i) for i in ids]))
     # Same ids in another file, in reverse order: each id keeps its order.
-    again = load_benchmark(write_jsonl(tmp_path / "again.jsonl",
-                                       [gpqa_record(i) for i in reversed(ids)]))
+    again = load_benchmark(write_jsonl(tmp_path / "again.jsonl", [gpqa_record(i) for i in reversed(ids)]))
     assert_schema_rows(first)
     by_id = {row["problem_id"]: row for row in again}
     letters = set()
@@ -312,33 +324,58 @@ def test_gpqa_missing_incorrect_answer(tmp_path: Path) -> None:
 
 
 def test_schema_rows_pass_through_four_fields(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "s.jsonl", [
-        {"problem_id": 7, "task_type": "verifiable_math", "prompt": "p",
-         "verification_info": '{"ground_truth": "1"}', "solve_rate": 0.5},
-        {"problem_id": "m", "task_type": "multiple_choice", "prompt": "q",
-         "verification_info": {"answer": "A", "num_choices": 2}},
-    ])
+    path = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {
+                "problem_id": 7,
+                "task_type": "verifiable_math",
+                "prompt": "p",
+                "verification_info": '{"ground_truth": "1"}',
+                "solve_rate": 0.5,
+            },
+            {
+                "problem_id": "m",
+                "task_type": "multiple_choice",
+                "prompt": "q",
+                "verification_info": {"answer": "A", "num_choices": 2},
+            },
+        ],
+    )
     rows = load_benchmark(path)
     assert_schema_rows(rows)
-    assert rows[0] == {"problem_id": "7", "task_type": "verifiable_math", "prompt": "p",
-                       "verification_info": '{"ground_truth": "1"}'}
+    assert rows[0] == {
+        "problem_id": "7",
+        "task_type": "verifiable_math",
+        "prompt": "p",
+        "verification_info": '{"ground_truth": "1"}',
+    }
     assert json.loads(rows[1]["verification_info"]) == {"answer": "A", "num_choices": 2}
 
 
 def test_schema_rows_are_validated(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "s.jsonl", [
-        {"problem_id": "a", "task_type": "verifiable_math", "prompt": "p",
-         "verification_info": '{"answer": "1"}'},
-    ])
+    path = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {"problem_id": "a", "task_type": "verifiable_math", "prompt": "p", "verification_info": '{"answer": "1"}'},
+        ],
+    )
     with pytest.raises(ValueError, match=r"row 1, field 'verification_info'.*ground_truth"):
         load_benchmark(path)
 
 
 def test_schema_multiple_choice_info_is_checked(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "s.jsonl", [
-        {"problem_id": "a", "task_type": "multiple_choice", "prompt": "p",
-         "verification_info": '{"answer": "E", "num_choices": 4}'},
-    ])
+    path = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {
+                "problem_id": "a",
+                "task_type": "multiple_choice",
+                "prompt": "p",
+                "verification_info": '{"answer": "E", "num_choices": 4}',
+            },
+        ],
+    )
     with pytest.raises(ValueError, match=r"row 1, field 'verification_info'.*only A-D"):
         load_benchmark(path)
 
@@ -389,21 +426,27 @@ def test_unknown_format(tmp_path: Path) -> None:
 
 
 def test_duplicate_ids_refused(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        {"id": 1, "problem": "a", "answer": 1},
-        {"id": 2, "problem": "b", "answer": 2},
-        {"id": "1", "problem": "c", "answer": 3},
-    ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"id": 1, "problem": "a", "answer": 1},
+            {"id": 2, "problem": "b", "answer": 2},
+            {"id": "1", "problem": "c", "answer": 3},
+        ],
+    )
     with pytest.raises(ValueError, match=r"row 3, field 'problem_id': id '1' is also the id of row 1"):
         load_benchmark(path)
 
 
 def test_id_field_precedence(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "ids.jsonl", [
-        {"problem_id": "p", "id": "i", "problem": "a", "answer": 1},
-        {"id": None, "question_id": 12, "problem": "b", "answer": 2},
-        {"ID": "upper", "problem": "c", "answer": 3},
-    ])
+    path = write_jsonl(
+        tmp_path / "ids.jsonl",
+        [
+            {"problem_id": "p", "id": "i", "problem": "a", "answer": 1},
+            {"id": None, "question_id": 12, "problem": "b", "answer": 2},
+            {"ID": "upper", "problem": "c", "answer": 3},
+        ],
+    )
     assert [r["problem_id"] for r in load_benchmark(path)] == ["p", "12", "upper"]
 
 
@@ -447,15 +490,16 @@ def test_parquet_mcq(tmp_path: Path) -> None:
     rows = load_benchmark(path)
     assert_schema_rows(rows)
     assert [r["problem_id"] for r in rows] == ["a", "b"]
-    jsonl_rows = load_benchmark(write_jsonl(tmp_path / "gpqa.jsonl",
-                                            [gpqa_record("a"), gpqa_record("b")]))
+    jsonl_rows = load_benchmark(write_jsonl(tmp_path / "gpqa.jsonl", [gpqa_record("a"), gpqa_record("b")]))
     assert rows == jsonl_rows
 
 
 def test_schema_multiple_choice_info_must_be_json(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "s.jsonl", [
-        {"problem_id": "a", "task_type": "multiple_choice", "prompt": "p",
-         "verification_info": "{answer: E}"},
-    ])
+    path = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {"problem_id": "a", "task_type": "multiple_choice", "prompt": "p", "verification_info": "{answer: E}"},
+        ],
+    )
     with pytest.raises(ValueError, match=r"row 1, field 'verification_info': not valid JSON"):
         load_benchmark(path)

@@ -95,9 +95,7 @@ def test_length_adherence_hand_checked() -> None:
     # abs mean = (10+0+11+50)/4 = 71/4 = 17.75; rel = 17.75/100 = 0.1775;
     # within 10% (error <= 10): 90 (exactly on the boundary) and 100 -> 2/4.
     result = length_adherence([90, 100, 111, 150], 100)
-    assert result == pytest.approx(
-        {"abs_error_mean": 17.75, "rel_error_mean": 0.1775, "within_10pct": 0.5}
-    )
+    assert result == pytest.approx({"abs_error_mean": 17.75, "rel_error_mean": 0.1775, "within_10pct": 0.5})
 
 
 def test_length_adherence_boundary_with_non_round_target() -> None:

@@ -33,15 +33,47 @@ class InlinePool:
 @pytest.fixture
 def orch(tmp_path):
     (tmp_path / "trusted.txt").write_text(TRUSTED + "\n")
-    cfg = load_config(None, [
-        "--sampling.prompts_per_step", "2", "--sampling.group_size", "2", "--sampling.worker_batch_prompts", "2",
-        "--sampling.max_new_tokens", "16", "--tasks.train_size", "40", "--tasks.eval_size", "4",
-        "--async.bound", "1", "--validator.rate", "1.0", "--validator.trusted_rate", "1.0",
-        "--validator.ban_after", "1", "--orchestrator.grading_lanes", "1",
-        "--orchestrator.trusted_keys_file", str(tmp_path / "trusted.txt")])
+    cfg = load_config(
+        None,
+        [
+            "--sampling.prompts_per_step",
+            "2",
+            "--sampling.group_size",
+            "2",
+            "--sampling.worker_batch_prompts",
+            "2",
+            "--sampling.max_new_tokens",
+            "16",
+            "--tasks.train_size",
+            "40",
+            "--tasks.eval_size",
+            "4",
+            "--async.bound",
+            "1",
+            "--validator.rate",
+            "1.0",
+            "--validator.trusted_rate",
+            "1.0",
+            "--validator.ban_after",
+            "1",
+            "--orchestrator.grading_lanes",
+            "1",
+            "--orchestrator.trusted_keys_file",
+            str(tmp_path / "trusted.txt"),
+        ],
+    )
     logs: list[str] = []
-    o = Orchestrator(cfg, tmp_path, tokenizer=TOKENIZER, vocab_size=len(TOKENIZER), hidden_size=64,
-                     trainer_token="t", validator_token="v", pool=InlinePool(), log=logs.append)
+    o = Orchestrator(
+        cfg,
+        tmp_path,
+        tokenizer=TOKENIZER,
+        vocab_size=len(TOKENIZER),
+        hidden_size=64,
+        trainer_token="t",
+        validator_token="v",
+        pool=InlinePool(),
+        log=logs.append,
+    )
     o.logs = logs
     yield o
     o.close()
@@ -63,9 +95,15 @@ def test_a_group_goes_from_lease_to_batch(orch):
         orch.authenticate(key, f"nonce-{name}", time.time(), registering=True)
         orch.register(key, name)
     lease = orch.lease(TRUSTED, 0)["lease"]
-    groups = [GroupIn(slot=p["slot"], policy_version=0, engine="openai",
-                      samples=[completion(orch, p["problem_id"], right) for right in (True, False)])
-              for p in lease["prompts"]]
+    groups = [
+        GroupIn(
+            slot=p["slot"],
+            policy_version=0,
+            engine="openai",
+            samples=[completion(orch, p["problem_id"], right) for right in (True, False)],
+        )
+        for p in lease["prompts"]
+    ]
     reply = orch.submit(TRUSTED, lease["lease_id"], groups)
     assert [a["validation"] for a in reply["accepted"]] == ["pending", "pending"] and not reply["rejected"]
     assert all(a["rewards"][0] > a["rewards"][1] for a in reply["accepted"])
@@ -87,8 +125,7 @@ def test_fraud_bans_the_key_and_expires_its_leases(orch):
     orch.publish(0, "http://x/v0", {"version": 0})
     orch.register(OTHER, "o")
     lease = orch.lease(OTHER, 0)["lease"]
-    no_proofs = {"token_ids": [5, 6, TOKENIZER.eos_token_id], "logprobs": [-0.1] * 3,
-                 "finish_reason": "stop"}
+    no_proofs = {"token_ids": [5, 6, TOKENIZER.eos_token_id], "logprobs": [-0.1] * 3, "finish_reason": "stop"}
     reply = orch.submit(OTHER, lease["lease_id"], [GroupIn(slot=0, policy_version=0, samples=[no_proofs] * 2)])
     assert reply["rejected"][0]["reason"] == "proofs_missing"
     with pytest.raises(ApiError) as e:

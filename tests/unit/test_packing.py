@@ -54,11 +54,13 @@ def test_a_sequence_over_budget_names_the_field_and_the_size_needed():
 
 def test_pack_layout_and_index_maps_by_hand():
     pad = 0
-    input_ids = torch.tensor([
-        [11, 12, 13, pad, pad],  # A: 3 tokens
-        [21, 22, 23, 24, 25],  # B: 5 tokens
-        [31, 32, pad, pad, pad],  # C: 2 tokens
-    ])
+    input_ids = torch.tensor(
+        [
+            [11, 12, 13, pad, pad],  # A: 3 tokens
+            [21, 22, 23, 24, 25],  # B: 5 tokens
+            [31, 32, pad, pad, pad],  # C: 2 tokens
+        ]
+    )
     packs = pack_sequences(input_ids, torch.tensor([3, 5, 2]), budget=8)
     # B (5) opens pack 0, A (3) fills it exactly, C (2) opens pack 1.
     assert [p.rows.tolist() for p in packs] == [[0, 1], [2]]
@@ -128,8 +130,14 @@ def test_packed_forward_keeps_attention_within_each_sequence(attention):
 
 VARIANTS = {
     "default": [],  # recomputed old logprobs, TIS on, no entropy, no KL, temperature 1
-    "entropy_kl_temperature": ["--algorithm.entropy_coef", "0.01", "--algorithm.kl_coef", "0.05",
-                               "--sampling.temperature", "0.8"],
+    "entropy_kl_temperature": [
+        "--algorithm.entropy_coef",
+        "0.01",
+        "--algorithm.kl_coef",
+        "0.05",
+        "--sampling.temperature",
+        "0.8",
+    ],
     "constant_normalizer": ["--algorithm.normalization", "constant"],
 }
 
@@ -144,8 +152,15 @@ def test_packed_step_equals_padded_step(variant):
     padded_cfg = make_cfg(*common)
     packed_cfg = make_cfg(*common, "--trainer.max_tokens_per_micro_batch", "96")
     model, _ = build_tiny_policy(0, **SHAPE)
-    groups = random_groups(model, prompts=4, group_size=4, prompt_lens=(3, 12), completion_lens=(1, 40), seed=7,
-                           temperature=padded_cfg.sampling.temperature)
+    groups = random_groups(
+        model,
+        prompts=4,
+        group_size=4,
+        prompt_lens=(3, 12),
+        completion_lens=(1, 40),
+        seed=7,
+        temperature=padded_cfg.sampling.temperature,
+    )
     batch = make_batch(groups, padded_cfg)
     lengths = batch.attention_mask.sum(1)
     assert lengths.min() < 20 and lengths.max() > 35  # ragged enough that padding matters
@@ -203,15 +218,27 @@ def test_budget_is_checked_against_the_longest_prompt_before_any_process_starts(
 
     model, tokenizer = build_tiny_policy(0, **SHAPE)
     base = save_policy(model, tokenizer, tmp_path / "base")
-    overrides = ["--model.path", str(base), "--tasks.train_size", "50", "--tasks.eval_size", "5",
-                 "--sampling.max_new_tokens", "16", "--logging.progress", "false"]
+    overrides = [
+        "--model.path",
+        str(base),
+        "--tasks.train_size",
+        "50",
+        "--tasks.eval_size",
+        "5",
+        "--sampling.max_new_tokens",
+        "16",
+        "--logging.progress",
+        "false",
+    ]
     cfg = load_config(None, overrides)
     train, _ = task_rows(cfg, log=lambda *_: None)
     longest = max(len(model_input(tokenizer, r["prompt"], None)[1]) for r in train)
     need = longest + 16
 
-    small = load_config(None, [*overrides, "--trainer.max_tokens_per_micro_batch", str(need - 1),
-                               "--run_dir", str(tmp_path / "run-small")])
+    small = load_config(
+        None,
+        [*overrides, "--trainer.max_tokens_per_micro_batch", str(need - 1), "--run_dir", str(tmp_path / "run-small")],
+    )
     with pytest.raises(ValueError) as e:
         run_rl(small, prepare_only=True, log=lambda *_: None)
     msg = str(e.value)
@@ -219,8 +246,9 @@ def test_budget_is_checked_against_the_longest_prompt_before_any_process_starts(
     assert f"longest prompt is {longest} tokens" in msg
     assert not (tmp_path / "run-small" / "policies" / "v000000").exists()  # nothing was set up to run
 
-    fits = load_config(None, [*overrides, "--trainer.max_tokens_per_micro_batch", str(need),
-                              "--run_dir", str(tmp_path / "run-fits")])
+    fits = load_config(
+        None, [*overrides, "--trainer.max_tokens_per_micro_batch", str(need), "--run_dir", str(tmp_path / "run-fits")]
+    )
     run_rl(fits, prepare_only=True, log=lambda *_: None)
     assert (tmp_path / "run-fits" / "policies" / "v000000" / "config.json").exists()
 
@@ -238,7 +266,8 @@ def test_a_batch_sequence_over_budget_fails_at_runtime_naming_the_field():
     assert "trainer.max_tokens_per_micro_batch=41" in str(e.value) and f"at least {longest}" in str(e.value)
 
 
-# ---------------------------------------------------------------------------- FSDP2 (the run: tests/integration/test_fsdp.py)
+# ---------------------------------------------------------------------------- FSDP2
+# (the run itself: tests/integration/test_fsdp.py)
 
 
 def test_fsdp_shares_need_different_pack_counts():

@@ -166,8 +166,16 @@ def test_mixed_reference_and_sampling_from_the_trainer(tmp_path):
     """kl_coef > 0: the frozen reference computes in bf16 like the policy, so KL starts at 0; the
     trainer's model (the float32 masters, activation checkpointing on) still samples through the
     project's engine, as held-out evaluation does, with the tokens of a plain float32 copy."""
-    cfg, model, tok, _, batch = prepare("--trainer.precision", "mixed", "--algorithm.kl_coef", "0.1",
-                                        "--trainer.activation_checkpointing", "true", "--trainer.optimizer_steps", "1")
+    cfg, model, tok, _, batch = prepare(
+        "--trainer.precision",
+        "mixed",
+        "--algorithm.kl_coef",
+        "0.1",
+        "--trainer.activation_checkpointing",
+        "true",
+        "--trainer.optimizer_steps",
+        "1",
+    )
     trainer = GRPOTrainer(model, cfg)
     assert {p.dtype for p in trainer.reference.parameters()} == {torch.bfloat16}
     m1 = trainer.train_step(batch)
@@ -197,8 +205,9 @@ def test_mixed_reference_and_sampling_from_the_trainer(tmp_path):
 def test_activation_checkpointing_same_gradients(precision, tmp_path):
     runs = {}
     for ac in (False, True):
-        cfg, model, _, _, batch = prepare("--trainer.precision", precision,
-                                          "--trainer.activation_checkpointing", str(ac).lower())
+        cfg, model, _, _, batch = prepare(
+            "--trainer.precision", precision, "--trainer.activation_checkpointing", str(ac).lower()
+        )
         trainer = GRPOTrainer(model, cfg)
         layer = decoder_layers(trainer.compute_model)[0]
         inner = getattr(layer, "_checkpoint_wrapped_module", layer)
@@ -224,8 +233,9 @@ def test_activation_checkpointing_same_gradients(precision, tmp_path):
     assert ckpt["sd"].keys() == plain["sd"].keys()
     for k in plain["sd"]:
         torch.testing.assert_close(ckpt["sd"][k], plain["sd"][k], rtol=0, atol=1e-6 if precision == "fp32" else 2e-5)
-    assert ckpt["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"],
-                                                        rel=1e-5 if precision == "fp32" else 1e-2)
+    assert ckpt["metrics"]["grad_norm"] == pytest.approx(
+        plain["metrics"]["grad_norm"], rel=1e-5 if precision == "fp32" else 1e-2
+    )
     # A checkpoint written with it loads without it (and Adam's state lines up by name).
     save_checkpoint(ckpt["trainer"], tmp_path, 1, {})
     cfg = make_cfg("--trainer.precision", precision)

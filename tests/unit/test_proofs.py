@@ -60,7 +60,7 @@ def bits_of(x: torch.Tensor) -> np.ndarray:
 
 
 def sorted_magnitudes(x: torch.Tensor, chunk_size: int = 32) -> list[np.ndarray]:
-    return [np.sort(bits_of(x[s:s + chunk_size]) & 0x7FFF)[::-1] for s in range(0, x.shape[0], chunk_size)]
+    return [np.sort(bits_of(x[s : s + chunk_size]) & 0x7FFF)[::-1] for s in range(0, x.shape[0], chunk_size)]
 
 
 def case_id(c: dict) -> str:

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def _emitted_reasons() -> set[str]:
     service = "\n".join(f.read_text() for f in sorted((ROOT / "swarmrl/orchestrator").glob("*.py")))
     validator = (ROOT / "swarmrl/validator/core.py").read_text()
+    # Whitespace-tolerant: the formatter splits a long call over lines.
     found = set(re.findall(r'reason="([a-z_]+)"', service))
-    found |= set(re.findall(r'ApiError\(4(?:03|10), "((?:foreign|lease)_[a-z_]+)"', service))
-    found |= set(re.findall(r'Verdict\(item\["id"\], False, "([a-z_]+)"', validator))
+    found |= set(re.findall(r'ApiError\(\s*4(?:03|10),\s*"((?:foreign|lease)_[a-z_]+)"', service))
+    found |= set(re.findall(r'Verdict\(\s*item\["id"\],\s*False,\s*"([a-z_]+)"', validator))
     return found
 
 
@@ -46,11 +47,28 @@ def test_protocol_doc_covers_the_reasons_and_version():
 
 
 def _lease(**over) -> dict:
-    lease = {"lease_id": "ab" * 16, "expires_at": 1e9, "expires_in_s": 120.0, "min_version": 0, "max_version": 2,
-             "group_size": 2, "temperature": 1.0, "max_new_tokens": 8,
-             "proof": {"kind": "toploc", "chunk_size": 32, "topk": 128},
-             "prompts": [{"slot": 0, "problem_id": "p", "task_type": "verifiable_math", "prompt": "1+1",
-                          "prompt_ids": [1, 2], "target_length": None, "seeds": [5, 6]}]}
+    lease = {
+        "lease_id": "ab" * 16,
+        "expires_at": 1e9,
+        "expires_in_s": 120.0,
+        "min_version": 0,
+        "max_version": 2,
+        "group_size": 2,
+        "temperature": 1.0,
+        "max_new_tokens": 8,
+        "proof": {"kind": "toploc", "chunk_size": 32, "topk": 128},
+        "prompts": [
+            {
+                "slot": 0,
+                "problem_id": "p",
+                "task_type": "verifiable_math",
+                "prompt": "1+1",
+                "prompt_ids": [1, 2],
+                "target_length": None,
+                "seeds": [5, 6],
+            }
+        ],
+    }
     lease.update(over)
     return lease
 
@@ -65,9 +83,17 @@ def test_lease_model_reads_what_it_describes_and_refuses_garbage():
 
 
 def test_submission_model_keeps_claims_for_the_service_to_refuse():
-    body = {"lease_id": "ab" * 16, "groups": [{"slot": 0, "policy_version": 1, "reward": 1.0,
-                                               "samples": [{"token_ids": [3], "logprobs": [-0.1],
-                                                            "finish_reason": "stop", "proofs": ["AA"]}]}]}
+    body = {
+        "lease_id": "ab" * 16,
+        "groups": [
+            {
+                "slot": 0,
+                "policy_version": 1,
+                "reward": 1.0,
+                "samples": [{"token_ids": [3], "logprobs": [-0.1], "finish_reason": "stop", "proofs": ["AA"]}],
+            }
+        ],
+    }
     sub = SubmitIn.model_validate(body)
     assert sub.groups[0].model_extra == {"reward": 1.0}  # refused later as claimed_reward, counted as fraud
     with pytest.raises(ValidationError):
@@ -81,6 +107,7 @@ def test_every_orchestrator_reply_has_a_protocol_model():
 
     class _Orch:  # create_app only reads the config and registers routes
         from swarmrl.config import Config
+
         cfg = Config()
         trainer_token, validator_token = "t", "v"
 

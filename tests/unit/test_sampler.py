@@ -68,7 +68,7 @@ def test_noise_is_deterministic_bit_for_bit():
     assert torch.equal(gumbel_noise(seeds, steps, 300), gumbel_noise(seeds, steps, 300))
     # Each row depends only on its own (seed, step): computing a row alone gives the same bits.
     for i in range(len(seeds)):
-        assert torch.equal(uniform_noise(seeds[i:i + 1], steps[i:i + 1], 300)[0], a[i])
+        assert torch.equal(uniform_noise(seeds[i : i + 1], steps[i : i + 1], 300)[0], a[i])
     # Asking for a larger vocabulary extends the row without changing its prefix.
     assert torch.equal(uniform_noise(seeds, steps, 1000)[:, :300], a)
 
@@ -159,14 +159,21 @@ def test_pinned_known_answer():
     # (constants, mixing order, bit selection, float conversion) changes, every stored rollout
     # stops verifying. A change here must be a deliberate, versioned protocol change.
     assert stream_keys(_t([1]), _t([0])).tolist() == [3584742034]
-    expected = [0.848901629447937, 0.43267104029655457, 0.418244868516922, 0.3046261966228485,
-                0.10249379277229309, 0.588315486907959, 0.42713645100593567, 0.3776303231716156]
+    expected = [
+        0.848901629447937,
+        0.43267104029655457,
+        0.418244868516922,
+        0.3046261966228485,
+        0.10249379277229309,
+        0.588315486907959,
+        0.42713645100593567,
+        0.3776303231716156,
+    ]
     got = uniform_noise(_t([1]), _t([0]), 8)[0]
     assert torch.equal(got, torch.tensor(expected, dtype=torch.float32)), got.tolist()
 
 
-def _chi2_choice(logits: torch.Tensor, temperature: float, n: int,
-                 against_temperature: float | None = None) -> float:
+def _chi2_choice(logits: torch.Tensor, temperature: float, n: int, against_temperature: float | None = None) -> float:
     """Chi-square of n seeded draws at `temperature` against softmax(logits / against_temperature)."""
     V = logits.numel()
     seeds = torch.arange(n, dtype=torch.int64) * 7919 + 3
@@ -361,7 +368,7 @@ def test_extra_stop_token(kind, policy):
     first = free.token_ids.index(stop_at)
     s = _sampler(kind, model, tok, stop=[tok.eos_token_id, stop_at])
     c = s.generate([prompt], [7], max_new_tokens=12)[0]
-    assert c.finish_reason == "stop" and c.token_ids == free.token_ids[:first + 1]
+    assert c.finish_reason == "stop" and c.token_ids == free.token_ids[: first + 1]
 
 
 @torch.no_grad()
@@ -378,7 +385,7 @@ def test_temperature_zero_equals_greedy_loop_without_cache(kind, policy):
             ids.append(nxt)
             if nxt == tok.eos_token_id:
                 break
-        assert c.token_ids == ids[len(p):]
+        assert c.token_ids == ids[len(p) :]
         # At temperature 0 logprobs are taken under the unscaled softmax.
         ref_logp, _ = _reference(model, p, c.token_ids, 0.0)
         assert torch.allclose(torch.tensor(c.logprobs), ref_logp, atol=1e-4)

@@ -33,8 +33,9 @@ def test_target_match_names_the_nearest_target_for_that_share_of_traces():
     from swarmrl.sft.warmstart import _sft_target
 
     _, tokenizer = build_tiny_policy(seed=0)
-    rows = arithmetic.generate(400, digits=2, ops="+-", split="train", seed=1000, with_trace=True,
-                               slip_rate=0.5, verbosity=(0, 2))
+    rows = arithmetic.generate(
+        400, digits=2, ops="+-", split="train", seed=1000, with_trace=True, slip_rate=0.5, verbosity=(0, 2)
+    )
     lengths = [len(tokenizer(r["trace"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]
     nearest = [32 if abs(n - 32) < abs(n - 80) else 80 for n in lengths]
 
@@ -64,8 +65,10 @@ def test_bad_verbosity_is_refused_with_the_field_named():
 def test_length_control_warm_start_puts_targets_in_prompts(tmp_path):
     torch_threads = torch.get_num_threads()
     try:
-        cfg = load_config("configs/length-control.toml", ["--sft.steps", "2", "--sft.batch_size", "4",
-                                                          "--sft.examples", "60", "--sft.threads", "1"])
+        cfg = load_config(
+            "configs/length-control.toml",
+            ["--sft.steps", "2", "--sft.batch_size", "4", "--sft.examples", "60", "--sft.threads", "1"],
+        )
         out = train_sft(cfg, tmp_path / "lc", log=lambda msg: None)
         meta = json.loads((out / "swarmrl_sft.json").read_text())
         assert meta["verbosity"] == [0, 2] and meta["length_targets"] == [32, 80] and meta["target_match"] == 0.3
@@ -73,8 +76,9 @@ def test_length_control_warm_start_puts_targets_in_prompts(tmp_path):
         torch.set_num_threads(torch_threads)
     # An example as the warm start encodes it: the instruction in the prompt, only the trace learned.
     _, tokenizer = build_tiny_policy(seed=0)
-    rows = arithmetic.generate(60, digits=2, ops="+-", split="train", seed=1000, with_trace=True,
-                               slip_rate=0.5, verbosity=(0, 1, 2))
+    rows = arithmetic.generate(
+        60, digits=2, ops="+-", split="train", seed=1000, with_trace=True, slip_rate=0.5, verbosity=(0, 1, 2)
+    )
     ids, mask = encode_example(tokenizer, rows[0]["prompt"], rows[0]["trace"], 52)
     text = tokenizer.decode(ids)
     assert "Think for 52 tokens before giving a response." in text
@@ -127,11 +131,28 @@ def test_micro_batches_give_the_one_pass_gradient_with_less_padding():
 
 
 def test_micro_batches_train_a_base_and_name_it_in_the_cache_key(tmp_path):
-    cfg = load_config(None, ["--sft.steps", "2", "--sft.batch_size", "8", "--sft.examples", "64",
-                             "--sft.micro_batches", "2", "--sft.threads", "1"])
+    cfg = load_config(
+        None,
+        [
+            "--sft.steps",
+            "2",
+            "--sft.batch_size",
+            "8",
+            "--sft.examples",
+            "64",
+            "--sft.micro_batches",
+            "2",
+            "--sft.threads",
+            "1",
+        ],
+    )
     seen = []
-    out = train_sft(cfg, tmp_path / "base", log=lambda *_: None,
-                    on_step=lambda step, model, loss: seen.append((step, model.training, float(loss))))
+    out = train_sft(
+        cfg,
+        tmp_path / "base",
+        log=lambda *_: None,
+        on_step=lambda step, model, loss: seen.append((step, model.training, float(loss))),
+    )
     assert [(step, training) for step, training, _ in seen] == [(1, True), (2, True)]
     assert all(loss > 0 for _, _, loss in seen)
     meta = json.loads((out / "swarmrl_sft.json").read_text())

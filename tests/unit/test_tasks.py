@@ -65,10 +65,18 @@ def test_trace_answer_is_ground_truth():
         assert _boxed(trace) == p.answer == (p.a + p.b if p.op == "+" else p.a - p.b), p
 
 
-@pytest.mark.parametrize(("a", "b", "op", "answer"), [
-    (99, 1, "+", 100), (0, 0, "+", 0), (5, 7, "+", 12), (100, 1, "-", 99),
-    (3, 10, "-", -7), (10, 10, "-", 0), (999, 999, "+", 1998),
-])
+@pytest.mark.parametrize(
+    ("a", "b", "op", "answer"),
+    [
+        (99, 1, "+", 100),
+        (0, 0, "+", 0),
+        (5, 7, "+", 12),
+        (100, 1, "-", 99),
+        (3, 10, "-", -7),
+        (10, 10, "-", 0),
+        (999, 999, "+", 1998),
+    ],
+)
 def test_trace_edge_cases(a, b, op, answer):
     assert _boxed(trace_for(Problem(a, b, op))) == answer
 
@@ -90,11 +98,19 @@ def test_carry_slip_differs_exactly_when_a_carry_is_passed_and_is_then_wrong():
     assert 0.2 * len(problems) < slipped < 0.8 * len(problems)
 
 
-@pytest.mark.parametrize(("a", "b", "op", "carries"), [
-    (15, 17, "+", True), (12, 34, "+", False), (32, 17, "-", True), (47, 23, "-", False),
-    (9, 9, "+", False),  # the carry out of the last column is not passed anywhere
-    (17, 32, "-", True), (5, 123, "-", True), (995, 5, "+", True),
-])
+@pytest.mark.parametrize(
+    ("a", "b", "op", "carries"),
+    [
+        (15, 17, "+", True),
+        (12, 34, "+", False),
+        (32, 17, "-", True),
+        (47, 23, "-", False),
+        (9, 9, "+", False),  # the carry out of the last column is not passed anywhere
+        (17, 32, "-", True),
+        (5, 123, "-", True),
+        (995, 5, "+", True),
+    ],
+)
 def test_carry_slip_known_cases(a, b, op, carries):
     p = Problem(a, b, op)
     assert _drops_a_carry(p) == carries
@@ -189,10 +205,12 @@ def test_verbosity_levels_say_the_same_computation_at_growing_length():
     p = Problem(36, 47, "+")
     assert trace_for(p, verbosity=0) == "<think>6+7=13\n3+4+1=8</think>\n\\boxed{83}"
     assert trace_for(p, verbosity=1) == "<think>6+7=13, write 3\n3+4+1=8, write 8</think>\n\\boxed{83}"
-    assert trace_for(p, verbosity=2) == ("<think>ones: 6+7=13, write 3, carry 1\ntens: 3+4+1=8, write 8"
-                                         "</think>\n\\boxed{83}")
+    assert trace_for(p, verbosity=2) == (
+        "<think>ones: 6+7=13, write 3, carry 1\ntens: 3+4+1=8, write 8</think>\n\\boxed{83}"
+    )
     assert trace_for(Problem(52, 87, "-"), verbosity=2).startswith(
-        "<think>52 is less than 87, so compute -(87-52)\nones: 7-2=5, write 5\n")
+        "<think>52 is less than 87, so compute -(87-52)\nones: 7-2=5, write 5\n"
+    )
     assert "borrow 1" in trace_for(Problem(52, 17, "-"), verbosity=2)
     # Every level, with or without a slip, boxes the same answer as level 0 and is longer.
     for p in _random_problems(400, seed=5):

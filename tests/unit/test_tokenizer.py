@@ -40,8 +40,9 @@ def tok():
 
 @pytest.fixture(scope="module")
 def reloaded(tok, tmp_path_factory):
-    model, _ = build_tiny_policy(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=32, max_positions=64)
+    model, _ = build_tiny_policy(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_positions=64
+    )
     path = save_policy(model, tok, tmp_path_factory.mktemp("policy") / "v0")
     _, loaded = load_policy(path)
     return loaded

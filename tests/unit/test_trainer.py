@@ -105,7 +105,7 @@ def test_train_batch_alignment():
     for i, (g, s) in enumerate(rows):
         p, c = len(g.prompt_ids), len(s.token_ids)
         assert batch.input_ids[i, : p + c].tolist() == g.prompt_ids + s.token_ids
-        assert (batch.input_ids[i, p + c:] == tok.pad_token_id).all()
+        assert (batch.input_ids[i, p + c :] == tok.pad_token_id).all()
         assert batch.attention_mask[i].tolist() == [1] * (p + c) + [0] * (width - p - c)
         # Position t predicts token t + 1: the completion's c tokens are predicted at p-1 .. p+c-2.
         assert batch.loss_mask[i].nonzero().flatten().tolist() == list(range(p - 1, p - 1 + c))
@@ -278,10 +278,12 @@ def test_tis_cap():
     assert m2["loss/policy"] == pytest.approx(2 * plain["loss/policy"], rel=1e-3, abs=1e-6)
     assert m2["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-3)
 
+
 def test_decoupled_ppo_masks_and_sequence_weights():
     # A sampler 1 nat per token less confident than the trainer: every ratio p_old / p_inf is e.
-    cfg, model, _, _, batch = prepare("--algorithm.tis_cap", "2.0", "--algorithm.tis_mask_band", "2.0",
-                                      "--trainer.weight_decay", "0")  # so a zero gradient moves nothing
+    cfg, model, _, _, batch = prepare(
+        "--algorithm.tis_cap", "2.0", "--algorithm.tis_mask_band", "2.0", "--trainer.weight_decay", "0"
+    )  # so a zero gradient moves nothing
     skewed = batch.slice(slice(None))
     skewed.inference_logprobs = torch.where(batch.loss_mask, batch.inference_logprobs - 1.0, 0.0)
     before = [p.detach().clone() for p in model.parameters()]

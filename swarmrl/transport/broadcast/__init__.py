@@ -44,7 +44,20 @@ from swarmrl.transport.broadcast.publish import (
 )
 
 __all__ = [
-    "BroadcastError", "INSTALLED_MANIFEST", "ShardRequestHandler", "ShardServer", "SourceScores", "download_shards",
-    "fetch_base", "fetch_manifest", "fetch_version", "list_versions", "mirror_version", "prune_versions",
-    "publish_version", "published_manifest", "read_versions", "unpublish_version",
+    "BroadcastError",
+    "INSTALLED_MANIFEST",
+    "ShardRequestHandler",
+    "ShardServer",
+    "SourceScores",
+    "download_shards",
+    "fetch_base",
+    "fetch_manifest",
+    "fetch_version",
+    "list_versions",
+    "mirror_version",
+    "prune_versions",
+    "publish_version",
+    "published_manifest",
+    "read_versions",
+    "unpublish_version",
 ]

@@ -5,7 +5,6 @@ temp folders and old versions)."""
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
@@ -18,7 +17,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from swarmrl.protocol.manifest import BroadcastError, version_name
-
 
 CHUNK = 1 << 18  # 256 KiB: the unit of disk reads and socket writes
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 bytes per shard: room for ~500k shards
@@ -110,7 +108,7 @@ def remove_dir(path: Path) -> bool:
     return True
 
 
-def hash_file(path: Path) -> tuple[int, "hashlib._Hash"]:
+def hash_file(path: Path) -> tuple[int, hashlib._Hash]:
     """Size and sha256 state of a file (a state, so a resumed download can keep hashing)."""
     h = hashlib.sha256()
     size = 0

@@ -36,7 +36,6 @@ from swarmrl.transport.broadcast.common import (
     sha256_file,
 )
 
-
 # ---- source scores ------------------------------------------------------------------------------
 
 
@@ -57,8 +56,15 @@ class SourceScores:
     def _entry(self, url: str) -> dict:
         url = url.rstrip("/")
         if url not in self._s:
-            self._s[url] = {"ema_bps": None, "successes": 0, "failures": 0, "bad_shards": 0, "strikes": 0,
-                            "penalized_until": 0.0, "last_error": None}
+            self._s[url] = {
+                "ema_bps": None,
+                "successes": 0,
+                "failures": 0,
+                "bad_shards": 0,
+                "strikes": 0,
+                "penalized_until": 0.0,
+                "last_error": None,
+            }
         return self._s[url]
 
     def good(self, url: str, nbytes: int, seconds: float) -> None:
@@ -94,9 +100,14 @@ class SourceScores:
     def snapshot(self) -> dict[str, dict]:
         now = time.monotonic()
         with self._lock:
-            return {url: {**{k: v for k, v in e.items() if k != "penalized_until"},
-                          "score": self._score(e, now), "penalized_for_s": max(0.0, e["penalized_until"] - now)}
-                    for url, e in self._s.items()}
+            return {
+                url: {
+                    **{k: v for k, v in e.items() if k != "penalized_until"},
+                    "score": self._score(e, now),
+                    "penalized_for_s": max(0.0, e["penalized_until"] - now),
+                }
+                for url, e in self._s.items()
+            }
 
 
 # ---- client -------------------------------------------------------------------------------------
@@ -156,20 +167,31 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     try:
         data = json.loads(_get_small(source, "/versions", timeout_s, 16 << 20))
     except SourceFailure as e:
-        raise BroadcastError(f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
-                             "there and reachable from this machine?") from None
+        raise BroadcastError(
+            f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
+            "there and reachable from this machine?"
+        ) from None
     except ValueError:
-        raise BroadcastError(f"cannot list versions at {source}: the answer is not JSON; is that URL a swarmrl "
-                             "broadcast server?") from None
+        raise BroadcastError(
+            f"cannot list versions at {source}: the answer is not JSON; is that URL a swarmrl broadcast server?"
+        ) from None
     versions = data.get("versions") if isinstance(data, dict) else None
     if not isinstance(versions, list):
-        raise BroadcastError(f"cannot list versions at {source}: expected {{\"versions\": [ints]}}; is that URL a "
-                             "swarmrl broadcast server?")
+        raise BroadcastError(
+            f'cannot list versions at {source}: expected {{"versions": [ints]}}; is that URL a '
+            "swarmrl broadcast server?"
+        )
     return sorted({v for v in versions if is_int(v) and 0 <= v <= 999_999})
 
 
-def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, timeout_s: float = 10.0,
-                   expected_digest: str | None = None) -> dict:
+def fetch_manifest(
+    version: int,
+    sources: list[str],
+    *,
+    public_key: str | None,
+    timeout_s: float = 10.0,
+    expected_digest: str | None = None,
+) -> dict:
     """The manifest of `version` from the first source (in order) whose answer verifies: signed by
     `public_key` when given, well formed and for `version` otherwise; and with manifest digest
     `expected_digest` when given (to skip copies of a version number that was republished)."""
@@ -193,20 +215,25 @@ def fetch_manifest(version: int, sources: list[str], *, public_key: str | None, 
                 if manifest["version"] != version:
                     raise SourceFailure(f"the manifest is for {version_name(manifest['version'])}")
             if expected_digest is not None and manifest_digest(manifest) != expected_digest:
-                raise SourceFailure(f"it holds another {vname} (manifest digest {manifest_digest(manifest)[:16]}..., "
-                                     f"expected {expected_digest[:16]}...): a stale copy from before the trainer "
-                                     "republished it")
+                raise SourceFailure(
+                    f"it holds another {vname} (manifest digest {manifest_digest(manifest)[:16]}..., "
+                    f"expected {expected_digest[:16]}...): a stale copy from before the trainer "
+                    "republished it"
+                )
             return manifest
         except (SourceFailure, BroadcastError) as e:
             errors.append(f"{src}: {e}")
     raise BroadcastError(
-        f"cannot get a valid manifest of policy {vname} from any source: " + "; ".join(errors)
+        f"cannot get a valid manifest of policy {vname} from any source: "
+        + "; ".join(errors)
         + ". Check that the sources are running and hold this version (GET <source>/versions), and that the "
-        "configured trainer key is right")
+        "configured trainer key is right"
+    )
 
 
-def _download_shard(src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path,
-                    timeout_s: float) -> int:
+def _download_shard(
+    src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path, timeout_s: float
+) -> int:
     """One attempt at one shard from one source, resuming `part` with a Range request.
     Returns the bytes transferred; SourceFailure (source's fault) or BroadcastError (local)."""
     have, h = 0, hashlib.sha256()
@@ -230,8 +257,9 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
     deadline = t0 + timeout_s + size / MIN_RATE
     try:
         try:
-            conn.request("GET", f"{prefix}/{vname}/shards/{index:05d}",
-                         headers={"Range": f"bytes={have}-"} if have else {})
+            conn.request(
+                "GET", f"{prefix}/{vname}/shards/{index:05d}", headers={"Range": f"bytes={have}-"} if have else {}
+            )
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             raise SourceFailure(f"no answer for {what} ({e!r})") from e
@@ -239,8 +267,10 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
             cr = resp.getheader("Content-Range", "")
             m = CONTENT_RANGE.fullmatch(cr.strip())
             if m is None or tuple(map(int, m.groups())) != (have, size - 1, size):
-                raise SourceFailure(f"{what}: Content-Range {cr!r} for bytes={have}-, expected "
-                                     f"'bytes {have}-{size - 1}/{size}'", corrupt=True)
+                raise SourceFailure(
+                    f"{what}: Content-Range {cr!r} for bytes={have}-, expected 'bytes {have}-{size - 1}/{size}'",
+                    corrupt=True,
+                )
             mode = "ab"
         elif resp.status == 200:
             have, h, mode = 0, hashlib.sha256(), "wb"  # no Range, or the source ignored it: start over
@@ -248,8 +278,9 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
             if cl and cl.isdigit() and int(cl) != size:
                 raise SourceFailure(f"{what} is {cl} bytes there, the signed manifest says {size}", corrupt=True)
         elif resp.status == 416:
-            raise SourceFailure(f"{what}: 416 for bytes={have}-: its copy is shorter than the signed manifest says",
-                                 corrupt=True)
+            raise SourceFailure(
+                f"{what}: 416 for bytes={have}-: its copy is shorter than the signed manifest says", corrupt=True
+            )
         elif resp.status == 404:
             raise SourceFailure(f"{what}: 404 (the source does not hold {vname}: not mirrored yet, or pruned)")
         else:
@@ -258,8 +289,10 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
         try:
             f = open(part, mode)
         except OSError as e:
-            raise BroadcastError(f"fetching {vname} {what}: cannot write {part}: {e}; check free space and "
-                                 "permissions of the destination") from e
+            raise BroadcastError(
+                f"fetching {vname} {what}: cannot write {part}: {e}; check free space and "
+                "permissions of the destination"
+            ) from e
         with f:
             while True:
                 try:
@@ -278,8 +311,9 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
                 h.update(chunk)
                 got += len(chunk)
                 if time.monotonic() > deadline:
-                    raise SourceFailure(f"{what}: too slow ({have + got} of {size} bytes after "
-                                         f"{time.monotonic() - t0:.1f} s)")
+                    raise SourceFailure(
+                        f"{what}: too slow ({have + got} of {size} bytes after {time.monotonic() - t0:.1f} s)"
+                    )
         if too_long:
             part.unlink(missing_ok=True)
             raise SourceFailure(f"{what}: more than the {size} bytes the signed manifest says", corrupt=True)
@@ -287,17 +321,27 @@ def _download_shard(src: str, vname: str, index: int, size: int, digest: str, pa
             raise SourceFailure(f"{what}: transfer ended after {have + got} of {size} bytes")
         if h.hexdigest() != digest:
             part.unlink(missing_ok=True)
-            raise SourceFailure(f"{what}: sha256 mismatch (got {h.hexdigest()[:16]}..., the signed manifest says "
-                                 f"{digest[:16]}...)", corrupt=True)
+            raise SourceFailure(
+                f"{what}: sha256 mismatch (got {h.hexdigest()[:16]}..., the signed manifest says {digest[:16]}...)",
+                corrupt=True,
+            )
         os.replace(part, final)
         return got
     finally:
         conn.close()
 
 
-def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: SourceScores | None = None,
-                    parallel: int = 4, timeout_s: float = 10.0, tries_per_shard: int | None = None,
-                    log=lambda msg: None) -> None:
+def download_shards(
+    manifest: dict,
+    sources: list[str],
+    shard_dir,
+    *,
+    scores: SourceScores | None = None,
+    parallel: int = 4,
+    timeout_s: float = 10.0,
+    tries_per_shard: int | None = None,
+    log=lambda msg: None,
+) -> None:
     """Fetch every shard of `manifest` (verified by the caller) into shard_dir/NNNNN, each checked
     against its sha256; see the module doc. BroadcastError after `tries_per_shard` failures of one shard."""
     where = describe_manifest(manifest, None)
@@ -339,7 +383,7 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
         failed: dict[str, int] = {}
         last_error: dict[str, str] = {}
         rounds_waited = 0
-        for attempt in range(tries):
+        for _attempt in range(tries):
             if stop.is_set():
                 return
             # Every source failed this shard at least once more: back off a little before the next round.
@@ -364,9 +408,11 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
             return
         raise BroadcastError(
             f"cannot fetch policy {vname} shard {i:05d} ({s['size']} bytes): {tries} tries failed; last error per "
-            "source: " + "; ".join(f"{u}: {last_error.get(u, 'not tried')}" for u in sources)
+            "source: "
+            + "; ".join(f"{u}: {last_error.get(u, 'not tried')}" for u in sources)
             + ". Check that the sources are running, reachable and hold this version (GET <source>/versions); "
-            "drop sources that serve corrupt data")
+            "drop sources that serve corrupt data"
+        )
 
     queue = list(reversed(todo))
 
@@ -384,8 +430,9 @@ def download_shards(manifest: dict, sources: list[str], shard_dir, *, scores: So
                 stop.set()
                 return
 
-    threads = [threading.Thread(target=worker, name=f"fetch-{vname}-{k}", daemon=True)
-               for k in range(min(parallel, len(todo)))]
+    threads = [
+        threading.Thread(target=worker, name=f"fetch-{vname}-{k}", daemon=True) for k in range(min(parallel, len(todo)))
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -66,8 +66,18 @@ def _claim_partial(root: Path, vname: str, digest: str) -> Path:
     return fresh
 
 
-def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, scores, parallel: int,
-            timeout_s: float, log, tries_per_shard: int | None = None) -> dict:
+def _mirror(
+    version: int,
+    manifest: dict,
+    sources: list[str],
+    root: Path,
+    *,
+    scores,
+    parallel: int,
+    timeout_s: float,
+    log,
+    tries_per_shard: int | None = None,
+) -> dict:
     vname = version_name(version)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
@@ -76,8 +86,16 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
     digest = manifest_digest(manifest)
     tmp = _claim_partial(root, vname, digest)
     try:
-        download_shards(manifest, sources, tmp / "shards", scores=scores, parallel=parallel, timeout_s=timeout_s,
-                        log=log, tries_per_shard=tries_per_shard)
+        download_shards(
+            manifest,
+            sources,
+            tmp / "shards",
+            scores=scores,
+            parallel=parallel,
+            timeout_s=timeout_s,
+            log=log,
+            tries_per_shard=tries_per_shard,
+        )
         (tmp / ".digest").unlink(missing_ok=True)
         for leftover in (tmp / "shards").glob("*.part"):
             leftover.unlink(missing_ok=True)
@@ -98,10 +116,13 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
             shutil.rmtree(tmp, ignore_errors=True)
             if manifest_digest(existing) == digest:
                 return existing
-            raise BroadcastError(f"cannot mirror {vname} into {root}: it already holds another {vname} "
-                                 f"(digest {manifest_digest(existing)[:16]}...); delete {vdir} to replace it")
-        raise BroadcastError(f"cannot mirror {vname}: {vdir} exists but is not a complete version; delete it "
-                             "and try again")
+            raise BroadcastError(
+                f"cannot mirror {vname} into {root}: it already holds another {vname} "
+                f"(digest {manifest_digest(existing)[:16]}...); delete {vdir} to replace it"
+            )
+        raise BroadcastError(
+            f"cannot mirror {vname}: {vdir} exists but is not a complete version; delete it and try again"
+        )
     except OSError as e:
         raise BroadcastError(f"cannot mirror {vname} into {root}: {e}; check free space and permissions") from e
     finally:
@@ -109,9 +130,18 @@ def _mirror(version: int, manifest: dict, sources: list[str], root: Path, *, sco
             active.discard(tmp)
 
 
-def mirror_version(version: int, sources: list[str], root, *, public_key: str, scores=None,
-                   parallel: int = 4, timeout_s: float = 10.0, log=lambda msg: None,
-                   expected_digest: str | None = None) -> dict:
+def mirror_version(
+    version: int,
+    sources: list[str],
+    root,
+    *,
+    public_key: str,
+    scores=None,
+    parallel: int = 4,
+    timeout_s: float = 10.0,
+    log=lambda msg: None,
+    expected_digest: str | None = None,
+) -> dict:
     """Mirror `version` from `sources` into root/vNNNNNN (the origin's layout, so a ShardServer on
     `root` serves it: relays chain). The manifest must verify against `public_key` (the trainer's;
     required), every shard against its sha256; a failed call leaves its partial shards for the
@@ -122,8 +152,10 @@ def mirror_version(version: int, sources: list[str], root, *, public_key: str, s
     # A mirror of an unsigned version would be served on to clients that then refuse it (or,
     # worse, to a chained relay): a relay holds only what the trainer signed.
     if public_key is None:
-        raise BroadcastError(f"mirroring {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
-                             "relays never mirror versions they cannot verify")
+        raise BroadcastError(
+            f"mirroring {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
+            "relays never mirror versions they cannot verify"
+        )
     check_public_key(public_key, f"mirroring {vname}")
     sources = check_sources(sources, f"mirroring {vname}")
     root = Path(root)
@@ -138,10 +170,10 @@ def mirror_version(version: int, sources: list[str], root, *, public_key: str, s
             log(f"{vname}: the copy in {vdir} does not verify ({e}); replacing it")
         remove_dir(vdir)
     scores = SourceScores() if scores is None else scores
-    manifest = fetch_manifest(version, scores.order(sources), public_key=public_key, timeout_s=timeout_s,
-                              expected_digest=expected_digest)
-    return _mirror(version, manifest, sources, root, scores=scores,
-                   parallel=parallel, timeout_s=timeout_s, log=log)
+    manifest = fetch_manifest(
+        version, scores.order(sources), public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
+    )
+    return _mirror(version, manifest, sources, root, scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
 
 
 def _listing(folder: Path) -> list[Path]:
@@ -214,8 +246,16 @@ def _copy_range(src, dst, offset: int, n: int) -> None:
         n -= len(chunk)
 
 
-def _prefer_relays(version: int, sources: list[str], scores, *, public_key: str, timeout_s: float,
-                   expected_digest: str | None, wait_s: float) -> tuple[dict, list[str]]:
+def _prefer_relays(
+    version: int,
+    sources: list[str],
+    scores,
+    *,
+    public_key: str,
+    timeout_s: float,
+    expected_digest: str | None,
+    wait_s: float,
+) -> tuple[dict, list[str]]:
     """(the manifest, the sources to download its shards from), relays first.
 
     `sources` is [relays..., origin]. A worker learns of a version from its lease as soon as the
@@ -224,14 +264,20 @@ def _prefer_relays(version: int, sources: list[str], scores, *, public_key: str,
     So the relays are asked again for up to `wait_s` before the origin is; and when a relay has
     the version, its shards come from the relays, the origin only if they all fail."""
     if len(sources) < 2:
-        return fetch_manifest(version, sources, public_key=public_key, timeout_s=timeout_s,
-                              expected_digest=expected_digest), sources
+        return fetch_manifest(
+            version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
+        ), sources
     relays = sources[:-1]
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            manifest = fetch_manifest(version, scores.order(relays), public_key=public_key, timeout_s=timeout_s,
-                                      expected_digest=expected_digest)
+            manifest = fetch_manifest(
+                version,
+                scores.order(relays),
+                public_key=public_key,
+                timeout_s=timeout_s,
+                expected_digest=expected_digest,
+            )
             return manifest, relays
         except BroadcastError as e:
             # Wait only while every relay says "not here yet" (404); a relay that is down, slow or
@@ -240,13 +286,25 @@ def _prefer_relays(version: int, sources: list[str], scores, *, public_key: str,
             if not not_yet or time.monotonic() >= deadline:
                 break
             time.sleep(0.25)
-    return fetch_manifest(version, sources, public_key=public_key, timeout_s=timeout_s,
-                          expected_digest=expected_digest), sources
+    return fetch_manifest(
+        version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
+    ), sources
 
 
-def fetch_version(version: int, sources: list[str], dest_root, *, public_key: str, scores=None,
-                  keep: int = 2, parallel: int = 4, timeout_s: float = 10.0, log=lambda msg: None,
-                  expected_digest: str | None = None, relay_wait_s: float = 5.0) -> Path:
+def fetch_version(
+    version: int,
+    sources: list[str],
+    dest_root,
+    *,
+    public_key: str,
+    scores=None,
+    keep: int = 2,
+    parallel: int = 4,
+    timeout_s: float = 10.0,
+    log=lambda msg: None,
+    expected_digest: str | None = None,
+    relay_wait_s: float = 5.0,
+) -> Path:
     """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
     HF folder ready for from_pretrained, and return that path.
 
@@ -261,8 +319,10 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     check_version(version)
     vname = version_name(version)
     if public_key is None:
-        raise BroadcastError(f"fetching {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
-                             "workers never accept unsigned versions")
+        raise BroadcastError(
+            f"fetching {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
+            "workers never accept unsigned versions"
+        )
     check_public_key(public_key, f"fetching {vname}")
     sources = check_sources(sources, f"fetching {vname}")
     if not is_int(keep) or keep < 0:
@@ -274,8 +334,9 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     def finish(installed: dict) -> Path:
         clean_temps(dest_root)
         clean_temps(dest_root / ".shards", below=version)  # partials of older versions will not be resumed
-        versions = sorted(int(m.group(1)) for p in dest_root.iterdir()
-                          if (m := VERSION_DIR.fullmatch(p.name)) and p.is_dir())
+        versions = sorted(
+            int(m.group(1)) for p in dest_root.iterdir() if (m := VERSION_DIR.fullmatch(p.name)) and p.is_dir()
+        )
         # An adapter's base stays beside it (fetch_base puts it there) however old it is.
         base = installed.get("base", {}).get("version")
         remove_old_versions(dest_root, versions, keep, lambda v: v in (version, base))
@@ -293,8 +354,15 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
         except BroadcastError:
             pass
     # Otherwise the sources' current signed manifest says what the version is.
-    manifest, shard_sources = _prefer_relays(version, sources, scores, public_key=public_key, timeout_s=timeout_s,
-                                             expected_digest=expected_digest, wait_s=relay_wait_s)
+    manifest, shard_sources = _prefer_relays(
+        version,
+        sources,
+        scores,
+        public_key=public_key,
+        timeout_s=timeout_s,
+        expected_digest=expected_digest,
+        wait_s=relay_wait_s,
+    )
     if dest.is_dir() and _folder_matches(dest, manifest):
         try:
             atomic_write(dest / INSTALLED_MANIFEST, manifest_bytes(manifest))
@@ -314,8 +382,17 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     try:
         # From the relays first, each tried once per shard; what they fail to serve comes from
         # every source, the origin included (the shards already fetched are kept and resumed).
-        _mirror(version, manifest, shard_sources, shard_root, scores=scores, parallel=parallel, timeout_s=timeout_s,
-                log=log, tries_per_shard=len(shard_sources) if shard_sources != sources else None)
+        _mirror(
+            version,
+            manifest,
+            shard_sources,
+            shard_root,
+            scores=scores,
+            parallel=parallel,
+            timeout_s=timeout_s,
+            log=log,
+            tries_per_shard=len(shard_sources) if shard_sources != sources else None,
+        )
     except BroadcastError:
         if shard_sources == sources:
             raise
@@ -331,16 +408,21 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
             # Another fetcher of this version in dest_root finished and deleted the shard copy.
             if dest.is_dir() and _folder_matches(dest, manifest):
                 return finish(manifest)
-            raise BroadcastError(f"fetching {vname}: the shard copy in {held} vanished while rebuilding the files "
-                                 "(a concurrent fetch into the same dest_root?); try again") from None
+            raise BroadcastError(
+                f"fetching {vname}: the shard copy in {held} vanished while rebuilding the files "
+                "(a concurrent fetch into the same dest_root?); try again"
+            ) from None
         except OSError as e:
-            raise BroadcastError(f"fetching {vname}: cannot rebuild the files in {dest_root}: {e}; check free space "
-                                 "and permissions") from e
+            raise BroadcastError(
+                f"fetching {vname}: cannot rebuild the files in {dest_root}: {e}; check free space and permissions"
+            ) from e
         if bad is not None:
             remove_dir(held)
-            raise BroadcastError(f"fetching {vname}: file {bad!r} rebuilt from verified shards has the wrong sha256 "
-                                 "(the shard copy was damaged on disk, or the trainer published an inconsistent "
-                                 "manifest); the shard copy was deleted, try again")
+            raise BroadcastError(
+                f"fetching {vname}: file {bad!r} rebuilt from verified shards has the wrong sha256 "
+                "(the shard copy was damaged on disk, or the trainer published an inconsistent "
+                "manifest); the shard copy was deleted, try again"
+            )
         (tmp / INSTALLED_MANIFEST).write_bytes(manifest_bytes(manifest))
         if dest.is_dir() and _folder_matches(dest, manifest):
             # A concurrent fetch installed it meanwhile: keep that one (its caller may be loading it).
@@ -352,8 +434,9 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
             os.rename(tmp, dest)
         except OSError:
             if not (dest.is_dir() and _folder_matches(dest, manifest)):  # else: another fetcher won the race
-                raise BroadcastError(f"fetching {vname}: cannot rename the rebuilt folder to {dest}; "
-                                     "remove it and try again") from None
+                raise BroadcastError(
+                    f"fetching {vname}: cannot rename the rebuilt folder to {dest}; remove it and try again"
+                ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     remove_dir(held)
@@ -361,9 +444,19 @@ def fetch_version(version: int, sources: list[str], dest_root, *, public_key: st
     return finish(manifest)
 
 
-def fetch_base(manifest: dict, sources: list[str], dest_root, *, public_key: str, verified: set | None = None,
-               scores=None, keep: int = 2, parallel: int = 4, timeout_s: float = 10.0,
-               log=lambda msg: None) -> Path | None:
+def fetch_base(
+    manifest: dict,
+    sources: list[str],
+    dest_root,
+    *,
+    public_key: str,
+    verified: set | None = None,
+    scores=None,
+    keep: int = 2,
+    parallel: int = 4,
+    timeout_s: float = 10.0,
+    log=lambda msg: None,
+) -> Path | None:
     """For an adapter version (trainer.lora), the base it applies to: fetched like any version
     into dest_root/vNNNNNN, beside the adapter (where `load_policy` looks for it), and checked to
     hold exactly the files the adapter's signed manifest names by content digest. None for a
@@ -387,8 +480,17 @@ def fetch_base(manifest: dict, sources: list[str], dest_root, *, public_key: str
                 return dest
         except (BroadcastError, KeyError, TypeError):
             pass
-    path = fetch_version(version, sources, dest_root, public_key=public_key, scores=scores, keep=keep,
-                         parallel=parallel, timeout_s=timeout_s, log=log)
+    path = fetch_version(
+        version,
+        sources,
+        dest_root,
+        public_key=public_key,
+        scores=scores,
+        keep=keep,
+        parallel=parallel,
+        timeout_s=timeout_s,
+        log=log,
+    )
     held = load_manifest_file(path / INSTALLED_MANIFEST)
     verify_manifest(held, public_key, version)
     got = content_digest(held)
@@ -397,7 +499,8 @@ def fetch_base(manifest: dict, sources: list[str], dest_root, *, public_key: str
             f"{where} with content digest {want[:16]}..., but the {version_name(version)} the sources serve (signed "
             f"by the trainer) holds other weights ({got[:16]}...): refusing to merge the adapter into it. The trainer "
             "republished its base with other weights (a new run under the same key?): fetch a version the current "
-            "trainer published, or start this worker with an empty cache directory")
+            "trainer published, or start this worker with an empty cache directory"
+        )
     if verified is not None:
         verified.add(want)
     log(f"{where}: base checked ({want[:16]}...)")

@@ -33,7 +33,7 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
     """Read-only GET/HEAD of /versions, /vNNNNNN/manifest.json and /vNNNNNN/shards/NNNNN.
     Subclass and set `ShardServer.handler_class` to inject faults in tests."""
 
-    server: "_Server"
+    server: _Server
 
     def setup(self):
         # Every socket read or write waits at most this long (a stalled client), and a request's
@@ -119,8 +119,13 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
                 size = os.fstat(f.fileno()).st_size
                 rng = self._range(size)
                 if rng == "unsatisfiable":
-                    return self._send_small(416, b"range not satisfiable\n", "text/plain; charset=utf-8", send_body,
-                                            {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"})
+                    return self._send_small(
+                        416,
+                        b"range not satisfiable\n",
+                        "text/plain; charset=utf-8",
+                        send_body,
+                        {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"},
+                    )
                 start, end = rng if rng else (0, size - 1)
                 length = end - start + 1
                 self.send_response(206 if rng else 200)
@@ -161,7 +166,7 @@ class _DeadlineReader(io.RawIOBase):
     would keep its thread (and its slot) forever; here the whole request line and headers must
     arrive before the deadline set when the request began."""
 
-    def __init__(self, handler: "ShardRequestHandler"):
+    def __init__(self, handler: ShardRequestHandler):
         super().__init__()
         self._handler = handler
         self._sock = handler.connection
@@ -181,8 +186,10 @@ class _DeadlineReader(io.RawIOBase):
 
 
 _BUSY_BODY = b"too many connections: try again later or use another source\n"
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-         b"Retry-After: 1\r\nConnection: close\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\n" % len(_BUSY_BODY)
+) + _BUSY_BODY
 
 
 class _Server(ThreadingHTTPServer):
@@ -190,7 +197,7 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False  # nor make close() wait for it
     request_queue_size = 128  # a burst of clients waits in the kernel's backlog rather than being dropped
 
-    def __init__(self, address, handler, owner: "ShardServer"):
+    def __init__(self, address, handler, owner: ShardServer):
         self.owner = owner
         self.root = owner.root
         self._slots = threading.BoundedSemaphore(owner.max_connections)
@@ -252,9 +259,18 @@ class ShardServer:
 
     handler_class = ShardRequestHandler
 
-    def __init__(self, root, host: str = "127.0.0.1", port: int = 0, *, busy_grace_s: float = 30.0,
-                 max_bytes_per_s: float | None = None, max_connections: int = 64, client_timeout_s: float = 20.0,
-                 tls=None):
+    def __init__(
+        self,
+        root,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        busy_grace_s: float = 30.0,
+        max_bytes_per_s: float | None = None,
+        max_connections: int = 64,
+        client_timeout_s: float = 20.0,
+        tls=None,
+    ):
         if max_bytes_per_s is not None and not (isinstance(max_bytes_per_s, (int, float)) and max_bytes_per_s > 0):
             raise BroadcastError(f"max_bytes_per_s must be None (no cap) or a positive number, got {max_bytes_per_s!r}")
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
@@ -308,7 +324,7 @@ class ShardServer:
             last = self._last.get(version)
             return last is not None and time.monotonic() - last < self.busy_grace_s
 
-    def start(self) -> "ShardServer":
+    def start(self) -> ShardServer:
         if self._server is not None:
             raise BroadcastError("ShardServer is already started; create another instance to serve again")
         if not self.root.is_dir():
@@ -316,13 +332,16 @@ class ShardServer:
         try:
             self._server = _Server((self.host, self.port), self.handler_class, self)
             if self.tls is not None:
-                self._server.socket = self.tls.wrap_socket(self._server.socket, server_side=True,
-                                                           do_handshake_on_connect=False)
+                self._server.socket = self.tls.wrap_socket(
+                    self._server.socket, server_side=True, do_handshake_on_connect=False
+                )
         except OSError as e:
-            raise BroadcastError(f"ShardServer cannot listen on {self.host}:{self.port}: {e}; "
-                                 "choose another host or port") from e
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="shard-server", daemon=True)
+            raise BroadcastError(
+                f"ShardServer cannot listen on {self.host}:{self.port}: {e}; choose another host or port"
+            ) from e
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="shard-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -344,7 +363,7 @@ class ShardServer:
             self._thread.join()
             self._thread = None
 
-    def __enter__(self) -> "ShardServer":
+    def __enter__(self) -> ShardServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

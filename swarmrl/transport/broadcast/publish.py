@@ -13,9 +13,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.protocol.manifest import (
-    BroadcastError,
     FORMAT,
     MAX_SHARDS,
+    BroadcastError,
     canonical,
     check_base,
     check_version,
@@ -37,7 +37,6 @@ from swarmrl.transport.broadcast.common import (
     temp_name,
 )
 
-
 # ---- publishing ---------------------------------------------------------------------------------
 
 
@@ -49,8 +48,9 @@ def _model_files(model_dir: Path) -> list[Path]:
         if p.name.startswith(".") or not p.is_file():
             continue
         if not is_plain_name(p.name):
-            raise BroadcastError(f"cannot publish {p}: file names may only use letters, digits, '.', '_' and '-'; "
-                                 "rename the file")
+            raise BroadcastError(
+                f"cannot publish {p}: file names may only use letters, digits, '.', '_' and '-'; rename the file"
+            )
         out.append(p)
     if not out:
         raise BroadcastError(f"cannot publish: {model_dir} holds no files (expected a saved HF model folder)")
@@ -114,8 +114,16 @@ def _split(paths: list[Path], shard_dir: Path | None, shard_size: int) -> tuple[
     return files, writer.shards, offset
 
 
-def publish_version(model_dir, root, version: int, *, key, parent: int | None = None,
-                    shard_size: int = 1 << 20, base: dict | None = None) -> dict:
+def publish_version(
+    model_dir,
+    root,
+    version: int,
+    *,
+    key,
+    parent: int | None = None,
+    shard_size: int = 1 << 20,
+    base: dict | None = None,
+) -> dict:
     """Shard and sign HF folder `model_dir` as root/vNNNNNN (written whole, atomically); return the manifest.
 
     `base` ({"version": b, "digest": content_digest of version b's manifest}) marks the folder as
@@ -137,8 +145,9 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
     paths = _model_files(model_dir)
     n = -(-sum(p.stat().st_size for p in paths) // shard_size)
     if n > MAX_SHARDS:
-        raise BroadcastError(f"cannot publish {vname}: {n} shards of {shard_size} bytes, more than {MAX_SHARDS}; "
-                             "use a larger shard_size")
+        raise BroadcastError(
+            f"cannot publish {vname}: {n} shards of {shard_size} bytes, more than {MAX_SHARDS}; use a larger shard_size"
+        )
     model_config: dict = {}
     if (model_dir / "config.json").is_file():
         try:
@@ -149,9 +158,18 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
             raise BroadcastError(f"cannot publish {vname}: {model_dir / 'config.json'} is not a JSON object")
 
     def sign(files, shards, total) -> dict:
-        m = {"format": FORMAT, "version": version, "parent": parent, "created": time.time(),
-             "model_config": model_config, "files": files, "shard_size": shard_size, "total_size": total,
-             "shards": shards, "public_key": key.public_key().public_bytes_raw().hex()}
+        m = {
+            "format": FORMAT,
+            "version": version,
+            "parent": parent,
+            "created": time.time(),
+            "model_config": model_config,
+            "files": files,
+            "shard_size": shard_size,
+            "total_size": total,
+            "shards": shards,
+            "public_key": key.public_key().public_bytes_raw().hex(),
+        }
         if base is not None:
             m["base"] = {"version": base["version"], "digest": base["digest"]}
         m["signature"] = key.sign(canonical(m)).hex()
@@ -161,15 +179,18 @@ def publish_version(model_dir, root, version: int, *, key, parent: int | None = 
 
     def existing_or_refuse(new: dict) -> dict:
         if not (dest / "manifest.json").is_file():
-            raise BroadcastError(f"cannot publish {vname}: {dest} exists but holds no manifest.json (not a complete "
-                                 "version); delete it and publish again")
+            raise BroadcastError(
+                f"cannot publish {vname}: {dest} exists but holds no manifest.json (not a complete "
+                "version); delete it and publish again"
+            )
         old = load_manifest_file(dest / "manifest.json")
         if same_content(old, new):
             return old
         raise BroadcastError(
             f"cannot publish {vname}: {dest} already holds a different {vname} (manifest digest "
             f"{manifest_digest(old)[:16]}...); versions are immutable: publish under a new version number, or "
-            "call unpublish_version first to replace it")
+            "call unpublish_version first to replace it"
+        )
 
     if dest.exists():  # a dry run: hash only, write nothing
         try:
