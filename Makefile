@@ -53,7 +53,7 @@ demo: $(STAMP)
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
-test: $(STAMP) sandbox browser openssl
+test: $(STAMP) sandbox browser openssl lint
 	$(PYTEST) -n $(JOBS) -m "not serial" tests
 	$(PYTEST) -m serial tests
 
