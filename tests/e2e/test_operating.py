@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MARKER = "<!-- tests/test_operating.py runs the next block as written -->"
+MARKER = "<!-- tests/e2e/test_operating.py runs the next block as written -->"
 pytestmark = pytest.mark.timeout(600)
 
 
