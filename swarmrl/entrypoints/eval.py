@@ -26,7 +26,8 @@ OVERRIDE_SECTIONS = ("tasks", "sandbox")
 
 class Settings(RoleSettings):
     model: str | None = flag(None, exclusive="source")
-    """local HF checkpoint folder, sampled with the project's seeded sampler"""
+    """local HF checkpoint folder, sampled with the project's seeded sampler (its fast engine for Qwen2/2.5, Qwen3
+    and Llama/SmolLM models, the model's own forward for others)"""
     endpoint: str | None = flag(None, exclusive="source")
     """OpenAI-compatible server URL, e.g. http://127.0.0.1:8080/v1 (swarmrl serve, vLLM, SGLang)"""
     served_model: str | None = None

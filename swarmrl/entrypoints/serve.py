@@ -36,8 +36,8 @@ class Settings(RoleSettings):
     tls_key: str | None = None
     """PEM private key of --tls-cert"""
     engine: Literal["builtin", "hf"] = "builtin"
-    """builtin: continuous batching (Qwen2/Llama models; others fall back to hf); hf: the generic engine over the
-    model's own forward, in static batches"""
+    """builtin: continuous batching (Qwen2/2.5, Qwen3 and Llama/SmolLM models; others fall back to hf, saying why);
+    hf: the generic engine over the model's own forward, in static batches"""
     max_batch: int = flag(32, aliases=("--max-batch-rows",))
     """completions generated together at most"""
     batch_window_ms: float = 5.0

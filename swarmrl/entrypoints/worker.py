@@ -66,7 +66,9 @@ class Settings(RoleSettings):
     """the trainer's ed25519 public key (64 hex) or a file holding it (<run-dir>/trainer.pub); versions it did
     not sign are refused"""
     engine: Literal["builtin", "openai"] = flag("builtin", group=TRUSTED)
-    """builtin: the seeded sampler with proofs (anyone); openai: the server at --endpoint (trusted keys)"""
+    """builtin: the seeded sampler with proofs (anyone; fast path for Qwen2/2.5, Qwen3 and Llama/SmolLM models, other
+    causal LMs through their own slower forward: docs/engines.md, 'Model families'); openai: the server at --endpoint
+    (trusted keys)"""
     endpoint: str | None = flag(None, group=TRUSTED)
     """the server's URL, e.g. http://127.0.0.1:8100 (or .../v1)"""
     endpoint_key_file: str | None = flag(None, group=TRUSTED)

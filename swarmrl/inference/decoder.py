@@ -1,10 +1,10 @@
-"""A lean forward pass of Qwen2-family decoders over a pre-allocated, per-slot KV cache.
+"""A lean forward pass of Qwen2, Qwen3 and Llama decoders over a pre-allocated, per-slot KV cache.
 
 Why not the Hugging Face module: at the sizes this project trains on a CPU, a decoding step is
 dominated by per-call overhead (module dispatch, mask construction, a `DynamicCache` that grows
 by concatenation, so every step copies the whole cache) rather than by arithmetic. This runs the
-same layers as `Qwen2Model` with the model's own parameters, and keeps keys and values in fixed
-tensors, one slot per row, written in place:
+same layers as `Qwen2Model` (and its siblings below) with the model's own parameters, and keeps
+keys and values in fixed tensors, one slot per row, written in place:
 
     k[layer]: [slots, kv_heads, capacity, head_dim]   (v the same)
 
@@ -17,8 +17,18 @@ float32, rotary tables in float32 cast to the model dtype, softmax in float32), 
 `model(...)` (what validators do) agrees with these decode steps to rounding; the validator's
 tolerances cover the rest, and `tests/unit/test_engine.py` checks the agreement.
 
-Supported: `Qwen2ForCausalLM` and `LlamaForCausalLM` without sliding windows or rope scaling
-(`supports(model)`); anything else uses the generic sampler (`inference/sampler.py`).
+Supported (`supports(model)`), the families users fine-tune today, which differ only in details
+of one layer:
+- Qwen2 / Qwen2.5 (`model_type` "qwen2"): biases on the q/k/v projections, untied or tied heads.
+- Qwen3 dense ("qwen3"): no biases, an RMSNorm over each query and key head before the rotary
+  embedding (q_norm, k_norm), and an explicit head_dim that may differ from hidden / heads.
+- Llama, SmolLM/SmolLM2 ("llama"): no biases, usually tied embeddings.
+Each is checked against transformers' own forward (logits and hidden states) and against the
+generic engine (the same seeded tokens) in `tests/unit/test_model_families.py`, on random
+weights with real checkpoints' shapes at reduced depth. Refused, so they use the generic sampler
+(`inference/sampler.py`): other architectures (Mistral, Gemma, Phi, mixtures of experts), sliding
+windows, rope scaling (Llama 3.1's "llama3" included), activations other than silu, biases on the
+attention output or the MLP (Llama's attention_bias / mlp_bias), FSDP-sharded parameters.
 """
 
 from __future__ import annotations
@@ -26,23 +36,60 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SUPPORTED_TYPES = ("qwen2", "llama")
+# By config.model_type: Qwen2.5 checkpoints say "qwen2"; SmolLM/SmolLM2 and Llama 2 say "llama"
+# (Llama 3.1+ too, but their "llama3" rope scaling is refused below). Each family is checked
+# against transformers' own forward in tests/unit/test_model_families.py.
+SUPPORTED_TYPES = ("qwen2", "qwen3", "llama")
+FAMILIES = "Qwen2/Qwen2.5, Qwen3 (dense) and Llama/SmolLM"
+
+
+def _rope_type(cfg) -> str:
+    # transformers 5 keeps rotary settings in `rope_parameters` (`rope_scaling` is an alias);
+    # older configs only have `rope_scaling`.
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, name, None)
+        if isinstance(params, dict):
+            return params.get("rope_type", params.get("type")) or "default"
+    return "default"
+
+
+def _unsupported_layer(layer) -> str | None:
+    """Why this decoder cannot run one decoder layer's modules, or None."""
+    a, m = layer.self_attn, layer.mlp
+    if not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "an attention block without separate q/k/v/o projections"
+    if not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "an MLP without gate/up/down projections"
+    qkv_bias = [getattr(a, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+    if any(qkv_bias) and not all(qkv_bias):
+        return "biases on some of the q/k/v projections but not all"
+    # Checked on the modules, not only on config flags (attention_bias, mlp_bias), so a model
+    # built or edited another way is refused too rather than decoded without its biases.
+    if a.o_proj.bias is not None:
+        return "a bias on the attention output projection (attention_bias=True)"
+    if any(getattr(m, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        return "biases on the MLP projections (mlp_bias=True)"
+    if (getattr(a, "q_norm", None) is None) != (getattr(a, "k_norm", None) is None):
+        return "a norm on the query heads or on the key heads, not both"
+    return None
 
 
 def supports(model) -> str | None:
-    """None when this decoder can run ``model``; otherwise why not (for a log line)."""
+    """None when this decoder can run ``model``; otherwise why not (for a log line or an error)."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_TYPES:
-        return f"model type {kind!r} (supported: {', '.join(SUPPORTED_TYPES)})"
-    if getattr(cfg, "use_sliding_window", False):
+        return f"model type {kind!r} is not one it implements ({FAMILIES}: {', '.join(SUPPORTED_TYPES)})"
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         return "sliding-window attention"
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
-    if rope_type not in (None, "default"):
-        return f"rope scaling {rope_type!r}"
+    if _rope_type(cfg) != "default":
+        return f"rope scaling {_rope_type(cfg)!r} (only plain rotary embeddings)"
     if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r}"
+        return f"activation {cfg.hidden_act!r} (only silu)"
+    for layer in model.base_model.layers:
+        why = _unsupported_layer(layer)
+        if why is not None:
+            return why
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         # Sharded (FSDP2) parameters are gathered by the modules' forward hooks, which this
         # decoder does not call.
@@ -58,6 +105,16 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+def _head_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3's RMSNorm over each head's ``head_dim`` values; ``weight`` is [heads, head_dim]
+    (the q_norm or k_norm weight repeated per head, so queries and keys go through one call)."""
+    if x.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, eps) * weight
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -65,7 +122,20 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "ln2", "gate_up", "down", "qkv_t", "o_t", "gate_up_t", "down_t")
+    __slots__ = (
+        "ln1",
+        "qkv_w",
+        "qkv_b",
+        "qk_norm",
+        "o_w",
+        "ln2",
+        "gate_up",
+        "down",
+        "qkv_t",
+        "o_t",
+        "gate_up_t",
+        "down_t",
+    )
 
 
 class SlotDecoder:
@@ -78,7 +148,10 @@ class SlotDecoder:
     def __init__(self, model, *, slots: int, capacity: int):
         why = supports(model)
         if why is not None:
-            raise ValueError(f"the built-in decoder cannot run this model: {why}")
+            raise ValueError(
+                f"the built-in decoder cannot run this model: {why}; the generic engine "
+                "(build_engine(..., kind='hf'), inference/sampler.py) runs any causal LM through its own forward"
+            )
         cfg = model.config
         self.model = model
         self.base = model.base_model
@@ -128,6 +201,11 @@ class SlotDecoder:
             L.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach()
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             L.qkv_b = torch.cat(biases, 0).detach() if all(b is not None for b in biases) else None
+            L.qk_norm = None
+            if getattr(a, "q_norm", None) is not None:  # Qwen3: [heads + kv_heads, head_dim], queries first
+                q_n = a.q_norm.weight.detach().expand(self.heads, self.head_dim)
+                k_n = a.k_norm.weight.detach().expand(self.kv_heads, self.head_dim)
+                L.qk_norm = torch.cat([q_n, k_n], 0)
             L.gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
             L.down = m.down_proj.weight
             if self.dtype == torch.float32 and self.device.type == "cpu":
@@ -191,8 +269,13 @@ class SlotDecoder:
         for li, L in enumerate(self._layers):
             h = _rms_norm(x, L.ln1, self.eps)
             q, k, v = self._qkv(L, h)
-            q = _rotate(q.view(n, width, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(n, width, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            q = q.view(n, width, self.heads, self.head_dim)
+            k = k.view(n, width, self.kv_heads, self.head_dim)
+            if L.qk_norm is not None:  # Qwen3 normalises each head before the rotary embedding
+                q = _head_norm(q, L.qk_norm[: self.heads], self.eps)
+                k = _head_norm(k, L.qk_norm[self.heads :], self.eps)
+            q = _rotate(q.transpose(1, 2), cos, sin)
+            k = _rotate(k.transpose(1, 2), cos, sin)
             v = v.view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
             self.k[li][slots, :, :width] = k
             self.v[li][slots, :, :width] = v
@@ -260,6 +343,8 @@ class SlotDecoder:
             else:
                 qkv = F.linear(_rms_norm(x, L.ln1, eps), L.qkv_w, L.qkv_b)
             qk = qkv[:, :width].view(b, heads + kv, dim)
+            if L.qk_norm is not None:  # Qwen3: each query and key head normalised, then rotated
+                qk = _head_norm(qk, L.qk_norm, eps)
             half = dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary, queries and keys at once
             kc[rows, :, lengths] = qk[:, heads:]

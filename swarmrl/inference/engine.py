@@ -11,11 +11,13 @@ choice keyed by (seed, t), positions of hidden states, the same completion for t
 
 Built-in engines:
 - "builtin" (`inference/batch.py`): continuous batching over a pre-allocated KV cache with one
-  prefill per distinct prompt, for the Qwen2/Llama models `inference/decoder.py` supports;
-  for any other model it falls back to "hf". With ``streams`` above 1, several of them, one per
+  prefill per distinct prompt, for the families `inference/decoder.py` implements (Qwen2/2.5,
+  Qwen3 dense, Llama/SmolLM; `supports(model)` says why a model is refused); for any other model
+  it falls back to "hf" and says so on stderr. With ``streams`` above 1, several of them, one per
   core, each on one intra-op thread (`inference/streams.py`): faster on a CPU at small sizes.
 - "hf" (`inference/sampler.py`): the generic path over any Hugging Face causal LM's own forward
   (static batches, a growing cache); slower, kept for other architectures and as the reference.
+  It keeps every convention above, so its completions carry proofs too.
 
 Engines that cannot provide hidden states or replayable seeds (an OpenAI-compatible server, for
 trusted fleets) say so with `provides_hidden` and `seeded`, and a worker that needs proofs
@@ -24,6 +26,7 @@ refuses them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -76,7 +79,8 @@ def build_engine(
     if streams < 1:
         raise ValueError(f"streams must be at least 1, got {streams}")
     stop = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
-    if kind == "builtin" and supports(model) is None:
+    why = supports(model) if kind == "builtin" else None
+    if kind == "builtin" and why is None:
         if streams > 1:
             return StreamedEngine(
                 model,
@@ -90,5 +94,14 @@ def build_engine(
             model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch=max_batch, capacity=capacity
         )
     if kind in ("builtin", "hf"):
+        if why is not None:
+            # Not an error (the generic engine samples the same way and proves its work), but a
+            # user who expected the fast path should learn why a run is slower than documented.
+            print(
+                f"swarmrl: the built-in engine cannot run this model ({why}); using the generic engine "
+                "(the same seeded sampling and proofs, slower; docs/engines.md, 'Model families')",
+                file=sys.stderr,
+                flush=True,
+            )
         return Sampler(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id)
     raise ValueError(f"unknown rollout engine {kind!r}; one of: {', '.join(ENGINES)}")

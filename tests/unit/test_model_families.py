@@ -1,0 +1,203 @@
+"""The built-in decoder on each model family it claims (`inference/decoder.py`), against transformers.
+
+No Qwen3 checkpoint (nor a Qwen2.5 one) is available here, so each family is a randomly initialised
+model with a real checkpoint's layer shapes at 2 layers and a 2048-token vocabulary:
+
+- qwen2: Qwen2.5-0.5B's layer (hidden 896, 14 heads / 2 KV heads, MLP 4864, q/k/v biases), with an
+  untied lm_head (as Qwen2.5-7B has) so the separate head is the one used;
+- qwen3: Qwen3-0.6B's (hidden 1024, 16 heads / 8 KV heads of head_dim 128, so 2048 != hidden, MLP
+  3072, q_norm/k_norm, no biases, tied embeddings);
+- llama: SmolLM2-135M's (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, tied embeddings).
+
+HF initialises norm weights to 1 and biases to 0, which would let a decoder that skips a bias or a
+norm's weight pass; both are randomised here. Each family is checked two ways: the decoder's
+prefill and decode steps against transformers' own forward on the same tokens (logits and
+final-layer hidden states), and the "builtin" engine against the generic "hf" one under the seeded
+scheme (the same tokens; what a validator replays).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from swarmrl.inference.batch import BatchEngine
+from swarmrl.inference.decoder import SlotDecoder, supports
+from swarmrl.inference.engine import build_engine
+from swarmrl.inference.sampler import Sampler
+
+VOCAB = 2048
+FAMILIES = {
+    "qwen2": lambda: Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=896,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
+    ),
+    "qwen3": lambda: Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        )
+    ),
+    "llama": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=576,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            rope_theta=1e5,
+            rms_norm_eps=1e-5,
+        )
+    ),
+}
+
+# Relative to the largest reference value. Both sides compute in float32 (unit roundoff u = 6e-8)
+# from the same weights, in different orders: fused q/k/v and gate/up matrices, MKL's blocking for a
+# [1, in] decode step vs a [W, in] prefill (it differs between AVX2 and AVX-512 CPUs), and another
+# attention kernel. Each reduction of n <= 4864 terms of O(1) inputs (RMSNorm bounds them) then
+# differs by about sqrt(n)*u = 4e-6 of its scale, and the ~10 such ops of two layers add up, not
+# multiply: 3-8e-6 was measured. 1e-4 leaves >10x for other CPUs, while each mistake this file
+# guards against moves values by >1e-1 of scale (measured when written: a Qwen3 head norm without
+# its weight 0.27, without the norm 0.52, Qwen2 without its q/k/v biases 1.5).
+RTOL_SCALE = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    torch.manual_seed(0)
+    model = FAMILIES[request.param]().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return request.param, model
+
+
+def _close(ours, ref, what):
+    err, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= RTOL_SCALE * scale, f"{what}: max difference {err:.3g} at scale {scale:.3g}"
+
+
+def test_the_family_has_the_shape_it_stands_for(family):
+    # Guards the test itself: each family must exercise the feature it is here for.
+    name, model = family
+    assert supports(model) is None
+    attn = model.model.layers[0].self_attn
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if name == "qwen2":
+        assert attn.q_proj.bias is not None and attn.o_proj.bias is None and not tied
+    if name == "qwen3":
+        assert attn.q_norm is not None and attn.q_proj.bias is None and tied
+        assert model.config.num_attention_heads * model.config.head_dim != model.config.hidden_size
+    if name == "llama":
+        assert attn.q_proj.bias is None and tied
+
+
+def test_prefill_and_decode_steps_match_transformers_forward(family):
+    name, model = family
+    g = torch.Generator().manual_seed(2)
+    # Two rows of different prompt lengths share every decode step (each masked to its own length).
+    sequences = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (15, 11)]
+    prompt_lengths, steps = [7, 3], 8
+    decoder = SlotDecoder(model, slots=2, capacity=16)
+    hidden = [[h] for h in decoder.prefill([s[:n] for s, n in zip(sequences, prompt_lengths)], torch.tensor([0, 1]))]
+    lengths = torch.tensor(prompt_lengths)
+    for _ in range(steps):  # teacher-forced: the next token of each sequence, not a sampled one
+        tokens = torch.tensor([s[n] for s, n in zip(sequences, lengths.tolist())])
+        for row, h in zip(hidden, decoder.decode(tokens, lengths)):
+            row.append(h)
+        lengths += 1
+    for seq, n, row in zip(sequences, prompt_lengths, hidden):
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([seq[: n + steps]]), output_hidden_states=True)
+        ours = torch.stack(row)  # the state behind each of the next steps + 1 tokens
+        _close(ours, out.hidden_states[-1][0, n - 1 :], f"{name} final hidden states")
+        _close(decoder.logits(ours), out.logits[0, n - 1 :], f"{name} logits")
+
+
+def test_builtin_and_generic_engines_draw_the_same_seeded_tokens(family):
+    name, model = family
+    never = SimpleNamespace(eos_token_id=VOCAB, pad_token_id=0)  # no row stops early
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 2, 5)]
+    prompts[3] = prompts[0]  # a shared prompt: prefilled once, its cache copied
+    seeds = [11, 12, 13, 14]
+    # 3 slots for 4 rows, so a slot is refilled mid-generation.
+    builtin = build_engine(model, never, kind="builtin", max_batch=3)
+    assert isinstance(builtin, BatchEngine), f"{name} fell back to the generic engine: {supports(model)}"
+    generic = build_engine(model, never, kind="hf")
+    assert isinstance(generic, Sampler)
+    for temperature in (1.0, 0.7):
+        ours = builtin.generate(prompts, seeds, max_new_tokens=8, temperature=temperature, return_hidden=True)
+        theirs = generic.generate(prompts, seeds, max_new_tokens=8, temperature=temperature, return_hidden=True)
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_ids == b.token_ids, f"{name} at T={temperature}"
+            _close(a.hidden, b.hidden, f"{name} hidden states")
+            _close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{name} logprobs")
+        assert ours[0].token_ids != ours[3].token_ids  # same prompt, other seed: another sample
+
+
+def _tiny(cls, config_cls, **kw):
+    shape = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    return cls(config_cls(num_hidden_layers=1, **shape, **kw)).eval()
+
+
+@pytest.mark.parametrize(
+    "build, reason",
+    [
+        (lambda: _tiny(LlamaForCausalLM, LlamaConfig, attention_bias=True), "attention output"),
+        (lambda: _tiny(LlamaForCausalLM, LlamaConfig, mlp_bias=True), "MLP"),
+        (lambda: _tiny(LlamaForCausalLM, LlamaConfig, hidden_act="gelu"), "activation 'gelu'"),
+        (
+            lambda: _tiny(
+                LlamaForCausalLM,
+                LlamaConfig,
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            ),
+            "rope scaling 'linear'",
+        ),
+        (lambda: _tiny(Qwen3ForCausalLM, Qwen3Config, use_sliding_window=True, max_window_layers=0), "sliding"),
+    ],
+)
+def test_what_the_decoder_does_not_implement_goes_to_the_generic_engine(build, reason, capsys):
+    model = build()
+    why = supports(model)
+    assert why is not None and reason in why
+    with pytest.raises(ValueError, match="kind='hf'"):
+        SlotDecoder(model, slots=1, capacity=8)
+    tok = SimpleNamespace(eos_token_id=0, pad_token_id=0)
+    assert isinstance(build_engine(model, tok), Sampler)  # a fallback, not an error, and said aloud:
+    assert reason in capsys.readouterr().err
