@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -50,6 +51,27 @@ class TasksConfig(Section):
     """Seed for task generation and shuffling."""
 
 
+# The no-signal stop must not end an honest hard run: a base solving NO_SIGNAL_ACCURACY of its
+# tasks reaches the default streak with probability at most NO_SIGNAL_FALSE_STOP per group, so a
+# run of a million groups stops falsely with probability below 0.1%.
+NO_SIGNAL_ACCURACY = 0.05
+NO_SIGNAL_FALSE_STOP = 1e-9
+
+
+def all_equal_chance(accuracy: float, group_size: int) -> float:
+    """P(all of a group's rewards are equal) for a policy solving `accuracy` of its tasks, with
+    0/1 rewards: all right or all wrong, p^g + (1 - p)^g."""
+    return accuracy**group_size + (1 - accuracy) ** group_size
+
+
+def default_uninformative_limit(group_size: int, prompts_per_step: int) -> int:
+    """The default `sampling.uninformative_limit`: at least 32 groups and 4 batches' worth (a
+    short unlucky patch is not a verdict), and long enough that a base at NO_SIGNAL_ACCURACY
+    reaches it with probability at most NO_SIGNAL_FALSE_STOP (N >= log(risk) / log(q))."""
+    q = all_equal_chance(NO_SIGNAL_ACCURACY, group_size)
+    return max(32, 4 * prompts_per_step, math.ceil(math.log(NO_SIGNAL_FALSE_STOP) / math.log(q)))
+
+
 class SamplingConfig(Section):
     group_size: int = Field(8, ge=2)
     """Completions per prompt (G in GRPO). Seed run: 16."""
@@ -70,9 +92,18 @@ class SamplingConfig(Section):
     another refuses the lease with a message) and validators prefill in it, so honest work is
     judged against its own numerics (docs/validation.md calibrates both). float32 on CPU;
     bfloat16 for GPU fleets, as in the seed run."""
-    uninformative_limit: int = Field(2000, ge=1)
-    """Stop the run with an error after this many consecutive groups with all-equal rewards
-    (no GRPO signal at all), rather than wait forever for an informative one."""
+    uninformative_limit: int | None = Field(None, ge=1)
+    """Stop the run with an error (naming the cause and the fixes) once this many groups in a
+    row had all-equal rewards and no batch can be built: GRPO has no signal, and waiting for an
+    informative group would wait forever. None: derived from the run, `no_signal_limit()`: the
+    largest of 32, 4 batches' worth (4 x prompts_per_step) and the streak a base solving 5% of
+    its tasks reaches with probability below 1e-9 (docs/operating.md, "A run with no signal")."""
+
+    def no_signal_limit(self) -> int:
+        """The all-equal streak at which the run stops: `uninformative_limit`, or its default."""
+        if self.uninformative_limit is not None:
+            return self.uninformative_limit
+        return default_uninformative_limit(self.group_size, self.prompts_per_step)
 
 
 class LengthConfig(Section):

@@ -72,13 +72,18 @@ def main(settings: Settings, cfg: None) -> None:
             torchrun.redirect_rank_output(settings.rank_logs)
     else:
         _start_ranks(settings)
-    from swarmrl.trainer.loop import run_trainer
+    from swarmrl.launch import fatal
+    from swarmrl.trainer.loop import RunStopped, run_trainer
 
     try:
         run_trainer(
             settings.run_dir, resume=settings.resume, orchestrator=settings.orchestrator, token_file=settings.token_file
         )
     except FileNotFoundError as e:
+        fail(str(e))
+    except RunStopped as e:
+        # Not a crash: `swarmrl rl` shows this message as it is, not a log tail.
+        fatal.record(settings.run_dir, "trainer", str(e))
         fail(str(e))
     except (SystemExit, KeyboardInterrupt) as e:
         if isinstance(e, SystemExit) and e.code in (0, None):

@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from swarmrl.config import Config, read_key_file
-from swarmrl.launch import torchrun
+from swarmrl.launch import fatal, torchrun
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
@@ -109,6 +109,11 @@ class Children:
             if code is not None and (code != 0 or name != "trainer"):
                 if name.startswith("worker") and code == 0 and self.rd.stop_requested():
                     continue  # a worker that exited because the run is over
+                stopped = fatal.read(self.rd.root)
+                if stopped is not None:
+                    # A role that stopped the run on purpose: its message is the whole story.
+                    role, message = stopped
+                    raise ChildDied(f"the {role} stopped the run: {message}\n(logs: {self.rd.logs})")
                 why = (
                     torchrun.describe_failure(log, self.rd.logs, since=self.log_start)
                     if name == self.torchrun
@@ -398,6 +403,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         info = rd.root / "orchestrator.json"
         info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
+        fatal.clear(rd.root)
         children.start(
             "orchestrator",
             ["orchestrator", "--run-dir", str(rd.root), *serve_tls] + (["--resume"] if resume else []),

@@ -50,6 +50,79 @@ def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: i
     return m
 
 
+def no_signal_message(
+    *, streak: int, seen: int, all_equal: int, groups: list[Group], accuracy_before: float | None, cfg: Config
+) -> str:
+    """Why a run stops for lack of signal, and what to change: the last `streak` groups in a row
+    had all-equal rewards (`groups`: the newest of them), `all_equal` of the `seen` groups so far
+    did, `accuracy_before` is the trainer's held-out accuracy before RL if it reported one."""
+    g = cfg.sampling.group_size
+    task = [r for grp in groups for r in grp.task_rewards]
+    mean = statistics.fmean(task) if task else float("nan")
+    never = sum(1 for grp in groups if grp.task_rewards and max(grp.task_rewards) <= 0.0)
+    always = sum(1 for grp in groups if grp.task_rewards and min(grp.task_rewards) >= 1.0)
+    samples = [s for grp in groups for s in grp.samples]
+    truncated = sum(s.finish_reason == "length" for s in samples) / max(1, len(samples))
+    share = f"{all_equal} of the {seen} groups sampled so far, {all_equal / max(1, seen):.0%}"
+    limit = cfg.sampling.no_signal_limit()
+    how = "set" if cfg.sampling.uninformative_limit is not None else "this run's default"
+    lines = [
+        f"no GRPO signal: the last {streak} groups in a row had all-equal rewards across their {g} completions "
+        f"({share}), and no batch can be built from such groups; the run stops here rather than wait for one "
+        f"(sampling.uninformative_limit: {limit} in a row, {how})."
+    ]
+    n = len(groups)
+    solves_all = n > 0 and always == n
+    if solves_all:
+        cause = "every completion scored 1: the policy solves all of these tasks, so there is nothing left to learn"
+    elif n > 0 and never == n:
+        cause = "every completion scored 0: the policy never earns a reward on these tasks"
+    elif never + always == n:
+        cause = (
+            f"of the last {n} groups, {never} scored 0 throughout and {always} scored 1 throughout: "
+            "each prompt is either always solved or never"
+        )
+    else:
+        cause = (
+            "the rewards are equal within each group but not all 0 or 1: a reward that does not vary "
+            "between completions of a prompt (check the task's grader, and the length reward if enabled)"
+        )
+    lines.append(f"Cause: mean task reward {mean:.2f} in those groups; {cause}.")
+    if accuracy_before is not None:
+        lines.append(f"Held-out accuracy before RL: {accuracy_before:.3f} (eval/accuracy at step 0).")
+    if truncated >= 0.5 and not solves_all:
+        lines.append(
+            f"{truncated:.0%} of their completions stopped at sampling.max_new_tokens = "
+            f"{cfg.sampling.max_new_tokens} before giving an answer: raise it."
+        )
+    if solves_all:
+        lines.append(
+            "Fixes: harder tasks (e.g. a higher tasks.digits, or tasks.solve_rate_range keeping rows a "
+            "model does not always solve); if the held-out accuracy is high too, this policy is done."
+        )
+    else:
+        lines += [
+            "Fixes, one or more:",
+            "  - an easier task, or a stronger base model (model.path), so that some completions of a prompt succeed;",
+            "  - a format warm start (a short supervised pass such as `swarmrl sft`) if the completions never write "
+            "their answer in the graded form (math tasks grade the last \\boxed{...} after </think>);",
+            "  - for a model without a reasoning format, a looser answer extraction (the last number it writes, "
+            "say): a task type of your own in tasks.types that reads the answer the model does write "
+            "(docs/architecture.md, 'How to add a task type');",
+            f"  - a larger sampling.group_size (now {g}): a task solved with probability p gives a group with "
+            f"signal with probability 1 - p^g - (1-p)^g.",
+        ]
+    # The command as the user can paste it: this run's folder and tasks where the config names them.
+    run_dir = cfg.run_dir or "<run-dir>"
+    tasks = "arithmetic" if cfg.tasks.source == "arithmetic" else cfg.tasks.source
+    lines.append(
+        f"To see what the policy writes and why it scores what it does: swarmrl eval --config {run_dir}/config.toml "
+        f"--model {run_dir}/policies/v000000 --benchmark {tasks} --limit 8 --output-dir <dir> "
+        "(results.jsonl holds each completion with its reward and reason)."
+    )
+    return "\n".join(lines)
+
+
 class Batches:
     """The trainer's side: batches, published policy versions, finished or not.
 
@@ -72,7 +145,8 @@ class Batches:
 
     def build_batch(self, step: int) -> dict:
         """Batch `step`: the frozen batch if it exists, else build it now if enough informative
-        groups wait, else report what is missing (the trainer polls)."""
+        groups wait, else report what is missing (the trainer polls), or refuse with no_signal
+        once the last `sampling.no_signal_limit()` groups in a row all had all-equal rewards."""
         cfg = self.cfg
         want, k = cfg.sampling.prompts_per_step, cfg.async_.bound
         with self.store.tx() as db:
@@ -82,39 +156,63 @@ class Batches:
             next_step, _, _ = Store.progress(db)
             if step != next_step:
                 raise ApiError(409, "wrong_step", f"batch {step} cannot be built: the next batch is {next_step}")
-            streak = Store.get_meta(db, "uninformative_streak", 0)
-            if streak >= cfg.sampling.uninformative_limit:
-                payloads = self.store.latest_uninformative_payloads(db, streak)
-                rewards = [r for p in payloads for r in json.loads(p)["task_rewards"]]
-                mean = statistics.fmean(rewards) if rewards else float("nan")
-                raise ApiError(
-                    409,
-                    "no_signal",
-                    f"the last {streak} groups all had equal rewards (mean task reward {mean:.2f}), "
-                    "so GRPO has no signal: the policy solves none (or all) of these tasks. Use a "
-                    "stronger base model (model.path, or more sft.steps), easier/harder tasks, or a "
-                    "larger group_size.",
-                )
             oldest = step - k
             stale = self.store.drop_older(db, ("queued",), oldest, step)
             if stale:
                 self.counters.count("off_policy_dropped", stale)
             ids = self.store.queued_ids(db, want)
-            if len(ids) < want:
-                return {"ready": False, "step": step, "queued": len(ids), "needed": want}
-            self.store.consume(db, ids, step)
-            self.store.resolve_uninformative(db, step)
-            taken = [Group.from_json(p) for p in self.store.payloads(db, ids)]
-            resolved = [Group.from_json(p) for p in self.store.resolved_payloads(db, step)]
-            n_stale = self.store.resolved_stale_count(db, step)
-            metrics = batch_metrics(step, taken, resolved, n_stale, cfg)
-            metrics["off_policy/dropped_total"] = float(self.store.count_groups(db, ("stale",)))
-            metrics.update(self.validation.metrics(db))
-            self.store.save_batch(db, step, json.dumps(ids), json.dumps(metrics), time.time())
-            Store.set_meta(db, "next_step", step + 1)
-            row = self.store.batch(db, step)
-            self.counters.count("batches_built")
-            return self._batch_response(db, row)
+            if len(ids) == want:
+                return self._freeze(db, step, ids)
+            signal = self._signal(db)
+            refusal = self._no_signal(db, signal)
+            if refusal is None:
+                return {"ready": False, "step": step, "queued": len(ids), "needed": want, **signal}
+        # Raised once the transaction has committed: the stale groups it dropped stay dropped.
+        raise ApiError(409, "no_signal", refusal)
+
+    def _freeze(self, db, step: int, ids: list[int]) -> dict:
+        """Build batch `step` from queued groups `ids` and freeze it (inside build_batch's transaction)."""
+        self.store.consume(db, ids, step)
+        self.store.resolve_uninformative(db, step)
+        taken = [Group.from_json(p) for p in self.store.payloads(db, ids)]
+        resolved = [Group.from_json(p) for p in self.store.resolved_payloads(db, step)]
+        n_stale = self.store.resolved_stale_count(db, step)
+        metrics = batch_metrics(step, taken, resolved, n_stale, self.cfg)
+        metrics["off_policy/dropped_total"] = float(self.store.count_groups(db, ("stale",)))
+        metrics.update(self.validation.metrics(db))
+        self.store.save_batch(db, step, json.dumps(ids), json.dumps(metrics), time.time())
+        Store.set_meta(db, "next_step", step + 1)
+        row = self.store.batch(db, step)
+        self.counters.count("batches_built")
+        return self._batch_response(db, row)
+
+    def _signal(self, db) -> dict:
+        """What a trainer waiting for a batch is told about the signal: groups that passed their
+        checks so far, how many had all-equal rewards, the current streak of those and the limit."""
+        streak = Store.get_meta(db, "uninformative_streak", 0)
+        return {
+            "groups_seen": max(Store.get_meta(db, "groups_settled", 0), streak),
+            "groups_all_equal": max(Store.get_meta(db, "groups_all_equal", 0), streak),
+            "all_equal_streak": streak,
+            "all_equal_limit": self.cfg.sampling.no_signal_limit(),
+        }
+
+    def _no_signal(self, db, signal: dict) -> str | None:
+        """The no_signal refusal's message once the all-equal streak has reached the limit, else None."""
+        streak = signal["all_equal_streak"]
+        if streak < signal["all_equal_limit"]:
+            return None
+        # The newest groups describe the policy as it is now (and a long streak is not all read).
+        groups = [Group.from_json(p) for p in self.store.latest_uninformative_payloads(db, min(streak, 1000))]
+        held = Store.get_meta(db, "trainer_metrics", {}).get("0", {}).get("eval/accuracy")
+        return no_signal_message(
+            streak=streak,
+            seen=signal["groups_seen"],
+            all_equal=signal["groups_all_equal"],
+            groups=groups,
+            accuracy_before=held,
+            cfg=self.cfg,
+        )
 
     def _batch_response(self, db, row) -> dict:
         ids = json.loads(row["group_ids"])

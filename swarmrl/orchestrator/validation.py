@@ -27,10 +27,14 @@ class ValidationQueue:
 
     def settled(self, db, key: str, informative: bool, *, validated: bool) -> None:
         """A group passed every check it was given: it counts for its worker (as validated when
-        the validator checked it) and the streak."""
+        the validator checked it), the all-equal streak (the no-signal stop, batches.py) and the
+        run's totals of groups and all-equal groups (what the trainer says while it waits)."""
         self.store.add_accepted(db, key, validated=validated)
         streak = 0 if informative else Store.get_meta(db, "uninformative_streak", 0) + 1
         Store.set_meta(db, "uninformative_streak", streak)
+        Store.set_meta(db, "groups_settled", Store.get_meta(db, "groups_settled", 0) + 1)
+        if not informative:
+            Store.set_meta(db, "groups_all_equal", Store.get_meta(db, "groups_all_equal", 0) + 1)
 
     def _name(self, db, key: str) -> str:
         name = self.store.worker_name(db, key)

@@ -273,6 +273,12 @@ class Batch(_Out):
     metrics: dict[str, float | None] = Field(default_factory=dict, description="NaN is sent as null")
     queued: int | None = Field(None, description="when not ready: informative groups waiting")
     needed: int | None = Field(None, description="when not ready: groups the batch needs")
+    groups_seen: int | None = Field(None, description="when not ready: groups that passed their checks so far")
+    groups_all_equal: int | None = Field(None, description="when not ready: of those, groups with all-equal rewards")
+    all_equal_streak: int | None = Field(None, description="when not ready: all-equal groups in a row, newest last")
+    all_equal_limit: int | None = Field(
+        None, description="when not ready: the streak at which the run stops with no_signal (409)"
+    )
 
 
 class Published(_Out):

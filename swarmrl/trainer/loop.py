@@ -121,6 +121,11 @@ def _orchestrator(rd: RunDir, url: str | None, token_file: str | None) -> Traine
     return TrainerClient(url, token_path.read_text().strip())
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on, for a reason the user must act on (not a crash): its message says
+    what is wrong and what to do, and is what the trainer prints (and `swarmrl rl` shows) on exit."""
+
+
 class _Link:
     """Rank 0's connection to the orchestrator: pull batches, announce versions. Every call
     rides out an orchestrator restart (retry with backoff for up to `unreachable_s`)."""
@@ -130,6 +135,7 @@ class _Link:
     ):
         self.client, self.url, self.rd, self.check, self.cfg = client, url, rd, check, cfg
         self.server, self.unreachable_s = server, unreachable_s
+        self.accuracy_before: float | None = None  # held-out, at step 0: named if the run stops for lack of signal
         # The trainer's signing key: relays and workers accept only versions it signed.
         self.key = load_or_create_key(rd.root / "trainer_key.pem")
         atomic_write_text(rd.root / "trainer.pub", public_key_hex(self.key) + "\n")
@@ -178,21 +184,45 @@ class _Link:
             print(f"dashboard: could not report held-out figures for step {step}: {e}", flush=True)
 
     def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
+        """Batch `step`, polling until the orchestrator has built it. Raises RunStopped when it
+        refuses with no_signal (every recent group had all-equal rewards): waiting would be forever."""
         t0 = last = time.monotonic()
         while True:
             try:
                 resp = self._call(lambda: self.client.batch(step), f"batch {step}")
             except Refused as e:
+                if e.code == "no_signal":
+                    raise RunStopped(self._with_accuracy(e.detail)) from None
                 raise RuntimeError(e.detail) from None
             if resp["ready"]:
                 return resp
             if time.monotonic() - last > report_s:  # a standalone trainer may wait for workers to join
                 last = time.monotonic()
-                print(
-                    f"waiting {last - t0:.0f} s for batch {step}: {resp['queued']}/{resp['needed']} groups", flush=True
-                )
+                print(f"waiting {last - t0:.0f} s for batch {step}: {waiting_note(resp)}", flush=True)
             self.check()
             time.sleep(poll_s)
+
+    def _with_accuracy(self, message: str) -> str:
+        """The orchestrator's no_signal message, with the held-out accuracy before RL when it
+        could not name it (the trainer's report of it is best effort)."""
+        if self.accuracy_before is None or "Held-out accuracy" in message:
+            return message
+        return f"{message}\nHeld-out accuracy before RL: {self.accuracy_before:.3f} (measured by this trainer)."
+
+
+def waiting_note(resp: dict) -> str:
+    """What a not-ready batch reply says: informative groups queued of those needed, and, from an
+    orchestrator that counts them, how many groups had all-equal rewards (no signal): a run
+    heading for the no_signal stop shows it here first."""
+    note = f"{resp['queued']}/{resp['needed']} informative groups"
+    seen, same = resp.get("groups_seen"), resp.get("groups_all_equal")
+    if not seen or same is None:
+        return note
+    note += f"; {same} of the {seen} groups sampled so far had all-equal rewards (no signal)"
+    streak, limit = resp.get("all_equal_streak"), resp.get("all_equal_limit")
+    if streak and limit:
+        note += f", the last {streak} in a row: the run stops with no_signal at {limit} in a row"
+    return note
 
 
 def _write_version(trainer, model, tokenizer, path: Path, full_sd, dtype: torch.dtype) -> None:
@@ -294,6 +324,8 @@ def run_trainer(
             _log_metrics(rd, {"step": 0, **before})
             print(f"held-out accuracy before: {before['eval/accuracy']:.3f}", flush=True)
             link.report(0, before)
+        if main:
+            link.accuracy_before = extra.get("accuracy_before")
         for step in range(start, cfg.trainer.steps):
             t0 = time.monotonic()
             groups, metrics = None, {}

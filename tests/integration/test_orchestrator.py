@@ -569,3 +569,56 @@ def test_trainer_reports_held_out_accuracy_to_the_dashboard(orch):
     )
     assert held["7"] == {"eval/accuracy": 0.625}  # only charted keys are kept
     assert "eval/accuracy" in dashboard.PROGRESS_KEYS
+
+
+def test_a_run_without_signal_is_refused_with_no_signal_after_the_default_bound(tmp_path):
+    """Every completion wrong, so every group's rewards are equal: under the default limit for
+    groups of 8 and 16 prompts a batch (4 batches' worth, 64 groups in a row) the trainer is told
+    how many groups had no signal while it waits, then refused with a message naming the cause."""
+    run = hand_run_dir(
+        tmp_path / "run",
+        "--sampling.group_size",
+        "8",
+        "--sampling.prompts_per_step",
+        "16",
+        "--sampling.worker_batch_prompts",
+        "8",
+        "--async.max_pending_groups",
+        "1000",
+    )
+    orch = OrchestratorProcess(run).start()
+    proofs: dict[tuple, list[str]] = {}  # a group's 8 completions are the same wrong answer: one prefill
+
+    def wrong_group(prompt: dict) -> dict:
+        ids = completion_ids(TOK, str(int(ANSWERS[prompt["problem_id"]]) + 1))
+        key = (tuple(prompt["prompt_ids"]), tuple(ids))
+        if key not in proofs:
+            proofs[key] = honest_proofs(run / "policies" / "v000000", prompt["prompt_ids"], ids)
+        sample = {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop", "proofs": proofs[key]}
+        return {"slot": prompt["slot"], "policy_version": 0, "samples": [sample] * 8}
+
+    try:
+        t, w = trainer_of(orch), new_worker(orch)
+        publish(orch, 0)
+        t.report(0, {"eval/accuracy": 0.0})  # the trainer's held-out accuracy before RL
+        for n in range(8, 65, 8):
+            lease = w.lease(0)["lease"]
+            reply = w.submit({"lease_id": lease["lease_id"], "groups": [wrong_group(p) for p in lease["prompts"]]})
+            assert len(reply["accepted"]) == 8 and not any(a["informative"] for a in reply["accepted"])
+            if n < 64:
+                waiting = t.batch(0)
+                assert not waiting["ready"] and waiting["queued"] == 0 and waiting["needed"] == 16
+                assert (waiting["groups_seen"], waiting["groups_all_equal"]) == (n, n)
+                assert (waiting["all_equal_streak"], waiting["all_equal_limit"]) == (n, 64)
+        with pytest.raises(Refused) as e:
+            t.batch(0)
+        assert e.value.status == 409 and e.value.code == "no_signal"
+        detail = e.value.detail
+        assert "the last 64 groups in a row had all-equal rewards across their 8 completions" in detail
+        assert "64 of the 64 groups sampled so far, 100%" in detail and "64 in a row, this run's default" in detail
+        assert "mean task reward 0.00" in detail and "never earns a reward" in detail
+        assert "Held-out accuracy before RL: 0.000" in detail
+        for fix in ("easier task", "swarmrl sft", "tasks.types", "sampling.group_size (now 8)"):
+            assert fix in detail, fix
+    finally:
+        orch.stop()

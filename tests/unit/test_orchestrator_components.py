@@ -10,10 +10,19 @@ import time
 import pytest
 
 from swarmrl.config import load_config
+from swarmrl.config.task import (
+    NO_SIGNAL_ACCURACY,
+    NO_SIGNAL_FALSE_STOP,
+    all_equal_chance,
+    default_uninformative_limit,
+)
 from swarmrl.model.tokenizer import build_char_tokenizer
+from swarmrl.orchestrator.batches import no_signal_message
+from swarmrl.orchestrator.dashboard import record_trainer_metrics
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.messages import GroupIn
+from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.rewards.pool import Outcome
 
 TRUSTED, OTHER = "a" * 64, "b" * 64
@@ -32,6 +41,12 @@ class InlinePool:
 
 @pytest.fixture
 def orch(tmp_path):
+    o = make_orchestrator(tmp_path)
+    yield o
+    o.close()
+
+
+def make_orchestrator(tmp_path, *overrides: str) -> Orchestrator:
     (tmp_path / "trusted.txt").write_text(TRUSTED + "\n")
     cfg = load_config(
         None,
@@ -60,6 +75,7 @@ def orch(tmp_path):
             "1",
             "--orchestrator.trusted_keys_file",
             str(tmp_path / "trusted.txt"),
+            *overrides,
         ],
     )
     logs: list[str] = []
@@ -75,8 +91,7 @@ def orch(tmp_path):
         log=logs.append,
     )
     o.logs = logs
-    yield o
-    o.close()
+    return o
 
 
 def completion(orch, problem_id: str, right: bool) -> dict:
@@ -136,3 +151,113 @@ def test_fraud_bans_the_key_and_expires_its_leases(orch):
     assert e.value.code == "lease_expired"
     assert orch.gauges()["workers_banned"] == 1 and orch.totals()["workers_banned"] == 1
     assert any(line.startswith("banned: worker o") for line in orch.logs)
+
+
+def _group(task_rewards: list[float], finish: str = "stop") -> Group:
+    sample = Sample(token_ids=[1, 2], logprobs=[-0.1, -0.1], finish_reason=finish, seed=0)
+    return Group(
+        problem_id="p",
+        task_type="verifiable_math",
+        prompt="q",
+        verification_info="{}",
+        prompt_ids=[1],
+        samples=[sample] * len(task_rewards),
+        policy_version=0,
+        worker="w",
+        temperature=1.0,
+        rewards=list(task_rewards),
+        task_rewards=list(task_rewards),
+    )
+
+
+def test_the_no_signal_limit_is_bounded_by_the_run_and_spares_honest_hard_runs():
+    cfg = load_config(None, [])
+    # The default run (groups of 8, 16 prompts a batch): 4 batches' worth.
+    assert cfg.sampling.uninformative_limit is None and cfg.sampling.no_signal_limit() == 64
+    # A small run still waits 32 groups and at least what a 5%-accurate base needs to be safe.
+    assert default_uninformative_limit(8, 2) == 51 and default_uninformative_limit(16, 1) == 32
+    assert default_uninformative_limit(2, 2) == 208  # pairs are all-equal 90% of the time at 5%
+    for g in (2, 4, 8, 16, 32):
+        for pps in (1, 2, 16, 32, 256):
+            n = default_uninformative_limit(g, pps)
+            assert n >= 4 * pps and n >= 32
+            assert all_equal_chance(NO_SIGNAL_ACCURACY, g) ** n <= NO_SIGNAL_FALSE_STOP
+    # 5% accuracy with groups of 8: about a third of the groups still have signal.
+    assert 1 - all_equal_chance(0.05, 8) == pytest.approx(0.3366, abs=1e-4)
+    assert load_config(None, ["--sampling.uninformative_limit", "7"]).sampling.no_signal_limit() == 7
+    with pytest.raises(ValueError, match="uninformative_limit"):
+        load_config(None, ["--sampling.uninformative_limit", "0"])
+
+
+def test_the_no_signal_message_names_the_cause_and_the_fixes():
+    cfg = load_config(None, [])
+    never = no_signal_message(
+        streak=64, seen=80, all_equal=70, groups=[_group([0.0] * 8)] * 64, accuracy_before=0.0, cfg=cfg
+    )
+    assert "the last 64 groups in a row had all-equal rewards" in never
+    assert "70 of the 80 groups sampled so far, 88%" in never
+    assert "mean task reward 0.00" in never and "never earns a reward" in never
+    assert "Held-out accuracy before RL: 0.000" in never
+    assert "64 in a row, this run's default" in never
+    for fix in ("easier task", "model.path", "swarmrl sft", "\\boxed", "tasks.types", "sampling.group_size (now 8)"):
+        assert fix in never, fix
+    assert "max_new_tokens" not in never  # the completions were not cut off
+
+    always = no_signal_message(
+        streak=64, seen=64, all_equal=64, groups=[_group([1.0] * 8)] * 64, accuracy_before=None, cfg=cfg
+    )
+    assert "mean task reward 1.00" in always and "solves all of these tasks" in always
+    assert "harder tasks" in always and "easier task" not in always
+    assert "Held-out accuracy" not in always  # not reported: the trainer adds its own figure
+
+    cut = load_config(None, ["--sampling.uninformative_limit", "5"])
+    mixed = no_signal_message(
+        streak=5,
+        seen=5,
+        all_equal=5,
+        groups=[_group([0.0] * 8, "length")] * 3 + [_group([1.0] * 8, "length")] * 2,
+        accuracy_before=0.4,
+        cfg=cut,
+    )
+    assert (
+        "3 scored 0 throughout and 2 scored 1 throughout" in mixed
+        and "(sampling.uninformative_limit: 5 in a row, set)" in mixed
+    )
+    assert "100% of their completions stopped at sampling.max_new_tokens = 64" in mixed
+
+
+def test_a_run_without_signal_is_refused_once_the_streak_reaches_the_limit(tmp_path):
+    """Groups settle through the validator (validator.rate 1): the streak counts passed groups."""
+    o = make_orchestrator(tmp_path, "--sampling.uninformative_limit", "4")
+    try:
+        o.publish(0, "http://x/v0", {"version": 0})
+        o.register(TRUSTED, "t")
+        record_trainer_metrics(o, 0, {"eval/accuracy": 0.0})  # what the trainer reports before step 1
+        for i in range(2):  # 2 leases of 2 prompts, every completion wrong: 4 all-equal groups
+            lease = o.lease(TRUSTED, 0)["lease"]
+            groups = [
+                GroupIn(
+                    slot=p["slot"],
+                    policy_version=0,
+                    engine="openai",
+                    samples=[completion(o, p["problem_id"], False)] * 2,
+                )
+                for p in lease["prompts"]
+            ]
+            assert not any(a["informative"] for a in o.submit(TRUSTED, lease["lease_id"], groups)["accepted"])
+            if i == 0:  # pending groups count once the validator passes them
+                assert o.build_batch(0)["groups_seen"] == 0
+            claim = o.claim_validation(10)
+            o.record_verdicts([{"id": item["id"], "ok": True} for item in claim["items"]])
+            if i == 0:
+                half = o.build_batch(0)
+                assert not half["ready"] and half["queued"] == 0 and half["all_equal_limit"] == 4
+                assert (half["groups_seen"], half["groups_all_equal"], half["all_equal_streak"]) == (2, 2, 2)
+        with pytest.raises(ApiError) as e:
+            o.build_batch(0)
+        assert e.value.status == 409 and e.value.code == "no_signal"
+        message = e.value.message
+        assert "the last 4 groups in a row" in message and "4 of the 4 groups sampled so far, 100%" in message
+        assert "never earns a reward" in message and "Held-out accuracy before RL: 0.000" in message
+    finally:
+        o.close()
