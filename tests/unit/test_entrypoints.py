@@ -34,6 +34,7 @@ FLAGS = {
     "validator": "--orchestrator --token-file --cache-dir --threads --device --dtype --relays --ca-file --trainer-key",
     "relay": "--upstream --cache-dir --host --port --keep --trainer-key --startup-tries --url-file --max-bytes-per-s "
     "--tls-cert --tls-key --ca-file",
+    "assets": "--cache --wheels --force --gguf --output --dtype",
 }
 
 # The least each command needs to resolve its settings.
@@ -50,6 +51,7 @@ MINIMAL = {
     "status": ["--orchestrator", "http://127.0.0.1:8000"],
     "validator": ["--orchestrator", "http://127.0.0.1:8000", "--token-file", "tok"],
     "relay": ["--upstream", "http://127.0.0.1:8001", "--cache-dir", "c"],
+    "assets": ["--cache", "c"],
 }
 
 
