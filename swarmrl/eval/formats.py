@@ -1,7 +1,7 @@
 """Turn local benchmark files into task-schema rows the eval runner can score.
 
 Public benchmarks come in their own column layouts (AIME-style math,
-LiveCodeBench code, GPQA multiple choice). ``load_benchmark`` maps each to the
+LiveCodeBench, HumanEval and MBPP code, GPQA multiple choice). ``load_benchmark`` maps each to the
 task schema of :mod:`swarmrl.data.schema` (``problem_id``, ``task_type``,
 ``prompt``, ``verification_info`` as a JSON string) so evaluation reuses the
 training graders unchanged. Only those four fields are kept: benchmark
@@ -17,6 +17,7 @@ missing problems gives scores that do not compare with anyone else's.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -55,10 +56,19 @@ FUNCTIONAL_INSTRUCTION = (
     "\n\nWrite the function `{fn_name}` in Python (a method of class Solution if the starter "
     "code has one). Put it in one ```python code block at the end of your answer."
 )
+HUMANEVAL_TEMPLATE = (
+    "Complete this Python function:\n\n```python\n{prompt}```\n\n"
+    "The code above runs before yours, so you may use what it defines. Write the whole function "
+    "`{entry_point}`, with the imports it needs, in one ```python code block at the end of your answer."
+)
+MBPP_TEMPLATE = (
+    "{text}\n\nYour code should pass these tests:\n\n```python\n{tests}\n```\n\n"
+    "Write {names} in Python. Put the code in one ```python code block at the end of your answer."
+)
 MCQ_INSTRUCTION = "\n\nAnswer with the letter of the correct choice in \\boxed{}, e.g. \\boxed{A}."
 
 #: Columns a problem id is taken from, first present wins.
-ID_FIELDS = ("problem_id", "id", "question_id", "ID", "Record ID")
+ID_FIELDS = ("problem_id", "id", "question_id", "ID", "Record ID", "task_id")
 _GPQA_INCORRECT = ("Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -279,6 +289,127 @@ def _from_code(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# code: HumanEval and MBPP, graded by their own asserts (``assert_tests``, rewards/code.py).
+
+
+def _python(record: Mapping[str, Any], field: str, what: str) -> ast.Module:
+    """A field of Python source, kept verbatim (indentation matters), parsed."""
+    value = record.get(field)
+    if _missing(value) or (isinstance(value, str) and not value.strip()):
+        raise _RowProblem(field, f"is missing or empty; the row needs {what} in {field!r}")
+    if not isinstance(value, str):
+        raise _RowProblem(field, f"must be a string of Python code, got {type(value).__name__}")
+    try:
+        return ast.parse(value)
+    except SyntaxError as err:
+        raise _RowProblem(field, f"is not valid Python ({err.msg}, line {err.lineno}); fix the row") from None
+
+
+def _top_level_names(tree: ast.Module) -> list[str]:
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return [node.name for node in tree.body if isinstance(node, kinds)]
+
+
+def _from_humaneval(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
+    """HumanEval: ``prompt`` (signature + docstring), ``test`` (defines ``check(candidate)``),
+    ``entry_point``. The program runs after the prompt, as in HumanEval's own harness
+    (prompt + completion), so a completion may be the whole function or only its body; the tests
+    run ``check(entry_point)`` with the prompt's helpers, in their own process."""
+    prompt_tree = _python(record, "prompt", "the function's signature and docstring")
+    entry_point = _text(record, ("entry_point",), "entry point")
+    if not entry_point.isidentifier():
+        raise _RowProblem("entry_point", f"must be the function's name (a Python identifier), got {entry_point!r}")
+    if entry_point not in _top_level_names(prompt_tree):
+        raise _RowProblem(
+            "entry_point", f"{entry_point!r} is not a function the prompt defines; name the prompt's function"
+        )
+    if "check" not in _top_level_names(_python(record, "test", "the test program defining check(candidate)")):
+        raise _RowProblem("test", "defines no top-level check(candidate) function; HumanEval's tests call check(f)")
+    prompt = record["prompt"] if record["prompt"].endswith("\n") else record["prompt"] + "\n"
+    tests = {
+        "functions": [entry_point],
+        "tests": [f"check({entry_point})"],
+        "setup": prompt + "\n" + record["test"],
+        "program_prefix": prompt,
+    }
+    return {
+        "problem_id": problem_id,
+        "task_type": CODE,
+        "prompt": HUMANEVAL_TEMPLATE.format(prompt=prompt.lstrip("\n"), entry_point=entry_point),
+        "verification_info": json.dumps({"assert_tests": tests}),
+    }
+
+
+def _string_list(record: Mapping[str, Any], field: str, *, required: bool) -> list[str]:
+    raw = record.get(field)
+    if _missing(raw) or (isinstance(raw, str) and not raw.strip()):
+        raw = []
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise _RowProblem(field, "is a string that is not a JSON list; make it a list of strings") from None
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(item, str) for item in raw):
+        raise _RowProblem(field, f"must be a list of strings, got {type(raw).__name__}")
+    if required and not [item for item in raw if item.strip()]:
+        raise _RowProblem(field, "is empty; a problem without tests would reward any program")
+    return [item for item in raw if item.strip()]
+
+
+def _from_mbpp(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
+    """MBPP (original or sanitized): ``text`` or ``prompt``, ``test_list`` (assert statements),
+    ``code`` (the reference, whose function names tell which names the asserts call),
+    ``test_setup_code`` and ``test_imports`` optional. ``challenge_test_list`` is not graded,
+    as in MBPP's reported scores."""
+    text = _text(record, ("text", "prompt"), "problem description")
+    asserts = _string_list(record, "test_list", required=True)
+    names = set()
+    for index, statement in enumerate(asserts):
+        try:
+            names |= {node.id for node in ast.walk(ast.parse(statement)) if isinstance(node, ast.Name)}
+        except SyntaxError as err:
+            raise _RowProblem(f"test_list[{index}]", f"is not valid Python ({err.msg}); fix the row") from None
+    defined = _top_level_names(_python(record, "code", "the reference solution"))
+    functions = [name for name in dict.fromkeys(defined) if name in names]
+    if not functions:
+        raise _RowProblem(
+            "test_list", f"calls none of the functions the reference 'code' defines ({', '.join(defined) or 'none'})"
+        )
+    setup_code = record.get("test_setup_code")
+    if _missing(setup_code):
+        setup_code = ""
+    if not isinstance(setup_code, str):
+        raise _RowProblem("test_setup_code", f"must be a string of Python code, got {type(setup_code).__name__}")
+    setup = "\n".join(_string_list(record, "test_imports", required=False) + [setup_code])
+    tests = {"functions": functions, "tests": asserts, "setup": setup}
+    names_text = ", ".join(f"`{name}`" for name in functions)
+    return {
+        "problem_id": problem_id,
+        "task_type": CODE,
+        "prompt": MBPP_TEMPLATE.format(text=text, tests="\n".join(asserts), names=names_text),
+        "verification_info": json.dumps({"assert_tests": tests}),
+    }
+
+
+def code_flavour(record: Mapping[str, Any]) -> str:
+    """Which code benchmark a row comes from: "humaneval", "mbpp" or "livecodebench"."""
+    keys = set(record)
+    if "test_list" in keys:
+        return "mbpp"
+    if "entry_point" in keys or {"canonical_solution", "test"} <= keys:
+        return "humaneval"
+    return "livecodebench"
+
+
+_CODE_FLAVOURS: dict[str, Callable[[Mapping[str, Any], str], dict[str, Any]]] = {
+    "humaneval": _from_humaneval,
+    "mbpp": _from_mbpp,
+    "livecodebench": _from_code,
+}
+_FLAVOUR_NAMES = {"humaneval": "HumanEval", "mbpp": "MBPP", "livecodebench": "LiveCodeBench"}
+
+
+# ---------------------------------------------------------------------------
 # mcq: question + choices, or GPQA's raw columns.
 
 
@@ -398,7 +529,9 @@ def detect_format(record: Mapping[str, Any]) -> str | None:
     keys = set(record)
     if {"task_type", "verification_info"} <= keys:
         return "schema"
-    if keys & {"question_content", "public_test_cases"}:
+    if keys & {"question_content", "public_test_cases", "entry_point", "test_list"}:
+        return "code"
+    if {"canonical_solution", "test"} <= keys:
         return "code"
     if keys & {"choices", "Correct Answer"}:
         return "mcq"
@@ -435,6 +568,7 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
     rows: list[dict] = []
     first_row_of: dict[str, int] = {}
     chosen = None if fmt == "auto" else fmt
+    convert, label = None, ""
     records = read_records(path)
     try:
         for index, (row_no, record, parse_error) in enumerate(records):
@@ -449,16 +583,24 @@ def load_benchmark(path: str | Path, fmt: str = "auto") -> list[dict]:
                         f"{path}: cannot tell the benchmark format from the first row's keys "
                         f"{sorted(record)}; pass fmt= one of {FORMATS[1:]} (schema needs "
                         "task_type + verification_info, code question_content or "
-                        "public_test_cases, mcq choices or 'Correct Answer', math answer + "
+                        "public_test_cases (LiveCodeBench), entry_point (HumanEval) or "
+                        "test_list (MBPP), mcq choices or 'Correct Answer', math answer + "
                         "problem/question)"
                     )
+            if convert is None:
+                # A code file is HumanEval, MBPP or LiveCodeBench throughout: decided by its first
+                # row, so a later row missing a field is told which field, not another format's.
+                convert, label = _CONVERTERS[chosen], repr(chosen)
+                if chosen == "code":
+                    flavour = code_flavour(record)
+                    convert, label = _CODE_FLAVOURS[flavour], f"{chosen!r}, {_FLAVOUR_NAMES[flavour]}"
             problem_id = _problem_id(record, f"{path.stem}-{index}")
             try:
-                row = _CONVERTERS[chosen](record, problem_id)
+                row = convert(record, problem_id)
                 if row["task_type"] == MULTIPLE_CHOICE:
                     _check_choice_row(row["verification_info"])
             except _RowProblem as problem:
-                raise fail(row_no, problem.field, f"{problem.message} (format {chosen!r})") from None
+                raise fail(row_no, problem.field, f"{problem.message} (format {label})") from None
             _, errors = parse_row(row, row_no, checks=registry.checks())
             if errors:
                 raise ValueError(f"{path}: " + "; ".join(str(e) for e in errors))

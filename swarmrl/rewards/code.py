@@ -29,6 +29,23 @@ and the completion as a whole has one (tests that no longer fit fail as timed ou
 Each test is its own sandboxed process that sees only its own input, never an expected
 output, and the comparison runs here on the host: a program cannot fake success by patching
 the comparison or builtins, by exiting early, or by printing another test's answer.
+
+**Assert-style tests** (HumanEval, MBPP) are ``verification_info["assert_tests"]`` instead, a
+JSON object (or a JSON string of one)::
+
+    {"functions": ["f"],                 # the names the tests call in the program
+     "tests": ["check(f)"],              # Python code; each item is one test
+     "setup": "def check(candidate): ...",   # optional: run before each test, tests' side only
+     "program_prefix": "def f(x):\n ..."}  # optional: put before the program (HumanEval's prompt)
+
+Such tests carry their expected values and judge inside the sandbox, so there they run in a
+process of their own (harness MODE assert): the program runs in a second process and the test
+reaches its ``functions`` only through proxies that pass plain values (numbers, strings, lists,
+tuples, dicts, sets); an object of the program stays in its process as an opaque handle. A test
+passes when it returns without an exception and its process writes back a nonce the program
+never sees. Rewards and partial credit are as above, counting each item of ``tests`` as one
+test (HumanEval's single ``check(f)`` is all-or-nothing). A row whose setup fails, or whose test
+never calls the program, is a data bug: grading raises ValueError, as for malformed tests.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ import json
 import math
 import os
 import re
+import secrets
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +64,7 @@ from typing import Any
 from swarmrl.config import SandboxConfig
 from swarmrl.data.schema import describe_json_error
 from swarmrl.rewards.answer import answer_region, missing_answer_reason
+from swarmrl.sandbox.harness import EXIT_BAD_TESTS, EXIT_PROGRAM_FAILED, EXIT_TEST_FAILED, EXIT_UNSAFE
 from swarmrl.sandbox.runner import ExecResult, Sandbox, SandboxFailure, SandboxSettings
 
 # ```python / ```py / ```python3 (any case) up to the closing fence.
@@ -71,7 +90,10 @@ def decode_test_cases(info: Mapping[str, Any]) -> dict[str, Any]:
     string); hand-written files often do not. Both are accepted.
     """
     if "test_cases" not in info:
-        raise ValueError(f"prime_rl_code needs a 'test_cases' key; found keys {sorted(info)}")
+        raise ValueError(
+            "prime_rl_code needs a 'test_cases' key (stdin/stdout or function tests) or an "
+            f"'assert_tests' key (assert-style tests, e.g. HumanEval's); found keys {sorted(info)}"
+        )
     raw = info["test_cases"]
     if isinstance(raw, str):
         try:
@@ -111,12 +133,96 @@ class TestCases:
     fn_name: str | None
 
 
-def parse_test_cases(verification_info: dict) -> TestCases:
+@dataclass(frozen=True)
+class AssertTests:
+    """Assert-style tests (``verification_info["assert_tests"]``; see the module docstring)."""
+
+    functions: list[str]
+    tests: list[str]
+    setup: str = ""
+    program_prefix: str = ""
+
+    def program(self, completion_program: str) -> str:
+        """What runs in the program's process: the prefix (HumanEval's prompt), then the program."""
+        if not self.program_prefix:
+            return completion_program
+        prefix = self.program_prefix if self.program_prefix.endswith("\n") else self.program_prefix + "\n"
+        return prefix + completion_program
+
+
+def _source(value: Any, where: str, *, required: bool) -> str:
+    """A field of Python source: a string that compiles (checked here, so a broken row is refused
+    when it is loaded rather than scoring every program 0)."""
+    if isinstance(value, str) and required and not value.strip():
+        raise ValueError(f"'{where}' is empty; it must be a non-empty string of Python code")
+    if not isinstance(value, str):
+        raise ValueError(f"'{where}' must be a string of Python code, got {type(value).__name__}")
+    try:
+        compile(value, where, "exec", dont_inherit=True)
+    except SyntaxError as err:
+        line = f" (line {err.lineno})" if err.lineno else ""
+        raise ValueError(f"'{where}' is not valid Python: {err.msg}{line}") from None
+    except ValueError as err:  # a NUL byte in the source
+        raise ValueError(f"'{where}' is not valid Python: {err}") from None
+    return value
+
+
+def parse_assert_tests(verification_info: Mapping[str, Any]) -> AssertTests:
+    """The ``assert_tests`` of a code row (a JSON string or object); ValueError naming the problem."""
+    raw = verification_info["assert_tests"]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"'assert_tests' is {describe_json_error(err)}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            "'assert_tests' must be a JSON object (or a JSON string of one) with 'functions' and "
+            f"'tests' lists, got {type(raw).__name__}"
+        )
+    unknown = sorted(set(raw) - {"functions", "tests", "setup", "program_prefix"})
+    if unknown:
+        raise ValueError(
+            f"'assert_tests' has unknown keys {unknown}; it takes functions, tests, setup and program_prefix"
+        )
+    functions = raw.get("functions")
+    if not isinstance(functions, list) or not functions:
+        raise ValueError(
+            "'assert_tests.functions' must be a non-empty list of the names the tests call in the program "
+            f"(HumanEval: [entry_point]), got {functions!r}"[:300]
+        )
+    for name in functions:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"'assert_tests.functions' must hold Python identifiers, got {name!r}")
+    if len(set(functions)) != len(functions):
+        raise ValueError("'assert_tests.functions' names a function twice")
+    tests = raw.get("tests")
+    if not isinstance(tests, list) or not tests:
+        # Zero tests would make every program "pass": a free reward, not a task.
+        raise ValueError("'assert_tests.tests' must be a non-empty list of test code (e.g. [\"check(f)\"])")
+    for index, test in enumerate(tests):
+        _source(test, f"assert_tests.tests[{index}]", required=True)
+    setup = _source(raw.get("setup", ""), "assert_tests.setup", required=False)
+    prefix = raw.get("program_prefix", "")
+    if not isinstance(prefix, str):
+        raise ValueError(f"'assert_tests.program_prefix' must be a string, got {type(prefix).__name__}")
+    return AssertTests(list(functions), list(tests), setup, prefix)
+
+
+def parse_test_cases(verification_info: dict) -> TestCases | AssertTests:
     """The tests of a code row; ValueError naming the problem for a malformed row.
 
-    The shape checks (``check_code``, also the loader's check of a code row) come first; running
-    them also needs ``fn_name`` to be a Python identifier and stdin tests to be text.
+    ``assert_tests`` rows are read by ``parse_assert_tests``. For ``test_cases`` the shape checks
+    (``check_code``) come first; running them also needs ``fn_name`` to be a Python identifier
+    and stdin tests to be text.
     """
+    if "assert_tests" in verification_info:
+        if "test_cases" in verification_info:
+            raise ValueError(
+                "a code row has either 'test_cases' or 'assert_tests', not both; "
+                "one program is graded one way: keep one and drop the other"
+            )
+        return parse_assert_tests(verification_info)
     check_code(verification_info)
     raw = decode_test_cases(verification_info)
     inputs, outputs, fn_name = raw["inputs"], raw["outputs"], raw.get("fn_name")
@@ -257,6 +363,35 @@ def run_test(sandbox: Sandbox, program: str, tests: TestCases, index: int, timeo
     return f"wrong answer: expected {_quote(json.dumps(wanted))}, got {_quote(json.dumps(value))}"
 
 
+def run_assert_test(sandbox: Sandbox, program: str, tests: AssertTests, index: int, timeout_s: float) -> str | None:
+    """Run assert test ``index`` (harness MODE assert); None if it passed, else the reason.
+
+    It passed only if the harness's test process wrote back this run's nonce: fresh random bytes
+    that never reach the program's process, so no exit code or output the program can produce
+    stands in for it.
+    """
+    nonce = secrets.token_hex(16)
+    request = {"nonce": nonce, "setup": tests.setup, "test": tests.tests[index], "functions": tests.functions}
+    result = sandbox.run(
+        tests.program(program), mode="assert", stdin=json.dumps(request).encode("utf-8"), timeout_s=timeout_s
+    )
+    detail = result.last_error_line()
+    if result.status == "exit" and result.exit_code == EXIT_BAD_TESTS:
+        raise ValueError(f"the row's assert_tests are broken, whatever the program: {detail}")
+    if result.status == "exit" and result.exit_code == EXIT_UNSAFE:
+        raise SandboxFailure(f"the assert-test harness refused to run: {detail}")
+    if result.status == "exit" and result.exit_code == EXIT_TEST_FAILED:
+        return f"wrong answer: {detail}"
+    if result.status == "exit" and result.exit_code == EXIT_PROGRAM_FAILED:
+        return f"runtime error: {detail}"
+    failure = _failure(result, timeout_s)
+    if failure is not None:
+        return failure
+    if result.stdout.strip() != nonce.encode("ascii"):
+        return "the tests did not report a pass"
+    return None
+
+
 def grade_code(
     sandbox: Sandbox, verification_info: dict, completion: str, limits: CodeLimits = CodeLimits()
 ) -> tuple[float, str | None]:
@@ -268,22 +403,26 @@ def grade_code(
     program = extract_program(completion)
     if program is None:
         return 0.0, missing_answer_reason(completion, "```python code block")
+    count = len(tests.tests) if isinstance(tests, AssertTests) else len(tests.inputs)
     deadline = time.monotonic() + limits.total_timeout_s
     passed, first_failure = 0, None
-    for index in range(len(tests.inputs)):
+    for index in range(count):
         left = deadline - time.monotonic()
+        failure: str | None
         if left <= 0:
             failure = f"total time limit exceeded ({limits.total_timeout_s:g} s)"
+        elif isinstance(tests, AssertTests):
+            failure = run_assert_test(sandbox, program, tests, index, min(limits.test_timeout_s, left))
         else:
             failure = run_test(sandbox, program, tests, index, min(limits.test_timeout_s, left))
         if failure is None:
             passed += 1
             continue
-        first_failure = first_failure or f"test {index + 1} of {len(tests.inputs)}: {failure}"
+        first_failure = first_failure or f"test {index + 1} of {count}: {failure}"
         if not limits.partial_credit:
             return 0.0, first_failure
     if limits.partial_credit:
-        return passed / len(tests.inputs), first_failure
+        return passed / count, first_failure
     return 1.0, None
 
 

@@ -365,7 +365,7 @@ class Sandbox:
         return args
 
     def run(self, program: str, *, mode: str, stdin: bytes, timeout_s: float) -> ExecResult:
-        """Run ``program`` once (``mode`` "stdio" or "call"; see harness.py) in a free slot."""
+        """Run ``program`` once (``mode`` "stdio", "call" or "assert"; see harness.py) in a free slot."""
         if self._closed:
             raise RuntimeError("this Sandbox is closed; create a new one")
         slot = self._free.get()

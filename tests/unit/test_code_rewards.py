@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmrl.rewards.code import extract_program, parse_test_cases, stdout_matches, value_matches
+from swarmrl.data.schema import parse_row
+from swarmrl.rewards import registry
+from swarmrl.rewards.code import AssertTests, extract_program, parse_test_cases, stdout_matches, value_matches
 from swarmrl.sandbox.cgroups import open_slot_cgroup, read_mounts, read_own_cgroups
 
 # -- finding the program -------------------------------------------------------------------
@@ -65,6 +67,63 @@ def test_test_cases_as_string_or_object_with_and_without_fn_name():
 def test_malformed_test_cases_name_the_problem(info, says):
     with pytest.raises(ValueError, match=says):
         parse_test_cases(info)
+
+
+# -- assert-style tests (HumanEval, MBPP) -------------------------------------------------
+
+ASSERTS = {"functions": ["f"], "tests": ["check(f)"], "setup": "def check(candidate):\n    assert candidate(1) == 2\n"}
+
+
+def test_assert_tests_as_object_or_json_string():
+    tests = parse_test_cases({"assert_tests": ASSERTS})
+    assert tests == AssertTests(["f"], ["check(f)"], ASSERTS["setup"], "")
+    assert parse_test_cases({"assert_tests": json.dumps(ASSERTS)}) == tests
+    # The prefix (HumanEval's prompt) goes before the program, on a line of its own.
+    prefixed = AssertTests(["f"], ["check(f)"], program_prefix='def f(x):\n    """doc"""')
+    assert prefixed.program("    return x + 1\n") == 'def f(x):\n    """doc"""\n    return x + 1\n'
+    assert tests.program("x = 1\n") == "x = 1\n"
+
+
+def with_asserts(**changes) -> dict:
+    tests = dict(ASSERTS, **changes)
+    return {"assert_tests": {k: v for k, v in tests.items() if v is not None}}
+
+
+@pytest.mark.parametrize(
+    "info, says",
+    [
+        ({"assert_tests": ASSERTS, "test_cases": {"inputs": ["1"], "outputs": ["2"]}}, "not both"),
+        ({"assert_tests": "{nope"}, "'assert_tests' is not valid JSON"),
+        ({"assert_tests": ["check(f)"]}, "'assert_tests' must be a JSON object"),
+        (with_asserts(check="x"), r"unknown keys \['check'\]"),
+        (with_asserts(functions=None), "'assert_tests.functions' must be a non-empty list"),
+        (with_asserts(functions=[]), "'assert_tests.functions' must be a non-empty list"),
+        (with_asserts(functions=["f", "not a name"]), "must hold Python identifiers, got 'not a name'"),
+        (with_asserts(functions=["f", "f"]), "names a function twice"),
+        (with_asserts(tests=[]), "'assert_tests.tests' must be a non-empty list"),
+        (with_asserts(tests="check(f)"), "'assert_tests.tests' must be a non-empty list"),
+        (with_asserts(tests=["check(f)", "  "]), r"'assert_tests.tests\[1\]' is empty"),
+        (with_asserts(tests=["check(f)", "assert f(1) =="]), r"'assert_tests.tests\[1\]' is not valid Python"),
+        (with_asserts(setup="def check(candidate)\n    pass\n"), r"'assert_tests.setup' is not valid Python.*line 1"),
+        (with_asserts(setup=7), "'assert_tests.setup' must be a string of Python code, got int"),
+        (with_asserts(program_prefix=["def f(): pass"]), "'assert_tests.program_prefix' must be a string"),
+    ],
+)
+def test_malformed_assert_tests_name_the_problem(info, says):
+    with pytest.raises(ValueError, match=says):
+        parse_test_cases(info)
+
+
+def test_a_malformed_assert_row_is_refused_when_loaded():
+    row = {"problem_id": "p", "task_type": "prime_rl_code", "prompt": "write f"}
+    info = json.dumps({"assert_tests": ASSERTS})
+    good, errors = parse_row(dict(row, verification_info=info), 3, checks=registry.checks())
+    assert good is not None and errors == []
+    info = json.dumps(with_asserts(tests=["check(f"]))
+    refused, errors = parse_row(dict(row, verification_info=info), 3, checks=registry.checks())
+    assert refused is None
+    assert [(e.row, e.field) for e in errors] == [(3, "verification_info")]
+    assert "'assert_tests.tests[0]' is not valid Python" in errors[0].message
 
 
 # -- comparing stdout ----------------------------------------------------------------------

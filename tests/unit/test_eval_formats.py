@@ -10,7 +10,7 @@ import pytest
 from swarmrl.data.schema import parse_row
 from swarmrl.eval.formats import FORMATS, MATH_SUFFIX, detect_format, load_benchmark
 from swarmrl.rewards.choice import choice_task_reward
-from swarmrl.rewards.code import parse_test_cases
+from swarmrl.rewards.code import AssertTests, parse_test_cases
 
 SCHEMA_KEYS = {"problem_id", "task_type", "prompt", "verification_info"}
 MCQ_TAIL = "\n\nAnswer with the letter of the correct choice in \\boxed{}, e.g. \\boxed{A}."
@@ -209,6 +209,152 @@ def test_code_without_tests_refused(tmp_path: Path) -> None:
         load_benchmark(write_jsonl(tmp_path / "lcb.jsonl", [record]))
 
 
+# -- code: HumanEval and MBPP ------------------------------------------------------
+
+
+HUMANEVAL_PROMPT = (
+    "from typing import List\n\n\n"
+    "def below_zero(operations: List[int]) -> bool:\n"
+    '    """ Whether the balance, starting at zero, ever falls below zero.\n'
+    "    >>> below_zero([1, 2, -4, 5])\n"
+    "    True\n"
+    '    """\n'
+)
+HUMANEVAL_TEST = (
+    "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 'test'\n}\n\n\n"
+    "def check(candidate):\n"
+    "    assert candidate([]) == False\n"
+    "    assert candidate([1, 2, -4, 5, 6]) == True\n"
+)
+
+
+def humaneval_record(task: int = 3) -> dict:
+    return {
+        "task_id": f"HumanEval/{task}",
+        "prompt": HUMANEVAL_PROMPT,
+        "canonical_solution": "    balance = 0\n    for op in operations:\n        balance += op\n"
+        "        if balance < 0:\n            return True\n    return False\n",
+        "test": HUMANEVAL_TEST,
+        "entry_point": "below_zero",
+    }
+
+
+def test_humaneval_rows(tmp_path: Path) -> None:
+    rows = load_benchmark(write_jsonl(tmp_path / "HumanEval.jsonl", [humaneval_record(3), humaneval_record(4)]))
+    assert_schema_rows(rows)
+    assert [r["problem_id"] for r in rows] == ["HumanEval/3", "HumanEval/4"]  # from task_id
+    row = rows[0]
+    assert row["task_type"] == "prime_rl_code"
+    assert row["prompt"] == (
+        "Complete this Python function:\n\n```python\n" + HUMANEVAL_PROMPT + "```\n\n"
+        "The code above runs before yours, so you may use what it defines. Write the whole function "
+        "`below_zero`, with the imports it needs, in one ```python code block at the end of your answer."
+    )
+    # The tests' process gets the prompt's helpers and check(); the program's gets the prompt
+    # (HumanEval's harness runs prompt + completion); the one test calls check(entry_point).
+    tests = parse_test_cases(json.loads(row["verification_info"]))
+    assert tests == AssertTests(
+        functions=["below_zero"],
+        tests=["check(below_zero)"],
+        setup=HUMANEVAL_PROMPT + "\n" + HUMANEVAL_TEST,
+        program_prefix=HUMANEVAL_PROMPT,
+    )
+    # Nothing of the reference solution reaches the row.
+    assert "balance = 0" not in row["verification_info"] + row["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "says"),
+    [
+        ({"test": None}, "test", "is missing or empty; the row needs the test program defining check"),
+        ({"test": "def check(candidate):\n    assert candidate(1) = 2\n"}, "test", "is not valid Python"),
+        ({"test": "def test(candidate):\n    assert candidate([])\n"}, "test", "defines no top-level check"),
+        ({"entry_point": None}, "entry_point", "no entry point: the row needs a non-empty 'entry_point'"),
+        ({"entry_point": "belowZero"}, "entry_point", "'belowZero' is not a function the prompt defines"),
+        ({"entry_point": "below zero"}, "entry_point", "must be the function's name"),
+        ({"prompt": "   "}, "prompt", "is missing or empty; the row needs the function's signature"),
+    ],
+)
+def test_humaneval_row_missing_a_field_is_refused(tmp_path: Path, change: dict, field: str, says: str) -> None:
+    broken = {k: v for k, v in {**humaneval_record(1), **change}.items() if v is not None}
+    path = write_jsonl(tmp_path / "he.jsonl", [humaneval_record(0), broken])
+    with pytest.raises(ValueError) as raised:
+        load_benchmark(path)
+    message = str(raised.value)
+    assert f"row 2, field '{field}': {says}" in message, message
+    assert "(format 'code', HumanEval)" in message
+
+
+def mbpp_record() -> dict:
+    return {  # the original file's shape
+        "task_id": 2,
+        "text": "Write a function to find the shared elements from the given two lists.",
+        "code": "def similar_elements(test_tup1, test_tup2):\n"
+        "  res = tuple(set(test_tup1) & set(test_tup2))\n  return (res) ",
+        "test_list": [
+            "assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+            "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+        ],
+        "test_setup_code": "",
+        "challenge_test_list": [],
+    }
+
+
+def test_mbpp_rows_original_and_sanitized_shapes(tmp_path: Path) -> None:
+    (row,) = load_benchmark(write_jsonl(tmp_path / "mbpp.jsonl", [mbpp_record()]))
+    assert_schema_rows([row])
+    assert row["problem_id"] == "2"
+    assert row["prompt"] == (
+        "Write a function to find the shared elements from the given two lists."
+        "\n\nYour code should pass these tests:\n\n```python\n"
+        "assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"
+        "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))\n```\n\n"
+        "Write `similar_elements` in Python. Put the code in one ```python code block at the end of your answer."
+    )
+    tests = parse_test_cases(json.loads(row["verification_info"]))
+    assert tests.functions == ["similar_elements"] and tests.tests == mbpp_record()["test_list"]
+    assert (tests.setup.strip(), tests.program_prefix) == ("", "")
+    # The sanitized file: 'prompt' for the text, test_imports; a class the asserts build is a
+    # function of the program too, a helper they never name is not.
+    sanitized = {
+        "source_file": "x.py",
+        "task_id": 601,
+        "prompt": "Write a function to find the longest chain which can be formed from the given set of pairs.",
+        "code": "class Pair(object):\n  def __init__(self, a, b):\n    self.a = a\n    self.b = b\n"
+        "def helper(x):\n  return x\n"
+        "def max_chain_length(arr, n):\n  return n - 1\n",
+        "test_imports": ["import math"],
+        "test_list": ["assert max_chain_length([Pair(5, 24), Pair(15, 25)], 2) == 1"],
+    }
+    (row,) = load_benchmark(write_jsonl(tmp_path / "sanitized.jsonl", [sanitized]))
+    tests = parse_test_cases(json.loads(row["verification_info"]))
+    assert tests.functions == ["Pair", "max_chain_length"]
+    assert tests.setup == "import math\n"
+    assert "Write `Pair`, `max_chain_length` in Python." in row["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "says"),
+    [
+        ({"test_list": []}, "test_list", "is empty; a problem without tests would reward any program"),
+        ({"test_list": "assert f(1) == 2"}, "test_list", "is a string that is not a JSON list"),
+        ({"test_list": [1, 2]}, "test_list", "must be a list of strings"),
+        ({"test_list": ["assert similar_elements((1,), (1,) =="]}, "test_list[0]", "is not valid Python"),
+        ({"code": None}, "code", "is missing or empty; the row needs the reference solution"),
+        ({"code": "def other(a, b):\n  return a\n"}, "test_list", "calls none of the functions the reference"),
+        ({"text": None}, "text", "no problem description: the row needs a non-empty 'text' or 'prompt'"),
+        ({"test_setup_code": ["import math"]}, "test_setup_code", "must be a string of Python code"),
+    ],
+)
+def test_mbpp_row_missing_a_field_is_refused(tmp_path: Path, change: dict, field: str, says: str) -> None:
+    broken = {k: v for k, v in {**mbpp_record(), "task_id": 3, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as raised:
+        load_benchmark(write_jsonl(tmp_path / "mbpp.jsonl", [mbpp_record(), broken]))
+    message = str(raised.value)
+    assert f"row 2, field '{field}': {says}" in message, message
+    assert "(format 'code', MBPP)" in message
+
+
 # -- mcq -------------------------------------------------------------------------
 
 
@@ -389,6 +535,9 @@ def test_schema_multiple_choice_info_is_checked(tmp_path: Path) -> None:
         ({"task_type": "x", "verification_info": "{}", "prompt": "p"}, "schema"),
         ({"question_content": "q"}, "code"),
         ({"public_test_cases": "[]", "question": "q"}, "code"),
+        ({"task_id": "HumanEval/0", "prompt": "def f():\n", "test": "", "entry_point": "f"}, "code"),
+        ({"task_id": 1, "prompt": "p", "canonical_solution": "", "test": ""}, "code"),
+        ({"text": "t", "code": "", "test_list": []}, "code"),
         ({"question": "q", "choices": ["a", "b"], "answer": "A"}, "mcq"),
         ({"Question": "q", "Correct Answer": "a"}, "mcq"),
         ({"problem": "p", "answer": 1}, "math"),
