@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install real-assets vllm-env sandbox browser openssl demo test test-unit test-integration test-e2e test-fast lint bench clean
+.PHONY: install real-assets vllm-env sandbox browser openssl demo test test-unit test-integration test-e2e test-real test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -88,9 +88,9 @@ demo: $(STAMP)
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
-test: $(STAMP) sandbox browser openssl lint
-	$(PYTEST) -n $(JOBS) -m "not serial" tests
-	$(PYTEST) -m serial tests
+test: $(STAMP) sandbox browser openssl real-assets lint
+	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -n $(JOBS) -m "not serial" tests
+	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -m serial tests
 
 test-unit: $(STAMP)
 	$(PYTEST) -n $(JOBS) tests/unit
@@ -101,6 +101,10 @@ test-integration: $(STAMP) sandbox openssl
 
 test-e2e: $(STAMP) sandbox browser openssl
 	$(PYTEST) -n $(JOBS) tests/e2e
+
+# The real checkpoint, benchmark rows and vLLM through every role (docs/real-models.md).
+test-real: $(STAMP) sandbox real-assets
+	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -n $(JOBS) tests/real
 
 # Everything but the whole runs.
 test-fast: $(STAMP) sandbox openssl

@@ -7,6 +7,8 @@ Tests live in one folder per cost, and the folder is the marker (`pytest -m unit
   test that starts a process or opens a network socket.
 - `integration/`: real processes and servers on 127.0.0.1, each bounded to seconds or a minute.
 - `e2e/`: whole runs of `swarmrl rl` and the rehearsals in the docs.
+- `real/`: the real pretrained checkpoint, benchmark rows and vLLM (`make real-assets`, `make
+  vllm-env` prepare them; docs/real-models.md) through every role, bounded like integration tests.
 Helpers that several modules import live in `support/` (on sys.path, imported by module name).
 """
 
@@ -24,7 +26,7 @@ sys.path.insert(0, str(HERE / "support"))
 
 from runs import EASY, swarmrl  # noqa: E402  (support/ is on the path only from here on)
 
-TIERS = ("unit", "integration", "e2e")
+TIERS = ("unit", "integration", "e2e", "real")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from swarmrl.config.base import Section
 
@@ -13,7 +14,13 @@ from swarmrl.config.base import Section
 class ModelConfig(Section):
     path: str | None = None
     """HF model folder to start from (any local causal LM). None: the project's tiny Qwen2 warm
-    started by `swarmrl sft`, built on first use and cached under `base_cache_dir`."""
+    started by `swarmrl sft`, built on first use and cached under `base_cache_dir`. `~` and
+    `$VARS` are expanded (configs/smollm2-135m.toml points into the real assets' cache)."""
+
+    @field_validator("path")
+    @classmethod
+    def _expand(cls, value: str | None) -> str | None:
+        return os.path.expanduser(os.path.expandvars(value)) if value else value
     base_cache_dir: str = ".cache/swarmrl/base"
     """Where the built-in base model is cached (relative to the working directory)."""
     device: str = "cpu"
@@ -39,6 +46,14 @@ class TasksConfig(Section):
     """Arithmetic difficulty: digits per operand."""
     ops: str = Field("+-", pattern=r"^[+-]+$")
     """Arithmetic operators to draw from."""
+    style: Literal["reasoning", "plain"] = "reasoning"
+    """Arithmetic prompts and grading. "reasoning": "Compute 12 + 7." graded on the last \\boxed{}
+    (the format `swarmrl sft` teaches the built-in base). "plain": "What is 12 + 7? Answer with
+    only the number." graded on the last number written, for a pretrained chat model that was
+    never taught the boxed format (configs/smollm2-135m.toml)."""
+    held_out_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of all arithmetic problems in the held-out split (by a hash of each problem). Raise it
+    for 1-digit problems, of which there are only 100 per operator."""
     train_size: int = Field(5000, ge=1)
     """Number of distinct arithmetic training problems."""
     eval_size: int = Field(200, ge=1)

@@ -90,7 +90,9 @@ def _rows(settings: Settings, cfg: Config) -> list[dict]:
             from swarmrl.tasks import arithmetic
 
             t = cfg.tasks
-            rows = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
+            rows = arithmetic.generate(
+                t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed, **arithmetic.options(t)
+            )
         elif settings.benchmark == "code":
             from swarmrl.tasks import code as code_tasks
 

@@ -126,6 +126,14 @@ def load_tokenizer(path: str | Path, *, base: str | Path | None = None):
             "by `swarmrl sft`, a policy version under <run-dir>/policies/, or a local HF checkpoint."
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        # Every prompt goes through the chat template (tasks/source.py, eval, serve); failing
+        # here names the folder instead of a transformers error deep inside the first rollout.
+        raise ValueError(
+            f"the tokenizer in {path} has no chat template, and swarmrl sends every prompt as a chat message. "
+            "Add one: a chat_template.jinja file in the folder (or 'chat_template' in tokenizer_config.json), "
+            "e.g. the template of the instruct model this checkpoint was tuned from"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

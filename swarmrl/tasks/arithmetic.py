@@ -44,8 +44,18 @@ def is_held_out(problem: Problem, held_out_fraction: float) -> bool:
     return (h % 10_000) < held_out_fraction * 10_000
 
 
-def prompt_for(problem: Problem) -> str:
+def prompt_for(problem: Problem, style: str = "reasoning") -> str:
+    if style == "plain":
+        return f"What is {problem.a} {problem.op} {problem.b}? {PLAIN_INSTRUCTION}"
     return f"Compute {problem.a} {problem.op} {problem.b}."
+
+
+# Styles of prompt and grading. "reasoning": the project's own format, taught by `swarmrl sft`
+# (a <think> trace, then \boxed{answer}). "plain": a question as a user would ask a chat model that
+# was never taught a format, graded on the last number it writes (math rows' "last_number"
+# extraction): what a pretrained checkpoint brought from elsewhere can earn rewards on at once.
+STYLES = ("reasoning", "plain")
+PLAIN_INSTRUCTION = "Answer with only the number."
 
 
 SLIPS = ("carry", "order")
@@ -138,6 +148,11 @@ def _answer_of(trace: str) -> str:
     return trace.rsplit("\\boxed{", 1)[1].rstrip("}")
 
 
+def options(tasks) -> dict:
+    """The generate() keywords a run's tasks config sets beyond size, digits, ops and seed."""
+    return {"style": tasks.style, "held_out_fraction": tasks.held_out_fraction}
+
+
 def sample_problem(rng: random.Random, digits: int, ops: str) -> Problem:
     lo = 10 ** (digits - 1) if digits > 1 else 0
     hi = 10**digits - 1
@@ -155,10 +170,13 @@ def generate(
     with_trace: bool = False,
     slip_rate: float = 0.0,
     verbosity: tuple[int, ...] = (0,),
+    style: str = "reasoning",
 ) -> list[dict]:
     """`n` distinct rows of one split. `with_trace` adds a `trace` column for SFT, in which a
     problem that admits a slip gets a slipped trace (a random one of its slips) with
     probability `slip_rate`, written at a verbosity level drawn uniformly from `verbosity`."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if digits < 1 or not ops or set(ops) - {"+", "-"}:
@@ -182,8 +200,10 @@ def generate(
         row = {
             "problem_id": p.problem_id,
             "task_type": TASK_TYPE,
-            "prompt": prompt_for(p),
-            "verification_info": json.dumps({"ground_truth": str(p.answer)}),
+            "prompt": prompt_for(p, style),
+            "verification_info": json.dumps(
+                {"ground_truth": str(p.answer)} | ({"extract": "last_number"} if style == "plain" else {})
+            ),
             "difficulty": digits,
         }
         if with_trace:

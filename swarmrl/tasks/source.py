@@ -13,8 +13,12 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) as dicts in the task schema."""
     t = cfg.tasks
     if t.source == "arithmetic":
-        train = arithmetic.generate(t.train_size, digits=t.digits, ops=t.ops, split="train", seed=t.seed)
-        held = arithmetic.generate(t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed)
+        train = arithmetic.generate(
+            t.train_size, digits=t.digits, ops=t.ops, split="train", seed=t.seed, **arithmetic.options(t)
+        )
+        held = arithmetic.generate(
+            t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed, **arithmetic.options(t)
+        )
         return train, held
     result = load_tasks(
         t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=registry.checks()

@@ -270,11 +270,11 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_every_test_module_sits_in_a_tier():
-    """tests/conftest.py refuses to run a test outside tests/{unit,integration,e2e}; this says so
+    """tests/conftest.py refuses to run a test outside tests/{unit,integration,e2e,real}; this says so
     before collection, from the tree."""
     stray = [p.name for p in TESTS.glob("test_*.py")]
     assert not stray, f"move {stray} into tests/unit, tests/integration or tests/e2e (by cost)"
-    for tier in ("unit", "integration", "e2e"):
+    for tier in ("unit", "integration", "e2e", "real"):
         assert list((TESTS / tier).glob("test_*.py")), tier
 
 
