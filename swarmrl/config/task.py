@@ -21,6 +21,7 @@ class ModelConfig(Section):
     @classmethod
     def _expand(cls, value: str | None) -> str | None:
         return os.path.expanduser(os.path.expandvars(value)) if value else value
+
     base_cache_dir: str = ".cache/swarmrl/base"
     """Where the built-in base model is cached (relative to the working directory)."""
     device: str = "cpu"
