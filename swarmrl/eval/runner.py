@@ -177,15 +177,36 @@ class EndpointBackend:
             raise ValueError(f"a prompt of {count} tokens fills the endpoint's context of {self.context} tokens")
         return min(DEFAULT_MAX_TOKENS, room)
 
-    @staticmethod
-    def _checked(response) -> dict:
+    def _post(self, path: str, body: dict) -> dict:
+        """POST and the reply's JSON; ValueError naming the cause when the server failed it, with the
+        fix when its engine has died (vLLM's CPU build on seeded, chunk-prefilled prompts)."""
+        import httpx
+
+        from swarmrl.inference.remote import DEAD_ENGINE_HINT
+
+        try:
+            response = self.client.post(path, json=body)
+        except httpx.ConnectError as e:
+            # vLLM shuts its HTTP server down once its engine has died.
+            raise ValueError(
+                f"the endpoint {self.url} stopped answering ({e}); it answered before, so it has exited: "
+                + DEAD_ENGINE_HINT
+            ) from None
+        return self._checked(response)
+
+    def _checked(self, response) -> dict:
+        from swarmrl.inference.remote import DEAD_ENGINE_HINT, engine_dead
+
         try:
             body = response.json()
         except ValueError:
             body = None
         if response.status_code >= 400:
             message = (body or {}).get("error", {}).get("message") if isinstance(body, dict) else None
-            raise ValueError(f"the endpoint answered {response.status_code}: {message or response.text[:200]}")
+            message = message or response.text[:200]
+            if response.status_code >= 500 and engine_dead(self.client, self.url[: -len("/v1")], message):
+                raise ValueError(f"the endpoint answered {response.status_code}: {message}; {DEAD_ENGINE_HINT}")
+            raise ValueError(f"the endpoint answered {response.status_code}: {message}")
         return body
 
     def describe(self) -> str:
@@ -203,7 +224,7 @@ class EndpointBackend:
             "temperature": temperature,
             "logprobs": True,
         }
-        reply = self._checked(self.client.post(f"{self.url}/chat/completions", json=body))
+        reply = self._post(f"{self.url}/chat/completions", body)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != len(seeds):
             raise ValueError(

