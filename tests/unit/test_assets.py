@@ -116,3 +116,15 @@ def test_last_number_rows_grade_plain_answers_and_boxed_rows_do_not():
 def test_an_unknown_extraction_is_a_row_error_naming_the_choices():
     with pytest.raises(ValueError, match="extract is 'first'; use one of boxed, last_number"):
         ground_truth_text({"ground_truth": "1", "extract": "first"})
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_by_folder(tmp_path):
+    from swarmrl.model.checkpoint import build_tiny_policy, load_tokenizer, save_policy
+
+    model, tokenizer = build_tiny_policy(seed=0, hidden_size=32, num_layers=1, intermediate_size=64)
+    tokenizer.chat_template = None
+    save_policy(model, tokenizer, tmp_path / "plain")
+    for extra in (tmp_path / "plain").glob("chat_template.jinja"):
+        extra.unlink()
+    with pytest.raises(ValueError, match=r"plain has no chat template.*chat_template.jinja"):
+        load_tokenizer(tmp_path / "plain")
