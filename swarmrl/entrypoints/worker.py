@@ -79,10 +79,12 @@ class Settings(RoleSettings):
     """how each new policy version gets into the server: reload (swarmrl serve's POST /v1/reload; the default),
     restart (this worker runs --server-command and restarts it per version; the default with --server-command),
     sglang (POST /update_weights_from_disk), vllm (re-point <cache-dir>/serving, POST /collective_rpc
-    reload_weights). sglang and vllm are untested here"""
+    reload_weights; vLLM started with VLLM_SERVER_DEV_MODE=1). vllm and restart were run with vLLM's CPU build
+    (docs/engines.md, 'vLLM on a CPU'); sglang is untested here"""
     server_command: str | None = flag(None, group=TRUSTED)
     """restart mode: the server's command line, {model} standing for the checkpoint folder, e.g.
-    "vllm serve {model} --port 8100 ..." """
+    "python -m vllm.entrypoints.openai.api_server --model {model} --port 8100 ..." (docs/engines.md has the flags
+    vLLM needs: --dtype, --generation-config vllm, and on CPU --no-enable-chunked-prefill)"""
     endpoint_dtype: Literal["float32", "bfloat16", "float16"] | None = flag(None, group=TRUSTED)
     """the precision the server computes in, declared with every group (the validator's logprob tolerance follows
     it); default: the run's"""

@@ -98,7 +98,8 @@ class EndpointSettings:
         if self.load == "restart" and (not self.server_command or "{model}" not in self.server_command):
             raise ValueError(
                 "the restart load mode needs --server-command with {model} where the checkpoint "
-                "folder goes, e.g. 'vllm serve {model} --port 8100 --logprobs-mode processed_logprobs'"
+                "folder goes, e.g. 'python -m vllm.entrypoints.openai.api_server --model {model} --port 8100' "
+                "(docs/engines.md)"
             )
         if self.load != "restart" and self.server_command:
             raise ValueError(f"--server-command is for --load restart, not --load {self.load}")
