@@ -5,21 +5,31 @@ padded vs packed micro-batches, activation checkpointing off/on, full training v
     python benchmarks/bench_memory.py --models 1m --seq-lens 128,512 --lora off
     python benchmarks/bench_memory.py --device cuda --models 0.5b --precision mixed --seq-lens 512,2048
     python benchmarks/bench_memory.py --out memory.json
+    python benchmarks/bench_memory.py --model-path ~/.cache/swarmrl/real/models/smollm2-135m-q4 \
+        --seq-lens 128 --prompt-len 60 --sequences 32 --micro-batch-size 8 --ac off --lora-rank 16
 
 Each configuration runs in a fresh Python process (`--one SPEC`), so one's allocations never
-inflate another's peak. It builds a random Qwen2 of the given size, a synthetic GRPO batch, and a
-`GRPOTrainer` from the configured fields, then runs one `train_step` (old logprobs recomputed,
-then one optimizer step over every micro-batch) and reports:
+inflate another's peak. It builds a random Qwen2 of the given size (or, with `--model-path`, loads a
+real Hugging Face causal-LM folder), a synthetic GRPO batch, and a `GRPOTrainer` from the configured
+fields, then runs one `train_step` (old logprobs recomputed, then one optimizer step over every
+micro-batch) and reports its wall time, the trained tokens per second (real prompt + completion
+tokens, padding excluded) and:
   CPU:  peak RSS of the process (VmHWM), its RSS before the step, and the step's increase
         (peak - before: activations, gradients, AdamW state, which is allocated on the first step);
-        the process baseline (torch + transformers imported, model built) is ~300-400 MB here;
+        the process baseline (torch + transformers imported, model built) is ~300-400 MB here,
+        ~870 MB with a 135M-parameter float32 folder;
   CUDA: torch.cuda.max_memory_allocated during the step, and memory_allocated before it.
+A LoRA configuration also reports the byte size of its adapter-only version (the adapter's
+safetensors in `sampling.dtype`, float32 by default); with `--model-path` the header says the size
+of a full version (the folder's *.safetensors).
 
-Batch: `--sequences` sequences (groups of 4) of a 16-token prompt and a completion drawn uniformly
-from [seq_len / 4, seq_len - 16] tokens, so lengths are mixed as in GRPO. Padded: micro-batches of
+Batch: `--sequences` sequences (groups of 4) of a `--prompt-len`-token prompt (default 16) and a
+completion drawn uniformly from [seq_len / 4, seq_len - prompt-len] tokens, so lengths are mixed as
+in GRPO; token ids are random below the model's vocabulary size. Padded: micro-batches of
 `--micro-batch-size` sequences, each padded to its longest. Packed (`trainer.max_tokens_per_micro_batch`):
 a budget of micro_batch_size x seq_len tokens, the most a padded micro-batch can hold, so both
-compute at most as many tokens per pass. LoRA: `trainer.lora.rank` 8 on every projection.
+compute at most as many tokens per pass. LoRA: `trainer.lora.rank` (`--lora-rank`, default 8) on
+every projection (trainer.lora.target_modules' default).
 
 One rank: under FSDP2 the parameter, gradient and optimizer parts of these figures divide by the
 number of ranks (and `trainer.cpu_offload` moves them to host memory); activations do not.
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -74,7 +85,7 @@ MODELS = {
         vocab_size=151936,
     ),
 }
-PROMPT = 16
+PROMPT = 16  # default --prompt-len
 
 
 def _status_kb(key: str) -> int:
@@ -84,16 +95,16 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int):
+def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int, prompt_len: int = PROMPT):
     from swarmrl.protocol.rollouts import Group, Sample
 
     rng = random.Random(seed)
     groups = []
     for g in range(n // 4):
-        prompt = [rng.randrange(5, vocab) for _ in range(PROMPT)]
+        prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]
         samples = []
         for s in range(4):
-            c = rng.randint(max(1, seq_len // 4), max(1, seq_len - PROMPT))
+            c = rng.randint(max(1, seq_len // 4), max(1, seq_len - prompt_len))
             samples.append(Sample([rng.randrange(5, vocab) for _ in range(c)], [-1.0] * c, "stop", 4 * g + s))
         rewards = [1.0, 0.0, float(g % 2), 0.0]  # informative: non-zero advantages
         groups.append(
@@ -107,22 +118,22 @@ def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int):
 def measure(spec: dict) -> dict:
     """One configuration, in this process (call it in a fresh one)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from swarmrl.config import load_config
     from swarmrl.trainer.batch import build_train_batch
-    from swarmrl.trainer.grpo import GRPOTrainer
+    from swarmrl.trainer.grpo import GRPOTrainer, weights_dtype
 
     torch.set_num_threads(spec["threads"])
-    shape = MODELS[spec["model"]]
     n, mbs, seq_len = spec["sequences"], spec["micro_batch_size"], spec["seq_len"]
+    prompt_len = spec.get("prompt_len", PROMPT)
     overrides = [
         "--sampling.group_size",
         "4",
         "--sampling.prompts_per_step",
         str(n // 4),
         "--sampling.max_new_tokens",
-        str(seq_len - PROMPT),
+        str(seq_len - prompt_len),
         "--trainer.optimizer_steps",
         "1",
         "--trainer.micro_batch_size",
@@ -137,17 +148,42 @@ def measure(spec: dict) -> dict:
     if spec["packed"]:
         overrides += ["--trainer.max_tokens_per_micro_batch", str(mbs * seq_len)]
     if spec["lora"]:
-        overrides += ["--trainer.lora.rank", "8"]
+        overrides += ["--trainer.lora.rank", str(spec.get("lora_rank", 8))]
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
-    config = Qwen2Config(
-        **shape, max_position_embeddings=max(2048, seq_len), tie_word_embeddings=True, eos_token_id=2, pad_token_id=0
-    )
-    model = Qwen2ForCausalLM(config).to(spec["device"])
+    if spec.get("model_path"):  # a real HF folder: its own weights, vocabulary and pad id
+        model = AutoModelForCausalLM.from_pretrained(
+            spec["model_path"], local_files_only=True, dtype=weights_dtype(cfg)
+        ).to(spec["device"])
+        vocab = model.config.vocab_size
+        pad = model.config.pad_token_id
+        pad = model.config.eos_token_id if pad is None else pad
+        pad = pad[0] if isinstance(pad, list) else (0 if pad is None else pad)
+    else:
+        shape = MODELS[spec["model"]]
+        config = Qwen2Config(
+            **shape,
+            max_position_embeddings=max(2048, seq_len),
+            tie_word_embeddings=True,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        model = Qwen2ForCausalLM(config).to(spec["device"])
+        vocab, pad = shape["vocab_size"], 0
+    parameters = sum(p.numel() for p in model.parameters())
     batch = build_train_batch(
-        _synthetic_groups(n, seq_len, shape["vocab_size"], seed=1), pad_token_id=0, normalize_std=True, adv_eps=1e-6
+        _synthetic_groups(n, seq_len, vocab, seed=1, prompt_len=prompt_len),
+        pad_token_id=pad,
+        normalize_std=True,
+        adv_eps=1e-6,
     )
     trainer = GRPOTrainer(model, cfg)
+    # from_pretrained memory-maps safetensors: its weights enter RSS only when first read. Read every
+    # one now, so "before" holds them (a random model's are resident already) and the step's
+    # increase is the step's own, not the folder paged in.
+    with torch.no_grad():
+        for t in (*trainer.model.parameters(), *trainer.model.buffers()):
+            t.sum()
     cuda = spec["device"].startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -161,15 +197,30 @@ def measure(spec: dict) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
+    tokens = int(batch.attention_mask.sum())
+    adapter_bytes = None
+    if spec["lora"]:  # what an adapter-only version's weights file would be (trainer/loop.py, model/lora.py)
+        from safetensors.torch import save
+
+        from swarmrl.model.lora import adapter_state_dict
+
+        dtype = getattr(torch, cfg.sampling.dtype)
+        sd = {k: v.to(dtype) for k, v in adapter_state_dict(trainer.model).items()}
+        adapter_bytes = len(save(sd, metadata={"format": "pt"}))
     return {
         **spec,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
         "trainable": sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"]),
-        "tokens": int(batch.attention_mask.sum()),
+        "tokens": tokens,
+        "completion_tokens": int(batch.loss_mask.sum()),
+        "padded_tokens": batch.attention_mask.numel(),
         "before_mb": before / 2**20,
         "peak_mb": peak / 2**20,
         "step_mb": (peak - before) / 2**20,
         "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "torch_threads": torch.get_num_threads(),
+        "adapter_bytes": adapter_bytes,
         "finite": all(v == v for v in metrics.values()),
     }
 
@@ -178,15 +229,40 @@ def _switch(text: str) -> list[bool]:
     return [{"off": False, "on": True}[v] for v in text.split(",")]
 
 
+def _cpu_name() -> str:
+    """lscpu's model name (falls back to /proc/cpuinfo, then platform)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="1m,8m", help=f"comma-separated: {', '.join(MODELS)}")
+    ap.add_argument(
+        "--model-path",
+        type=Path,
+        help="a local Hugging Face causal-LM folder to measure instead of random --models",
+    )
     ap.add_argument("--seq-lens", default="128,256,512", help="longest sequence (prompt + completion)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT, help="prompt tokens of every sequence")
     ap.add_argument("--sequences", type=int, default=16, help="sequences in the step (a multiple of 4)")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--modes", default="padded,packed")
     ap.add_argument("--ac", default="off,on", help="activation checkpointing: off, on, or off,on")
-    ap.add_argument("--lora", default="off,on", help="LoRA rank 8: off, on, or off,on")
+    ap.add_argument("--lora", default="off,on", help="LoRA (rank --lora-rank): off, on, or off,on")
+    ap.add_argument("--lora-rank", type=int, default=8, help="trainer.lora.rank when LoRA is on")
     ap.add_argument("--precision", default="fp32", help="trainer.precision values, comma-separated")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
@@ -196,10 +272,15 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(json.loads(args.one))))
         return
+    model_path = args.model_path.expanduser().resolve() if args.model_path else None
+    models = [model_path.name] if model_path else args.models.split(",")
     specs = [
         dict(
             model=m,
+            model_path=str(model_path) if model_path else None,
             seq_len=L,
+            prompt_len=args.prompt_len,
+            lora_rank=args.lora_rank,
             packed=mode == "packed",
             ac=ac,
             lora=lora,
@@ -209,7 +290,7 @@ def main() -> None:
             device=args.device,
             threads=args.threads,
         )
-        for m in args.models.split(",")
+        for m in models
         for L in map(int, args.seq_lens.split(","))
         for prec in args.precision.split(",")
         for lora in _switch(args.lora)
@@ -218,13 +299,18 @@ def main() -> None:
     ]
     what = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS (VmHWM)"
     print(
-        f"one GRPO train_step per fresh process; {what}; {args.sequences} sequences, micro-batches of "
-        f"{args.micro_batch_size} (packed: {args.micro_batch_size} x seq_len tokens); torch threads {args.threads}; "
-        f"{platform.processor() or platform.machine()}"
+        f"one GRPO train_step per fresh process; {what}; {args.sequences} sequences of a {args.prompt_len}-token "
+        f"prompt, micro-batches of {args.micro_batch_size} (packed: {args.micro_batch_size} x seq_len tokens); "
+        f"LoRA rank {args.lora_rank}"
     )
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} CPUs; torch threads {args.threads}")
+    if model_path:
+        full = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+        print(f"model: {model_path}; a full version's weights (*.safetensors): {full} bytes ({full / 1e6:.1f} MB)")
+    w = max(5, *(len(m) for m in models))
     head = (
-        f"{'model':>5} {'params':>7} {'seq':>5} {'prec':>5} {'train':>5} {'batch':>6} {'ckpt':>4} "
-        f"{'tokens':>6} {'before MB':>9} {'peak MB':>8} {'step +MB':>8} {'s':>6}"
+        f"{'model':>{w}} {'params':>7} {'seq':>5} {'prec':>5} {'train':>5} {'batch':>6} {'ckpt':>4} "
+        f"{'tokens':>6} {'before MB':>9} {'peak MB':>8} {'step +MB':>8} {'s':>6} {'tok/s':>6}"
     )
     print(head)
     results = []
@@ -234,16 +320,17 @@ def main() -> None:
         )
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            print(f"{spec['model']:>5} seq {spec['seq_len']}: failed: {tail}")
+            print(f"{spec['model']:>{w}} seq {spec['seq_len']}: failed: {tail}")
             results.append({**spec, "error": tail})
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(r)
         print(
-            f"{r['model']:>5} {r['parameters'] / 1e6:6.1f}M {r['seq_len']:5d} {r['precision']:>5} "
+            f"{r['model']:>{w}} {r['parameters'] / 1e6:6.1f}M {r['seq_len']:5d} {r['precision']:>5} "
             f"{'lora' if r['lora'] else 'full':>5} {'packed' if r['packed'] else 'padded':>6} "
             f"{'on' if r['ac'] else 'off':>4} {r['tokens']:6d} {r['before_mb']:9.1f} {r['peak_mb']:8.1f} "
-            f"{r['step_mb']:8.1f} {r['seconds']:6.2f}",
+            f"{r['step_mb']:8.1f} {r['seconds']:6.2f} {r['tokens_per_s']:6.1f}"
+            + (f"  adapter version {r['adapter_bytes'] / 1e6:.2f} MB" if r.get("adapter_bytes") else ""),
             flush=True,
         )
     if args.out:
