@@ -88,9 +88,13 @@ demo: $(STAMP)
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
-test: $(STAMP) sandbox browser openssl real-assets lint
-	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -n $(JOBS) -m "not serial" tests
-	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -m serial tests
+# The real tier needs the real assets and the vLLM environment; SWARMRL_REQUIRE_VLLM makes a
+# missing one fail it rather than skip it.
+REAL_ENV := SWARMRL_ASSETS=$(ASSETS) SWARMRL_REQUIRE_VLLM=1
+
+test: $(STAMP) sandbox browser openssl real-assets vllm-env lint
+	$(REAL_ENV) $(PYTEST) -n $(JOBS) -m "not serial" tests
+	$(REAL_ENV) $(PYTEST) -m serial tests
 
 test-unit: $(STAMP)
 	$(PYTEST) -n $(JOBS) tests/unit
@@ -103,8 +107,8 @@ test-e2e: $(STAMP) sandbox browser openssl
 	$(PYTEST) -n $(JOBS) tests/e2e
 
 # The real checkpoint, benchmark rows and vLLM through every role (docs/real-models.md).
-test-real: $(STAMP) sandbox real-assets
-	SWARMRL_ASSETS=$(ASSETS) $(PYTEST) -n $(JOBS) tests/real
+test-real: $(STAMP) sandbox real-assets vllm-env
+	$(REAL_ENV) $(PYTEST) -n $(JOBS) tests/real
 
 # Everything but the whole runs.
 test-fast: $(STAMP) sandbox openssl
