@@ -210,7 +210,9 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     """`swarmrl rl` on the real model with a trusted `swarmrl worker --engine openai --load vllm`
     beside its built-in worker: every version the worker takes is reloaded into the running vLLM
     (no restart), its groups are trained on and pass the validator's logprob check, and afterwards
-    vLLM's logprobs are those of the last version loaded, not the base's."""
+    vLLM's logprobs are those of the last version loaded, not the base's. `async.bound 0`: step 2
+    trains on v1's groups only, so the worker must have loaded v1 to contribute. Runs last: it
+    leaves the module's server on the run's last version."""
     tasks = tmp_path / "tasks.jsonl"
     rows = [(a, op, b) for a, b in ((6, 3), (4, 5), (9, 2), (7, 1), (3, 8), (5, 5)) for op in "+-"]
     with open(tasks, "w") as f:
@@ -227,10 +229,10 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rl = subprocess.Popen(
         [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path", str(real_model)]
-        + ["--tasks.source", str(tasks), "--tasks.eval_source", str(tasks), "--eval.every", "0"]
+        + ["--tasks.source", str(tasks), "--tasks.eval_source", str(tasks), "--eval.every", "0", "--eval.samples", "1"]
         + ["--sampling.prompts_per_step", "2", "--sampling.group_size", "4", "--sampling.max_new_tokens", "16"]
         + ["--sampling.worker_batch_prompts", "2", "--trainer.steps", "2", "--trainer.micro_batch_size", "8"]
-        + ["--trainer.lr", "1e-4", "--trainer.warmup_steps", "0", "--async.workers", "1"]
+        + ["--trainer.lr", "1e-4", "--trainer.warmup_steps", "0", "--async.workers", "1", "--async.bound", "0"]
         + ["--orchestrator.trusted_keys_file", str(tmp_path / "trusted.txt"), "--validator.trusted_rate", "1"]
         + ["--logging.progress", "false"],
         stdout=subprocess.PIPE,
