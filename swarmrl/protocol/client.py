@@ -205,18 +205,33 @@ class ValidatorClient(TrainerClient):
         )
 
 
+SKEW_RETRIES = 3  # tries signed afresh after a clock_skew refusal before it is raised
+
+
 def retrying(
     call, *, what: str, give_up_s: float, check=lambda: None, log=print, base_s: float = 0.2, max_s: float = 5.0
 ):
     """Run `call` until it succeeds, retrying on Unavailable with exponential backoff; raise after
     `give_up_s` seconds of continuous failure. `check` runs between tries (watchdogs)."""
-    delay, start, said = base_s, time.monotonic(), None
+    delay, start, said, skewed = base_s, time.monotonic(), None, 0
     while True:
         try:
             result = call()
             if said is not None:
                 log(f"{what}: reached again after {time.monotonic() - start:.0f} s")
             return result
+        except Refused as e:
+            # A request signed in time can reach a stalled server's handler more than
+            # max_clock_skew_s later (seen at a load average of 29 on 2 cores): signed afresh, the
+            # next try is judged on its own clock. A clock that is really wrong fails every try,
+            # and after SKEW_RETRIES the refusal is raised with its advice to check the clock.
+            if e.code != "clock_skew" or skewed >= SKEW_RETRIES:
+                raise
+            skewed += 1
+            log(f"{what}: {e.detail}; signing again (try {skewed} of {SKEW_RETRIES})")
+            check()
+            time.sleep(delay)
+            delay = min(max_s, delay * 2)
         except Unavailable as e:
             waited = time.monotonic() - start
             if waited > give_up_s:

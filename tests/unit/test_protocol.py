@@ -126,3 +126,34 @@ def test_client_refuses_a_reply_of_the_wrong_shape():
     assert _checked(SubmitReply, ok, "submit") is ok
     with pytest.raises(ProtocolMismatch, match=r"status.*next_step.*same swarmrl version"):
         _checked(Status, {"next_step": "soon"}, "status")
+
+
+def test_retrying_signs_again_after_a_clock_skew_refusal_and_gives_up_on_a_wrong_clock():
+    from swarmrl.protocol.client import SKEW_RETRIES, Refused, retrying
+
+    calls = []
+
+    def late_twice():
+        calls.append(1)
+        if len(calls) <= 2:  # queued behind a stalled server: too old by the time it was read
+            raise Refused(401, "clock_skew", "timestamp is more than 60 s from the orchestrator's clock")
+        return "leased"
+
+    notes = []
+    assert retrying(late_twice, what="lease", give_up_s=60, log=notes.append, base_s=0.0) == "leased"
+    assert len(calls) == 3 and all("signing again" in n for n in notes)
+
+    def always_wrong():
+        calls.append(1)
+        raise Refused(401, "clock_skew", "check the worker's clock")
+
+    calls.clear()
+    with pytest.raises(Refused, match="check the worker's clock"):
+        retrying(always_wrong, what="lease", give_up_s=60, log=lambda _: None, base_s=0.0)
+    assert len(calls) == SKEW_RETRIES + 1
+
+    def banned():
+        raise Refused(403, "banned", "this key is banned")
+
+    with pytest.raises(Refused, match="banned"):  # any other refusal is raised at once
+        retrying(banned, what="lease", give_up_s=60, log=lambda _: None, base_s=0.0)
