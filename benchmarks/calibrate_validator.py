@@ -19,6 +19,24 @@ one) and work sampled in the other dtype (a worker that ignores the lease's dtyp
 
 RUN is a `swarmrl rl` run directory whose policies/ holds consecutive versions (for example
 `swarmrl rl --trainer.steps 12 --trainer.keep_versions 20`). Prints a table and writes JSON.
+
+Any checkpoint (a pretrained model has one version):
+
+    python benchmarks/calibrate_validator.py --model FOLDER --prompts TASK.jsonl [--config RUN.toml]
+        [--groups 128] [--group-size 8] [--max-new-tokens 48] [--temperature 1] [--cheat-groups 4]
+
+Honest groups: rows of the task file under the model's chat template (`tasks.source.model_input`,
+what the orchestrator leases), sampled by the built-in engine with the lease's seeds, hidden
+states and logprobs, proofs built as `inference/worker.py` builds them, at the engine batch sizes
+and thread counts of `--settings`; every group is judged by `Validator.judge` after the
+validator's own prefill (`validator.batch_groups` groups at a time, `--validator-threads`).
+Cheats, each claiming the model: its weights fake-quantised to int8 and int4 (per output
+channel, and int8 per 32 inputs), the previous version (the model one AdamW step earlier, full
+weights at `--step-lrs` and a LoRA adapter at `--lora-lrs`, on a GRPO-style loss over its own
+samples), another model of the same vocabulary (a LoRA-perturbed copy, `--lora-copies`), a
+re-initialised model, edited tokens (one per completion, proofs and logprobs rebuilt for them)
+and cherry-picking (best of 4 drawn with other seeds, claimed under the lease's). Prints, per
+check, the honest groups' maximum and each cheat's minimum against the threshold.
 """
 
 from __future__ import annotations
@@ -29,24 +47,30 @@ import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from swarmrl.adversary.workers import _prefill
 from swarmrl.config import ValidatorConfig, load_config
+from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import ENGINES, build_engine
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.tasks.source import model_input, task_rows
+from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator
 
 
-def quantised(model, bits: int, group: int = 32):
+def quantised(model, bits: int, group: int | None = 32):
     """A copy of `model` whose decoder linear weights are rounded to `bits`-bit integers
-    (symmetric, one scale per `group` consecutive inputs of an output row) and stored back in
-    the model's dtype: what a weight-only int8 / int4 (GPTQ, AWQ-style) checkpoint computes.
-    Embeddings and the output head stay exact, as those tools leave them."""
+    (symmetric, one scale per `group` consecutive inputs of an output row; None: one per output
+    row, i.e. per channel) and stored back in the model's dtype: what a weight-only int8 / int4
+    (GPTQ, AWQ-style) checkpoint computes. Embeddings and the output head stay exact, as those
+    tools leave them."""
     out = copy.deepcopy(model)
     levels = 2 ** (bits - 1) - 1
     with torch.no_grad():
@@ -54,7 +78,7 @@ def quantised(model, bits: int, group: int = 32):
             for m in layer.modules():
                 if isinstance(m, torch.nn.Linear):
                     w = m.weight.float()  # [out, in]
-                    g = w.reshape(w.shape[0], -1, group)  # [out, in / group, group]
+                    g = w.reshape(w.shape[0], -1, group or w.shape[1])  # [out, in / group, group]
                     scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
                     m.weight.copy_(((g / scale).round().clamp(-levels, levels) * scale).reshape_as(w))
     return out.eval()
@@ -63,19 +87,18 @@ def quantised(model, bits: int, group: int = 32):
 ENGINE = "builtin"  # --engine: which rollout engine honest workers (and cheats) sample with
 
 
-def sample(model, tok, prompts, seeds, batch, cfg, streams=1):
+def sample(model, tok, prompts, seeds, batch, cfg, streams=1, *, max_new_tokens=None, temperature=None):
     """Completions as a worker samples them; ``batch`` rows at once (the built-in engine gets
     all prompts and keeps ``batch`` slots busy, refilling them; the generic one gets chunks);
-    ``streams`` above 1: the built-in engine in that many processes (`worker --streams`)."""
+    ``streams`` above 1: the built-in engine in that many processes (`worker --streams`).
+    The token limit and temperature are the run's (``cfg.sampling``) unless given."""
+    max_new_tokens = max_new_tokens or cfg.sampling.max_new_tokens
+    temperature = cfg.sampling.temperature if temperature is None else temperature
     sampler = build_engine(model, tok, kind=ENGINE, max_batch=batch, streams=streams)
     if sampler.continuous:
         try:
             return sampler.generate(
-                prompts,
-                seeds,
-                max_new_tokens=cfg.sampling.max_new_tokens,
-                temperature=cfg.sampling.temperature,
-                return_hidden=True,
+                prompts, seeds, max_new_tokens=max_new_tokens, temperature=temperature, return_hidden=True
             )
         finally:
             if hasattr(sampler, "close"):
@@ -85,8 +108,8 @@ def sample(model, tok, prompts, seeds, batch, cfg, streams=1):
         outs += sampler.generate(
             prompts[i : i + batch],
             seeds[i : i + batch],
-            max_new_tokens=cfg.sampling.max_new_tokens,
-            temperature=cfg.sampling.temperature,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
             return_hidden=True,
         )
     return outs
@@ -190,9 +213,450 @@ def summary(chunks, comps, vcfg: ValidatorConfig, dtype: str, group_size: int) -
     return out
 
 
+# ---- any model folder and a task file (--model, --prompts) -----------------------------------------
+#
+# A pretrained checkpoint has one version, so the cheats that need neighbours are made from it:
+# the previous version is the model one optimizer step before (AdamW's first step on a GRPO-style
+# loss over its own samples, full weights or a rank-8 LoRA adapter), another model of the same
+# vocabulary is a LoRA-perturbed copy. Every group is judged by Validator.judge itself.
+
+# Each check's statistic in a verdict, and the threshold (ValidatorConfig.limits) it is held to.
+CHECKS = {
+    "exp_mismatches_max": "exp_mismatches_max",
+    "mant_err_mean_max": "mant_err_mean_max",
+    "mant_err_median_max": "mant_err_median_max",
+    "mant_err_group": "group_mant_err_max",
+    "sampling_margin_max": "sampling_margin",
+    "logprob_err_max": "logprob_tol",
+}
+
+
+def verdicts(validator, model, items, batch_groups, dtype):
+    """Validator.judge's verdict of every group, prefilled `batch_groups` groups at a time as an
+    in-process validator claims them (the steps of Validator.check, minus fetching the version)."""
+    out = []
+    for i in range(0, len(items), batch_groups):
+        part = items[i : i + batch_groups]
+        outs = validator.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in part])
+        samples = [s for it in part for s in it["samples"]]
+        reports = validator.reports(
+            [o for res in outs for o in res], samples, [it["temperature"] for it in part for _ in it["samples"]]
+        )
+        pos = 0
+        for it in part:
+            out.append(validator.judge(it, reports[pos : pos + len(it["samples"])], dtype).to_dict())
+            pos += len(it["samples"])
+    return out
+
+
+def verdict_summary(vs: list[dict], limits: dict) -> dict:
+    """Per check: the largest and smallest group value (a group's value is its worst completion or
+    chunk), and how many groups that check alone would refuse; then groups refused, by reason."""
+    out = {"groups": len(vs), "chunks": sum(v["stats"]["chunks"] for v in vs)}
+    for key, lim in CHECKS.items():
+        xs = [float(v["stats"][key]) for v in vs]
+        out[key] = {
+            "max": max(xs),
+            "min": min(xs),
+            "median": statistics.median(xs),
+            "fail": sum(x > limits[lim] for x in xs),
+        }
+    out["rejected"] = sum(not v["ok"] for v in vs)
+    reasons: dict = {}
+    for v in vs:
+        if not v["ok"]:
+            reasons[v["reason"]] = reasons.get(v["reason"], 0) + 1
+    out["reasons"] = reasons
+    return out
+
+
+def _targets(model):
+    """The linear layers trainer.lora adapts by default (every attention and MLP projection)."""
+    return [m for name, m in model.named_modules() if name.split(".")[-1] in LORA_TARGETS_DEFAULT]
+
+
+def policy_gradients(full, prompt: list[int], completions: list[list[int]], temperature: float, seed: int):
+    """A copy of `full` holding the gradients of a GRPO-style loss, -sum_i A_i log p(completion_i)
+    over the completions' tokens, half of them rewarded 1 at random (GRPO moves only on unequal
+    rewards in a group, which a base model's own may not give) and normalised as GRPO does."""
+    m = copy.deepcopy(full).float().train()
+    gen = random.Random(seed)
+    rewards = [float(i % 2) for i in range(len(completions))]
+    gen.shuffle(rewards)
+    mean = sum(rewards) / len(rewards)
+    std = statistics.pstdev(rewards) or 1.0
+    adv = [(r - mean) / std for r in rewards]
+    total = sum(len(c) for c in completions)
+    for i in range(0, len(completions), 4):
+        part = completions[i : i + 4]
+        width = len(prompt) + max(len(c) for c in part)
+        ids = torch.zeros((len(part), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, c in enumerate(part):
+            ids[r, : len(prompt) + len(c)] = torch.tensor(prompt + c)
+            mask[r, : len(prompt) + len(c)] = 1
+        logits = m(input_ids=ids, attention_mask=mask).logits[:, len(prompt) - 1 : -1].float() / temperature
+        logp = logits.log_softmax(-1).gather(-1, ids[:, len(prompt) :, None])[..., 0]
+        cmask = mask[:, len(prompt) :].float()
+        a = torch.tensor(adv[i : i + 4])[:, None]
+        (-(a * logp * cmask).sum() / total).backward()
+    return m
+
+
+def adam_step(full, grads_of, lr: float, betas=(0.9, 0.99), weight_decay=0.01, clip=1.0):
+    """`full` after the trainer's first optimizer step (AdamW, gradient clipping) with the
+    gradients held by `grads_of`: the version before a run's first update, seen from the one after."""
+    new = copy.deepcopy(full).float()
+    for p, q in zip(new.parameters(), grads_of.parameters()):
+        p.grad = None if q.grad is None else q.grad.detach().clone()
+    torch.nn.utils.clip_grad_norm_(new.parameters(), clip)
+    torch.optim.AdamW(new.parameters(), lr=lr, betas=betas, weight_decay=weight_decay).step()
+    for p in new.parameters():
+        p.grad = None
+    return new.eval()
+
+
+def lora_step(full, grads_of, lr: float, rank: int = 16, alpha: float = 32.0, seed: int = 0):
+    """`full` after the first AdamW step of a trainer.lora adapter (peft's init: A uniform in
+    +-1/sqrt(in), B = 0, so only B moves, by lr x sign of its gradient, s (g_W) A^T), merged:
+    W + s B A with s = alpha / rank."""
+    new = copy.deepcopy(full).float()
+    gen = torch.Generator().manual_seed(seed)
+    s = alpha / rank
+    with torch.no_grad():
+        for m, q in zip(_targets(new), _targets(grads_of)):
+            fan_in = m.weight.shape[1]
+            a = (torch.rand((rank, fan_in), generator=gen) * 2 - 1) / math.sqrt(fan_in)
+            g_b = s * q.weight.grad.float() @ a.T  # [out, rank]
+            b = -lr * g_b / (g_b.abs() + 1e-8)
+            m.weight.add_(s * b @ a)
+    return new.eval()
+
+
+def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
+    """Another model of the same vocabulary: every target projection W plus a random rank-`rank`
+    update B A of Frobenius norm `relative` x |W| (what a differently fine-tuned adapter gives)."""
+    new = copy.deepcopy(full).float()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in _targets(new):
+            out_f, in_f = m.weight.shape
+            delta = torch.randn((out_f, rank), generator=gen) @ torch.randn((rank, in_f), generator=gen)
+            m.weight.add_(delta * (relative * m.weight.norm() / delta.norm()))
+    return new.eval()
+
+
+def reinitialised(full):
+    """The adversary `other_model`'s model: the claimed architecture, re-initialised."""
+    new = copy.deepcopy(full)
+    torch.manual_seed(12345)
+    for m in new.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return new.eval()
+
+
+def edited(items, model, tok, vcfg, temperature):
+    """The adversary `edit_tokens`: the middle token of each completion changed to the next
+    non-stop id, then honest proofs and logprobs rebuilt for the edited text (AdversarialWorker._rebuild)."""
+    stop, vocab = {tok.eos_token_id}, model.config.vocab_size
+    out = copy.deepcopy(items)
+    for it in out:
+        for smp in it["samples"]:
+            ids = list(smp["token_ids"])
+            if len(ids) >= 2:
+                t = (len(ids) - 1) // 2
+                new = (ids[t] + 1) % vocab
+                while new in stop:
+                    new = (new + 1) % vocab
+                ids[t] = new
+            smp["token_ids"] = ids
+        outs = _prefill(model, it["prompt_ids"], [smp["token_ids"] for smp in it["samples"]])
+        proofs = build_proofs_many([h for h, _ in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
+        for smp, (_, logits), pr in zip(it["samples"], outs, proofs):
+            tokens = torch.tensor(smp["token_ids"])
+            smp["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), temperature)).tolist()
+            smp["proofs"] = encode(pr)
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown"
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else "unknown"
+
+
+def read_prompts(path: Path) -> list[str]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise SystemExit(
+                    f"{path}:{n}: a row needs a 'prompt' string (the task schema: prompt, verification_info)"
+                )
+            rows.append(row["prompt"])
+    if not rows:
+        raise SystemExit(f"{path} holds no rows")
+    return rows
+
+
+def calibrate_model(args) -> None:
+    """Honest work and cheats of one model folder (any checkpoint the built-in engine runs)."""
+    cfg = load_config(args.config)
+    vcfg = cfg.validator
+    if args.batch_groups:
+        vcfg = vcfg.model_copy(update={"batch_groups": args.batch_groups})
+    g, temp, max_new, dtype = args.group_size, args.temperature, args.max_new_tokens, args.dtype
+    limits = vcfg.limits(dtype)
+    t_start = time.time()
+    full, tok = load_policy(args.model, dtype=torch.float32)
+    full.eval()
+    model = full if dtype == "float32" else copy.deepcopy(full).to(getattr(torch, dtype)).eval()
+    texts = read_prompts(Path(args.prompts))
+    rng = random.Random(args.seed)
+    order = rng.sample(range(len(texts)), len(texts))  # every group its own row while rows last
+    validator = Validator(vcfg, Path(args.out).with_suffix(".cache"))
+    settings = [[int(x) for x in s.split("x")] for s in args.settings.split(",")]
+    even = max(1, args.groups // len(settings))  # "BATCHxTHREADS": an even share of the groups
+    settings = [(x[0], x[1], x[2] if len(x) > 2 else even) for x in settings]
+    results: dict = {
+        "model": str(args.model),
+        "prompts": str(args.prompts),
+        "dtype": dtype,
+        "engine": ENGINE,
+        "group_size": g,
+        "temperature": temp,
+        "max_new_tokens": max_new,
+        "limits": limits,
+        "config": vcfg.model_dump(),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "honest": {},
+        "cheats": {},
+    }
+    taken = args.offset  # a second pass over other rows (and other seeds) than a first one
+    for _ in range(args.offset * g):
+        rng.getrandbits(63)
+
+    def prompts_for(n_groups):
+        nonlocal taken
+        rows = [order[(taken + i) % len(order)] for i in range(n_groups)]
+        taken += n_groups
+        ps = [model_input(tok, texts[r], None)[1] for r in rows]
+        prompts = [p for p in ps for _ in range(g)]
+        return prompts, [rng.getrandbits(63) for _ in prompts]
+
+    def judged(items, judge_model=model):
+        torch.set_num_threads(args.validator_threads)  # the validator runs with its own settings
+        t0 = time.time()
+        vs = verdicts(validator, judge_model, items, vcfg.batch_groups, dtype)
+        return vs, time.time() - t0
+
+    def run(name, sampler_model, n_groups, *, picks=1):
+        """A cheat's groups: sampled with `sampler_model`, claimed as the model's work (picks > 1:
+        `picks` candidates per completion with seeds of its own, the most likely one submitted
+        under the lease's seed)."""
+        torch.set_num_threads(args.threads)
+        prompts, seeds = prompts_for(n_groups)
+        t0 = time.time()
+        if picks > 1:
+            own = [rng.getrandbits(63) for _ in range(len(prompts) * picks)]
+            cands = sample(
+                sampler_model,
+                tok,
+                [p for p in prompts for _ in range(picks)],
+                own,
+                64,
+                cfg,
+                max_new_tokens=max_new,
+                temperature=temp,
+            )
+            outs = [max(cands[i * picks : (i + 1) * picks], key=lambda o: sum(o.logprobs)) for i in range(len(prompts))]
+        else:
+            outs = sample(sampler_model, tok, prompts, seeds, 64, cfg, max_new_tokens=max_new, temperature=temp)
+        gen_s = time.time() - t0
+        vs, val_s = judged(to_items(prompts, seeds, outs, 0, vcfg, g, temp))
+        results["cheats"][name] = {
+            **verdict_summary(vs, limits),
+            "completions": len(outs),
+            "generate_s": gen_s,
+            "validate_s": val_s,
+        }
+        say(name, results["cheats"][name])
+
+    def say(name, s):
+        print(
+            f"{name:30s} groups {s['groups']:4d} refused {s['rejected']:4d} {s['reasons']} "
+            + f"({s.get('generate_s', 0):.0f} + {s.get('validate_s', 0):.0f} s) "
+            + " ".join(f"{k}={s[k]['min']:.3g}..{s[k]['max']:.3g}" for k in CHECKS),
+            flush=True,
+        )
+
+    # ---- honest ------------------------------------------------------------------------------------
+    all_vs, honest_items, tokens, gen_total, val_total = [], [], 0, 0.0, 0.0
+    for batch, threads, per in settings:
+        torch.set_num_threads(threads)
+        prompts, seeds = prompts_for(per)
+        t0 = time.time()
+        outs = sample(model, tok, prompts, seeds, batch, cfg, max_new_tokens=max_new, temperature=temp)
+        gen_s = time.time() - t0
+        items = to_items(prompts, seeds, outs, 0, vcfg, g, temp)
+        vs, val_s = judged(items)
+        n_tok = sum(len(o.token_ids) for o in outs)
+        name = f"batch{batch}-threads{threads}"
+        results["honest"][name] = {
+            **verdict_summary(vs, limits),
+            "completions": len(outs),
+            "tokens": n_tok,
+            "generate_s": gen_s,
+            "validate_s": val_s,
+            "tokens_per_s": n_tok / gen_s,
+        }
+        say("honest " + name, results["honest"][name])
+        all_vs += vs
+        honest_items += items
+        tokens += n_tok
+        gen_total += gen_s
+        val_total += val_s
+    results["honest"]["all"] = {
+        **verdict_summary(all_vs, limits),
+        "completions": len(all_vs) * g,
+        "tokens": tokens,
+        "generate_s": gen_total,
+        "validate_s": val_total,
+    }
+    say("honest all", results["honest"]["all"])
+
+    # ---- cheats, each claiming the model ------------------------------------------------------------
+    n = args.cheat_groups
+    wanted = set(args.cheats.split(","))
+    for bits, group in ((8, None), (4, None), (8, 32)):
+        if "quantised" in wanted:
+            cheap = quantised(full, bits, group).to(getattr(torch, dtype))
+            run(f"int{bits}_weights_" + ("per_channel" if group is None else f"group{group}"), cheap, n)
+            del cheap
+    if "previous" in wanted:
+        # The previous version: the gradients of one step on the model's own honest samples.
+        first = honest_items[0]
+        torch.set_num_threads(args.threads)
+        prompt, completions = first["prompt_ids"], [s["token_ids"] for s in first["samples"]]
+        grads = policy_gradients(full, prompt, completions, temp, args.seed)
+        for lr in args.step_lrs:
+            run(f"previous_version_full_lr{lr:g}", adam_step(full, grads, lr).to(getattr(torch, dtype)), n)
+        r, a = args.lora_rank, args.lora_alpha
+        for lr in args.lora_lrs:
+            stepped = lora_step(full, grads, lr, rank=r, alpha=a).to(getattr(torch, dtype))
+            run(f"previous_version_lora{r}_alpha{a:g}_lr{lr:g}", stepped, n)
+        del grads
+    for rel in args.lora_copies if "lora_copy" in wanted else ():
+        run(f"lora_copy_rank16_rel{rel:g}", lora_copy(full, rel).to(getattr(torch, dtype)), n)
+    if "reinitialised" in wanted:
+        run("reinitialised_model", reinitialised(model), max(1, n // 2))
+    if "edited" in wanted:
+        # Edited tokens: honest groups, one token changed per completion, proofs and logprobs rebuilt.
+        torch.set_num_threads(args.threads)
+        t0 = time.time()
+        bad = edited(honest_items[:n], model, tok, vcfg, temp)
+        vs, val_s = judged(bad)
+        results["cheats"]["edited_tokens"] = {
+            **verdict_summary(vs, limits),
+            "completions": n * g,
+            "generate_s": time.time() - t0 - val_s,  # the rebuilt proofs' prefill
+            "validate_s": val_s,
+        }
+        say("edited_tokens", results["cheats"]["edited_tokens"])
+    if "cherry_pick" in wanted:
+        # Cherry-picking: best of 4 drawn with other seeds, claimed under the lease's.
+        run("cherry_pick_best_of_4", model, n, picks=4)
+
+    results["seconds"] = time.time() - t_start
+    results["cpu_seconds"] = time.process_time()  # all threads; below the wall time x threads on a shared machine
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print_margins(results)
+
+
+def print_margins(results: dict) -> None:
+    lim = results["limits"]
+    heads = ["exp/sign", "mant mean", "mant median", "group med", "sampling gap", "logprob err"]
+    print(
+        f"\n{results['model']} ({results['dtype']}, T={results['temperature']}, "
+        f"{results['max_new_tokens']} new tokens, {results['seconds']:.0f} s, "
+        f"{results.get('cpu_seconds', 0):.0f} s of CPU on {results.get('cpu')})\n"
+    )
+    print(f"{'':34s}{'groups':>8s}{'refused':>9s}" + "".join(f"{h:>14s}" for h in heads))
+    print(f"{'threshold':34s}{'':>17s}" + "".join(f"{lim[v]:>14.4g}" for v in CHECKS.values()))
+    h = results["honest"]["all"]
+    print(
+        f"{'honest, max over groups':34s}{h['groups']:>8d}{h['rejected']:>9d}"
+        + "".join(f"{h[k]['max']:>14.4g}" for k in CHECKS)
+    )
+    for name, s in results["cheats"].items():
+        print(
+            f"{name + ', min':34s}{s['groups']:>8d}{s['rejected']:>9d}"
+            + "".join(f"{s[k]['min']:>14.4g}" for k in CHECKS)
+        )
+    print("\ngroups each check alone refuses:")
+    for name, s in [("honest", h), *results["cheats"].items()]:
+        print(f"  {name:32s}" + "".join(f"{s[k]['fail']:>14d}" for k in CHECKS) + f"   reasons {s['reasons']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--run-dir", help="a run whose policies/ holds consecutive versions")
+    ap.add_argument("--model", help="instead of --run-dir: a model folder (any checkpoint the built-in engine runs)")
+    ap.add_argument("--prompts", help="with --model: a task file (JSONL rows with a 'prompt'), under the chat template")
+    ap.add_argument("--config", help="with --model: the run's config (validator thresholds, proof settings)")
+    ap.add_argument("--groups", type=int, default=128, help="with --model: honest groups (prompts)")
+    ap.add_argument("--group-size", type=int, default=8, help="with --model: completions per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="with --model")
+    ap.add_argument("--temperature", type=float, default=1.0, help="with --model")
+    ap.add_argument(
+        "--settings",
+        default="64x1,16x1,8x1,64x2",
+        help="with --model: honest work in these engine batch sizes x torch threads (x groups; default: "
+        "--groups split evenly)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="with --model: torch threads of the cheats' sampling")
+    ap.add_argument("--validator-threads", type=int, default=1, help="with --model (validator.threads)")
+    floats = lambda text: [float(x) for x in text.split(",") if x]  # noqa: E731
+    ap.add_argument(
+        "--step-lrs",
+        type=floats,
+        default=[1e-6, 2e-7],
+        help="with --model: the previous version is the model one AdamW step (full weights) at these rates before",
+    )
+    ap.add_argument(
+        "--lora-lrs",
+        type=floats,
+        default=[2.5e-4, 1e-5],
+        help="... and one step of a LoRA adapter at these rates (configs/smollm2-135m.toml's first: 2.5e-4)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="... of this rank (configs/smollm2-135m.toml: 16)")
+    ap.add_argument("--lora-alpha", type=float, default=32.0, help="... and alpha (configs/smollm2-135m.toml: 32)")
+    ap.add_argument(
+        "--cheats",
+        default="quantised,previous,lora_copy,reinitialised,edited,cherry_pick",
+        help="with --model: which cheats to run",
+    )
+    ap.add_argument(
+        "--lora-copies",
+        type=floats,
+        default=[0.01],
+        help="with --model: another model of the vocabulary, rank-16 updates of these norms relative to each weight",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="with --model: prompt order and seeds")
+    ap.add_argument("--offset", type=int, default=0, help="with --model: skip the first groups of that order")
+    ap.add_argument(
+        "--batch-groups",
+        type=int,
+        help="with --model: groups per validator prefill (validator.batch_groups); its logits take "
+        "groups x group size x tokens x vocabulary x 4 bytes, several times over",
+    )
     ap.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -223,6 +687,13 @@ def main() -> None:
     args = ap.parse_args()
     global ENGINE
     ENGINE = args.engine
+    if args.model:
+        if not args.prompts:
+            raise SystemExit("--model needs --prompts (a task file)")
+        calibrate_model(args)
+        return
+    if not args.run_dir:
+        raise SystemExit("give --run-dir RUN (a run's consecutive versions) or --model FOLDER --prompts FILE")
     rd = Path(args.run_dir)
     cfg = load_config(rd / "config.toml")
     vcfg = cfg.validator
