@@ -55,6 +55,7 @@ def test_help_lists_every_command(tmp_path):
         "serve",
         "eval",
         "status",
+        "assets",
     }
     for name, text in COMMANDS.items():
         assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
