@@ -54,6 +54,20 @@ class OrchestratorConfig(Section):
     body_timeout_s: float = Field(30.0, gt=0)
     """A request body that has not fully arrived this long after its first byte is refused (408):
     a slow upload must not hold a connection and a server thread."""
+    # Connections (transport/connlimit.py): sockets cost an attacker nothing, so what one address
+    # may hold is bounded before any request is read.
+    max_connections: int = Field(1000, ge=1)
+    """Open connections, all sources together; the last quarter go only to sources holding few,
+    so a few sources at their cap leave room for new ones. Each costs a file descriptor."""
+    max_connections_per_source: int = Field(64, ge=1)
+    """Open connections one source address (an IPv6 /64) may hold; more get 503 at once. A worker
+    uses one or two; all local roles of a `swarmrl rl` run share 127.0.0.1. Raise it when workers
+    reach the orchestrator through one proxy or NAT address."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A request's line and headers must arrive within this many seconds of the connection opening
+    (or of the first byte after the previous response); slower ones get 408 and are closed."""
+    keep_alive_s: float = Field(30.0, gt=0)
+    """An idle keep-alive connection is closed after this many seconds without a request."""
     # Admission: what a key may hold is earned (docs/security.md). A key is free, so nothing it
     # can do before it has done validated work may cost the run much.
     new_key_slots: int = Field(8, ge=1)
@@ -73,6 +87,16 @@ class OrchestratorConfig(Section):
     its grading capacity."""
     unproven_share: float = Field(0.5, gt=0, le=1)
     """Share of the outstanding work (async.max_pending_groups) unproven keys may hold together."""
+    unproven_leases_per_source: int = Field(1, ge=1)
+    """Full leases (sampling.worker_batch_prompts) the unproven keys of one source address (an
+    IPv6 /64) may hold together, less the prompts they let expire in the last `penalty_window_s`:
+    fresh keys from one address crowd out only each other. Raise it for an operator whose new
+    workers share one address (NAT); proven and trusted keys are not counted."""
+    unproven_reserve_leases: int = Field(4, ge=0)
+    """Full leases beyond `unproven_share` kept for sources whose unproven keys hold nothing: a
+    newcomer gets a lease while free keys from up to (share + reserve) / per-source - 1 other
+    addresses hoard (5 at the shipped sizes). Slots beyond the share do not count against proven
+    workers' back-pressure."""
     grading_lanes: int = Field(2, ge=1)
     """Submissions graded at once (each lane is a process pool of rewards.verify_workers
     processes); one lane at most serves unproven keys."""
@@ -85,6 +109,15 @@ class OrchestratorConfig(Section):
     secret (orchestrator/dashboard.py). false answers 404."""
     dashboard_cache_s: float = Field(2.0, ge=0)
     """The dashboard document is rebuilt at most this often, however many viewers poll it."""
+
+    @model_validator(mode="after")
+    def _connection_caps(self):
+        if self.max_connections_per_source > self.max_connections:
+            raise ValueError(
+                f"orchestrator.max_connections_per_source ({self.max_connections_per_source}) is more than "
+                f"orchestrator.max_connections ({self.max_connections}): lower it or raise max_connections"
+            )
+        return self
 
     @field_validator("trusted_keys_file")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from swarmrl.entrypoints.common import check_tls_pair, key_arg, service_urls, url_list
 from swarmrl.entrypoints.flags import RoleSettings
@@ -38,6 +38,11 @@ class Settings(RoleSettings):
     """write {"url": ...} here once listening (for launchers)"""
     max_bytes_per_s: float | None = None
     """cap on the bytes per second this relay serves in all"""
+    max_connections: int = Field(128, ge=1)
+    """connections served at once, all clients together (one thread each)"""
+    max_connections_per_source: int | None = Field(None, ge=1)
+    """connections one client address (IPv6: one /64) may hold; default min(16, --max-connections). Raise it
+    when many clients reach this relay through one proxy or NAT address"""
     tls_cert: str | None = None
     """PEM certificate (chain): serve https (with --tls-key)"""
     tls_key: str | None = None
@@ -75,6 +80,8 @@ def main(settings: Settings, cfg: None) -> None:
             startup_tries=s.startup_tries,
             url_file=s.url_file,
             max_bytes_per_s=s.max_bytes_per_s,
+            max_connections=s.max_connections,
+            max_connections_per_source=s.max_connections_per_source,
             tls=tls,
         )
     except BroadcastError as e:

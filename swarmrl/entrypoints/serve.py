@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from swarmrl.entrypoints.common import check_tls_pair, fail
 from swarmrl.entrypoints.flags import RoleSettings, flag
@@ -52,6 +52,13 @@ class Settings(RoleSettings):
     """torch CPU threads (default: torch's)"""
     url_file: str | None = None
     """write {url, model} here as JSON once listening (for scripts and tests)"""
+    max_connections: int = Field(512, ge=1)
+    """connections open at once, all clients together (the last quarter kept for addresses holding few)"""
+    max_connections_per_source: int = Field(128, ge=1)
+    """connections one client address (IPv6: one /64) may hold; more get 503 at once. Raise it when clients
+    come through one proxy or NAT address"""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """a request's line and headers must arrive within this many seconds (else 408 and closed)"""
     reload_token_file: str | None = None
     """enable POST /v1/reload {"model_path": FOLDER} (load another checkpoint in place) for callers sending
     'Authorization: Bearer' + this file's content; how an endpoint worker loads each new policy version
@@ -88,6 +95,9 @@ def main(settings: Settings, cfg: None) -> None:
             engine=s.engine,
             tls_cert=s.tls_cert,
             tls_key=s.tls_key,
+            max_connections=s.max_connections,
+            max_connections_per_source=s.max_connections_per_source,
+            header_timeout_s=s.header_timeout_s,
         )
     except (OSError, ValueError) as e:
         fail(str(e))

@@ -83,6 +83,7 @@ def serve(
 
     from swarmrl.orchestrator.app import create_app
     from swarmrl.protocol.tls import server_context
+    from swarmrl.transport.connlimit import SourceSlots, guarded_h11
 
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
@@ -106,12 +107,17 @@ def serve(
     bound = sock.getsockname()[1]
     scheme = "https" if tls_cert else "http"
     url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{bound}"
+    slots = orch.connections = SourceSlots.sized(o.max_connections, o.max_connections_per_source)
     config = uvicorn.Config(
         create_app(orch),
         log_level="warning",
         access_log=False,
-        timeout_keep_alive=30,
-        limit_concurrency=1000,
+        # One source's sockets must not deny service to another's (transport/connlimit.py):
+        # connections are counted per source instead of uvicorn's limit_concurrency, whose 503
+        # hits every source alike, and a request head must arrive within header_timeout_s.
+        http=guarded_h11(slots, head_timeout_s=o.header_timeout_s, idle_timeout_s=o.keep_alive_s),
+        timeout_keep_alive=o.keep_alive_s,
+        limit_concurrency=None,
         h11_max_incomplete_event_size=64 * 1024,
         ssl_certfile=tls_cert,
         ssl_keyfile=tls_key,

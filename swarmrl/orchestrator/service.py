@@ -43,6 +43,7 @@ from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import open_graders
 from swarmrl.tasks.source import task_rows
+from swarmrl.transport.connlimit import SourceSlots
 
 
 class Orchestrator:
@@ -77,6 +78,9 @@ class Orchestrator:
         self.cfg, self.rd = cfg, Path(run_dir)
         self.trainer_token, self.validator_token = trainer_token, validator_token
         self.log = log
+        # The server's per-source connection slots (transport/connlimit.py), set by server.py
+        # when it serves this orchestrator: its figures go to /metrics.
+        self.connections: SourceSlots | None = None
         self.store = Store(self.rd / "orchestrator.sqlite")
         self.rows, _ = task_rows(cfg, log=lambda *_: None)
         # Code tasks need the sandbox: refuse to start (with the fix) rather than score them 0.
@@ -132,7 +136,14 @@ class Orchestrator:
                 row = self.store.policy(db, latest)
                 policy = {"version": latest, "url": row["url"], "manifest": json.loads(row["manifest"])}
         k = self.cfg.async_.bound
+        conns = self.connections
         return {
+            **(
+                {"connections_open": float(conns.count)}
+                | {f"connections_refused_{why}": float(n) for why, n in conns.refused.items()}
+                if conns is not None
+                else {}
+            ),
             "next_step": next_step,
             "latest_version": latest,
             "async_bound": k,
@@ -161,7 +172,14 @@ class Orchestrator:
             open_leases = self.store.open_lease_count(db)
             workers = self.store.worker_count(db)
             banned = self.store.worker_count(db, banned=True)
+        conns = self.connections
         return {
+            **(
+                {"connections_open": float(conns.count)}
+                | {f"connections_refused_{why}": float(n) for why, n in conns.refused.items()}
+                if conns is not None
+                else {}
+            ),
             "next_step": next_step,
             "latest_version": -1 if latest is None else latest,
             "open_leases": open_leases,
@@ -197,8 +215,8 @@ class Orchestrator:
     def check_lease_refusal(self, key: str) -> None:
         self.leasing.check_refusal(key)
 
-    def lease(self, key: str, policy_version: int) -> dict:
-        return self.leasing.lease(key, policy_version)
+    def lease(self, key: str, policy_version: int, source: str = "local") -> dict:
+        return self.leasing.lease(key, policy_version, source)
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         return self.submissions.submit(key, lease_id, groups)

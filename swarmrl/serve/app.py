@@ -77,8 +77,10 @@ class Settings:
         default_max_tokens: int = 256,
         vocab_size: int | None = None,
         model_path: str | None = None,
+        body_timeout_s: float = 30.0,
     ):
         self.model_name, self.context, self.max_n = model_name, context, max_n
+        self.body_timeout_s = body_timeout_s
         self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
         self.vocab_size, self.model_path = vocab_size, model_path
 
@@ -174,10 +176,18 @@ class _Routes:
                 kind="invalid_request_error",
             )
         raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > self.settings.max_request_bytes:
-                raise ApiError(413, f"request body is over the limit of {self.settings.max_request_bytes} bytes")
+        try:  # a body trickled in must not hold a connection (and an engine slot's parse) for ever
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > self.settings.max_request_bytes:
+                        raise ApiError(
+                            413, f"request body is over the limit of {self.settings.max_request_bytes} bytes"
+                        )
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {self.settings.body_timeout_s:g} s; send it at once"
+            ) from None
         try:  # ValueError covers bad JSON, bad UTF-8 and integers of thousands of digits
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -621,9 +631,14 @@ def serve(
     engine: str = "builtin",
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    max_connections: int = 512,
+    max_connections_per_source: int = 128,
+    header_timeout_s: float = 10.0,
+    keep_alive_s: float = 5.0,
 ) -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
-    `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder."""
+    `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder.
+    Connections are bounded per source address (transport/connlimit.py)."""
     import socket
 
     import torch
@@ -635,6 +650,13 @@ def serve(
     if threads:
         torch.set_num_threads(threads)
 
+    from swarmrl.transport.connlimit import SourceSlots, guarded_h11
+
+    if not 1 <= max_connections_per_source <= max_connections:
+        raise ValueError(
+            f"--max-connections-per-source ({max_connections_per_source}) must be between 1 and "
+            f"--max-connections ({max_connections})"
+        )
     engine_kind = engine  # `engine` is rebound to the running Engine below
     if tls_cert or tls_key:
         from swarmrl.protocol.tls import server_context
@@ -687,7 +709,18 @@ def serve(
         )
     if url_file:
         atomic_write_text(Path(url_file), json.dumps({"url": url, "model": name}))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+    slots = SourceSlots.sized(max_connections, max_connections_per_source)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+        # One source's sockets must not deny service to another's (transport/connlimit.py).
+        http=guarded_h11(slots, head_timeout_s=header_timeout_s, idle_timeout_s=keep_alive_s),
+        timeout_keep_alive=keep_alive_s,
+        limit_concurrency=None,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

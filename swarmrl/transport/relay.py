@@ -52,7 +52,7 @@ class Relay:
     """Mirror `upstreams` into `cache_dir` and serve it (see the module doc). `public_key` (the
     trainer's, 64 hex) is required. A version that failed from an upstream is asked of it again
     after `retry_s`, doubling with each failure up to `max_retry_s`; `max_connections` bounds the
-    clients served at once (`ShardServer`)."""
+    clients served at once and `max_connections_per_source` those from one address (`ShardServer`)."""
 
     def __init__(
         self,
@@ -67,7 +67,8 @@ class Relay:
         parallel: int = 4,
         timeout_s: float = 10.0,
         max_bytes_per_s: float | None = None,
-        max_connections: int = 64,
+        max_connections: int = 128,
+        max_connections_per_source: int | None = None,
         retry_s: float = 5.0,
         max_retry_s: float = 600.0,
         failures_per_poll: int = 2,
@@ -84,7 +85,13 @@ class Relay:
         self.parallel, self.timeout_s, self.log = parallel, timeout_s, log
         self.retry_s, self.max_retry_s, self.failures_per_poll = retry_s, max_retry_s, failures_per_poll
         self.server = ShardServer(
-            self.root, host, port, max_bytes_per_s=max_bytes_per_s, max_connections=max_connections, tls=tls
+            self.root,
+            host,
+            port,
+            max_bytes_per_s=max_bytes_per_s,
+            max_connections=max_connections,
+            max_connections_per_source=max_connections_per_source,
+            tls=tls,
         )
         self.scores = SourceScores()
         self._stop = threading.Event()
@@ -284,6 +291,8 @@ def run_relay(
     startup_tries: int = 10,
     url_file: str | None = None,
     max_bytes_per_s: float | None = None,
+    max_connections: int = 128,
+    max_connections_per_source: int | None = None,
     tls=None,
 ) -> None:
     """`swarmrl relay`: mirror and serve until interrupted. BroadcastError at once without the trainer key."""
@@ -302,6 +311,8 @@ def run_relay(
         keep=keep,
         public_key=public_key,
         max_bytes_per_s=max_bytes_per_s,
+        max_connections=max_connections,
+        max_connections_per_source=max_connections_per_source,
         tls=tls,
     ).start()
     print(f"relay listening on {relay.url}, mirroring {', '.join(upstreams)} into {cache_dir}", flush=True)

@@ -2,9 +2,11 @@
 manifests and shards, with Range requests, for the trainer (the origin) and every relay.
 
 Anyone who can reach the port is a client, so what one client can hold is bounded: at most
-`max_connections` connections are served at once (one thread each; a connection over the bound
-gets a 503 at once and is closed), and a connection that sends nothing, or trickles its request
-byte by byte, is closed after `client_timeout_s` (slowloris), as is one that stops reading.
+`max_connections` connections are served at once (one thread each), at most
+`max_connections_per_source` from one address, and the last quarter of them only for addresses
+holding few (transport/connlimit.py); a connection over a bound gets a 503 at once and is closed.
+A connection that sends nothing, or trickles its request byte by byte, is closed after
+`client_timeout_s` (slowloris), as is one that stops reading.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from swarmrl.protocol.manifest import BroadcastError, version_name
 from swarmrl.transport.broadcast.common import CHUNK, PATH_MANIFEST, PATH_SHARD, RANGE
 from swarmrl.transport.broadcast.publish import read_versions
+from swarmrl.transport.connlimit import SourceSlots, refusal_response, source_of
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +188,6 @@ class _DeadlineReader(io.RawIOBase):
             self._sock.settimeout(self._handler.timeout)  # writes get the full timeout
 
 
-_BUSY_BODY = b"too many connections: try again later or use another source\n"
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n\r\n" % len(_BUSY_BODY)
-) + _BUSY_BODY
-
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a hung client must never keep the process alive
     block_on_close = False  # nor make close() wait for it
@@ -200,17 +196,19 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address, handler, owner: ShardServer):
         self.owner = owner
         self.root = owner.root
-        self._slots = threading.BoundedSemaphore(owner.max_connections)
+        self.slots = SourceSlots.sized(owner.max_connections, owner.max_connections_per_source)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
         # Runs in the accept loop: never wait here, or one flood would stall every later client.
-        if not self._slots.acquire(blocking=False):
-            return self._refuse(request)
+        source = source_of(client_address[0] if client_address else None)
+        why = self.slots.admit(source)
+        if why is not None:
+            return self._refuse(request, why)
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
-            self._slots.release()
+            self.slots.release(source)
             raise
 
     def process_request_thread(self, request, client_address):
@@ -224,16 +222,16 @@ class _Server(ThreadingHTTPServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.slots.release(source_of(client_address[0] if client_address else None))
 
-    def _refuse(self, request) -> None:
+    def _refuse(self, request, why: str) -> None:
         """503 without reading the request, sent without blocking, then close."""
         if self.owner.tls is not None:  # no handshake yet: nothing can be said, only closed
             self.shutdown_request(request)
             return
         try:
             request.setblocking(False)
-            request.send(_BUSY)
+            request.send(refusal_response(why))
             request.recv(1 << 16)  # what already arrived: closing with unread data would reset the 503 away
         except OSError:
             pass
@@ -248,8 +246,8 @@ class _Server(ThreadingHTTPServer):
 
 class ShardServer:
     """Serves a broadcast root read-only over HTTP, one thread per connection, at most
-    `max_connections` at once, each closed after `client_timeout_s` without progress (see the
-    module doc).
+    `max_connections` at once and `max_connections_per_source` (default: 16) from one address,
+    each closed after `client_timeout_s` without progress (see the module doc).
 
     `in_use(version)` is True while a response for that version is being written, and for
     `busy_grace_s` seconds after the last one (a client fetches a version's shards one request
@@ -267,7 +265,8 @@ class ShardServer:
         *,
         busy_grace_s: float = 30.0,
         max_bytes_per_s: float | None = None,
-        max_connections: int = 64,
+        max_connections: int = 128,
+        max_connections_per_source: int | None = None,
         client_timeout_s: float = 20.0,
         tls=None,
     ):
@@ -277,7 +276,17 @@ class ShardServer:
             raise BroadcastError(f"max_connections must be a positive int, got {max_connections!r}")
         if not (isinstance(client_timeout_s, (int, float)) and client_timeout_s > 0):
             raise BroadcastError(f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}")
+        if max_connections_per_source is None:  # a relay's clients open `parallel` (4) each
+            max_connections_per_source = min(16, max_connections)
+        if isinstance(max_connections_per_source, bool) or not isinstance(max_connections_per_source, int):
+            raise BroadcastError(f"max_connections_per_source must be an int, got {max_connections_per_source!r}")
+        if not 1 <= max_connections_per_source <= max_connections:
+            raise BroadcastError(
+                f"max_connections_per_source must be between 1 and max_connections ({max_connections}), "
+                f"got {max_connections_per_source}"
+            )
         self.max_connections = max_connections
+        self.max_connections_per_source = max_connections_per_source
         # An ssl.SSLContext (protocol/tls.py server_context): serve https. The handshake runs in
         # the connection's own thread, under client_timeout_s, never in the accept loop.
         self.tls = tls
