@@ -7,7 +7,11 @@ run much (docs/security.md). Three rules, all here as pure functions or small ob
     accepted groups and shrinks, for `penalty_window_s`, by every slot it let expire and every
     fraudulent group: a key that hoards leases and never submits soon holds nothing;
   * unproven keys (fewer than `proven_after` groups passed by the validator) together hold at most a share of
-    the outstanding work, so a flood of fresh keys cannot take the slots proven workers need;
+    the outstanding work, so a flood of fresh keys cannot take the slots proven workers need; and
+    the unproven keys of one source address (an IPv6 /64) hold at most `unproven_leases_per_source`
+    leases, less the prompts that source's unproven keys let expire lately, with a reserve beyond
+    the share for sources holding nothing: strangers crowd out only each other, and a newcomer
+    from another address gets a lease while free keys from a few addresses hoard;
   * grading (the expensive step a submission can trigger for free) runs in a few lanes, at most
     one submission per key at a time, and unproven keys share one lane: their garbage waits
     behind each other, never in front of a proven worker's groups.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -70,6 +74,51 @@ def unproven_share(o: OrchestratorConfig, outstanding: int, lease_prompts: int) 
     """Prompts all unproven keys may hold together: `unproven_share` of the outstanding work, and
     never less than one lease, or no new key could ever start (and become proven)."""
     return max(lease_prompts, int(o.unproven_share * outstanding))
+
+
+@dataclass(frozen=True)
+class UnprovenLimits:
+    """Prompts unproven keys may hold (leased, being scored or awaiting the validator)."""
+
+    share: int  # all of them together (unproven_share)
+    per_source: int  # the keys of one source together
+    reserve: int  # beyond `share`, for sources whose unproven keys hold nothing
+
+    @classmethod
+    def of(cls, o: OrchestratorConfig, outstanding: int, lease_prompts: int) -> UnprovenLimits:
+        return cls(
+            share=unproven_share(o, outstanding, lease_prompts),
+            per_source=o.unproven_leases_per_source * lease_prompts,
+            reserve=o.unproven_reserve_leases * lease_prompts,
+        )
+
+
+def unproven_lease(
+    n: int, source: str, held: Mapping[str, int], expired: int, limits: UnprovenLimits
+) -> tuple[int, str | None]:
+    """Prompts an unproven key from `source` may lease now (at most `n`, what its own allowance
+    gives), or (0, why not). `held`: what unproven keys hold, by source; `expired`: prompts the
+    unproven keys of `source` let expire within the penalty window.
+
+    Per source first: its keys together hold at most `per_source`, less `expired` (fresh keys
+    cost nothing, so the penalty a hoarder's key gets must also reach its address), and a source
+    with less room than `n` gets a smaller lease, like a key with a small allowance. Then all
+    sources: within `share`, or within `share + reserve` for a source that holds nothing, so a
+    newcomer finds room while other addresses' keys hoard (until they hold the reserve too)."""
+    mine, total = held.get(source, 0), sum(held.values())
+    room = limits.per_source - expired - mine
+    if room <= 0:
+        return 0, (
+            f"new workers from {source} hold {mine} of the {limits.per_source} prompts they may hold together"
+            + (f", less {expired} they let expire lately" if expired else "")
+        )
+    n = min(n, room)
+    if total + n <= limits.share or (mine == 0 and total + n <= limits.share + limits.reserve):
+        return n, None
+    return 0, (
+        f"new workers hold {total} of the {limits.share} prompts they may hold together "
+        f"({limits.reserve} more are kept for addresses holding none)"
+    )
 
 
 def lease_timeout(base_s: float, prompts: int, lease_prompts: int) -> float:

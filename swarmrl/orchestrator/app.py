@@ -58,6 +58,7 @@ from swarmrl.protocol.messages import (
     WorkerRecord,
 )
 from swarmrl.protocol.signing import AuthError, ClockSkew, WrongRun, verify_request
+from swarmrl.transport.connlimit import source_of
 
 
 class SizeLimit:
@@ -222,7 +223,8 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         signature (one ed25519 check on the raw bytes), and only then JSON parsing."""
 
         async def dependency(request: Request) -> tuple[str, dict, BaseModel | None]:
-            orch.admit_source(request.client.host if request.client else "unknown")
+            source = source_of(request.client.host if request.client else None)
+            orch.admit_source(source)
             body = await request.body()
             try:
                 key, nonce, ts = verify_request(
@@ -245,11 +247,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
                     parsed = model.model_validate_json(body or b"{}")
                 except ValidationError as e:
                     raise ApiError(422, "invalid_request", _describe_validation(e, prefix="body")) from None
-            return (
-                key,
-                {"nonce": nonce, "ts": ts, "source": request.client.host if request.client else "unknown"},
-                parsed,
-            )
+            return key, {"nonce": nonce, "ts": ts, "source": source}, parsed
 
         return dependency
 
@@ -289,7 +287,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         key, auth, body = who
         orch.check_lease_refusal(key)
         orch.authenticate(key, auth["nonce"], auth["ts"])
-        return orch.lease(key, body.policy_version)
+        return orch.lease(key, body.policy_version, auth["source"])
 
     @app.post(
         "/v1/rollouts",

@@ -1,7 +1,7 @@
 """Handing out work: which problems (a seeded permutation per epoch, reissues first), how much
 (back-pressure against the async bound and the informative rate), to whom (each key's earned
-allowance and the new keys' shared cap: admission.py), and expiring leases nobody submitted
-(counted against their keys)."""
+allowance, and the new keys' caps per source address and in all: admission.py), and expiring
+leases nobody submitted (counted against their keys, and an unproven key's against its address)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import random
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from swarmrl.config import Config
-from swarmrl.orchestrator.admission import Standing, allowance, is_proven, lease_size, lease_timeout, unproven_share
+from swarmrl.orchestrator.admission import (
+    Standing,
+    UnprovenLimits,
+    allowance,
+    is_proven,
+    lease_size,
+    lease_timeout,
+    unproven_lease,
+)
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.gate import Gate
@@ -38,6 +47,14 @@ def wants_more_work(
     online filtering (0.5 before anything was scored, floored at 0.2)."""
     rate = 0.5 if informative_rate is None else max(0.2, informative_rate)
     return queued + open_slots * rate < batches * prompts_per_step
+
+
+@dataclass(frozen=True)
+class Unproven:
+    """What unproven keys (trusted ones aside) hold now: by lease source, and their open slots."""
+
+    by_source: dict[str, int]
+    open_slots: int
 
 
 class Leasing:
@@ -104,17 +121,31 @@ class Leasing:
         expired = self.store.expire_leases(db, now)
         if expired:
             self.counters.count("leases_expired", len(expired))
-        for _, worker, slots, ran_out in expired:
+        o = self.cfg.orchestrator
+        for _, worker, slots, ran_out, source in expired:
             if ran_out and slots:
                 # Unsubmitted work counts against its key's allowance (admission.py): holding a
-                # lease must cost a key that never submits.
-                self.store.penalise(db, worker, slots, now)
+                # lease must cost a key that never submits. An unproven key's also counts against
+                # its address, or a hoarder would just lease again with a fresh key.
+                row = self.store.worker(worker)
+                unproven = not (row and is_proven(row["validated"], o)) and not self.gate.is_trusted(worker)
+                self.store.penalise(db, worker, slots, now, source if unproven else None)
                 self.counters.count("slots_expired", slots)
 
-    def _admit(self, db, key: str, now: float) -> tuple[int, dict | None, bool]:
+    def _unproven(self, db) -> Unproven:
+        trusted = self.gate.trusted_keys()  # count as proven (docs/engines.md)
+        by_source: dict[str, int] = {}
+        open_slots = 0
+        for source, worker, leased, other in self.store.unproven_held(db, self.cfg.orchestrator.proven_after):
+            if worker not in trusted:
+                by_source[source] = by_source.get(source, 0) + leased + other
+                open_slots += leased
+        return Unproven(by_source, open_slots)
+
+    def _admit(self, db, key: str, source: str, unproven: Unproven, now: float) -> tuple[int, dict | None, bool]:
         """How many prompts `key` may lease now (admission.py), or why none: (0, a no-lease reply)
-        while it waits for its own work or the new workers' share, 429 once its allowance is used up;
-        and whether the key is proven (or trusted)."""
+        while it waits for its own work or the new workers' caps (of its source, of all), 429 once
+        its allowance is used up; and whether the key is proven (or trusted)."""
         o, s = self.cfg.orchestrator, self.cfg.sampling
         standing = Standing(*self.store.standing(db, key, now - o.penalty_window_s, sorted(FRAUD_REASONS)))
         allowed = allowance(standing, o, s.worker_batch_prompts)
@@ -146,16 +177,16 @@ class Leasing:
             )
         proven = trusted or is_proven(standing.validated, o)
         if not proven:
-            share = unproven_share(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
-            held = self.store.unproven_slots(db, o.proven_after)
-            if held + n > share:
+            limits = UnprovenLimits.of(o, max(max_outstanding(self.cfg), s.prompts_per_step), s.worker_batch_prompts)
+            expired = self.store.source_expired(db, source, now - o.penalty_window_s)
+            n, why = unproven_lease(n, source, unproven.by_source, expired, limits)
+            if why is not None:
                 return (
                     0,
                     {
                         "lease": None,
                         "retry_after_s": 1.0,
-                        "reason": f"new workers hold {held} of the {share} prompts they may hold together; "
-                        f"a key is proven after {o.proven_after} groups passed validation",
+                        "reason": f"{why}; a key is proven after {o.proven_after} groups passed validation",
                     },
                     False,
                 )
@@ -165,20 +196,21 @@ class Leasing:
         rate, n = self.store.recent_informative(db, window)
         return rate if n >= 16 else None
 
-    def lease(self, key: str, policy_version: int) -> dict:
+    def lease(self, key: str, policy_version: int, source: str = "local") -> dict:
+        """A lease for `key`, asked from `source` (transport/connlimit.py source_of: its address, an IPv6 /64)."""
         now = time.time()
         with self.store.tx() as db:
             # Its own transaction: the refusals below roll theirs back, expiries must stay done.
             self.expire(db, now)
         try:
-            return self._lease(key, policy_version, now)
+            return self._lease(key, policy_version, source, now)
         except ApiError as e:
             if e.code == "allowance_exhausted":
                 self._remember_refusal(key, e)
             raise
 
-    def _lease(self, key: str, policy_version: int, now: float) -> dict:
-        cfg, s, o = self.cfg, self.cfg.sampling, self.cfg.orchestrator
+    def _lease(self, key: str, policy_version: int, source: str, now: float) -> dict:
+        cfg, s = self.cfg, self.cfg.sampling
         with self.store.tx() as db:
             next_step, latest, finished = Store.progress(db)
             if finished:
@@ -197,20 +229,20 @@ class Leasing:
                     f"policy version {policy_version} is outside the allowed range [{lo}, {latest}]: "
                     f"fetch version {latest} (GET /v1/status says where)",
                 )
-            n, no_lease, proven = self._admit(db, key, now)
+            unproven = self._unproven(db)
+            n, no_lease, proven = self._admit(db, key, source, unproven, now)
             if no_lease is not None:
                 return no_lease
             queued = self.store.count_groups(db, WAITING)
-            open_slots = self.store.open_slot_count(db)
+            # A lease costs a free key nothing to hold: counted here, hoarders would take that much
+            # capacity from proven workers, and keys from a few addresses would keep a newcomer
+            # from another out. Unproven keys' slots have their own caps (_admit), so back-pressure
+            # counts proven work only (the total may exceed the limit by the unproven share and
+            # reserve).
+            open_slots = self.store.open_slot_count(db) - unproven.open_slots
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
             outstanding = queued + open_slots
-            if proven:
-                # A lease costs a free key nothing to hold, and unproven keys may together hold
-                # `unproven_share` of the limit: counted here, hoarders would take that much
-                # capacity from proven workers. Their slots have their own cap (_admit), so a
-                # proven key sees only the rest (the total may exceed the limit by that share).
-                outstanding -= self.store.unproven_slots(db, o.proven_after, leased_only=True)
             if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
                 return {
                     "lease": None,
@@ -230,7 +262,7 @@ class Leasing:
                 }
             lease_id = secrets.token_hex(16)
             expires = now + lease_timeout(cfg.orchestrator.lease_timeout_s, n, s.worker_batch_prompts)
-            self.store.create_lease(db, lease_id, key, now, expires, lo, latest, n)
+            self.store.create_lease(db, lease_id, key, now, expires, lo, latest, n, source)
             prompts = []
             for slot, (problem, target) in enumerate(self._next_problems(db, n)):
                 row = self.rows[problem]

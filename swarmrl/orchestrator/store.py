@@ -44,7 +44,8 @@ CREATE INDEX IF NOT EXISTS nonces_ts ON nonces (ts);
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY, worker TEXT NOT NULL, created REAL NOT NULL, expires REAL NOT NULL,
     min_version INTEGER NOT NULL, max_version INTEGER NOT NULL, slots INTEGER NOT NULL,
-    state TEXT NOT NULL);                       -- open | done | expired
+    state TEXT NOT NULL,                        -- open | done | expired
+    source TEXT);                               -- the address it was leased from (connlimit.source_of)
 CREATE INDEX IF NOT EXISTS leases_open ON leases (state, expires);
 CREATE TABLE IF NOT EXISTS slots (
     lease_id TEXT NOT NULL, slot INTEGER NOT NULL, problem INTEGER NOT NULL, target_length INTEGER,
@@ -70,7 +71,8 @@ CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, group_ids TEXT NOT
     metrics TEXT NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS policies (version INTEGER PRIMARY KEY, url TEXT NOT NULL,
     manifest TEXT NOT NULL, published REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS penalties (worker TEXT NOT NULL, slots INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS penalties (worker TEXT NOT NULL, slots INTEGER NOT NULL, at REAL NOT NULL,
+    source TEXT);                               -- set when an unproven key's lease ran out: counts against its address
 CREATE INDEX IF NOT EXISTS penalties_worker ON penalties (worker, at);
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL,
     lease_id TEXT, slot INTEGER, reason TEXT NOT NULL, detail TEXT NOT NULL, at REAL NOT NULL);
@@ -115,12 +117,16 @@ class Store:
                 ("validated", "INTEGER NOT NULL DEFAULT 0"),
             ],
             "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")],
+            # Leases of earlier versions have no source: they count as source '' until they end.
+            "leases": [("source", "TEXT")],
+            "penalties": [("source", "TEXT")],
         }
         for table, cols in added.items():
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
             for name, decl in cols:
                 if name not in have:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        self.db.execute("CREATE INDEX IF NOT EXISTS penalties_source ON penalties (source, at)")
 
     def close(self) -> None:
         with self.lock:
@@ -257,9 +263,10 @@ class Store:
             (n, n if validated else 0, key),
         )
 
-    def penalise(self, db: Db, worker: str, slots: int, at: float) -> None:
-        """Slots a worker let expire: they count against its lease allowance for a while."""
-        db.execute("INSERT INTO penalties (worker, slots, at) VALUES (?, ?, ?)", (worker, slots, at))
+    def penalise(self, db: Db, worker: str, slots: int, at: float, source: str | None = None) -> None:
+        """Slots a worker let expire: they count against its lease allowance for a while (and,
+        with `source`, against what unproven keys from that address may hold)."""
+        db.execute("INSERT INTO penalties (worker, slots, at, source) VALUES (?, ?, ?, ?)", (worker, slots, at, source))
         db.execute("UPDATE workers SET expired = expired + ? WHERE key = ?", (slots, worker))
 
     def standing(
@@ -286,6 +293,41 @@ class Store:
             "SELECT COUNT(*) FROM groups WHERE worker = ? AND state IN ('pending', 'validating')", (worker,)
         ).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)
+
+    def unproven_held(self, db: Db, proven_after: int) -> list[tuple[str, str, int, int]]:
+        """Work held by keys with fewer than `proven_after` validated groups, per lease source and
+        key: (source, key, slots open in open leases, slots being scored and groups awaiting the
+        validator). Leases from before sources were recorded count as source ''."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for column, sql in (
+            (
+                0,
+                "SELECT COALESCE(l.source, ''), l.worker, COUNT(*) FROM slots s JOIN leases l ON s.lease_id = l.id "
+                "JOIN workers w ON l.worker = w.key WHERE l.state = 'open' AND s.state = 'open' "
+                "AND w.validated < ? GROUP BY 1, 2",
+            ),
+            (
+                1,
+                "SELECT COALESCE(l.source, ''), l.worker, COUNT(*) FROM slots s JOIN leases l ON s.lease_id = l.id "
+                "JOIN workers w ON l.worker = w.key WHERE l.state = 'open' AND s.state = 'scoring' "
+                "AND w.validated < ? GROUP BY 1, 2",
+            ),
+            (
+                1,
+                "SELECT COALESCE(l.source, ''), g.worker, COUNT(*) FROM groups g JOIN leases l ON g.lease_id = l.id "
+                "JOIN workers w ON g.worker = w.key WHERE g.state IN ('pending', 'validating') "
+                "AND w.validated < ? GROUP BY 1, 2",
+            ),
+        ):
+            for source, worker, n in db.execute(sql, (proven_after,)).fetchall():
+                out.setdefault((source, worker), [0, 0])[column] += n
+        return [(source, worker, leased, other) for (source, worker), (leased, other) in out.items()]
+
+    def source_expired(self, db: Db, source: str, since: float) -> int:
+        """Slots unproven keys leased from `source` let expire since `since`."""
+        return db.execute(
+            "SELECT COALESCE(SUM(slots), 0) FROM penalties WHERE source = ? AND at >= ?", (source, since)
+        ).fetchone()[0]
 
     def unproven_slots(self, db: Db, proven_after: int, *, leased_only: bool = False) -> int:
         """Work held by keys with fewer than `proven_after` accepted groups: slots open in open
@@ -324,11 +366,12 @@ class Store:
         min_version: int,
         max_version: int,
         slots: int,
+        source: str | None = None,
     ) -> None:
         db.execute(
-            "INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')",
-            (lease_id, worker, created, expires, min_version, max_version, slots),
+            "INSERT INTO leases (id, worker, created, expires, min_version, max_version, slots, state, source) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
+            (lease_id, worker, created, expires, min_version, max_version, slots, source),
         )
 
     def add_slot(self, db: Db, lease_id: str, slot: int, problem: int, target_length: int | None, seeds: str) -> None:
@@ -382,15 +425,16 @@ class Store:
             db.execute("DELETE FROM reissue WHERE id IN (SELECT id FROM reissue ORDER BY id LIMIT ?)", (len(rows),))
         return [(r["problem"], r["target_length"]) for r in rows]
 
-    def expire_leases(self, db: Db, now: float) -> list[tuple[str, str, int, bool]]:
+    def expire_leases(self, db: Db, now: float) -> list[tuple[str, str, int, bool, str | None]]:
         """Expire the open leases past their expiry: their open slots' problems go back to the
         pool. Returns (lease id, worker, slots it left open, whether it ran out of time rather
-        than being ended by the orchestrator: a ban or a trainer going back) per expired lease."""
+        than being ended by the orchestrator: a ban or a trainer going back, the source it was
+        leased from) per expired lease."""
         expired = db.execute(
-            "SELECT id, worker, expires FROM leases WHERE state = 'open' AND expires < ?", (now,)
+            "SELECT id, worker, expires, source FROM leases WHERE state = 'open' AND expires < ?", (now,)
         ).fetchall()
         out = []
-        for lease_id, worker, expires in expired:
+        for lease_id, worker, expires, source in expired:
             rows = db.execute("SELECT * FROM slots WHERE lease_id = ? AND state = 'open'", (lease_id,)).fetchall()
             for row in rows:
                 db.execute(
@@ -398,7 +442,7 @@ class Store:
                 )
             db.execute("UPDATE slots SET state = 'expired' WHERE lease_id = ? AND state = 'open'", (lease_id,))
             db.execute("UPDATE leases SET state = 'expired' WHERE id = ?", (lease_id,))
-            out.append((lease_id, worker, len(rows), expires > 0))
+            out.append((lease_id, worker, len(rows), expires > 0, source))
         return out
 
     def end_worker_leases(self, db: Db, worker: str) -> None:

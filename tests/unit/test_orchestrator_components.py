@@ -136,6 +136,22 @@ def test_a_group_goes_from_lease_to_batch(orch):
     assert totals["batches_built"] == 1 and totals["validator/passed"] == 2 and totals["leases_issued"] == 1
 
 
+def test_unproven_keys_of_one_address_share_one_lease_and_trusted_keys_are_not_counted(orch):
+    """The service layer with the source a request came from: leases of 2 prompts, so one
+    address's unproven keys hold 2 together (admission.py); a trusted key counts as proven."""
+    orch.publish(0, "http://x/v0", {"version": 0})
+    keys = {TRUSTED: "t", OTHER: "o", "c" * 64: "c", "d" * 64: "d"}
+    for key, name in keys.items():
+        orch.admit_registration(key, "10.0.0.1")
+        orch.authenticate(key, f"nonce-{name}", time.time(), registering=True)
+        orch.register(key, name)
+    assert orch.lease(TRUSTED, 0, "10.0.0.1")["lease"] is not None
+    assert orch.lease(OTHER, 0, "10.0.0.1")["lease"] is not None  # the trusted key's lease is not counted
+    refused = orch.lease("c" * 64, 0, "10.0.0.1")
+    assert refused["lease"] is None and "new workers from 10.0.0.1 hold 2 of the 2" in refused["reason"]
+    assert orch.lease("d" * 64, 0, "10.0.0.2")["lease"] is not None  # another address is not held back
+
+
 def test_fraud_bans_the_key_and_expires_its_leases(orch):
     orch.publish(0, "http://x/v0", {"version": 0})
     orch.register(OTHER, "o")
