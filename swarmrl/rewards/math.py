@@ -6,6 +6,12 @@ Runaway sympy work is instead bounded from the outside by
 :class:`swarmrl.rewards.pool.VerifierPool`, which kills the worker process.
 Everything here is a plain module-level function so a spawned worker can
 unpickle it by reference.
+
+Answers come from strangers, and a few characters can cost the grader seconds or hours
+(``\\Gamma(10^{6})``, a power tower, ``((((...))))``): before anything is evaluated, an
+answer is refused (reward 0, with the reason) when its shape is one no real answer has,
+unless the ground truth has it too (``_precheck``, ``_absurd``, ``_calculus``; docs/security.md,
+"Grading"). What these cheap checks miss, the pool's per-answer budget ends.
 """
 
 from __future__ import annotations
@@ -16,7 +22,27 @@ import re
 from decimal import Decimal
 
 from math_verify import parse, verify
-from sympy import Basic, Float, Mul, Pow, Rational, factorial
+from sympy import (
+    Basic,
+    Derivative,
+    FallingFactorial,
+    Float,
+    Function,
+    Integral,
+    Limit,
+    Mul,
+    Pow,
+    Product,
+    Rational,
+    RisingFactorial,
+    Sum,
+    binomial,
+    exp,
+    factorial,
+    factorial2,
+    gamma,
+    subfactorial,
+)
 
 from swarmrl.rewards.answer import answer_region, boxed_contents, missing_answer_reason
 
@@ -31,6 +57,17 @@ _MAX_QUOTED_ANSWER = 80
 # 10^7-digit one in ~8 s, 9^{9^9} (3.7e8 digits) in hours.
 MAX_ANSWER_CHARS = 1000
 MAX_ANSWER_DIGITS = 100_000
+# Brackets of any kind nested in an answer. sympy's LaTeX parser (ANTLR) takes time that grows
+# steeply with depth: ~0.3 s at 4, ~0.5-1 s at 8, 15 s at 50, on a 2-core machine
+# (benchmarks/bench_grading.py); the deepest real answers (``\\left(\\frac{\\sqrt{3}}{2}, ...\\right)``)
+# nest 3 or 4.
+MAX_NESTING = 6
+# Function applications nested in the parsed answer (sin, log, gamma, ...): evaluating them
+# to compare gets dearer with each level (tan applied 4 times: ~1.7 s, 5 times: over 5 s).
+MAX_FUNCTION_NESTING = 3
+# Digits of a Gamma or binomial of integers, which the parser computes in pure Python as it reads
+# it: binomial(10^5, 5*10^4) (30 103 digits) costs 1.5 s, anything under this ~0.2 s.
+MAX_CALL_DIGITS = 10_000
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -113,18 +150,28 @@ def _parse_boxed(expression: str) -> list:
 
 def _digits(expr) -> float:
     """Roughly how many digits the largest number built while evaluating ``expr`` has (inf: too
-    many to say), read from the unevaluated expression math_verify parses, without computing it."""
+    many to say), read from the unevaluated expression math_verify parses, without computing it.
+    Only an upper-bound guess for the functions that build big numbers: n! and Gamma(n) have about
+    n log10(n) digits, binomial(n, k) at most min(n log10(2), k log10(n)), exp(x) like 10^x."""
     if isinstance(expr, Rational):  # integers included (q == 1)
         return max(abs(expr.p).bit_length(), expr.q.bit_length()) * math.log10(2)
     if isinstance(expr, Float):
         x = abs(float(expr))
         return abs(math.log10(x)) if 0 < x < math.inf else (math.inf if x else 0.0)
-    if isinstance(expr, (Pow, factorial)):
-        exponent = _digits(expr.args[-1])  # the exponent, or the n of n!
+    if isinstance(expr, (Pow, exp, factorial, factorial2, subfactorial, gamma, RisingFactorial, FallingFactorial)):
+        exponent = _digits(expr.args[-1])  # the exponent, the n of n!, the x of Gamma(x)
         if exponent > 15:
             return math.inf
-        base = _digits(expr.args[0]) if isinstance(expr, Pow) else exponent
+        if isinstance(expr, Pow):
+            base = _digits(expr.args[0])
+        elif isinstance(expr, exp):
+            base = 1.0
+        else:  # n! ~ n^n; (x)_n, x^(n) ~ x^n
+            base = exponent if len(expr.args) == 1 else max(exponent, _digits(expr.args[0]))
         return 10**exponent * max(1.0, base)
+    if isinstance(expr, binomial):
+        n, k = (_digits(a) for a in expr.args)
+        return min(10**n * math.log10(2) if n <= 15 else math.inf, 10**k * max(1.0, n) if k <= 15 else math.inf)
     if isinstance(expr, Basic) and expr.args:
         sizes = [_digits(a) for a in expr.args]
         return sum(sizes) if isinstance(expr, Mul) else max(sizes)
@@ -135,23 +182,167 @@ def _absurd(parsed: list) -> float:
     return max((_digits(e) for e in parsed if isinstance(e, Basic)), default=0.0)
 
 
+def _function_nesting(expr) -> int:
+    """Function applications nested in ``expr`` (``sin(log(x))``: 2; powers and roots are not
+    functions)."""
+    if not isinstance(expr, Basic) or not expr.args:
+        return 0
+    inner = max(_function_nesting(a) for a in expr.args)
+    return inner + 1 if isinstance(expr, Function) else inner
+
+
+# Operations a final answer never leaves undone, and each can cost sympy the whole budget
+# (``\\int_0^1 e^{x^{x}} dx``, ``\\prod_{k=1}^{10^{6}} k``).
+_CALCULUS = {Integral: "an integral", Sum: "a sum", Product: "a product", Limit: "a limit", Derivative: "a derivative"}
+
+
+def _calculus(parsed: list) -> set[str]:
+    return {name for kind, name in _CALCULUS.items() if any(isinstance(e, Basic) and e.has(kind) for e in parsed)}
+
+
+# -- before parsing ------------------------------------------------------------------------------
+# sympy's LaTeX parser evaluates some calls as it reads them (``\\Gamma(1000000)`` is 999999!,
+# ~6 s of parsing), so these shapes are refused from the text, before the checks on the parsed
+# expression could run.
+_OPEN, _CLOSE = "([{", ")]}"
+_GROWTH = re.compile(r"\\([Gg]amma|[dt]?binom)(?![A-Za-z])")
+_CHOOSE = re.compile(r"\\choose(?![A-Za-z])")
+_INNER_GROWTH = re.compile(r"\\(?:[Gg]amma|[dt]?binom|choose)(?![A-Za-z])|(?<!\\)!")
+_LEFT = re.compile(r"\s*(?:\\left(?![A-Za-z]))?\s*")
+_BARE_NUMBER = re.compile(r"\s*[0-9]+")
+# What the parser skips inside a number it reads as one integer (``1{,}000``, ``(10)``, ``+5``).
+_NOT_DIGITS = re.compile(r"\\left|\\right|\\[,;:! ]|[\s(){}\[\],+]")
+
+
+def _nesting(text: str) -> int:
+    """How deep brackets of any kind (``( [ {``, ``\\{``, ``\\left(``) nest in ``text``; an
+    interval's mismatched pair (``[0, 1)``) counts as a pair."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in _OPEN:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in _CLOSE:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _argument(text: str, i: int) -> tuple[str, int]:
+    """The argument written at ``text[i:]`` and where it ends: a bracketed group's content (any
+    bracket, ``\\left`` allowed) or a bare number (``\\Gamma 5``); ``""`` when neither."""
+    j = _LEFT.match(text, i).end()  # type: ignore[union-attr]  # matches the empty string
+    if j < len(text) and text[j] in _OPEN:
+        depth = 0
+        for k in range(j, len(text)):
+            depth += (text[k] in _OPEN) - (text[k] in _CLOSE)
+            if depth == 0:
+                return text[j + 1 : k], k + 1
+        return text[j + 1 :], len(text)
+    number = _BARE_NUMBER.match(text, i)
+    return (number.group(), number.end()) if number else ("", i)
+
+
+def _enclosing(text: str, start: int, end: int) -> tuple[str, str]:
+    """The text from the group that encloses ``text[start:end]`` up to it, and after it to the
+    group's end: the operands of an infix ``{n \\choose k}``."""
+    depth, left = 0, 0
+    for k in range(start - 1, -1, -1):
+        depth += (text[k] in _CLOSE) - (text[k] in _OPEN)
+        if depth < 0:
+            left = k + 1
+            break
+    depth, right = 0, len(text)
+    for k in range(end, len(text)):
+        depth += (text[k] in _OPEN) - (text[k] in _CLOSE)
+        if depth < 0:
+            right = k
+            break
+    return text[left:start], text[end:right]
+
+
+def _log10_factorial(n: int) -> float:
+    """Digits of n! (0 for n < 2)."""
+    if n < 2:
+        return 0.0
+    return math.lgamma(n + 1) / math.log(10) if n < 10**15 else math.inf
+
+
+def _call_digits(binom: bool, args: list[str]) -> float:
+    """Digits of the value the parser computes for ``\\Gamma(args)`` or ``\\binom(args)`` as it
+    reads them: only integer arguments are evaluated there (the others are sized after parsing),
+    and a growth call inside another's arguments is evaluated first, so its size is beyond count."""
+    if any(_INNER_GROWTH.search(a) for a in args):
+        return math.inf
+    digits = [_NOT_DIGITS.sub("", a) for a in args]
+    if not all(d.isascii() and d.isdigit() for d in digits):
+        return 0.0
+    if any(len(d) > 15 for d in digits):
+        return math.inf
+    values = [int(d) for d in digits]
+    if not binom:
+        return _log10_factorial(values[0] - 1)
+    n, k = values
+    return _log10_factorial(n) - _log10_factorial(k) - _log10_factorial(n - k) if k <= n else 0.0
+
+
+def _growth_digits(text: str) -> float:
+    """Digits of the largest value a Gamma or binomial call written in ``text`` makes the parser
+    compute (``\\Gamma(1000000)``: ~5.6e6; ``\\binom{40}{20}``: 11; inf: beyond count)."""
+    worst = 0.0
+    for call in _GROWTH.finditer(text):
+        binom = "binom" in call.group(1)
+        args, end = [], call.end()
+        for _ in range(2 if binom else 1):
+            arg, end = _argument(text, end)
+            args.append(arg)
+        worst = max(worst, _call_digits(binom, args))
+    for call in _CHOOSE.finditer(text):
+        worst = max(worst, _call_digits(True, list(_enclosing(text, call.start(), call.end()))))
+    return worst
+
+
+def _precheck(ground_truth: str, answer: str) -> str | None:
+    """Why ``answer`` is refused from its text alone, before parsing (None: parse it). Each limit
+    rises to what the ground truth itself needs."""
+    if len(answer) > max(MAX_ANSWER_CHARS, 2 * len(ground_truth)):
+        return f"answer of {len(answer)} characters is longer than the {MAX_ANSWER_CHARS} graded"
+    depth = _nesting(answer)
+    if depth > max(MAX_NESTING, _nesting(ground_truth)):
+        return f"answer {_quote(answer)} nests brackets {depth} deep, more than the {MAX_NESTING} graded: not parsed"
+    digits = _growth_digits(answer)
+    if digits > max(MAX_CALL_DIGITS, 2 * _growth_digits(ground_truth)):
+        return f"answer {_quote(answer)} {_asks_for(digits, MAX_CALL_DIGITS)}: not parsed"
+    return None
+
+
+def _asks_for(digits: float, limit: int) -> str:
+    size = "beyond count" if digits == math.inf else f"~{digits:.3g}"
+    return f"asks for numbers of {size} digits, more than the {limit} graded"
+
+
 def _grade(ground_truth: str, answer: str) -> tuple[float, str | None]:
     """Reward and, when it is 0, a short human-readable reason."""
     gold = _parse_boxed(ground_truth)
     if not gold:
         return 0.0, f"math_verify could not parse the ground truth {ground_truth!r}"
-    if len(answer) > max(MAX_ANSWER_CHARS, 2 * len(ground_truth)):
-        return 0.0, f"answer of {len(answer)} characters is longer than the {MAX_ANSWER_CHARS} graded"
+    refused = _precheck(ground_truth, answer)
+    if refused is not None:
+        return 0.0, refused
     prediction = _parse_boxed(answer)
     if not prediction:
         return 0.0, f"math_verify could not parse the answer {_quote(answer)}"
     digits = _absurd(prediction)
     if digits > max(MAX_ANSWER_DIGITS, 2 * _absurd(gold)):
-        size = "beyond count" if digits == math.inf else f"~{digits:.3g}"
+        return 0.0, f"answer {_quote(answer)} {_asks_for(digits, MAX_ANSWER_DIGITS)}: not evaluated"
+    nesting = max((_function_nesting(e) for e in prediction), default=0)
+    if nesting > max(MAX_FUNCTION_NESTING, max((_function_nesting(e) for e in gold), default=0)):
         return 0.0, (
-            f"answer {_quote(answer)} asks for numbers of {size} digits, more than the "
-            f"{MAX_ANSWER_DIGITS} graded: not evaluated"
+            f"answer {_quote(answer)} nests functions {nesting} deep, more than the "
+            f"{MAX_FUNCTION_NESTING} graded: not evaluated"
         )
+    undone = _calculus(prediction) - _calculus(gold)
+    if undone:
+        return 0.0, f"answer {_quote(answer)} leaves {' and '.join(sorted(undone))} to compute: give its value"
     # verify is asymmetric: the gold answer must come first.
     if verify(gold, prediction, timeout_seconds=None):
         return 1.0, None
