@@ -101,8 +101,22 @@ class OrchestratorConfig(Section):
     """Submissions graded at once (each lane is a process pool of rewards.verify_workers
     processes); one lane at most serves unproven keys."""
     grading_wait_s: float = Field(2.0, gt=0)
-    """A submission that finds no free grading lane for this long is refused with 429 and its
-    slots stay open, so waiting submissions never pile up on server threads."""
+    """A submission that finds no free grading lane for this long is refused with 429
+    (`grading_busy`) and its slots stay open, so waiting submissions never pile up on server
+    threads. Its lease is kept meanwhile: its deadline moves to at least 15 s after each such
+    refusal (never past twice `lease_timeout_s` from its start), so the work of a key that
+    submitted in time is never lost to others' grading."""
+    unproven_grading_s: float = Field(10.0, gt=0)
+    """Seconds of grading an unproven key's submissions may hold the new workers' lane for, and
+    the same again for all unproven keys of the address it leased from (a token bucket each,
+    refilled at this much per `unproven_grading_window_s`). A submission graded past it stops:
+    its answers not graded yet score 0 ("not graded: ..."), and the next waits (429
+    `grading_spent`, with Retry-After) until a tenth of it is back. So one key's expensive answers
+    slow only that key. An honest new key's lease of 8 prompts x 8 math answers takes ~0.5-2 s
+    (docs/security.md, "Grading"); proven keys are not metered."""
+    unproven_grading_window_s: float = Field(60.0, gt=0)
+    """The window over which `unproven_grading_s` refills: an unproven key (and its address) may
+    use at most that much grading per this many seconds in the long run."""
     dashboard: bool = True
     """Serve GET /v1/dashboard (and `swarmrl status`): the run's progress, every worker's record
     by key fingerprint, validation and broadcast figures. Public and read-only: nothing on it is

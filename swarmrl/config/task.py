@@ -138,8 +138,13 @@ class LengthConfig(Section):
 class RewardsConfig(Section):
     verify_workers: int = Field(1, ge=1)
     """Processes grading answers with math-verify."""
-    verify_timeout_s: float = Field(5.0, gt=0)
-    """Hard per-completion grading timeout; a completion that exceeds it scores 0."""
+    verify_timeout_s: float = Field(1.0, gt=0)
+    """Hard per-answer grading budget of math and multiple-choice answers (the grading process is
+    killed and replaced); an answer that exceeds it scores 0. Honest answers on the real GSM8K and
+    AIME rows take at most ~0.12 s, LaTeX-heavy ones up to ~0.8 s on a loaded 2-core machine
+    (benchmarks/bench_grading.py, docs/security.md "Grading"); an answer built to burn the grader
+    costs at most this. Code answers have their own budgets (`sandbox.test_timeout_s`,
+    `sandbox.total_timeout_s`)."""
     verify_memory_mb: int = Field(1024, ge=64)
     """Address-space limit (RLIMIT_AS) of each grading process; an answer needing more scores 0
     and the process is replaced."""

@@ -306,7 +306,9 @@ class Worker:
             except Unavailable as e:
                 if delay == 0.2:
                     self.log(f"submitting lease {submission['lease_id'][:8]}: {e}; kept in the outbox, retrying")
-                if time.time() > expires:
+                # A 429 (a busy grading lane) comes from an orchestrator that holds the lease and
+                # may keep it past its deadline for us: it says 410 once it is really gone.
+                if time.time() > expires and e.status != 429:
                     self.log(
                         f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
                         f"({e}); dropping its groups"

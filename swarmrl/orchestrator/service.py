@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 from swarmrl.config import Config
-from swarmrl.orchestrator.admission import GradingLanes
+from swarmrl.orchestrator.admission import GradingLanes, GradingMeter
 from swarmrl.orchestrator.batches import Batches
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.gate import Gate
@@ -86,17 +86,21 @@ class Orchestrator:
         # Code tasks need the sandbox: refuse to start (with the fix) rather than score them 0.
         self.graders = open_graders(self.rows, cfg.sandbox, log=log)
         o = cfg.orchestrator
-        # Grading lanes: each a verifier pool serving one submission at a time (admission.py).
+        # Grading lanes: each a verifier pool serving one submission at a time (admission.py),
+        # its processes forked from a server that imported the grader, so one replaced after an
+        # answer ran out of its budget is back in ~0.1 s (docs/security.md, "Grading").
         pools = [pool] if pool is not None else []
         pools += [
             VerifierPool(
                 cfg.rewards.verify_workers,
                 cfg.rewards.verify_timeout_s,
                 memory_bytes=cfg.rewards.verify_memory_mb << 20,
+                start_method="forkserver",
             )
             for _ in range(o.grading_lanes - len(pools))
         ]
-        self.lanes = GradingLanes(pools, o.grading_wait_s)
+        meter = GradingMeter(o.unproven_grading_s, o.unproven_grading_window_s)
+        self.lanes = GradingLanes(pools, o.grading_wait_s, meter)
         self.run_id = self.store.run_id()
         self.counters = Counters()
         self.gate = Gate(self.store, cfg, self.counters, log)

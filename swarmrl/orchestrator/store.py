@@ -398,6 +398,14 @@ class Store:
             "WHERE slots.state = 'open' AND leases.state = 'open'"
         ).fetchone()[0]
 
+    def extend_lease(self, db: Db, lease_id: str, expires: float) -> None:
+        """Move an open lease's deadline to `expires` if that is later (a submission waiting for a
+        grading lane keeps its lease: admission.extended_expiry)."""
+        db.execute(
+            "UPDATE leases SET expires = ? WHERE id = ? AND state = 'open' AND expires < ?",
+            (expires, lease_id, expires),
+        )
+
     def mark_slot(self, db: Db, lease_id: str, slot: int, state: str, *, only_if: str | None = None) -> bool:
         """Set a slot's state (only if it is in state `only_if`, when given); whether it changed."""
         if only_if is None:

@@ -19,7 +19,7 @@ import torch
 
 from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
-from swarmrl.orchestrator.admission import Busy, GradingLanes, is_proven
+from swarmrl.orchestrator.admission import Busy, GradingLanes, Metered, Spent, extended_expiry, is_proven
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.gate import Gate
@@ -32,6 +32,11 @@ from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.rewards.registry import Graders
 from swarmrl.tasks.source import model_input
+
+# How long a lease is kept after its submission was refused for a busy grading lane (429
+# grading_busy, Retry-After 1 s): the worker is back well within it, and each refusal moves it on
+# (admission.extended_expiry), up to twice the lease time from the lease's start.
+BUSY_GRACE_S = 15.0
 
 
 @dataclass
@@ -185,13 +190,16 @@ class Submissions:
         )
         return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
 
-    def _grade(self, key: str, groups: list[Group]) -> None:
+    def _proven(self, key: str) -> bool:
+        validated = (self.store.worker(key) or {}).get("validated", 0)
+        return is_proven(validated, self.cfg.orchestrator) or self.gate.is_trusted(key)
+
+    def _grade(self, key: str, groups: list[Group], proven: bool, source: str) -> None:
         """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
-        keys share one lane); Busy when no lane comes free in time."""
-        proven = is_proven(
-            (self.store.worker(key) or {}).get("validated", 0), self.cfg.orchestrator
-        ) or self.gate.is_trusted(key)
-        with self.lanes.lane(key, proven) as pool:
+        keys share one lane, and their time in it is charged to them and their address); Busy
+        when no lane comes free in time, Spent when an unproven key's grading time is used up."""
+        with self.lanes.lane(key, proven, source) as pool:
+            started = time.monotonic()
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
             shared = any(self.graders.get(g.task_type) is not None for g in groups)
@@ -202,9 +210,20 @@ class Submissions:
             finally:
                 if shared:
                     self._resource_lock.release()
+                self.counters.count(f"grading_seconds/{'proven' if proven else 'unproven'}", time.monotonic() - started)
+                if isinstance(pool, Metered) and pool.skipped:
+                    self.counters.count("grading/not_graded", pool.skipped)
+
+    def _keep_lease(self, db, lease, now: float) -> None:
+        """A submission that arrived in time and waits (or waited in vain) for a grading lane keeps
+        its lease for BUSY_GRACE_S from `now` (admission.extended_expiry)."""
+        longest = 2 * self.cfg.orchestrator.lease_timeout_s
+        expires = extended_expiry(lease["expires"], lease["created"], now, BUSY_GRACE_S, longest)
+        self.store.extend_lease(db, lease["id"], expires)
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         now = time.time()
+        proven = self._proven(key)
         with self.store.tx() as db:
             lease = self.store.lease_row(db, lease_id)
             if lease is None:
@@ -225,6 +244,14 @@ class Submissions:
             elif len(groups) > lease["slots"]:
                 raise ApiError(422, "too_many_groups", f"{len(groups)} groups for a lease of {lease['slots']} slots")
             else:
+                source = lease["source"] or ""
+                try:
+                    self.lanes.check(key, source, proven)
+                except Spent as e:
+                    self.counters.count("grading_spent")
+                    raise ApiError(
+                        429, "grading_spent", f"{e}; retry in {e.retry_after:.0f} s", retry_after=e.retry_after
+                    ) from None
                 slot_rows = self.store.lease_slots(db, lease_id)
                 next_step, _, _ = Store.progress(db)
                 seen: set[int] = set()
@@ -235,12 +262,17 @@ class Submissions:
                 for c in checks:
                     if c.group is not None:
                         self.store.mark_slot(db, lease_id, c.slot, "scoring")
+                if any(c.group is not None for c in checks):
+                    # It arrived in time: waiting for a lane must not let the lease run out.
+                    self._keep_lease(db, lease, now + self.cfg.orchestrator.grading_wait_s)
         good = [c.group for c in checks if c.group is not None]
         try:
             if good:
-                self._grade(key, good)
+                self._grade(key, good, proven, source)
         except BaseException as e:
             with self.store.tx() as db:  # give the slots back: the worker may retry
+                if isinstance(e, Busy):
+                    self._keep_lease(db, lease, time.time())
                 current = self.store.lease_row(db, lease_id)
                 live = current is not None and current["state"] == "open" and current["expires"] >= time.time()
                 for c in checks:
@@ -257,8 +289,14 @@ class Submissions:
                 raise ApiError(
                     429,
                     "grading_busy",
-                    f"{e}; retry in a moment (nothing was lost: the slots stay open until the lease expires)",
+                    f"{e}; retry in a moment (nothing was lost: the slots stay open, and the lease is kept "
+                    f"at least {BUSY_GRACE_S:.0f} s more)",
                     retry_after=1.0,
+                ) from None
+            if isinstance(e, Spent):  # a concurrent submission of the same address spent it meanwhile
+                self.counters.count("grading_spent")
+                raise ApiError(
+                    429, "grading_spent", f"{e}; retry in {e.retry_after:.0f} s", retry_after=e.retry_after
                 ) from None
             raise
         turnaround = (now - lease["created"]) / max(1, lease["slots"])

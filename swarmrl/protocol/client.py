@@ -32,11 +32,12 @@ from swarmrl.protocol.tls import TLSError, explain, tls_failure
 
 
 class Unavailable(RuntimeError):
-    """The orchestrator could not be reached or asked us to come back later."""
+    """The orchestrator could not be reached or asked us to come back later (`status`: the HTTP
+    status it answered with, 429 or 5xx; None when it could not be reached)."""
 
-    def __init__(self, message: str, retry_after: float | None = None):
+    def __init__(self, message: str, retry_after: float | None = None, status: int | None = None):
         super().__init__(message)
-        self.retry_after = retry_after
+        self.retry_after, self.status = retry_after, status
 
 
 class Refused(RuntimeError):
@@ -108,6 +109,7 @@ class _Client:
             raise Unavailable(
                 f"{method} {path}: HTTP {r.status_code} {r.text[:200]}",
                 retry_after=float(retry) if retry and retry.replace(".", "", 1).isdigit() else None,
+                status=r.status_code,
             )
         try:
             data = r.json()
