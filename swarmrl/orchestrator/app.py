@@ -15,8 +15,10 @@ Endpoints (all JSON; errors are {"error": code, "detail": message} with a 4xx st
     POST /v1/trainer/policies         trainer: a new policy version is available at a URL
     POST /v1/trainer/finish           trainer: the run is over, workers may leave
 
-Nothing a client sends may produce a 5xx: bodies are size-capped before parsing, validated by
-pydantic with explicit limits, and every refusal is an ApiError with a code the client can act on.
+Nothing a client sends may produce a 5xx: bodies are size-capped before parsing, parsed strictly
+(a key sent twice, or a field in another JSON type, is refused: protocol/messages.py parse_body),
+validated by pydantic with explicit limits, and every refusal is an ApiError with a code the
+client can act on.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ import asyncio
 import hmac
 import time
 import traceback
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.orchestrator.dashboard import add_dashboard_routes
-from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.errors import ApiError, body_schema, describe_validation, json_body, parsed
 from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.manifest import BroadcastError, verify_manifest
 from swarmrl.protocol.messages import (
@@ -125,19 +128,6 @@ def _error(status: int, code: str, detail: str, headers: dict | None = None) -> 
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError | ValidationError, prefix: str | None = None) -> str:
-    parts = []
-    for e in exc.errors()[:5]:
-        where = ".".join(str(x) for x in ((prefix,) if prefix else ()) + tuple(e.get("loc", ())))
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
-
-
-def _body_schema(model: type[BaseModel]) -> dict:
-    """The OpenAPI description of a body the route parses itself (after the signature check)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
 def _observe(app: FastAPI, orch: Orchestrator) -> None:
     """Prometheus metrics: request counts and latency per route, and the run's totals and gauges
     at GET /metrics."""
@@ -182,7 +172,7 @@ def _error_handlers(app: FastAPI, orch: Orchestrator) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
-        return _error(422, "invalid_request", _describe_validation(exc))
+        return _error(422, "invalid_request", describe_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
@@ -241,13 +231,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
                 raise ApiError(401, "clock_skew", str(e)) from None
             except AuthError as e:
                 raise ApiError(401, "bad_signature", str(e)) from None
-            parsed = None
-            if model is not None:
-                try:
-                    parsed = model.model_validate_json(body or b"{}")
-                except ValidationError as e:
-                    raise ApiError(422, "invalid_request", _describe_validation(e, prefix="body")) from None
-            return key, {"nonce": nonce, "ts": ts, "source": source}, parsed
+            return key, {"nonce": nonce, "ts": ts, "source": source}, None if model is None else parsed(model, body)
 
         return dependency
 
@@ -274,7 +258,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         return orch.status()
 
     @app.post(
-        "/v1/workers/register", responses=responses, response_model=Registered, openapi_extra=_body_schema(RegisterIn)
+        "/v1/workers/register", responses=responses, response_model=Registered, openapi_extra=body_schema(RegisterIn)
     )
     def register(who: tuple = Depends(signed(RegisterIn))) -> dict:
         key, auth, body = who
@@ -282,7 +266,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         orch.authenticate(key, auth["nonce"], auth["ts"], registering=True)
         return orch.register(key, body.name)
 
-    @app.post("/v1/leases", responses=responses, response_model=LeaseReply, openapi_extra=_body_schema(LeaseIn))
+    @app.post("/v1/leases", responses=responses, response_model=LeaseReply, openapi_extra=body_schema(LeaseIn))
     def lease(who: tuple = Depends(signed(LeaseIn))) -> dict:
         key, auth, body = who
         orch.check_lease_refusal(key)
@@ -294,7 +278,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         responses=responses,
         response_model=SubmitReply,
         response_model_exclude_none=True,
-        openapi_extra=_body_schema(SubmitIn),
+        openapi_extra=body_schema(SubmitIn),
     )
     def rollouts(who: tuple = Depends(signed(SubmitIn))) -> dict:
         key, auth, body = who
@@ -307,14 +291,24 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         orch.authenticate(key, auth["nonce"], auth["ts"], allow_banned=True)
         return orch.worker_record(key)
 
-    @app.post("/v1/validator/claim", responses=responses, response_model=Claim, dependencies=[Depends(validator_only)])
-    def claim(body: ClaimIn) -> dict:
+    @app.post(
+        "/v1/validator/claim",
+        responses=responses,
+        response_model=Claim,
+        dependencies=[Depends(validator_only)],
+        openapi_extra=body_schema(ClaimIn),
+    )
+    def claim(body: Annotated[ClaimIn, Depends(json_body(ClaimIn))]) -> dict:
         return orch.claim_validation(body.max_groups)
 
     @app.post(
-        "/v1/validator/verdicts", responses=responses, response_model=Recorded, dependencies=[Depends(validator_only)]
+        "/v1/validator/verdicts",
+        responses=responses,
+        response_model=Recorded,
+        dependencies=[Depends(validator_only)],
+        openapi_extra=body_schema(VerdictsIn),
     )
-    def verdicts(body: VerdictsIn) -> dict:
+    def verdicts(body: Annotated[VerdictsIn, Depends(json_body(VerdictsIn))]) -> dict:
         return orch.record_verdicts([v.model_dump() for v in body.verdicts], body.retry)
 
     @app.post(
@@ -328,9 +322,13 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         return orch.build_batch(step)
 
     @app.post(
-        "/v1/trainer/policies", responses=responses, response_model=Published, dependencies=[Depends(trainer_only)]
+        "/v1/trainer/policies",
+        responses=responses,
+        response_model=Published,
+        dependencies=[Depends(trainer_only)],
+        openapi_extra=body_schema(PublishIn),
     )
-    def publish(body: PublishIn) -> dict:
+    def publish(body: Annotated[PublishIn, Depends(json_body(PublishIn))]) -> dict:
         try:
             # Signed by the trainer's key (<run-dir>/trainer.pub once the trainer wrote it; before
             # that, by the key the manifest names: the bearer token already says who sent it).

@@ -15,10 +15,11 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import Depends, Response
 
-from swarmrl.orchestrator.errors import ApiError
+from swarmrl.orchestrator.errors import ApiError, body_schema, json_body
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import Dashboard, MetricsIn, Recorded
 
@@ -185,8 +186,14 @@ def add_dashboard_routes(app, orch, responses: dict, trainer_only) -> None:
     POST /v1/trainer/metrics, where the trainer reports held-out accuracy for it."""
     board = Cached(orch, orch.cfg.orchestrator.dashboard_cache_s)
 
-    @app.post("/v1/trainer/metrics", responses=responses, response_model=Recorded, dependencies=[Depends(trainer_only)])
-    def trainer_metrics(body: MetricsIn) -> dict:
+    @app.post(
+        "/v1/trainer/metrics",
+        responses=responses,
+        response_model=Recorded,
+        dependencies=[Depends(trainer_only)],
+        openapi_extra=body_schema(MetricsIn),
+    )
+    def trainer_metrics(body: Annotated[MetricsIn, Depends(json_body(MetricsIn))]) -> dict:
         return {"recorded": record_trainer_metrics(orch, body.step, body.metrics)}
 
     def page(name: str, media_type: str) -> Response:

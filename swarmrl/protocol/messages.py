@@ -4,11 +4,16 @@ validates every request body with them) and its clients (which validate what the
 docs/protocol.md is the prose version: endpoints, signing, the order of calls, and what each
 field means. `PROTOCOL_VERSION` (swarmrl/protocol/__init__.py) changes when a message changes
 in a way an existing worker would misread.
+
+Requests are parsed strictly (`parse_body`): a key repeated in any JSON object is refused, and
+the request models take each field in its JSON type only: no number sent as a string, no boolean
+as a number, no integer written as 2.0 (a float field does take a JSON integer).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,8 +29,8 @@ _LEASE_ID = r"^[0-9a-f]{32}$"
 
 class _In(BaseModel):
     # Unknown fields are ignored, not refused: a worker may send a claimed reward, and it is
-    # simply never read.
-    model_config = ConfigDict(extra="ignore")
+    # simply never read. Strict: a field in another JSON type than its own is refused, not coerced.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class RegisterIn(_In):
@@ -39,7 +44,7 @@ class LeaseIn(_In):
 class _Claims(BaseModel):
     # Extra fields are kept (not refused at parse time) so that a claimed reward is rejected by
     # the service with its own reason and counted against the worker.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class SampleIn(_Claims):
@@ -102,6 +107,43 @@ class VerdictIn(_In):
 class VerdictsIn(_In):
     verdicts: list[VerdictIn] = Field(default_factory=list, max_length=4096)
     retry: list[Annotated[int, Field(ge=0, le=1 << 62)]] = Field(default_factory=list, max_length=4096)
+
+
+Request = TypeVar("Request", bound=BaseModel)
+
+
+class BodyError(ValueError):
+    """A request body that is not JSON as docs/protocol.md states it (before its fields are read)."""
+
+
+def _one_each(pairs: list[tuple[str, object]]) -> dict:
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise BodyError(f"the key {key[:64]!r} appears twice in one object: send each key once")
+        obj[key] = value
+    return obj
+
+
+def loads(raw: bytes | str) -> object:
+    """JSON with each key at most once per object (json.loads lets the last one win, and two
+    parsers reading the same bytes differently is how a signed body gets misread). BodyError
+    says what is wrong."""
+    try:
+        return json.loads(raw, object_pairs_hook=_one_each)
+    except BodyError:
+        raise
+    except RecursionError:
+        raise BodyError("not JSON this server reads: nested too deeply") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, integers of thousands of digits
+        raise BodyError(f"not valid JSON: {str(e)[:200]}") from None
+
+
+def parse_body(model: type[Request], raw: bytes | str) -> Request:
+    """A request body as `model`, strictly: BodyError for a body that is not JSON or repeats a
+    key, pydantic's ValidationError (naming the field) for a field of another type or out of
+    its bounds."""
+    return model.model_validate(loads(raw))
 
 
 class ErrorOut(BaseModel):

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from swarmrl.protocol.messages import BodyError, loads
 from swarmrl.serve.engine import Choice, Engine, GenRequest
 from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
 
@@ -188,10 +189,10 @@ class _Routes:
             raise ApiError(
                 408, f"the request body did not arrive within {self.settings.body_timeout_s:g} s; send it at once"
             ) from None
-        try:  # ValueError covers bad JSON, bad UTF-8 and integers of thousands of digits
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
+        try:  # bad JSON, bad UTF-8, integers of thousands of digits, a key sent twice (docs/protocol.md)
+            body = loads(raw)
+        except BodyError as exc:
+            raise ApiError(400, f"request body: {exc}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         try:
@@ -543,9 +544,9 @@ class _Routes:
                 code="invalid_api_key",
             )
         try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):
-            raise ApiError(400, "request body is not valid JSON") from None
+            body = loads(await request.body())
+        except BodyError as exc:
+            raise ApiError(400, f"request body: {exc}") from None
         path = body.get("model_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise ApiError(400, 'the body must be {"model_path": "/a/checkpoint/folder"}', "model_path")

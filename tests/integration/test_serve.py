@@ -250,6 +250,7 @@ def test_serve_refuses_a_missing_checkpoint(tmp_path):
         ),
         (b"[" * 100_000 + b"]" * 100_000, None),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "false"}', "stream"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 1, "n": 2}', None),  # a key twice
         (
             b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": 1}',
             "stream_options",

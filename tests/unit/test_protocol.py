@@ -4,6 +4,7 @@ docs/protocol.md documents all of it."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -11,7 +12,19 @@ import pytest
 from pydantic import ValidationError
 
 from swarmrl.protocol import PROTOCOL_VERSION
-from swarmrl.protocol.messages import Lease, LeaseReply, SubmitIn
+from swarmrl.protocol.messages import (
+    BodyError,
+    ClaimIn,
+    Lease,
+    LeaseIn,
+    LeaseReply,
+    MetricsIn,
+    PublishIn,
+    RegisterIn,
+    SubmitIn,
+    VerdictsIn,
+    parse_body,
+)
 from swarmrl.protocol.reasons import FRAUD_REASONS, REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +111,73 @@ def test_submission_model_keeps_claims_for_the_service_to_refuse():
     assert sub.groups[0].model_extra == {"reward": 1.0}  # refused later as claimed_reward, counted as fraud
     with pytest.raises(ValidationError):
         SubmitIn.model_validate({**body, "lease_id": "x"})
+
+
+def _submission(**group) -> dict:
+    sample = {"token_ids": [3, 4], "logprobs": [-0.1, -2], "finish_reason": "stop", "proofs": ["AA"]}
+    return {"lease_id": "ab" * 16, "groups": [{"slot": 0, "policy_version": 1, "samples": [sample], **group}]}
+
+
+def _sample(**fields) -> dict:
+    return _submission(samples=[{**_submission()["groups"][0]["samples"][0], **fields}])
+
+
+# Each request field sent in another JSON type than its own: refused, naming the field.
+COERCED = [
+    (LeaseIn, {"policy_version": "3"}, "policy_version"),  # a number as a string
+    (LeaseIn, {"policy_version": True}, "policy_version"),  # a boolean as a number
+    (LeaseIn, {"policy_version": 3.0}, "policy_version"),  # an integer written as a float
+    (RegisterIn, {"name": 7}, "name"),  # a number as a string
+    (SubmitIn, _submission(slot=True), "groups.0.slot"),
+    (SubmitIn, _submission(slot="0"), "groups.0.slot"),
+    (SubmitIn, _submission(policy_version="1"), "groups.0.policy_version"),
+    (SubmitIn, _sample(token_ids=["3", 4]), "groups.0.samples.0.token_ids.0"),
+    (SubmitIn, _sample(token_ids=[3, True]), "groups.0.samples.0.token_ids.1"),
+    (SubmitIn, _sample(logprobs=["-0.1", -2]), "groups.0.samples.0.logprobs.0"),
+    (SubmitIn, _sample(logprobs=[False, -2]), "groups.0.samples.0.logprobs.0"),
+    (ClaimIn, {"max_groups": "16"}, "max_groups"),
+    (VerdictsIn, {"verdicts": [{"id": 1, "ok": 1}]}, "verdicts.0.ok"),  # a number as a boolean
+    (VerdictsIn, {"verdicts": [{"id": 1, "ok": "true"}]}, "verdicts.0.ok"),
+    (VerdictsIn, {"verdicts": [{"id": "1", "ok": True}]}, "verdicts.0.id"),
+    (VerdictsIn, {"retry": [True]}, "retry.0"),
+    (VerdictsIn, {"verdicts": [{"id": 1, "ok": True, "stats": {"chunks": "3"}}]}, "verdicts.0.stats.chunks"),
+    (PublishIn, {"version": "1", "url": "http://x", "manifest": {}}, "version"),
+    (MetricsIn, {"step": 1, "metrics": {"eval/accuracy": "0.5"}}, "metrics.eval/accuracy"),
+]
+
+
+@pytest.mark.parametrize("model, body, field", COERCED, ids=[f"{m.__name__}:{f}" for m, _, f in COERCED])
+def test_a_field_in_another_json_type_is_refused_naming_it(model, body, field):
+    with pytest.raises(ValidationError) as e:
+        parse_body(model, json.dumps(body))
+    assert [".".join(str(x) for x in err["loc"]) for err in e.value.errors()] == [field]
+
+
+def test_the_strict_types_take_what_the_clients_send():
+    sub = parse_body(SubmitIn, json.dumps(_submission()))
+    assert sub.groups[0].samples[0].logprobs == [-0.1, -2.0]  # a float field takes a JSON integer
+    verdicts = parse_body(VerdictsIn, '{"verdicts": [{"id": 1, "ok": true, "stats": {"chunks": 3}}], "retry": [2]}')
+    assert verdicts.verdicts[0].stats == {"chunks": 3.0} and verdicts.retry == [2]
+    assert parse_body(ClaimIn, b"{}").max_groups == 16
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ('{"policy_version": 1, "policy_version": 2}', "policy_version"),
+        ('{"lease_id": "x", "groups": [{"slot": 0, "slot": 1}]}', "slot"),  # anywhere in the body
+        ('{"verdicts": [], "extra": {"a": 1, "a": 1}}', "a"),  # in a field nobody reads, too
+    ],
+)
+def test_a_key_sent_twice_is_refused_naming_it(raw, key):
+    with pytest.raises(BodyError, match=f"the key '{key}' appears twice in one object"):
+        parse_body(LeaseIn, raw)
+
+
+@pytest.mark.parametrize("raw", [b"{", b"\xff", b"[" * 100_000, b'{"policy_version": 1' + b"0" * 5000 + b"}"])
+def test_what_is_not_json_is_a_body_error(raw):
+    with pytest.raises(BodyError):
+        parse_body(LeaseIn, raw)
 
 
 def test_every_orchestrator_reply_has_a_protocol_model():
