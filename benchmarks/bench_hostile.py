@@ -15,12 +15,14 @@ measured in both:
   hoarders  a fresh run at the shipped sizes: N = 1, 2, 5 free keys lease and never submit,
             from one address and from N addresses; an honest newcomer's time to first lease
   strict    signed bodies with coerced types and duplicate keys: the status codes
+  cost      the connection guard's cost on the honest path: the same app under uvicorn's h11
+            protocol and under the guarded one, side by side
 
 Printed per attack: honest /healthz and lease/submit latency p50/p99 (ms), honest groups/s,
 connections the attacker still holds after `--hold` s, grading seconds per key (server side, from
 /v1/workers/me where the orchestrator reports it, else the submit round trip), newcomer times.
 
-    python benchmarks/bench_hostile.py [--phase 20] [--hold 45] [--only idle,slow,answers,hoarders,strict]
+    python benchmarks/bench_hostile.py [--phase 20] [--hold 45] [--only idle,slow,answers,hoarders,strict,cost]
 
 A figure, not a test: the machine's load moves every number (docs/security.md records a run).
 """
@@ -33,6 +35,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -503,12 +506,78 @@ def attack_strict(root: Path) -> None:
         orch.stop()
 
 
+def guard_cost(requests: int = 2000) -> None:
+    """The guard's cost on the honest path: the same tiny ASGI app under uvicorn's plain h11
+    protocol and under the guarded one, side by side, with new connections and with keep-alive."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from swarmrl.transport.connlimit import SourceSlots, guarded_h11
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def start(protocol) -> tuple[uvicorn.Server, str]:
+        sock = socket.socket()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the services do (44 ms a request without)
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False, limit_concurrency=None)
+        server = uvicorn.Server(config)
+        threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True).start()
+        while not server.started:
+            time.sleep(0.01)
+        return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    servers = {
+        "uvicorn h11": start(H11Protocol),
+        "guarded h11": start(guarded_h11(SourceSlots.sized(1000, 64), head_timeout_s=10, idle_timeout_s=30)),
+    }
+    print(f"guard cost: {requests} GET / each, alternating servers (median of 5 rounds, us per request)")
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def one(sock: socket.socket) -> None:
+        sock.sendall(request)
+        data = b""
+        while not data.endswith(b"ok"):
+            data += sock.recv(4096)
+
+    def address(url: str) -> tuple[str, int]:
+        return ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+
+    results: dict[tuple[str, str], list[float]] = {}
+    for _ in range(5):
+        for name, (_, url) in servers.items():
+            with socket.create_connection(address(url)) as sock:  # keep-alive: one connection
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t0 = time.perf_counter()
+                for _ in range(requests):
+                    one(sock)
+                results.setdefault((name, "keep-alive"), []).append((time.perf_counter() - t0) / requests)
+            t0 = time.perf_counter()
+            for _ in range(requests // 4):  # a new connection per request
+                with socket.create_connection(address(url)) as sock:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    one(sock)
+            results.setdefault((name, "new connection"), []).append((time.perf_counter() - t0) / (requests // 4))
+    for mode in ("keep-alive", "new connection"):
+        plain = statistics.median(results[("uvicorn h11", mode)]) * 1e6
+        guarded = statistics.median(results[("guarded h11", mode)]) * 1e6
+        print(f"  {mode:<15} uvicorn {plain:7.0f} | guarded {guarded:7.0f} | ratio {guarded / plain:.2f}")
+    for server, _ in servers.values():
+        server.should_exit = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", type=float, default=20.0, help="seconds of each calm and attacked phase")
     ap.add_argument("--hold", type=float, default=45.0, help="seconds after which attacker connections are counted")
     ap.add_argument("--newcomer-wait", type=float, default=60.0, help="longest wait for a newcomer's first lease")
-    ap.add_argument("--only", default="idle,slow,answers,hoarders,strict")
+    ap.add_argument("--only", default="idle,slow,answers,hoarders,strict,cost")
     args = ap.parse_args()
     only = set(args.only.split(","))
     random.seed(0)
@@ -534,6 +603,8 @@ def main() -> None:
             attack_hoarders(root, args)
         if "strict" in only:
             attack_strict(root)
+        if "cost" in only:
+            guard_cost()
 
 
 if __name__ == "__main__":
