@@ -7,8 +7,9 @@ checkpoint's chat template. Sample j of problem i uses seed ``base_i + j`` with 
 seed * 1_000_003 + i * 1_000``: the local sampler gets those seeds directly, and an endpoint
 gets ``seed = base_i`` with ``n = k``, which `swarmrl serve` expands to the same seeds. So
 `swarmrl eval --model` and `swarmrl eval --endpoint` against `swarmrl serve` on the same
-checkpoint sample the same tokens and give the same scores (other servers, vLLM included,
-derive per-sample seeds their own way: their scores are comparable, not identical).
+checkpoint sample the same tokens and give the same scores. vLLM also seeds choice j with
+``seed + j`` but draws with its own sampler, and other servers derive per-sample seeds their own
+way: their scores are comparable, not identical.
 
 A completion's text keeps special tokens (``</think>`` decides where an answer may be) and
 drops its final end-of-turn token; its length counts that token, as training does.
