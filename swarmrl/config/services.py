@@ -88,15 +88,16 @@ class OrchestratorConfig(Section):
     unproven_share: float = Field(0.5, gt=0, le=1)
     """Share of the outstanding work (async.max_pending_groups) unproven keys may hold together."""
     unproven_leases_per_source: int = Field(1, ge=1)
-    """Full leases (sampling.worker_batch_prompts) the unproven keys of one source address (an
-    IPv6 /64) may hold together, less the prompts they let expire in the last `penalty_window_s`:
-    fresh keys from one address crowd out only each other. Raise it for an operator whose new
-    workers share one address (NAT); proven and trusted keys are not counted."""
+    """Full leases (sampling.worker_batch_prompts) each source address (an IPv6 /64) is sure of
+    for its unproven keys once `unproven_share` is full, from `unproven_reserve_leases`: keys from
+    one address crowd out only each other. Prompts the address's unproven keys let expire in the
+    last `penalty_window_s` count against it, so a hoarder's fresh keys find nothing there."""
     unproven_reserve_leases: int = Field(4, ge=0)
-    """Full leases beyond `unproven_share` kept for sources whose unproven keys hold nothing: a
-    newcomer gets a lease while free keys from up to (share + reserve) / per-source - 1 other
-    addresses hoard (5 at the shipped sizes). Slots beyond the share do not count against proven
-    workers' back-pressure."""
+    """Full leases beyond `unproven_share` kept for addresses holding less than their
+    `unproven_leases_per_source`: a newcomer gets a lease at once while free keys from up to
+    share / lease + reserve / per-source - 1 addresses hoard (5 at the shipped sizes), and within
+    one lease time when more do. Unproven slots do not count against proven workers'
+    back-pressure."""
     grading_lanes: int = Field(2, ge=1)
     """Submissions graded at once (each lane is a process pool of rewards.verify_workers
     processes); one lane at most serves unproven keys."""

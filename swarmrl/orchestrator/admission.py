@@ -8,10 +8,10 @@ run much (docs/security.md). Three rules, all here as pure functions or small ob
     fraudulent group: a key that hoards leases and never submits soon holds nothing;
   * unproven keys (fewer than `proven_after` groups passed by the validator) together hold at most a share of
     the outstanding work, so a flood of fresh keys cannot take the slots proven workers need; and
-    the unproven keys of one source address (an IPv6 /64) hold at most `unproven_leases_per_source`
-    leases, less the prompts that source's unproven keys let expire lately, with a reserve beyond
-    the share for sources holding nothing: strangers crowd out only each other, and a newcomer
-    from another address gets a lease while free keys from a few addresses hoard;
+    once that share is full, each source address (an IPv6 /64) is still sure of its own share,
+    `unproven_leases_per_source` leases from a reserve, unless its unproven keys hold that much
+    or let that much expire lately: keys from one address crowd out only each other, and a
+    newcomer from another address gets a lease while free keys from a few addresses hoard;
   * grading (the expensive step a submission can trigger for free) runs in a few lanes, at most
     one submission per key at a time, and unproven keys share one lane: their garbage waits
     behind each other, never in front of a proven worker's groups. The time an unproven key's
@@ -86,9 +86,9 @@ def unproven_share(o: OrchestratorConfig, outstanding: int, lease_prompts: int) 
 class UnprovenLimits:
     """Prompts unproven keys may hold (leased, being scored or awaiting the validator)."""
 
-    share: int  # all of them together (unproven_share)
-    per_source: int  # the keys of one source together
-    reserve: int  # beyond `share`, for sources whose unproven keys hold nothing
+    share: int  # all of them together, first come (unproven_share)
+    per_source: int  # what each address is sure of beyond the share
+    reserve: int  # beyond `share`, for addresses holding less than `per_source`
 
     @classmethod
     def of(cls, o: OrchestratorConfig, outstanding: int, lease_prompts: int) -> UnprovenLimits:
@@ -106,24 +106,23 @@ def unproven_lease(
     gives), or (0, why not). `held`: what unproven keys hold, by source; `expired`: prompts the
     unproven keys of `source` let expire within the penalty window.
 
-    Per source first: its keys together hold at most `per_source`, less `expired` (fresh keys
-    cost nothing, so the penalty a hoarder's key gets must also reach its address), and a source
-    with less room than `n` gets a smaller lease, like a key with a small allowance. Then all
-    sources: within `share`, or within `share + reserve` for a source that holds nothing, so a
-    newcomer finds room while other addresses' keys hoard (until they hold the reserve too)."""
+    Within `share`, first come, whatever the address (one address's keys may fill it: a run
+    whose own workers share an address starts as fast as before). Beyond it, up to `share +
+    reserve`, an address gets what its keys hold plus what they let expire short of
+    `per_source`: one lease at the shipped sizes, so a newcomer from another address gets in
+    while keys from one address, or from a few, hoard the share. Expired prompts count there
+    because fresh keys cost nothing: a hoarder's address, not only its key, pays for a lease it
+    let run out."""
     mine, total = held.get(source, 0), sum(held.values())
-    room = limits.per_source - expired - mine
-    if room <= 0:
-        return 0, (
-            f"new workers from {source} hold {mine} of the {limits.per_source} prompts they may hold together"
-            + (f", less {expired} they let expire lately" if expired else "")
-        )
-    n = min(n, room)
-    if total + n <= limits.share or (mine == 0 and total + n <= limits.share + limits.reserve):
+    if total + n <= limits.share:
         return n, None
+    room = min(limits.per_source - mine - expired, limits.share + limits.reserve - total)
+    if room > 0:  # a smaller lease when that is all there is room for (it comes back sooner)
+        return min(n, room), None
     return 0, (
-        f"new workers hold {total} of the {limits.share} prompts they may hold together "
-        f"({limits.reserve} more are kept for addresses holding none)"
+        f"new workers hold {total} of the {limits.share} prompts they may hold together, and beyond that "
+        f"each address {limits.per_source} of a reserve of {limits.reserve}: those from {source} hold {mine}"
+        + (f" and let {expired} expire lately" if expired else "")
     )
 
 

@@ -136,9 +136,9 @@ def test_a_group_goes_from_lease_to_batch(orch):
     assert totals["batches_built"] == 1 and totals["validator/passed"] == 2 and totals["leases_issued"] == 1
 
 
-def test_unproven_keys_of_one_address_share_one_lease_and_trusted_keys_are_not_counted(orch):
-    """The service layer with the source a request came from: leases of 2 prompts, so one
-    address's unproven keys hold 2 together (admission.py); a trusted key counts as proven."""
+def test_unproven_keys_of_one_address_crowd_out_only_each_other_and_trusted_keys_are_not_counted(orch):
+    """The service layer with the source a request came from: leases of 2 prompts and a share of
+    2, then one lease per address from the reserve (admission.py); a trusted key counts as proven."""
     orch.publish(0, "http://x/v0", {"version": 0})
     keys = {TRUSTED: "t", OTHER: "o", "c" * 64: "c", "d" * 64: "d"}
     for key, name in keys.items():
@@ -148,8 +148,59 @@ def test_unproven_keys_of_one_address_share_one_lease_and_trusted_keys_are_not_c
     assert orch.lease(TRUSTED, 0, "10.0.0.1")["lease"] is not None
     assert orch.lease(OTHER, 0, "10.0.0.1")["lease"] is not None  # the trusted key's lease is not counted
     refused = orch.lease("c" * 64, 0, "10.0.0.1")
-    assert refused["lease"] is None and "new workers from 10.0.0.1 hold 2 of the 2" in refused["reason"]
+    assert refused["lease"] is None and "new workers hold 2 of the 2" in refused["reason"]
     assert orch.lease("d" * 64, 0, "10.0.0.2")["lease"] is not None  # another address is not held back
+
+
+def test_the_http_face_refuses_coerced_types_and_repeated_keys_naming_them(orch):
+    """Through the ASGI app in process: a signed body, and a trusted role's, each refused with 422
+    naming the field (or the key sent twice); the well-typed request goes through."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from starlette.testclient import TestClient
+
+    from swarmrl.orchestrator.app import create_app
+    from swarmrl.protocol.signing import sign_headers
+
+    orch.publish(0, "http://x/v0", {"version": 0})
+    key = Ed25519PrivateKey.generate()
+    http = TestClient(create_app(orch))
+
+    def signed(path: str, raw: str):
+        body = raw.encode()
+        headers = {"content-type": "application/json", **sign_headers(key, orch.run_id, "POST", path, body)}
+        return http.post(path, content=body, headers=headers)
+
+    assert signed("/v1/workers/register", '{"name": "w"}').status_code == 200
+    for raw, detail in (
+        ('{"policy_version": "0"}', "body.policy_version: Input should be a valid integer"),
+        ('{"policy_version": false}', "body.policy_version: Input should be a valid integer"),
+        ('{"policy_version": 0, "policy_version": 0}', "body: the key 'policy_version' appears twice in one object"),
+    ):
+        r = signed("/v1/leases", raw)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request", r.text
+        assert r.json()["detail"].startswith(detail), r.text
+    assert signed("/v1/leases", '{"policy_version": 0}').json()["lease"] is not None
+    validator = {"authorization": "Bearer v", "content-type": "application/json"}
+    for path, raw, detail in (
+        ("/v1/validator/claim", '{"max_groups": "2"}', "body.max_groups: Input should be a valid integer"),
+        ("/v1/validator/claim", '{"max_groups": 2, "max_groups": 3}', "body: the key 'max_groups' appears twice"),
+        (
+            "/v1/validator/verdicts",
+            '{"verdicts": [{"id": 1, "ok": 1}]}',
+            "body.verdicts.0.ok: Input should be a valid boolean",
+        ),
+    ):
+        r = http.post(path, content=raw.encode(), headers=validator)
+        assert r.status_code == 422 and r.json()["detail"].startswith(detail), r.text
+    assert (
+        http.post("/v1/validator/claim", content=b"{}", headers={"content-type": "application/json"}).status_code == 401
+    )
+    assert http.post("/v1/validator/claim", content=b'{"max_groups": 2}', headers=validator).status_code == 200
+    trainer = {"authorization": "Bearer t", "content-type": "application/json"}
+    r = http.post("/v1/trainer/metrics", content=b'{"step": 0, "metrics": {"eval/accuracy": true}}', headers=trainer)
+    assert r.status_code == 422 and r.json()["detail"].startswith(
+        "body.metrics.eval/accuracy: Input should be a valid number"
+    )
 
 
 def test_fraud_bans_the_key_and_expires_its_leases(orch):

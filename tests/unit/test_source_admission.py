@@ -1,6 +1,6 @@
-"""Admission per source address (orchestrator/admission.py): what the unproven keys of one address
-may hold, and the reserve that keeps a newcomer from another address in, by hand at the shipped
-sizes (leases of 8, 32 outstanding: a share of 16, one lease per source, a reserve of 4 leases)."""
+"""Admission per source address (orchestrator/admission.py): the unproven keys' share (first
+come), and beyond it the reserve where each address is sure of one lease, by hand at the shipped
+sizes (leases of 8, 32 outstanding: a share of 16, one lease per address, a reserve of 4 leases)."""
 
 from __future__ import annotations
 
@@ -13,60 +13,53 @@ from swarmrl.orchestrator.admission import UnprovenLimits, unproven_lease
 from swarmrl.orchestrator.store import Store
 
 SHIPPED = UnprovenLimits.of(OrchestratorConfig(), outstanding=32, lease_prompts=8)
+FIVE = {f"10.0.0.{i}": 8 for i in range(5)}
 
 
 def test_the_shipped_limits():
     assert SHIPPED == UnprovenLimits(share=16, per_source=8, reserve=32)
-    # The share is never below one lease; the per-source cap and the reserve count full leases.
+    # The share is never below one lease; the per-address part and the reserve count full leases.
     o = OrchestratorConfig(unproven_leases_per_source=2, unproven_reserve_leases=0)
     assert UnprovenLimits.of(o, outstanding=4, lease_prompts=4) == UnprovenLimits(share=4, per_source=8, reserve=0)
 
 
 @pytest.mark.parametrize(
-    "hoarders, source, expect",
+    "held, source, expect",
     [
-        ({}, "10.0.0.9", 8),  # nothing held: a full lease
-        ({"10.0.0.1": 8}, "10.0.0.1", 0),  # N keys of one address hold one lease together
-        ({"10.0.0.1": 8}, "10.0.0.9", 8),  # 8 + 8 fits the share
-        ({"10.0.0.1": 8, "10.0.0.2": 8}, "10.0.0.9", 8),  # 24 > 16, but 24 <= 16 + 32 and it holds none
-        ({f"10.0.0.{i}": 8 for i in range(5)}, "10.0.0.9", 8),  # five addresses hoard: 48 <= 48
-        ({f"10.0.0.{i}": 8 for i in range(6)}, "10.0.0.9", 0),  # six: the reserve is full too
-        ({"10.0.0.1": 3}, "10.0.0.1", 5),  # room for 5 at its address: a smaller lease
+        ({}, "a", 8),
+        ({"a": 8}, "a", 8),  # within the share, first come: one address may fill it (8 + 8 = 16)
+        ({"a": 16}, "a", 0),  # beyond it, an address holding its lease's worth gets nothing more
+        ({"a": 16}, "b", 8),  # ...and another address gets its lease from the reserve (24 <= 48)
+        ({"a": 8, "b": 8}, "c", 8),
+        ({**FIVE, "z": 0}, "z", 8),  # five addresses hoard 40: room for one more (48 <= 48)
+        ({**FIVE, "10.0.0.5": 8}, "z", 0),  # six: the reserve is full too
+        ({"a": 16, "b": 3}, "b", 5),  # 3 held of its 8: a smaller lease, back sooner
+        ({"a": 16, "b": 8, "c": 8, "d": 8, "e": 5}, "f", 3),  # 3 left in the reserve
     ],
 )
-def test_a_newcomer_from_another_address_gets_room(hoarders, source, expect):
-    n, why = unproven_lease(8, source, hoarders, 0, SHIPPED)
+def test_a_newcomer_from_another_address_gets_room(held, source, expect):
+    n, why = unproven_lease(8, source, held, 0, SHIPPED)
     assert n == expect
     assert (why is None) == (expect > 0)
 
 
-def test_the_refusals_say_which_cap():
-    n, why = unproven_lease(8, "10.0.0.1", {"10.0.0.1": 8}, 0, SHIPPED)
-    assert n == 0 and why == "new workers from 10.0.0.1 hold 8 of the 8 prompts they may hold together"
-    n, why = unproven_lease(8, "10.0.0.9", {f"10.0.0.{i}": 8 for i in range(6)}, 0, SHIPPED)
+def test_the_refusal_says_what_is_held():
+    n, why = unproven_lease(8, "10.0.0.9", {**FIVE, "10.0.0.5": 8}, 0, SHIPPED)
     assert n == 0 and why == (
-        "new workers hold 48 of the 16 prompts they may hold together (32 more are kept for addresses holding none)"
+        "new workers hold 48 of the 16 prompts they may hold together, and beyond that each address 8 "
+        "of a reserve of 32: those from 10.0.0.9 hold 0"
     )
 
 
-def test_the_reserve_is_for_addresses_holding_nothing():
-    # Two leases per address: an address holding one may add the second within the share...
-    limits = UnprovenLimits(share=16, per_source=16, reserve=32)
-    assert unproven_lease(8, "a", {"a": 8}, 0, limits) == (8, None)
-    # ...but not from the reserve: beyond the share only an address holding none gets in.
-    assert unproven_lease(8, "a", {"a": 8, "b": 8}, 0, limits)[0] == 0
-    assert unproven_lease(8, "c", {"a": 8, "b": 8}, 0, limits) == (8, None)
-
-
-def test_prompts_an_address_let_expire_count_against_it():
-    # A hoarder's key lost its allowance; its fresh key from the same address finds none either.
-    n, why = unproven_lease(8, "10.0.0.1", {}, 8, SHIPPED)
-    assert n == 0 and why == (
-        "new workers from 10.0.0.1 hold 0 of the 8 prompts they may hold together, less 8 they let expire lately"
-    )
-    assert unproven_lease(8, "10.0.0.1", {}, 3, SHIPPED) == (5, None)  # a smaller lease, sooner back
-    assert unproven_lease(8, "10.0.0.2", {}, 0, SHIPPED) == (8, None)  # other addresses are not charged
-    assert unproven_lease(2, "10.0.0.2", {}, 0, SHIPPED) == (2, None)  # never more than its own allowance
+def test_prompts_an_address_let_expire_count_against_its_reserve_lease():
+    # A hoarder's key lost its allowance; its fresh key from the same address finds no reserve.
+    n, why = unproven_lease(8, "a", {"b": 16}, 8, SHIPPED)
+    assert n == 0 and why.endswith("those from a hold 0 and let 8 expire lately")
+    assert unproven_lease(8, "a", {"b": 16}, 3, SHIPPED) == (5, None)  # a smaller lease, back sooner
+    assert unproven_lease(8, "c", {"b": 16}, 0, SHIPPED) == (8, None)  # other addresses are not charged
+    # Within the share it is first come: the key's own allowance has already paid for its expiry.
+    assert unproven_lease(8, "a", {}, 8, SHIPPED) == (8, None)
+    assert unproven_lease(2, "c", {"b": 16}, 0, SHIPPED) == (2, None)  # never more than its own allowance
 
 
 def test_a_run_directory_of_an_earlier_version_gains_the_source_columns(tmp_path):
