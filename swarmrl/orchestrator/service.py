@@ -40,7 +40,7 @@ from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.submissions import Submissions
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol import PROTOCOL_VERSION
-from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
 from swarmrl.rewards.registry import open_graders
 from swarmrl.tasks.source import task_rows
 from swarmrl.transport.connlimit import SourceSlots
@@ -87,8 +87,10 @@ class Orchestrator:
         self.graders = open_graders(self.rows, cfg.sandbox, log=log)
         o = cfg.orchestrator
         # Grading lanes: each a verifier pool serving one submission at a time (admission.py),
-        # its processes forked from a server that imported the grader, so one replaced after an
-        # answer ran out of its budget is back in ~0.1 s (docs/security.md, "Grading").
+        # its processes forked from a server that imported the grader and the command line every
+        # child runs again as its parent's main (`swarmrl orchestrator` too, not only `python -m
+        # swarmrl.cli`), so one replaced after an answer ran out of its budget is back in ~0.05 s
+        # (docs/security.md, "Grading").
         pools = [pool] if pool is not None else []
         pools += [
             VerifierPool(
@@ -96,6 +98,7 @@ class Orchestrator:
                 cfg.rewards.verify_timeout_s,
                 memory_bytes=cfg.rewards.verify_memory_mb << 20,
                 start_method="forkserver",
+                preload=(*DEFAULT_PRELOAD, "swarmrl.cli"),
             )
             for _ in range(o.grading_lanes - len(pools))
         ]

@@ -267,18 +267,34 @@ def _log10_factorial(n: int) -> float:
     return math.lgamma(n + 1) / math.log(10) if n < 10**15 else math.inf
 
 
+_POWER = re.compile(r"([0-9]+)\^\{?([0-9]+)\}?")
+
+
+def _integer(arg: str) -> int | None:
+    """The integer ``arg`` writes, as a number or one power of numbers (``1{,}000``, ``10^{6}``),
+    or None (anything else, or over 10^15: beyond what a Gamma or binomial may take)."""
+    text = _NOT_DIGITS.sub("", arg)
+    power = _POWER.fullmatch(text)
+    if power is not None:
+        base, exponent = int(power.group(1)), int(power.group(2))
+        return 10**16 if base > 1 and exponent * math.log10(base) > 15 else base**exponent
+    if not (text.isascii() and text.isdigit()):
+        return None
+    return 10**16 if len(text) > 15 else int(text)
+
+
 def _call_digits(binom: bool, args: list[str]) -> float:
-    """Digits of the value the parser computes for ``\\Gamma(args)`` or ``\\binom(args)`` as it
-    reads them: only integer arguments are evaluated there (the others are sized after parsing),
-    and a growth call inside another's arguments is evaluated first, so its size is beyond count."""
+    """Digits of the value of ``\\Gamma(args)`` or ``\\binom(args)`` when its arguments are
+    integers written out: the parser computes those as it reads them (a power it leaves to the
+    checks after parsing, refused here as early), and a growth call inside another's arguments is
+    evaluated first, so its size is beyond count."""
     if any(_INNER_GROWTH.search(a) for a in args):
         return math.inf
-    digits = [_NOT_DIGITS.sub("", a) for a in args]
-    if not all(d.isascii() and d.isdigit() for d in digits):
-        return 0.0
-    if any(len(d) > 15 for d in digits):
+    values = [v for v in map(_integer, args) if v is not None]
+    if len(values) < len(args):
+        return 0.0  # not computed while parsing: sized after it (_digits)
+    if max(values) > 10**15:
         return math.inf
-    values = [int(d) for d in digits]
     if not binom:
         return _log10_factorial(values[0] - 1)
     n, k = values
