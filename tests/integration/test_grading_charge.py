@@ -103,6 +103,7 @@ def test_a_14_character_hostile_answer_is_refused_and_a_slow_one_ends_at_the_bud
         started = time.monotonic()
         reply = hostile.submit(sub)
         took = time.monotonic() - started
+        print(f"a group of issue 34's answers and one with two sine sums graded in {took:.1f} s")
         rewards = {a["slot"]: a["rewards"] for a in reply["accepted"]}
         assert rewards == {first["slot"]: [0.0] * 8, second["slot"]: [0.0] * 4 + [1.0, 1.0, 0.0, 0.0]}
         # 12 issue-34 answers refused from their text, two burners ended at 1 s each, two graded:
