@@ -210,7 +210,7 @@ class VerifierPool:
             # server is shared by the process: one already running keeps the modules it has, and
             # workers import the rest themselves.
             main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
-            extra = [main] if main and not main.endswith("__main__") else []
+            extra = [main] if main and not main.endswith("__main__") and main not in self._preload else []
             self._context.set_forkserver_preload([*self._preload, *extra])  # type: ignore[attr-defined]
         self._closed = False
         self._workers: list[_Worker] = []
