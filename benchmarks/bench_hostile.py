@@ -19,8 +19,9 @@ measured in both:
             protocol and under the guarded one, side by side
 
 Printed per attack: honest /healthz and lease/submit latency p50/p99 (ms), honest groups/s,
-connections the attacker still holds after `--hold` s, grading seconds per key (server side, from
-/v1/workers/me where the orchestrator reports it, else the submit round trip), newcomer times.
+connections the attacker still holds after `--hold` s, grading seconds by lane (server side:
+unproven keys share one lane, proven keys grade in the others) and the attackers' submit round
+trips, the newcomer's time to first lease.
 
     python benchmarks/bench_hostile.py [--phase 20] [--hold 45] [--only idle,slow,answers,hoarders,strict,cost]
 
@@ -319,15 +320,14 @@ def hostile_group(lease: dict, answer_ids: list[list[int]], eos: int, hidden: in
     return {"lease_id": lease["lease_id"], "groups": groups}
 
 
-def grading_seconds(client: WorkerClient) -> str:
-    try:
-        me = client.me()
-    except (Refused, Unavailable) as e:
-        return f"({getattr(e, 'code', type(e).__name__)})"
-    for name in ("grading_s", "grading_seconds"):
-        if name in me:
-            return f"{float(me[name]):.2f}"
-    return "n/a"
+def grading_seconds(url: str) -> dict[str, float]:
+    """The orchestrator's grading seconds so far, by lane kind (its /metrics totals)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for kind in ("proven", "unproven"):
+            if line.startswith(f'swarmrl_total{{what="grading_seconds/{kind}"}}'):
+                out[kind] = float(line.split()[-1])
+    return out
 
 
 def attack_answers(run: Run, args) -> None:
@@ -341,14 +341,15 @@ def attack_answers(run: Run, args) -> None:
     stop = threading.Event()
     round_trips: dict[str, list[float]] = {}
     codes: dict[str, dict[str, int]] = {}
+    a_src = "127.0.0.5"
     attackers = [
-        WorkerClient(run.orch.url, Ed25519PrivateKey.generate(), timeout_s=60, local_address="127.0.0.5")
-        for _ in range(2)
+        WorkerClient(run.orch.url, Ed25519PrivateKey.generate(), timeout_s=60, local_address=a_src) for _ in range(2)
     ]
     for i, a in enumerate(attackers):
         a.register(f"answers-{i}")
 
     def attack(i: int, a: WorkerClient) -> None:
+        n = 0
         while not stop.is_set():
             try:
                 got = a.lease(0)
@@ -361,9 +362,21 @@ def attack_answers(run: Run, args) -> None:
                 codes.setdefault(f"a{i}", {}).setdefault("submitted", 0)
                 codes[f"a{i}"]["submitted"] += 1
             except (Refused, Unavailable) as e:
-                code = getattr(e, "code", None) or type(e).__name__
+                known = ("allowance_exhausted", "grading_spent", "grading_busy", "rate_limited")
+                code = getattr(e, "code", None) or next(
+                    (c for c in known if c in str(e)), f"{getattr(e, 'status', '')}"
+                )
                 codes.setdefault(f"a{i}", {}).setdefault(code, 0)
                 codes[f"a{i}"][code] += 1
+                if code in ("allowance_exhausted", "banned"):  # a fresh key costs nothing: take one
+                    n += 1
+                    fresh = WorkerClient(run.orch.url, Ed25519PrivateKey.generate(), timeout_s=60, local_address=a_src)
+                    try:
+                        fresh.register(f"answers-{i}-{n}")
+                        a = fresh
+                        codes[f"a{i}"]["fresh keys"] = codes[f"a{i}"].get("fresh keys", 0) + 1
+                    except (Refused, Unavailable):
+                        pass
                 time.sleep(0.05)
 
     # A new honest key starts during the attack: unproven, so it shares the attackers' lane.
@@ -397,18 +410,22 @@ def attack_answers(run: Run, args) -> None:
     threads.append(threading.Thread(target=new_honest, daemon=True))
     for t in threads:
         t.start()
+    before = grading_seconds(run.orch.url)
     got = run.phase(args.phase)
+    after = grading_seconds(run.orch.url)
     stop.set()
     for t in threads:
         t.join(timeout=90)
+    spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("proven", "unproven")}
     attacker_rt = [x for v in round_trips.values() for x in v]
     row(
         "attacked",
         got,
-        f"2 keys of hostile answers: submit round trip p50/p99 {ms(attacker_rt)} ms, refusals {codes}; "
-        f"grading s (server): attackers {[grading_seconds(a) for a in attackers]}, "
-        f"honest {[grading_seconds(w.client) for w in run.workers]}; new honest key: {done[0]} leases submitted, "
-        f"{lost[0]} lost",
+        f"2 attackers of hostile answers (fresh keys when refused): submit round trip"
+        f" p50/p99 {ms(attacker_rt)} ms, refusals {codes}; "
+        f"grading s in the phase (server): unproven lane (2 attackers + the new honest key) "
+        f"{spent['unproven']:.1f}, proven lanes (2 honest keys) {spent['proven']:.1f}; "
+        f"new honest key: {done[0]} leases submitted, {lost[0]} lost",
     )
 
 
@@ -587,7 +604,9 @@ def main() -> None:
         root = Path(tmp)
         if only & {"idle", "slow", "answers"}:
             # Leases of 20 s, not the test's 3: the honest workers sample on a loaded machine.
-            run = Run(root / "main", ("--orchestrator.lease_timeout_s", "20"))
+            # 160 new tokens: the Gamma and the tower fit whole (the tiny policy's tokens are
+            # characters); the 499 parentheses are cut to 77, as deep for the grader's checks.
+            run = Run(root / "main", ("--orchestrator.lease_timeout_s", "20", "--sampling.max_new_tokens", "160"))
             try:
                 print(HEADER, flush=True)
                 if "idle" in only:
