@@ -278,6 +278,17 @@ def test_every_test_module_sits_in_a_tier():
         assert list((TESTS / tier).glob("test_*.py")), tier
 
 
+def test_test_module_names_are_unique_across_tiers():
+    """The tiers are not packages: pytest imports each test module by its basename, so a second
+    module of the same name in another tier is an import-mismatch error at collection (CI lost a
+    run to tests/unit and tests/integration both holding test_grading_charge.py)."""
+    seen: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    twice = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not twice, f"rename one of each: {twice}"
+
+
 def test_the_unit_guard_refuses_a_process_and_a_socket():
     """tests/unit/conftest.py's guard is on in this module too (it is a unit test)."""
     import socket
