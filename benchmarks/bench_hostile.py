@@ -49,11 +49,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
-from swarmrl.proofs.toploc import build_proofs, encode  # noqa: E402
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient  # noqa: E402
 from swarmrl.protocol.signing import sign_headers  # noqa: E402
 
-from hostile import CONFIG, Honest, trainer_loop  # noqa: E402
+from hostile import CONFIG, Honest, garbage, trainer_loop  # noqa: E402
 from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version  # noqa: E402
 
 HOSTILE_ANSWERS = [
@@ -233,15 +232,11 @@ def row(name: str, got: dict, extra: str = "") -> None:
 HEADER = "phase                  | groups/s | /healthz p50/p99 ms (not 200) | lease p50/p99 | submit p50/p99 | attacker"
 
 
-def attack_sockets(run: Run, args, *, slow: bool) -> None:
-    source = "127.0.0.4" if slow else "127.0.0.3"
-    count = 100 if slow else 1000
-    row("calm", run.phase(args.phase))
-    socks = [connect(run.orch.url, source) for _ in range(count)]
-    stop = threading.Event()
+def start_drip(socks: list[socket.socket | None], path: str, stop: threading.Event) -> None:
+    """Send each socket the next byte of a long request head for `path`, once a second."""
+    head = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: ".encode() + b"a" * 4000
 
     def drip():
-        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 4000
         i = 0
         while not stop.wait(1.0):
             for s in socks:
@@ -252,8 +247,17 @@ def attack_sockets(run: Run, args, *, slow: bool) -> None:
                         pass
             i += 1
 
+    threading.Thread(target=drip, daemon=True).start()
+
+
+def attack_sockets(run: Run, args, *, slow: bool) -> None:
+    source = "127.0.0.4" if slow else "127.0.0.3"
+    count = 100 if slow else 1000
+    row("calm", run.phase(args.phase))
+    socks = [connect(run.orch.url, source) for _ in range(count)]
+    stop = threading.Event()
     if slow:
-        threading.Thread(target=drip, daemon=True).start()
+        start_drip(socks, "/healthz", stop)
     t0 = time.monotonic()
     got = run.phase(min(args.phase, args.hold))
     time.sleep(max(0.0, args.hold - (time.monotonic() - t0)))
@@ -273,20 +277,7 @@ def attack_origin_slow(run: Run, args) -> None:
     calm, calm_fail = probe.take()
     socks = [connect(run.server.url, "127.0.0.4") for _ in range(64)]
     stop = threading.Event()
-
-    def drip():
-        head = b"GET /versions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 4000
-        i = 0
-        while not stop.wait(1.0):
-            for s in socks:
-                if s is not None:
-                    try:
-                        s.send(head[i : i + 1])
-                    except OSError:
-                        pass
-            i += 1
-
-    threading.Thread(target=drip, daemon=True).start()
+    start_drip(socks, "/versions", stop)
     time.sleep(args.phase)
     attacked, attacked_fail = probe.take()
     time.sleep(max(0.0, args.hold - args.phase))
@@ -302,22 +293,6 @@ def attack_origin_slow(run: Run, args) -> None:
     for s in socks:
         if s is not None:
             s.close()
-
-
-def hostile_group(lease: dict, answer_ids: list[list[int]], eos: int, hidden: int) -> dict:
-    groups = []
-    for p in lease["prompts"]:
-        samples = []
-        for i in range(lease["group_size"]):
-            ids = answer_ids[i % len(answer_ids)][: lease["max_new_tokens"] - 1] + [eos]
-            proofs = encode(
-                build_proofs(
-                    torch.randn(len(ids), hidden), chunk_size=lease["proof"]["chunk_size"], topk=lease["proof"]["topk"]
-                )
-            )
-            samples.append({"token_ids": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop", "proofs": proofs})
-        groups.append({"slot": p["slot"], "policy_version": lease["max_version"], "samples": samples})
-    return {"lease_id": lease["lease_id"], "groups": groups}
 
 
 def grading_seconds(url: str) -> dict[str, float]:
@@ -357,7 +332,8 @@ def attack_answers(run: Run, args) -> None:
                     time.sleep(0.2)
                     continue
                 t0 = time.monotonic()
-                a.submit(hostile_group(got["lease"], answer_ids, tok.eos_token_id, hidden))
+                lease = got["lease"]
+                a.submit(garbage(lease, answer_ids, lease["max_new_tokens"], tok.eos_token_id, hidden))
                 round_trips.setdefault(f"a{i}", []).append(time.monotonic() - t0)
                 codes.setdefault(f"a{i}", {}).setdefault("submitted", 0)
                 codes[f"a{i}"]["submitted"] += 1
