@@ -41,8 +41,9 @@ class Settings(RoleSettings):
     max_connections: int = Field(128, ge=1)
     """connections served at once, all clients together (one thread each)"""
     max_connections_per_source: int | None = Field(None, ge=1)
-    """connections one client address (IPv6: one /64) may hold; default min(16, --max-connections). Raise it
-    when many clients reach this relay through one proxy or NAT address"""
+    """connections one client address (IPv6: one /64) may hold; default min(16, --max-connections), or all of
+    them when --host is a loopback address (only this machine can connect). Raise it when many clients reach
+    this relay through one proxy or NAT address"""
     tls_cert: str | None = None
     """PEM certificate (chain): serve https (with --tls-key)"""
     tls_key: str | None = None

@@ -165,3 +165,11 @@ def test_the_shard_server_serves_another_source_while_one_holds_its_cap(tmp_path
         finally:
             for s in held:
                 s.close()
+
+
+def test_the_shard_servers_per_source_default_depends_on_who_can_connect(tmp_path):
+    # On loopback every client is this machine (`swarmrl rl`'s workers all come from 127.0.0.1).
+    assert ShardServer(tmp_path).max_connections_per_source == 128
+    assert ShardServer(tmp_path, host="0.0.0.0").max_connections_per_source == 16
+    assert ShardServer(tmp_path, host="::", max_connections=8).max_connections_per_source == 8
+    assert ShardServer(tmp_path, host="0.0.0.0", max_connections_per_source=3).max_connections_per_source == 3

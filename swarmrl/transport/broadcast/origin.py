@@ -12,6 +12,7 @@ A connection that sends nothing, or trickles its request byte by byte, is closed
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -244,9 +245,17 @@ class _Server(ThreadingHTTPServer):
         log.warning("shard server: error serving %s", client_address, exc_info=True)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class ShardServer:
     """Serves a broadcast root read-only over HTTP, one thread per connection, at most
-    `max_connections` at once and `max_connections_per_source` (default: 16) from one address,
+    `max_connections` at once and `max_connections_per_source` from one address (default: 16, or
+    all of them on a loopback address, where every client is this machine),
     each closed after `client_timeout_s` without progress (see the module doc).
 
     `in_use(version)` is True while a response for that version is being written, and for
@@ -276,8 +285,11 @@ class ShardServer:
             raise BroadcastError(f"max_connections must be a positive int, got {max_connections!r}")
         if not (isinstance(client_timeout_s, (int, float)) and client_timeout_s > 0):
             raise BroadcastError(f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}")
-        if max_connections_per_source is None:  # a relay's clients open `parallel` (4) each
-            max_connections_per_source = min(16, max_connections)
+        if max_connections_per_source is None:
+            # A client opens `parallel` (4) connections. Bound to loopback, only this machine's
+            # roles can connect (all from 127.0.0.1: `swarmrl rl` with many workers), so one
+            # address may use them all.
+            max_connections_per_source = max_connections if _loopback(host) else min(16, max_connections)
         if isinstance(max_connections_per_source, bool) or not isinstance(max_connections_per_source, int):
             raise BroadcastError(f"max_connections_per_source must be an int, got {max_connections_per_source!r}")
         if not 1 <= max_connections_per_source <= max_connections:
