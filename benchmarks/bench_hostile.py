@@ -169,7 +169,8 @@ class Run:
         run = make_run_dir(root / "run", *CONFIG, *overrides)
         self.run_dir = run
         manifest = signed_version(run, 0)
-        self.server = ShardServer(run / "broadcast").start()
+        # The per-address cap a public origin has (on loopback it would default to all 128).
+        self.server = ShardServer(run / "broadcast", max_connections_per_source=16).start()
         self.orch = OrchestratorProcess(run).start()
         self.stop = threading.Event()
         self.trainer = TrainerClient(self.orch.url, (run / "trainer.token").read_text().strip())
