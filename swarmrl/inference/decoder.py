@@ -253,39 +253,55 @@ class SlotDecoder:
     def prefill(self, prompts: list[list[int]], slots: Tensor) -> Tensor:
         """Run ``prompts`` from position 0, write their keys/values into ``slots`` (one slot per
         prompt, [N] long), and return the final-norm hidden state at each prompt's last token
-        [N, hidden]."""
+        [N, hidden].
+
+        The prompts are packed end to end, not padded to the longest: every projection and MLP
+        runs on exactly the prompts' tokens (GSM8K questions under a chat template range from 68
+        to 170 tokens, so padding made a batch's prefill 1.6x the work), and only attention, a
+        small share of a prefill, runs prompt by prompt."""
         self._fuse()
-        n, width = len(prompts), max(len(p) for p in prompts)
-        if width > self.capacity:
-            raise ValueError(f"a prompt of {width} tokens does not fit a cache of {self.capacity}")
-        # Right-padded: a causal mask alone keeps real tokens from seeing the padding after them.
-        ids = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p)
-        ids = ids.to(self.device)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        cos, sin = self.cos[:width], self.sin[:width]  # [W, D]
-        x = torch.nn.functional.embedding(ids, self._embed)  # [N, W, H]
+        lengths = [len(p) for p in prompts]
+        if max(lengths) > self.capacity:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.capacity}")
+        n, total = len(prompts), sum(lengths)
+        F = torch.nn.functional
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        positions = torch.cat([self._positions[:m] for m in lengths])
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
+        starts = [0]
+        for m in lengths[:-1]:
+            starts.append(starts[-1] + m)
+        spans = list(zip(slots.tolist(), starts, lengths))
+        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, self._embed)  # [T, H]
+        att = torch.empty((total, heads * dim), dtype=self.dtype, device=self.device)
         for li, L in enumerate(self._layers):
             h = _rms_norm(x, L.ln1, self.eps)
             q, k, v = self._qkv(L, h)
-            q = q.view(n, width, self.heads, self.head_dim)
-            k = k.view(n, width, self.kv_heads, self.head_dim)
+            q, k = q.view(total, heads, dim), k.view(total, kv, dim)
             if L.qk_norm is not None:  # Qwen3 normalises each head before the rotary embedding
-                q = _head_norm(q, L.qk_norm[: self.heads], self.eps)
-                k = _head_norm(k, L.qk_norm[self.heads :], self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)
-            k = _rotate(k.transpose(1, 2), cos, sin)
-            v = v.view(n, width, self.kv_heads, self.head_dim).transpose(1, 2)
-            self.k[li][slots, :, :width] = k
-            self.v[li][slots, :, :width] = v
-            att = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.heads != self.kv_heads
-            )
-            x = x + torch.nn.functional.linear(att.transpose(1, 2).reshape(n, width, -1), L.o_w)
+                q = _head_norm(q, L.qk_norm[:heads], self.eps)
+                k = _head_norm(k, L.qk_norm[heads:], self.eps)
+            q = _rotate(q, cos, sin).transpose(0, 1)  # [heads, T, D]
+            k = _rotate(k, cos, sin).transpose(0, 1)  # [kv, T, D]
+            v = v.reshape(total, kv, dim).transpose(0, 1)
+            kc, vc = self.k[li], self.v[li]
+            out = att.view(total, heads, dim).transpose(0, 1)  # [heads, T, D], a view of att
+            for slot, a, m in spans:
+                kc[slot, :, :m] = k[:, a : a + m]
+                vc[slot, :, :m] = v[:, a : a + m]
+                out[:, a : a + m] = F.scaled_dot_product_attention(
+                    q[None, :, a : a + m],
+                    k[None, :, a : a + m],
+                    v[None, :, a : a + m],
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=heads != kv,
+                )[0]
+            x = x + F.linear(att, L.o_w)
             x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
-        x = x[torch.arange(n, device=self.device), last]  # [N, H]
-        return _rms_norm(x, self._norm, self.eps)
+        last = torch.tensor([a + m - 1 for _, a, m in spans], device=self.device)
+        return _rms_norm(x[last], self._norm, self.eps)
 
     def grow(self, capacity: int) -> None:
         """Make room for sequences of ``capacity`` tokens, keeping what is cached."""
