@@ -36,8 +36,9 @@ class Settings(RoleSettings):
     """bearer token for the endpoint (default: $OPENAI_API_KEY if set)"""
     benchmark: str
     """a JSONL/parquet file, or a built-in set: 'arithmetic' (the held-out split) or 'code'"""
-    format: Literal["auto", "schema", "math", "code", "mcq"] = "auto"
-    """the file's format (auto: decided from the first row's fields)"""
+    format: Literal["auto", "schema", "math", "code", "mcq", "ifeval"] = "auto"
+    """the file's format (auto: decided from the first row's fields; ifeval: IFEval/IFBench rows with
+    instruction_id_list and kwargs, reported as prompt- and instruction-level strict and loose accuracy)"""
     limit: int | None = None
     """only the first N problems"""
     k: int = 4

@@ -23,9 +23,12 @@ OVERRIDE_SECTIONS = ("sandbox", "tasks")
 
 class Settings(RoleSettings):
     input: str
-    """JSONL rows: task fields + completion (+ target_length)"""
+    """JSONL rows: task fields + completion (+ target_length), or IFEval-format rows (key, prompt,
+    instruction_id_list, kwargs) + completion"""
     output: str
-    """JSONL output: input fields + task_reward, length_penalty, reward, error"""
+    """JSONL output: input fields + task_reward, length_penalty, reward, error; for IFEval rows the strict and
+    loose verdict of each instruction and of the row (follow_instruction_list_strict, ..._loose,
+    follow_all_instructions_strict, ..._loose) + error"""
     tokenizer: str | None = None
     """HF folder whose tokenizer counts completion tokens (default: the built-in one)"""
     length_mode: Literal["exact", "max", "clip"] = "max"
@@ -74,9 +77,16 @@ def main(settings: Settings, cfg: Config) -> None:
     from swarmrl.rewards.scoring import score_file
     from swarmrl.sandbox.runner import SandboxUnavailable
 
-    count_tokens = _token_counter(settings.tokenizer)
     if not os.path.exists(settings.input):
         fail(f"--input {settings.input} does not exist")
+    if _is_instruction_file(settings.input):
+        from swarmrl.rewards.scoring import score_instruction_file
+
+        with VerifierPool(settings.workers, settings.timeout) as pool:
+            counts = score_instruction_file(settings.input, settings.output, pool=pool)
+        _report(counts, settings)
+        return
+    count_tokens = _token_counter(settings.tokenizer)
     try:
         graders = open_graders(_peek_task_types(settings.input), cfg.sandbox)
     except SandboxUnavailable as e:
@@ -94,13 +104,31 @@ def main(settings: Settings, cfg: Config) -> None:
             )
     finally:
         graders.close()
+    _report(counts, settings)
+
+
+def _is_instruction_file(path: str) -> bool:
+    """Whether the first parseable row is in IFEval's format (instruction_id_list, no task_type)."""
+    from swarmrl.rewards.scoring import is_instruction_row
+
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                return is_instruction_row(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return False
+
+
+def _report(counts: dict, settings: Settings) -> None:
     print(json.dumps(counts))
     if counts["errors"] and not settings.allow_errors:
         first = "; ".join(f"line {e['line']}: {e['error']}" for e in counts["first_errors"][:2])
         print(
             f"swarmrl score: {counts['errors']} of {counts['rows']} rows could not be scored ({first}); each has "
-            f"its `error` in {settings.output}. mean_reward averages the {counts['scored']} scored rows, "
-            "mean_reward_all_rows counts the others as 0. Fix the rows, or pass --allow-errors to exit 0.",
+            f"its `error` in {settings.output}. The summary's means average the {counts['scored']} "
+            "scored rows (mean_reward_all_rows counts the others as 0). Fix the rows, or pass --allow-errors "
+            "to exit 0.",
             file=sys.stderr,
         )
         raise SystemExit(1)

@@ -1,7 +1,8 @@
 """Turn local benchmark files into task-schema rows the eval runner can score.
 
 Public benchmarks come in their own column layouts (AIME-style math,
-LiveCodeBench, HumanEval and MBPP code, GPQA multiple choice). ``load_benchmark`` maps each to the
+LiveCodeBench, HumanEval and MBPP code, GPQA multiple choice, IFEval-style instruction
+following). ``load_benchmark`` maps each to the
 task schema of :mod:`swarmrl.data.schema` (``problem_id``, ``task_type``,
 ``prompt``, ``verification_info`` as a JSON string) so evaluation reuses the
 training graders unchanged. Only those four fields are kept: benchmark
@@ -43,8 +44,9 @@ from swarmrl.rewards.choice import (
     MULTIPLE_CHOICE,
     check_choice,
 )
+from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING, parse_instructions
 
-FORMATS = ("auto", "schema", "math", "code", "mcq")
+FORMATS = ("auto", "schema", "math", "code", "mcq", "ifeval")
 
 MATH_SUFFIX = "\n\nPut your final answer within \\boxed{}."
 STARTER_TEMPLATE = "\n\nStart from this code:\n```python\n{starter}\n```"
@@ -68,7 +70,7 @@ MBPP_TEMPLATE = (
 MCQ_INSTRUCTION = "\n\nAnswer with the letter of the correct choice in \\boxed{}, e.g. \\boxed{A}."
 
 #: Columns a problem id is taken from, first present wins.
-ID_FIELDS = ("problem_id", "id", "question_id", "ID", "Record ID", "task_id")
+ID_FIELDS = ("problem_id", "id", "question_id", "ID", "Record ID", "task_id", "key")
 _GPQA_INCORRECT = ("Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -501,6 +503,31 @@ def _from_mcq(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------
+# ifeval: IFEval's row format (key, prompt, instruction_id_list, kwargs), IFBench's too.
+
+
+def _from_ifeval(record: Mapping[str, Any], problem_id: str) -> dict[str, Any]:
+    """The prompt goes to the model as it is (the constraints are written in it); the instruction
+    ids and their arguments become verification_info. An unknown id or a bad argument is refused
+    here, with the field and the known ids, before anything is sampled."""
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise _RowProblem("prompt", f"must be a non-empty string, got {type(prompt).__name__}")
+    info = {"instruction_id_list": record.get("instruction_id_list"), "kwargs": record.get("kwargs")}
+    try:
+        parse_instructions(info)
+    except ValueError as e:
+        field = str(e).split("'")[1] if str(e).startswith("'") else "instruction_id_list"
+        raise _RowProblem(field, str(e)) from None
+    return {
+        "problem_id": problem_id,
+        "task_type": INSTRUCTION_FOLLOWING,
+        "prompt": prompt,
+        "verification_info": json.dumps(info),
+    }
+
+
 def _check_choice_row(info_text: str) -> None:
     """Refuse a multiple-choice row now rather than at grading time, after sampling.
 
@@ -521,6 +548,7 @@ _CONVERTERS: dict[str, Callable[[Mapping[str, Any], str], dict[str, Any]]] = {
     "math": _from_math,
     "code": _from_code,
     "mcq": _from_mcq,
+    "ifeval": _from_ifeval,
 }
 
 
@@ -529,6 +557,8 @@ def detect_format(record: Mapping[str, Any]) -> str | None:
     keys = set(record)
     if {"task_type", "verification_info"} <= keys:
         return "schema"
+    if "instruction_id_list" in keys:
+        return "ifeval"
     if keys & {"question_content", "public_test_cases", "entry_point", "test_list"}:
         return "code"
     if {"canonical_solution", "test"} <= keys:

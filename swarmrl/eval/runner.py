@@ -17,6 +17,7 @@ drops its final end-of-turn token; its length counts that token, as training doe
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from swarmrl.config import EvalConfig
 from swarmrl.eval.metrics import ks_for, length_adherence, pass_at_k
 from swarmrl.model.tokenizer import decode_completion
+from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING, instructions_detail
 from swarmrl.rewards.length import with_length_target
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders
@@ -315,8 +317,10 @@ def evaluate_rows(
             for s in group
         ]
         scores = iter(score_rows(graded, pool=pool, count_tokens=lambda text: 0, graders=graders))
+        details = iter(_instruction_details(graded, pool))
         for r, group in zip(chunk, samples):
             mine = [next(scores) for _ in group]
+            detail = [next(details) for _ in group]
             rewards = [s.task_reward for s in mine]
             correct = sum(1 for s in mine if s.error is None and s.task_reward >= 1.0)
             result = {
@@ -330,10 +334,55 @@ def evaluate_rows(
                 "errors": [s.error for s in mine],
                 "completions": [s.text for s in group],
             }
+            if r["task_type"] == INSTRUCTION_FOLLOWING:
+                result["instructions"] = detail
             results.append(result)
         if progress is not None:
             progress(len(chunk))
     return results, summarize(results, settings, time.monotonic() - started)
+
+
+def _instruction_details(graded: list[dict], pool: VerifierPool) -> list[dict | None]:
+    """Per-instruction strict and loose verdicts for the instruction-following samples (None for
+    the others and for one whose grading failed), graded in the pool like their rewards."""
+    wanted = [i for i, row in enumerate(graded) if row["task_type"] == INSTRUCTION_FOLLOWING]
+    out: list[dict | None] = [None] * len(graded)
+    if wanted:
+        calls = [(json.loads(graded[i]["verification_info"]), graded[i]["completion"]) for i in wanted]
+        for i, outcome in zip(wanted, pool.map(instructions_detail, calls)):
+            out[i] = outcome.value if outcome.ok else None
+    return out
+
+
+def instruction_metrics(results: list[dict]) -> dict[str, float]:
+    """IFEval's four measures over every sample of the instruction-following problems, and the
+    strict and loose pass rate of each instruction type: ``ifeval/prompt_strict`` (share of
+    samples following all their instructions, strict), ``ifeval/prompt_loose``,
+    ``ifeval/instruction_strict`` (share of instructions followed, strict),
+    ``ifeval/instruction_loose``, ``ifeval/type/<id>/strict`` and ``.../loose``. A sample whose
+    grading failed counts as following nothing."""
+    prompts = {"strict": [], "loose": []}
+    by_type: dict[str, dict[str, list[bool]]] = {}
+    for result in results:
+        for detail in result.get("instructions") or []:
+            if detail is None:
+                prompts["strict"].append(False)
+                prompts["loose"].append(False)
+                continue
+            for mode in ("strict", "loose"):
+                prompts[mode].append(detail[f"follow_all_instructions_{mode}"])
+                for iid, ok in zip(detail["instruction_id_list"], detail[f"follow_instruction_list_{mode}"]):
+                    by_type.setdefault(iid, {"strict": [], "loose": []})[mode].append(ok)
+    if not prompts["strict"]:
+        return {}
+    metrics = {f"ifeval/prompt_{m}": statistics.fmean(prompts[m]) for m in ("strict", "loose")}
+    for mode in ("strict", "loose"):
+        every = [ok for verdicts in by_type.values() for ok in verdicts[mode]]
+        metrics[f"ifeval/instruction_{mode}"] = statistics.fmean(every) if every else 0.0
+    for iid in sorted(by_type):
+        for mode in ("strict", "loose"):
+            metrics[f"ifeval/type/{iid}/{mode}"] = statistics.fmean(by_type[iid][mode])
+    return metrics
 
 
 def summarize(results: list[dict], settings: EvalSettings, seconds: float) -> dict:
@@ -353,6 +402,7 @@ def summarize(results: list[dict], settings: EvalSettings, seconds: float) -> di
             {f"length/{key}": value for key, value in length_adherence(lengths, settings.length_target).items()}
         )
         summary["length/within_target"] = statistics.fmean(float(n <= settings.length_target) for n in lengths)
+    summary.update(instruction_metrics(results))
     summary["errors"] = sum(1 for r in results for e in r["errors"] if e is not None)
     summary["seconds"] = round(seconds, 3)
     return summary

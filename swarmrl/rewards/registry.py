@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from swarmrl.data.schema import CODE, MATH
 from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
 from swarmrl.rewards.code import open_code_grader, parse_test_cases
+from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING, check_instructions, instructions_task_reward
 from swarmrl.rewards.math import ground_truth_text, math_task_reward
 
 
@@ -63,6 +64,9 @@ BUILTIN = (
     TaskType(MATH, check=problem_of(ground_truth_text), grade=math_task_reward),
     TaskType(CODE, check=problem_of(parse_test_cases), open=open_code_grader),
     TaskType(MULTIPLE_CHOICE, check=check_choice, grade=choice_task_reward),
+    # IFEval/IFBench constraints, graded in the pool like math (so charged to an unproven sender
+    # the same way); reward 1.0 when all are followed (swarmrl/rewards/instructions).
+    TaskType(INSTRUCTION_FOLLOWING, check=check_instructions, grade=instructions_task_reward),
 )
 
 _TYPES: dict[str, TaskType] = {t.name: t for t in BUILTIN}

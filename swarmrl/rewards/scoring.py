@@ -294,3 +294,81 @@ def score_file(
 
 def _score_fields(score: Score) -> dict:
     return {field: getattr(score, field) for field in OUTPUT_FIELDS}
+
+
+# Fields score_instruction_file adds to every output row: IFEval's reference output fields.
+INSTRUCTION_OUTPUT_FIELDS = (
+    "follow_instruction_list_strict",
+    "follow_instruction_list_loose",
+    "follow_all_instructions_strict",
+    "follow_all_instructions_loose",
+    "error",
+)
+
+
+def is_instruction_row(row: Any) -> bool:
+    """An IFEval-format row (``instruction_id_list``, ``kwargs``) rather than a task-schema one."""
+    return isinstance(row, dict) and "instruction_id_list" in row and "task_type" not in row
+
+
+def score_instruction_file(input_path: str | Path, output_path: str | Path, *, pool: VerifierPool) -> dict:
+    """Grade IFEval-format rows (``key``, ``prompt``, ``instruction_id_list``, ``kwargs``) plus a
+    ``completion`` field, in ``pool``; write each row with the strict and loose verdict of each
+    instruction and of the row (IFEval's field names) and ``error`` (a bad row, or grading that
+    failed: its verdicts are null). Returns the counts ``score_file`` returns, with
+    ``prompt_strict``, ``prompt_loose``, ``instruction_strict`` and ``instruction_loose`` over
+    the graded rows in place of the rewards."""
+    from swarmrl.rewards.instructions import check_instructions, instructions_detail
+
+    input_path, output_path = Path(input_path), Path(output_path)
+    entries = _read_jsonl(input_path)
+    out: list[dict] = []
+    calls, slots = [], []
+    for line_number, row, error in entries:
+        if row is None:
+            out.append({"line": line_number, **dict.fromkeys(INSTRUCTION_OUTPUT_FIELDS), "error": error})
+            continue
+        info = {"instruction_id_list": row.get("instruction_id_list"), "kwargs": row.get("kwargs")}
+        completion = row.get("completion")
+        problem = check_instructions(info)
+        if problem is None and not isinstance(completion, str):
+            problem = f"field 'completion' must be a string, got {type(completion).__name__}"
+        out.append({**row, **dict.fromkeys(INSTRUCTION_OUTPUT_FIELDS), "error": problem})
+        if problem is None:
+            calls.append((info, completion))
+            slots.append(len(out) - 1)
+    for slot, outcome in zip(slots, pool.map(instructions_detail, calls)):
+        if not outcome.ok:
+            out[slot]["error"] = outcome.error
+            continue
+        detail = outcome.value
+        out[slot].update({field: detail[field] for field in INSTRUCTION_OUTPUT_FIELDS if field != "error"})
+        if detail["refused"]:
+            out[slot]["reason"] = detail["refused"]
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with output_path.open("w", encoding="utf-8") as handle:
+        for row in out:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    graded = [row for row in out if row["error"] is None]
+    failed = [
+        {"line": line_number, "error": row["error"]}
+        for (line_number, _, _), row in zip(entries, out)
+        if row["error"] is not None
+    ]
+    verdicts = {
+        mode: [v for row in graded for v in row[f"follow_instruction_list_{mode}"]] for mode in ("strict", "loose")
+    }
+
+    def share(values: list) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return {
+        "rows": len(out),
+        "scored": len(graded),
+        "errors": len(failed),
+        "prompt_strict": share([row["follow_all_instructions_strict"] for row in graded]),
+        "prompt_loose": share([row["follow_all_instructions_loose"] for row in graded]),
+        "instruction_strict": share(verdicts["strict"]),
+        "instruction_loose": share(verdicts["loose"]),
+        "first_errors": failed[:5],
+    }
