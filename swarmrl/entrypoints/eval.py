@@ -65,6 +65,10 @@ class Settings(RoleSettings):
     sizes; the same samples as 1, docs/engines.md). Default 1"""
     workers: int = 2
     """math grading processes"""
+    extract: Literal["boxed", "last_number"] = "boxed"
+    """math rows: grade the last \\boxed{} answer (the format their prompt asks for), or with last_number the
+    \\boxed{} if there is one, else the last number written (for a chat model that never learned the boxed
+    format; lm-eval's GSM8K "flexible extract" is the same idea). Reported in summary.json"""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -106,7 +110,19 @@ def _rows(settings: Settings, cfg: Config) -> list[dict]:
         rows = rows[: settings.limit]
     if not rows:
         fail(f"{settings.benchmark} has no problems")
+    if settings.extract != "boxed":
+        rows = [_with_extract(row, settings.extract) for row in rows]
     return rows
+
+
+def _with_extract(row: dict, mode: str) -> dict:
+    """A math row graded with answer extraction ``mode``; other rows unchanged."""
+    from swarmrl.data.schema import MATH
+
+    if row.get("task_type") != MATH:
+        return row
+    info = json.loads(row["verification_info"])
+    return {**row, "verification_info": json.dumps({**info, "extract": mode})}
 
 
 def _backend(settings: Settings):
@@ -175,6 +191,7 @@ def main(settings: Settings, cfg: Config) -> None:
             "max_tokens": settings.max_tokens if settings.max_tokens is not None else "auto",
             "length_target": settings.length_target,
             "seed": settings.seed,
+            "extract": settings.extract,
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -236,3 +236,23 @@ def test_help_of_every_command_renders(capsys):
             cli.main([name, "--help"])
         assert done.value.code == 0
         assert f"usage: swarmrl {name}" in capsys.readouterr().out
+
+
+def test_eval_extract_last_number_changes_math_rows_only():
+    """--extract last_number: a math row's grading takes the last number when no \\boxed{} is
+    written; a code row is left as it was."""
+    import json
+
+    from swarmrl.entrypoints.eval import _with_extract
+    from swarmrl.rewards.math import math_task_reward
+
+    math_row = {"problem_id": "m", "task_type": "verifiable_math", "prompt": "q",
+                "verification_info": json.dumps({"ground_truth": "19"})}
+    code_row = {"problem_id": "c", "task_type": "prime_rl_code", "prompt": "q", "verification_info": "{}"}
+    loose = _with_extract(math_row, "last_number")
+    assert _with_extract(code_row, "last_number") is code_row
+    assert math_row["verification_info"] == json.dumps({"ground_truth": "19"})  # not edited in place
+    plain = "12 + 7 = 19."
+    assert math_task_reward(json.loads(math_row["verification_info"]), plain)[0] == 0.0
+    assert math_task_reward(json.loads(loose["verification_info"]), plain)[0] == 1.0
+    assert math_task_reward(json.loads(loose["verification_info"]), "12 + 7 = 8")[0] == 0.0
