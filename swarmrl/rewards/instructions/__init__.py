@@ -32,9 +32,10 @@ from swarmrl.rewards.instructions.spec import Instruction, parse_args
 
 INSTRUCTION_FOLLOWING = "instruction_following"
 
-# Longest answer graded, in characters: ~25k tokens of English, past any IFEval or IFBench
-# response a model means to give, and ~1 s of grading on one core (tests/unit/test_instruction_checkers.py).
-MAX_RESPONSE_CHARS = 100_000
+# Longest answer graded, in characters: ~10k tokens of English, past any IFEval or IFBench
+# response a model means to give (their longest asks are ~1,000 words); all 83 checks on hostile text of
+# that length take ~6 s on one core, a row (1 to 6 of them) well under one (tests/unit/test_instruction_checkers.py).
+MAX_RESPONSE_CHARS = 40_000
 
 INSTRUCTIONS: dict[str, Instruction] = {i.id: i for i in [*ifeval.INSTRUCTIONS, *ifbench.INSTRUCTIONS]}
 IFEVAL_IDS = tuple(i.id for i in ifeval.INSTRUCTIONS)
