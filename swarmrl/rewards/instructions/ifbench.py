@@ -684,13 +684,13 @@ INSTRUCTIONS = [
         keywords_multiple,
         {"keyword1": TEXT, "keyword2": TEXT, "keyword3": TEXT, "keyword4": TEXT, "keyword5": TEXT},
     ),
-    Instruction("words:keywords_specific_position", keywords_specific_position, {"keyword": TEXT, "n": COUNT, "m": COUNT}),
+    Instruction(
+        "words:keywords_specific_position", keywords_specific_position, {"keyword": TEXT, "n": COUNT, "m": COUNT}
+    ),
     Instruction("words:words_position", words_position, {"keyword": TEXT}),
     Instruction("repeat:repeat_change", repeat_change, {"prompt_to_repeat": TEXT}),
     Instruction("repeat:repeat_simple", repeat_simple, {}),
-    Instruction(
-        "repeat:repeat_span", repeat_span, {"prompt_to_repeat": TEXT, "n_start": COUNT, "n_end": COUNT}
-    ),
+    Instruction("repeat:repeat_span", repeat_span, {"prompt_to_repeat": TEXT, "n_start": COUNT, "n_end": COUNT}),
     Instruction("format:title_case", title_case, {}),
     Instruction("format:output_template", output_template, {}),
     Instruction("format:no_whitespace", no_whitespace, {}),

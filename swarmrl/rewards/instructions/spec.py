@@ -51,7 +51,12 @@ def _convert(value: Any, kind: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     elif kind == NUMBER:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf"):
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value == value
+            and abs(value) != float("inf")
+        ):
             return value
     elif kind == TEXT:
         if isinstance(value, str) and value.strip():

@@ -95,7 +95,9 @@ _SITES = re.compile(r"[.](com|net|org|io|gov|edu|me)")
 _DECIMAL = re.compile(r"([0-9])[.]([0-9])")
 _ELLIPSIS = re.compile(r"\.{2,}")
 _INITIAL = re.compile(r"\s([A-Za-z])[.] ")
-_STARTER = r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|However\s|That\s|This\s|Wherever)"
+_STARTER = (
+    r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|However\s|That\s|This\s|Wherever)"
+)
 _ACRONYM_THEN_STARTER = re.compile(r"([A-Z][.][A-Z][.](?:[A-Z][.])?) " + _STARTER)
 _THREE_LETTER_DOTS = re.compile(r"([A-Za-z])[.]([A-Za-z])[.]([A-Za-z])[.]")
 _TWO_LETTER_DOTS = re.compile(r"([A-Za-z])[.]([A-Za-z])[.]")
@@ -145,9 +147,8 @@ def _language_detector():
 
 def detect_language(text: str) -> str | None:
     """The ISO 639-1 code langdetect gives ``text``, or None when it cannot tell (no letters)."""
-    from langdetect.lang_detect_exception import LangDetectException
-
     from langdetect import detect
+    from langdetect.lang_detect_exception import LangDetectException
 
     _language_detector()
     try:
