@@ -41,7 +41,7 @@ from swarmrl.orchestrator.submissions import Submissions
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
-from swarmrl.rewards.registry import open_graders
+from swarmrl.rewards.registry import open_graders, preload_for
 from swarmrl.tasks.source import task_rows
 from swarmrl.transport.connlimit import SourceSlots
 
@@ -98,7 +98,7 @@ class Orchestrator:
                 cfg.rewards.verify_timeout_s,
                 memory_bytes=cfg.rewards.verify_memory_mb << 20,
                 start_method="forkserver",
-                preload=(*DEFAULT_PRELOAD, "swarmrl.cli"),
+                preload=(*DEFAULT_PRELOAD, "swarmrl.cli", *preload_for(self.rows)),
             )
             for _ in range(o.grading_lanes - len(pools))
         ]

@@ -7,7 +7,9 @@ A task type names
           module-level function; or
   open    for a grader that owns a resource (the code sandbox's processes and uids):
           open(sandbox config, log) -> an object with grade_many(jobs) and close(). It is opened
-          once per scorer, only when the rows hold this task type (`open_graders`).
+          once per scorer, only when the rows hold this task type (`open_graders`);
+  preload modules a grading process imports at start when the rows hold this task type
+          (`preload_for`): what its grader would otherwise load inside an answer's time budget.
 
 Adding a task type is one module with these functions and one `TaskType` line: in `BUILTIN`
 below for a type shipped with swarmrl, or, without touching swarmrl, a module on the Python path
@@ -41,6 +43,7 @@ class TaskType:
     check: Callable[[dict], str | None]
     grade: Callable[[dict, str], tuple[float, str | None]] | None = None
     open: Callable[..., ResourceGrader] | None = None
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self):
         if (self.grade is None) == (self.open is None):
@@ -66,7 +69,12 @@ BUILTIN = (
     TaskType(MULTIPLE_CHOICE, check=check_choice, grade=choice_task_reward),
     # IFEval/IFBench constraints, graded in the pool like math (so charged to an unproven sender
     # the same way); reward 1.0 when all are followed (swarmrl/rewards/instructions).
-    TaskType(INSTRUCTION_FOLLOWING, check=check_instructions, grade=instructions_task_reward),
+    TaskType(
+        INSTRUCTION_FOLLOWING,
+        check=check_instructions,
+        grade=instructions_task_reward,
+        preload=("swarmrl.rewards.instructions.preload",),  # its language and sentence models
+    ),
 )
 
 _TYPES: dict[str, TaskType] = {t.name: t for t in BUILTIN}
@@ -96,6 +104,13 @@ def checks() -> dict[str, Callable[[dict], str | None]]:
     """Each task type's check of its verification_info, for the loaders
     (`swarmrl.data.schema.parse_row(..., checks=...)`)."""
     return {name: task.check for name, task in _TYPES.items()}
+
+
+def preload_for(rows: Iterable[dict]) -> tuple[str, ...]:
+    """The modules a grading pool for `rows` should preload, beyond its defaults: those of the
+    task types the rows hold (for `VerifierPool(preload=...)`)."""
+    present = {row.get("task_type") for row in rows}
+    return tuple(dict.fromkeys(m for task in types() if task.name in present for m in task.preload))
 
 
 def load(specs: Iterable[str]) -> list[TaskType]:

@@ -33,8 +33,8 @@ from swarmrl.protocol.manifest import content_digest
 from swarmrl.protocol.rollouts import Group
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards import registry
-from swarmrl.rewards.pool import VerifierPool
-from swarmrl.rewards.registry import Graders, open_graders
+from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
+from swarmrl.rewards.registry import Graders, open_graders, preload_for
 from swarmrl.tasks.source import task_rows
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
@@ -283,15 +283,18 @@ def run_trainer(
             print(f"resumed from checkpoint at step {start}", flush=True)
             if main:
                 _forget_after(rd, start)
+    # Only rank 0 evaluates: the other ranks (on other nodes too) need no task files.
+    held_out = task_rows(cfg, log=lambda *_: None)[1] if main else []
     pool = (
         VerifierPool(
-            cfg.rewards.verify_workers, cfg.rewards.verify_timeout_s, memory_bytes=cfg.rewards.verify_memory_mb << 20
+            cfg.rewards.verify_workers,
+            cfg.rewards.verify_timeout_s,
+            memory_bytes=cfg.rewards.verify_memory_mb << 20,
+            preload=(*DEFAULT_PRELOAD, *preload_for(held_out)),
         )
         if main
         else None
     )
-    # Only rank 0 evaluates: the other ranks (on other nodes too) need no task files.
-    held_out = task_rows(cfg, log=lambda *_: None)[1] if main else []
     graders = open_graders(held_out, cfg.sandbox) if main else Graders()
     policy_for_eval = _EvalPolicy(trainer, rd.version_path(0), device, publish_dtype)
     server = link = None
