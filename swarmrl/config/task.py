@@ -6,7 +6,7 @@ import math
 import os
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from swarmrl.config.base import Section
 
@@ -33,10 +33,49 @@ class ModelConfig(Section):
     compute in `sampling.dtype`, the run's inference precision."""
 
 
+# The procedural task sets built into swarmrl (swarmrl/tasks/<name>.py), by `tasks.source` name.
+BUILTIN_SOURCES = ("arithmetic", "instructions")
+MIX = "mix"
+# The IFEval instruction types the built-in instruction generator writes constraints for
+# (swarmrl/tasks/instructions.py, TEMPLATES; a unit test keeps the two equal), named here so that
+# validating a config imports nothing above it.
+INSTRUCTION_TEMPLATES = (
+    "punctuation:no_comma",
+    "change_case:english_lowercase",
+    "change_case:english_capital",
+    "change_case:capital_word_frequency",
+    "length_constraints:number_words",
+    "length_constraints:number_sentences",
+    "length_constraints:number_paragraphs",
+    "keywords:existence",
+    "keywords:frequency",
+    "keywords:forbidden_words",
+    "keywords:letter_frequency",
+    "detectable_content:postscript",
+    "detectable_content:number_placeholders",
+    "detectable_format:number_bullet_lists",
+    "detectable_format:number_highlighted_sections",
+    "detectable_format:title",
+    "detectable_format:multiple_sections",
+    "detectable_format:json_format",
+    "startend:end_checker",
+    "startend:quotation",
+    "combination:repeat_prompt",
+    "combination:two_responses",
+)
+
+
 class TasksConfig(Section):
     source: str = "arithmetic"
-    """"arithmetic" for the built-in procedural task, or a path to tasks in the INTELLECT-2 RL
-    dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    """"arithmetic" (procedural math) or "instructions" (procedural instruction following:
+    plain requests with IFEval constraints, docs/instructions.md) for a built-in task; "mix" for
+    several built-in ones in one run (`mix`); or a path to tasks in the INTELLECT-2 RL dataset
+    schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    mix: dict[str, float] = Field(default_factory=dict)
+    """With `source = "mix"`: the built-in sources of the run and their weights, e.g.
+    `{arithmetic = 0.5, instructions = 0.5}`. Each source gets its weight's share of `train_size`
+    (normalised over the weights, at least one problem) and its own `eval_size` held-out problems,
+    reported as `eval/accuracy/<source>` beside the overall `eval/accuracy`."""
     types: list[str] = Field(default_factory=list)
     """Task types beyond the built-in ones (verifiable_math, prime_rl_code, multiple_choice), as
     "module:ATTRIBUTE" naming a swarmrl.rewards.registry.TaskType in a module on the Python path;
@@ -52,19 +91,64 @@ class TasksConfig(Section):
     (the format `swarmrl sft` teaches the built-in base). "plain": "What is 12 + 7? Answer with
     only the number." graded on the last number written, for a pretrained chat model that was
     never taught the boxed format (configs/smollm2-135m.toml)."""
+    max_constraints: int = Field(3, ge=1, le=6)
+    """Instructions: each prompt has 1 to this many constraints (uniformly), no two of one kind
+    (swarmrl/tasks/instructions.py)."""
+    instruction_types: list[str] = Field(default_factory=list)
+    """Instructions: the IFEval instruction ids the constraints are drawn from; empty for all the
+    generator's templates (`INSTRUCTION_TEMPLATES` above, 22 of IFEval's 25)."""
     held_out_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    """Share of all arithmetic problems in the held-out split (by a hash of each problem). Raise it
-    for 1-digit problems, of which there are only 100 per operator."""
+    """Share of the built-in problems in the held-out split, by a hash: of each arithmetic problem,
+    of each instruction request (120 in all). Raise it for 1-digit problems, of which there are
+    only 100 per operator."""
     train_size: int = Field(5000, ge=1)
-    """Number of distinct arithmetic training problems."""
+    """Number of distinct built-in training problems (in a mix, over all its sources)."""
     eval_size: int = Field(200, ge=1)
-    """Number of held-out problems used for `eval/accuracy`."""
+    """Number of held-out problems used for `eval/accuracy` (in a mix, per source)."""
     solve_rate_column: str | None = None
     """Column used for offline difficulty filtering (the seed used a 7B model's solve rate)."""
     solve_rate_range: tuple[float, float] | None = None
     """Keep rows whose solve rate lies in [lo, hi]. Seed run: [0.1, 0.8] (INTELLECT-2 report)."""
     seed: int = 0
     """Seed for task generation and shuffling."""
+
+    @model_validator(mode="after")
+    def _check_builtin(self) -> TasksConfig:
+        if self.source == MIX:
+            if not self.mix:
+                raise ValueError(
+                    'tasks.source = "mix" needs tasks.mix, the sources and their weights, e.g. '
+                    "{arithmetic = 0.5, instructions = 0.5}"
+                )
+            for name, weight in self.mix.items():
+                if name not in BUILTIN_SOURCES:
+                    raise ValueError(
+                        f"tasks.mix: {name!r} is not a built-in source; mix any of: {', '.join(BUILTIN_SOURCES)}"
+                    )
+                if not (weight > 0 and math.isfinite(weight)):
+                    raise ValueError(
+                        f"tasks.mix.{name} = {weight}: weights must be positive numbers (leave a source out "
+                        "to not use it)"
+                    )
+        elif self.mix:
+            raise ValueError(
+                f'tasks.mix is set but tasks.source = "{self.source}": set tasks.source = "mix" to mix '
+                "built-in sources, or remove tasks.mix"
+            )
+        unknown = [name for name in self.instruction_types if name not in INSTRUCTION_TEMPLATES]
+        if unknown:
+            raise ValueError(
+                f"tasks.instruction_types: the instruction generator has no template for "
+                f"{', '.join(map(repr, unknown))}; it writes: {', '.join(INSTRUCTION_TEMPLATES)}"
+            )
+        return self
+
+    def sources(self) -> dict[str, float]:
+        """The built-in sources of this run and their weights (summing to 1); empty for a file."""
+        if self.source == MIX:
+            total = sum(self.mix.values())
+            return {name: weight / total for name, weight in self.mix.items()}
+        return {self.source: 1.0} if self.source in BUILTIN_SOURCES else {}
 
 
 # The no-signal stop must not end an honest hard run: a base solving NO_SIGNAL_ACCURACY of its
@@ -148,6 +232,11 @@ class RewardsConfig(Section):
     verify_memory_mb: int = Field(1024, ge=64)
     """Address-space limit (RLIMIT_AS) of each grading process; an answer needing more scores 0
     and the process is replaced."""
+    instruction_reward: Literal["all", "fraction"] = "all"
+    """Reward of a training row of instruction following: "all" 1 when every constraint is
+    followed, else 0 (IFEval's prompt-level strict measure); "fraction" the share of its
+    constraints followed (instruction-level strict), a denser signal. Held-out accuracy is
+    prompt-level strict either way (docs/instructions.md)."""
 
 
 class SandboxConfig(Section):

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import model_validator
 
 from swarmrl.config import Config
+from swarmrl.config.task import BUILTIN_SOURCES
 from swarmrl.entrypoints.common import fail
 from swarmrl.entrypoints.flags import RoleSettings, flag
 
@@ -35,7 +36,8 @@ class Settings(RoleSettings):
     api_key: str | None = None
     """bearer token for the endpoint (default: $OPENAI_API_KEY if set)"""
     benchmark: str
-    """a JSONL/parquet file, or a built-in set: 'arithmetic' (the held-out split) or 'code'"""
+    """a JSONL/parquet file, or a built-in set: 'arithmetic' or 'instructions' (their held-out split, as --config
+    sets it) or 'code'"""
     format: Literal["auto", "schema", "math", "code", "mcq", "ifeval"] = "auto"
     """the file's format (auto: decided from the first row's fields; ifeval: IFEval/IFBench rows with
     instruction_id_list and kwargs, reported as prompt- and instruction-level strict and loose accuracy)"""
@@ -91,13 +93,10 @@ def _rows(settings: Settings, cfg: Config) -> list[dict]:
     from swarmrl.eval.formats import load_benchmark
 
     try:
-        if settings.benchmark == "arithmetic":  # the held-out split `swarmrl rl` evaluates on
-            from swarmrl.tasks import arithmetic
+        if settings.benchmark in BUILTIN_SOURCES:  # the held-out split `swarmrl rl` evaluates on
+            from swarmrl.tasks.source import builtin_rows
 
-            t = cfg.tasks
-            rows = arithmetic.generate(
-                t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed, **arithmetic.options(t)
-            )
+            rows = builtin_rows(cfg.tasks, settings.benchmark, cfg.tasks.eval_size, "test")
         elif settings.benchmark == "code":
             from swarmrl.tasks import code as code_tasks
 

@@ -2,23 +2,75 @@
 
 from __future__ import annotations
 
+import json
+
 from swarmrl.config import Config
+from swarmrl.config.task import BUILTIN_SOURCES, MIX
 from swarmrl.data.loading import load_tasks
 from swarmrl.rewards import registry
+from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING
 from swarmrl.rewards.length import with_length_target
-from swarmrl.tasks import arithmetic
+from swarmrl.tasks import arithmetic, instructions
+
+
+def builtin_rows(tasks, name: str, n: int, split: str) -> list[dict]:
+    """`n` rows of one split of the built-in source `name` ("arithmetic", "instructions"), as
+    the run's tasks config sets it."""
+    if name == "arithmetic":
+        return arithmetic.generate(
+            n, digits=tasks.digits, ops=tasks.ops, split=split, seed=tasks.seed, **arithmetic.options(tasks)
+        )
+    if name == "instructions":
+        return instructions.generate(n, split=split, seed=tasks.seed, **instructions.options(tasks))
+    raise ValueError(f"{name!r} is not a built-in task source; one of: {', '.join(BUILTIN_SOURCES)}")
+
+
+def mix_sizes(weights: dict[str, float], total: int) -> dict[str, int]:
+    """`total` problems shared by weight (normalised), each source at least one: largest
+    remainders, so the sizes add up to `total` whenever it covers one per source."""
+    norm = sum(weights.values())
+    exact = {name: total * w / norm for name, w in weights.items()}
+    sizes = {name: max(1, int(x)) for name, x in exact.items()}
+    by_remainder = sorted(weights, key=lambda name: exact[name] - int(exact[name]), reverse=True)
+    for name in by_remainder[: max(0, total - sum(sizes.values()))]:
+        sizes[name] += 1
+    return sizes
+
+
+def with_instruction_reward(rows: list[dict], mode: str) -> list[dict]:
+    """Training rows of instruction following graded as `rewards.instruction_reward` says: the
+    mode goes into their verification_info (its "reward" key), the one thing the grading pool
+    sees of a row. "all" is the graders' default and leaves rows as they are."""
+    if mode == "all":
+        return rows
+    out = []
+    for row in rows:
+        if row.get("task_type") == INSTRUCTION_FOLLOWING:
+            info = json.loads(row["verification_info"])
+            row = {**row, "verification_info": json.dumps({**info, "reward": mode})}
+        out.append(row)
+    return out
 
 
 def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) as dicts in the task schema."""
+    """(train rows, held-out rows) as dicts in the task schema. Training rows of instruction
+    following carry the run's `rewards.instruction_reward`; held-out rows are always graded
+    all-or-nothing (prompt-level strict). In a mix every row names its `source`."""
+    train, held = _task_rows(cfg, log)
+    return with_instruction_reward(train, cfg.rewards.instruction_reward), held
+
+
+def _task_rows(cfg: Config, log) -> tuple[list[dict], list[dict]]:
     t = cfg.tasks
-    if t.source == "arithmetic":
-        train = arithmetic.generate(
-            t.train_size, digits=t.digits, ops=t.ops, split="train", seed=t.seed, **arithmetic.options(t)
-        )
-        held = arithmetic.generate(
-            t.eval_size, digits=t.digits, ops=t.ops, split="test", seed=t.seed, **arithmetic.options(t)
-        )
+    if t.source in BUILTIN_SOURCES:
+        return builtin_rows(t, t.source, t.train_size, "train"), builtin_rows(t, t.source, t.eval_size, "test")
+    if t.source == MIX:
+        train, held = [], []
+        for name, n in mix_sizes(t.mix, t.train_size).items():
+            # Each source's held-out set is the one a run of that source alone evaluates on, so
+            # a mixed run's eval/accuracy/arithmetic compares with an arithmetic run's accuracy.
+            train += [{**row, "source": name} for row in builtin_rows(t, name, n, "train")]
+            held += [{**row, "source": name} for row in builtin_rows(t, name, t.eval_size, "test")]
         return train, held
     result = load_tasks(
         t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=registry.checks()

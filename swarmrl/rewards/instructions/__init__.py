@@ -97,12 +97,21 @@ def parse_instructions(verification_info: Any) -> list[tuple[Instruction, dict]]
     return parsed
 
 
+# How a row's reward counts its instructions: its optional "reward" key. "all": 1.0 when every
+# one is followed (IFEval's prompt-level strict); "fraction": the share followed (instruction-level
+# strict). A run's training rows carry its `rewards.instruction_reward` (swarmrl/tasks/source.py).
+REWARD_MODES = ("all", "fraction")
+
+
 def check_instructions(verification_info: dict) -> str | None:
     """None if ``verification_info`` can be graded, else what is wrong (the registry's check)."""
     try:
         parse_instructions(verification_info)
     except ValueError as e:
         return str(e)
+    mode = verification_info.get("reward", "all")
+    if mode not in REWARD_MODES:
+        return f"'reward' must be one of {list(REWARD_MODES)} (all or the share of instructions followed), got {mode!r}"
     return None
 
 
@@ -147,13 +156,17 @@ def grade_instructions(verification_info: dict, completion: str) -> Graded:
 
 def instructions_task_reward(verification_info: dict, completion: str) -> tuple[float, str | None]:
     """Reward for an ``instruction_following`` row: 1.0 when every instruction is followed
-    (strict, IFEval's prompt-level measure); the reason names those that were not."""
+    (strict, IFEval's prompt-level measure), or with ``"reward": "fraction"`` in the row the share
+    followed (strict); the reason names those that were not."""
     graded = grade_instructions(verification_info, completion)
     if graded.refused is not None:
         return 0.0, graded.refused
     missed = [i for i, ok in zip(graded.instruction_ids, graded.strict) if not ok]
     if missed:
-        return 0.0, f"not followed (strict): {', '.join(missed)}"
+        reward = 0.0
+        if verification_info.get("reward") == "fraction":
+            reward = sum(graded.strict) / len(graded.strict)
+        return reward, f"not followed (strict): {', '.join(missed)}"
     return 1.0, None
 
 
