@@ -263,7 +263,7 @@ class SlotDecoder:
         lengths = [len(p) for p in prompts]
         if max(lengths) > self.capacity:
             raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.capacity}")
-        n, total = len(prompts), sum(lengths)
+        total = sum(lengths)
         F = torch.nn.functional
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
         positions = torch.cat([self._positions[:m] for m in lengths])
