@@ -40,7 +40,8 @@ def evaluate(
     metrics.update({f"eval/{key}": float(value) for key, value in summary.items() if key.startswith("pass@")})
     metrics.update(source_accuracies(rows, results, settings.k))
     # Instruction rows: IFEval's instruction-level strict share too (progress below all-or-nothing).
-    metrics.update({f"eval/{key}": summary[key] for key in ("ifeval/instruction_strict",) if key in summary})
+    if "ifeval/instruction_strict" in summary:
+        metrics["eval/instruction_strict"] = summary["ifeval/instruction_strict"]
     if target is not None:
         metrics["eval/length_target"] = float(target)
         metrics["eval/length_within_target"] = summary["length/within_target"]

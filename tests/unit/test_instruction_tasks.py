@@ -211,6 +211,23 @@ def test_bad_task_settings_are_refused_naming_the_field(overrides, needle):
         load_config(None, overrides)
 
 
+def test_the_shipped_real_model_configs_share_their_held_out_sets():
+    """configs/smollm2-135m-mixed.toml trains on and evaluates the problems of the single-source
+    configs, so its per-source accuracies compare with theirs."""
+    root = Path(__file__).resolve().parents[2] / "configs"
+
+    def rows(name):
+        return task_rows(load_config(root / name), log=lambda *_: None)
+
+    def plain(rows):
+        return [{k: v for k, v in r.items() if k != "source"} for r in rows]
+
+    (mixed_train, mixed_held), (math_train, math_held) = rows("smollm2-135m-mixed.toml"), rows("smollm2-135m.toml")
+    instr_train, instr_held = rows("smollm2-135m-instructions.toml")
+    assert plain(mixed_train) == math_train + instr_train[: len(mixed_train) - len(math_train)]
+    assert plain(mixed_held) == math_held + instr_held[: len(mixed_held) - len(math_held)]
+
+
 # -- rewards ------------------------------------------------------------------------------------
 
 THREE = {
