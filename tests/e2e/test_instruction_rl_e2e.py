@@ -1,0 +1,47 @@
+"""End to end: `swarmrl rl` on a mix of arithmetic and instruction following, with the tiny base
+(real processes, sampled completions, proofs, the validator): instruction groups are leased,
+graded and stored, and held-out accuracy is reported per source."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from runs import EASY, swarmrl
+
+
+def test_a_mixed_run_grades_instruction_groups_and_reports_each_sources_accuracy(easy_base, tmp_path):
+    run = tmp_path / "run"
+    swarmrl(
+        "rl",
+        "--run-dir",
+        str(run),
+        "--model.path",
+        str(easy_base),
+        "--trainer.steps",
+        "1",
+        *EASY,
+        "--tasks.source",
+        "mix",
+        "--tasks.mix",
+        "{arithmetic = 1, instructions = 1}",
+        # The tiny base writes `<think>...</think>\boxed{N}`: no commas, so these groups grade 1
+        # (all equal: the arithmetic groups carry the signal; this run checks the plumbing).
+        "--tasks.instruction_types",
+        '["punctuation:no_comma"]',
+        "--tasks.max_constraints",
+        "1",
+        "--rewards.instruction_reward",
+        "fraction",
+    )
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1]  # before and after
+    for r in evals:
+        assert {"eval/accuracy/arithmetic", "eval/accuracy/instructions", "eval/instruction_strict"} <= set(r)
+        assert r["eval/problems"] == 16.0  # eval_size 8 per source
+    db = sqlite3.connect(run / "orchestrator.sqlite")
+    groups = [json.loads(p) for (p,) in db.execute("SELECT payload FROM groups")]
+    graded = [g for g in groups if g["task_type"] == "instruction_following"]
+    assert graded and all(len(g["rewards"]) == len(g["samples"]) for g in graded)
+    assert json.loads(graded[0]["verification_info"])["reward"] == "fraction"
