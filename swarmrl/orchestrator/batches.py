@@ -114,7 +114,8 @@ def no_signal_message(
         ]
     # The command as the user can paste it: this run's folder and tasks where the config names them.
     run_dir = cfg.run_dir or "<run-dir>"
-    tasks = "arithmetic" if cfg.tasks.source == "arithmetic" else cfg.tasks.source
+    # A mix is evaluated source by source: name its first (`--benchmark` takes one built-in set).
+    tasks = next(iter(cfg.tasks.mix)) if cfg.tasks.mix else cfg.tasks.source
     lines.append(
         f"To see what the policy writes and why it scores what it does: swarmrl eval --config {run_dir}/config.toml "
         f"--model {run_dir}/policies/v000000 --benchmark {tasks} --limit 8 --output-dir <dir> "
