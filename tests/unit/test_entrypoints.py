@@ -246,8 +246,12 @@ def test_eval_extract_last_number_changes_math_rows_only():
     from swarmrl.entrypoints.eval import _with_extract
     from swarmrl.rewards.math import math_task_reward
 
-    math_row = {"problem_id": "m", "task_type": "verifiable_math", "prompt": "q",
-                "verification_info": json.dumps({"ground_truth": "19"})}
+    math_row = {
+        "problem_id": "m",
+        "task_type": "verifiable_math",
+        "prompt": "q",
+        "verification_info": json.dumps({"ground_truth": "19"}),
+    }
     code_row = {"problem_id": "c", "task_type": "prime_rl_code", "prompt": "q", "verification_info": "{}"}
     loose = _with_extract(math_row, "last_number")
     assert _with_extract(code_row, "last_number") is code_row
