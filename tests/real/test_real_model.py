@@ -38,7 +38,13 @@ def test_the_assets_are_checked_and_not_prepared_twice(assets):
     assert "real assets are ready" in out, out  # the manifest matched: nothing was converted again
     assert time.monotonic() - started < 60
     manifest = json.loads((assets / "manifest.json").read_text())
-    assert manifest["rows"] == {"gsm8k-test.jsonl": 1319, "aime2025.jsonl": 30, "humaneval.jsonl": 164}
+    assert manifest["rows"] == {
+        "gsm8k-test.jsonl": 1319,
+        "aime2025.jsonl": 30,
+        "humaneval.jsonl": 164,
+        "ifbench-test.jsonl": 294,
+        "ifbench-sample-output.jsonl": 294,
+    }
 
 
 def test_the_folder_is_the_pretrained_llama_with_its_chat_template(policy):
