@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarmrl.inference.batch import BatchEngine, Job
-from swarmrl.inference.decoder import supports
+from swarmrl.inference.decoder import SlotDecoder, onednn_linear, supports
 from swarmrl.inference.engine import build_engine
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import build_tiny_policy
@@ -181,3 +181,33 @@ def test_generate_refuses_batch_wide_hooks_and_a_busy_engine(policy):
         engine.generate([[5, 6]], [1], max_new_tokens=3)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit(Job([], 1, 3))
+
+
+def test_onednn_carries_only_products_large_enough_to_gain():
+    # A 1M-parameter model's products cost more through oneDNN's call than they save (a 64-wide
+    # layer: ~40 us against MKL's ~20), so they stay on MKL; SmolLM2-135M's 576-wide layers and
+    # its 49,152 x 576 head go through oneDNN when this CPU and torch build have it.
+    tiny, _ = build_tiny_policy(seed=0, hidden_size=64, num_layers=2, intermediate_size=128)
+    small = SlotDecoder(tiny, slots=2, capacity=8)
+    assert not any(layer.dnn for layer in small._layers) and small._dnn_head is None
+    op = onednn_linear()
+    if op is None:
+        pytest.skip("this torch build or CPU has no oneDNN linear: every product runs on MKL")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=1,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    big = SlotDecoder(LlamaForCausalLM(cfg).eval(), slots=2, capacity=8)
+    assert all(layer.dnn for layer in big._layers)
+    assert big._dnn_head is None  # 256 x 576 is below the threshold: MKL
+    x = torch.randn(5, 576)
+    w = big._layers[0].gate_up
+    torch.testing.assert_close(op(x, w, None, "none", [], ""), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
