@@ -167,6 +167,11 @@ class BatchEngine:
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         if not new:
             return
+        # Shortest prompts first (stable: a group's rows stay together): neighbouring slots then
+        # hold similar lengths, and the decoder's attention reads each range of rows only as far
+        # as that range's longest (SlotDecoder._row_chunks). Which slot a row has never changes
+        # its tokens.
+        new.sort(key=lambda j: len(j.prompt))
         need = max(len(j.prompt) + j.max_new_tokens for j in new)
         if self.decoder is None:
             self.decoder = SlotDecoder(self.model, slots=self.max_batch, capacity=need)

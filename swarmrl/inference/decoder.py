@@ -384,6 +384,23 @@ class SlotDecoder:
 
     # -- decode ------------------------------------------------------------------------------
 
+    #: Rows per attention range at least (below it one range: each range costs three more small
+    #: kernels per layer), and at most this many ranges.
+    CHUNK_ROWS, MAX_CHUNKS = 8, 4
+
+    def _row_chunks(self, lengths: Tensor, b: int, span: int) -> list[tuple[int, int, int]]:
+        """(first row, end row, span) of the ranges attention runs over: up to MAX_CHUNKS
+        contiguous ranges of at least CHUNK_ROWS rows, each as long as its longest row."""
+        n = min(self.MAX_CHUNKS, b // self.CHUNK_ROWS)
+        if n <= 1:
+            return [(0, b, span)]
+        lens = lengths.tolist()
+        bounds = [round(i * b / n) for i in range(n + 1)]
+        chunks = [(r0, r1, max(lens[r0:r1]) + 1) for r0, r1 in zip(bounds, bounds[1:])]
+        if sum((r1 - r0) * sp for r0, r1, sp in chunks) > 0.9 * b * span:
+            return [(0, b, span)]  # lengths alike: the extra kernels would cost more than they save
+        return chunks
+
     @torch.inference_mode()
     def decode(self, tokens: Tensor, lengths: Tensor, span: int | None = None) -> Tensor:
         """One step for slots 0..B-1: ``tokens`` [B] sit at positions ``lengths`` [B] (the
@@ -404,8 +421,16 @@ class SlotDecoder:
         # Keys at positions <= length are real for each slot; later ones are stale or empty.
         future = self._positions[:span] > lengths[:, None]  # [B, S]
         if fp32:
-            bias = torch.zeros((b * kv, 1, span), dtype=torch.float32, device=self.device)
-            bias.masked_fill_(future.repeat_interleave(kv, 0).unsqueeze(1), float("-inf"))
+            # Attention reads every cached key up to the span, and at a decode step that read is
+            # most of attention's time. One span for the whole batch makes a short row read as
+            # far as the longest (GSM8K prompts of 68-170 tokens: ~1.4x the keys). Contiguous
+            # row ranges with their own spans cut that where lengths differ; BatchEngine admits
+            # rows sorted by prompt length, so neighbours are alike.
+            parts = []
+            for r0, r1, sp in self._row_chunks(lengths, b, span):
+                bias = torch.zeros(((r1 - r0) * kv, 1, sp), dtype=torch.float32, device=self.device)
+                bias.masked_fill_(future[r0:r1, :sp].repeat_interleave(kv, 0).unsqueeze(1), float("-inf"))
+                parts.append((r0 * kv, r1 * kv, r0, r1, sp, bias))
         else:
             keep = ~future[:, None, None, :]  # [B, 1, 1, S]
         x = F.embedding(tokens, self._embed)  # [B, H]
@@ -433,9 +458,17 @@ class SlotDecoder:
                 # residual adds ride on the matrix products (addmm). float32 rounding makes these
                 # reorderings invisible to the validator (docs/validation.md).
                 q = qk[:, :heads].reshape(b * kv, group, dim)
-                keys = kc[:b, :, :span].reshape(b * kv, span, dim)
-                probs = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale).softmax(-1)
-                att = torch.bmm(probs, vc[:b, :, :span].reshape(b * kv, span, dim)).view(b, heads * dim)
+                if len(parts) == 1:
+                    keys = kc[:b, :, :span].reshape(b * kv, span, dim)
+                    probs = torch.baddbmm(parts[0][5], q, keys.transpose(1, 2), alpha=self.scale).softmax(-1)
+                    att = torch.bmm(probs, vc[:b, :, :span].reshape(b * kv, span, dim)).view(b, heads * dim)
+                else:
+                    att = torch.empty((b * kv, group, dim), dtype=x.dtype, device=self.device)
+                    for q0, q1, r0, r1, sp, bias in parts:
+                        keys = kc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim)
+                        probs = torch.baddbmm(bias, q[q0:q1], keys.transpose(1, 2), alpha=self.scale).softmax(-1)
+                        torch.bmm(probs, vc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim), out=att[q0:q1])
+                    att = att.view(b, heads * dim)
                 if L.dnn:
                     x = x + dnn(att, L.o_w, None, "none", [], "")
                     h = F.rms_norm(x, (x.shape[-1],), L.ln2, eps)

@@ -3,12 +3,14 @@ groups kept together, a new policy picked up, errors and dead streams surfaced."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from swarmrl.inference.batch import BatchEngine
 from swarmrl.inference.engine import build_engine
-from swarmrl.inference.streams import StreamedEngine, shard_rows
+from swarmrl.inference.streams import StreamedEngine, shard_rows, stream_cores
 from swarmrl.model.checkpoint import build_tiny_policy
 
 
@@ -88,6 +90,13 @@ def test_a_new_policy_reaches_every_stream(policy):
     engine = build_engine(model, tok, streams=2, stop_token_ids=[model.config.vocab_size])
     try:
         assert isinstance(engine, StreamedEngine)
+        # Each stream keeps to its own core when the CPU set has one for each.
+        mine = sorted(os.sched_getaffinity(0))
+        placed = [sorted(os.sched_getaffinity(p.pid)) for p in engine._procs]
+        if len(mine) >= 2:
+            assert placed == [[mine[0]], [mine[1]]], placed
+        else:
+            assert placed == [mine, mine], placed
         prompts, seeds = _prompts([4, 6, 8, 3], seed=9), [1, 2, 3, 4]
         first = [c.token_ids for c in engine.generate(prompts, seeds, max_new_tokens=6)]
         engine.model = other.eval()
@@ -103,6 +112,17 @@ def test_a_new_policy_reaches_every_stream(policy):
         engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts, seeds, max_new_tokens=6)
+
+
+def test_streams_go_where_the_os_puts_them_when_not_pinned_or_too_many(policy):
+    model, tok = policy
+    mine = sorted(os.sched_getaffinity(0))
+    assert stream_cores(len(mine) + 1) == [None] * (len(mine) + 1)
+    engine = StreamedEngine(model, stop_token_ids=[model.config.vocab_size], pad_token_id=0, streams=2, pin_cores=False)
+    try:
+        assert [sorted(os.sched_getaffinity(p.pid)) for p in engine._procs] == [mine, mine]
+    finally:
+        engine.close()
 
 
 def test_bad_stream_settings_are_refused(policy):

@@ -211,3 +211,27 @@ def test_onednn_carries_only_products_large_enough_to_gain():
     x = torch.randn(5, 576)
     w = big._layers[0].gate_up
     torch.testing.assert_close(op(x, w, None, "none", [], ""), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_of_different_lengths_attend_in_ranges_and_get_what_they_get_alone(policy, monkeypatch):
+    # 32 rows of 2-60 prompt tokens: admitted shortest first, so attention runs over up to four
+    # row ranges, each only as far as its longest row; the tokens, logprobs and hidden states
+    # must be each row's own, as if it ran alone (the generic engine, one row at a time).
+    model, tok = policy
+    lengths = [2 + (i * 37) % 59 for i in range(32)]
+    prompts = _prompts(lengths, seed=5)
+    seeds = list(range(100, 132))
+    seen = []
+    real = SlotDecoder._row_chunks
+    monkeypatch.setattr(SlotDecoder, "_row_chunks", lambda self, *a: seen.append(real(self, *a)) or seen[-1])
+    outs = _engine(model, tok, max_batch=32).generate(
+        prompts, seeds, max_new_tokens=6, temperature=1.0, return_hidden=True
+    )
+    assert seen and all(len(c) == 4 for c in seen), seen[:2]
+    assert [c[-1] for c in seen[0]] == sorted(c[-1] for c in seen[0])  # shortest rows first
+    generic = Sampler(model, stop_token_ids=_never(model), pad_token_id=tok.pad_token_id)
+    for i in range(0, 32, 3):
+        alone = generic.generate([prompts[i]], [seeds[i]], max_new_tokens=6, temperature=1.0, return_hidden=True)[0]
+        assert outs[i].token_ids == alone.token_ids, i
+        torch.testing.assert_close(torch.tensor(outs[i].logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(outs[i].hidden, alone.hidden, rtol=1e-4, atol=1e-4)
