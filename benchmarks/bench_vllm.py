@@ -8,7 +8,7 @@ chat template (the real assets, `make real-assets`), all at once, T = 1, exactly
 tokens per row (the built-in engine stops on an id no model emits; vLLM gets `ignore_eos`).
 
 - builtin, streams S: `build_engine(model, tokenizer, streams=S)` on the loaded folder in this
-  process (S = 1: one engine on torch's threads; S = 2: two single-threaded processes).
+  process (S = 1: one engine on torch's threads; S = 2: two single-threaded processes, one per core).
 - vllm: `vllm.LLM(model=DIR, dtype=float32, enforce_eager=True)` in-process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch keeps its threads; VLLM_CPU_OMP_THREADS_BIND on
   every core, VLLM_CPU_KVCACHE_SPACE=2 GiB) in a child process of
