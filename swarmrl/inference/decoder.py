@@ -33,6 +33,8 @@ attention output or the MLP (Llama's attention_bias / mlp_bias), FSDP-sharded pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -148,13 +150,10 @@ def _onednn_linear():
     return op
 
 
-_ONEDNN: list = []  # [op or None], probed once per process
-
-
+@functools.cache
 def onednn_linear():
-    if not _ONEDNN:
-        _ONEDNN.append(_onednn_linear())
-    return _ONEDNN[0]
+    """`_onednn_linear`, probed once per process."""
+    return _onednn_linear()
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -458,17 +457,12 @@ class SlotDecoder:
                 # residual adds ride on the matrix products (addmm). float32 rounding makes these
                 # reorderings invisible to the validator (docs/validation.md).
                 q = qk[:, :heads].reshape(b * kv, group, dim)
-                if len(parts) == 1:
-                    keys = kc[:b, :, :span].reshape(b * kv, span, dim)
-                    probs = torch.baddbmm(parts[0][5], q, keys.transpose(1, 2), alpha=self.scale).softmax(-1)
-                    att = torch.bmm(probs, vc[:b, :, :span].reshape(b * kv, span, dim)).view(b, heads * dim)
-                else:
-                    att = torch.empty((b * kv, group, dim), dtype=x.dtype, device=self.device)
-                    for q0, q1, r0, r1, sp, bias in parts:
-                        keys = kc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim)
-                        probs = torch.baddbmm(bias, q[q0:q1], keys.transpose(1, 2), alpha=self.scale).softmax(-1)
-                        torch.bmm(probs, vc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim), out=att[q0:q1])
-                    att = att.view(b, heads * dim)
+                att = torch.empty((b * kv, group, dim), dtype=x.dtype, device=self.device)
+                for q0, q1, r0, r1, sp, bias in parts:
+                    keys = kc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim)
+                    probs = torch.baddbmm(bias, q[q0:q1], keys.transpose(1, 2), alpha=self.scale).softmax(-1)
+                    torch.bmm(probs, vc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim), out=att[q0:q1])
+                att = att.view(b, heads * dim)
                 if L.dnn:
                     x = x + dnn(att, L.o_w, None, "none", [], "")
                     h = F.rms_norm(x, (x.shape[-1],), L.ln2, eps)
