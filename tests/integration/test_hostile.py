@@ -11,9 +11,11 @@ honest workers are never rejected or banned; every attacker key that got work en
 The throughput goal (at least 80%) is a figure, measured over repeats by
 `benchmarks/bench_orchestrator.py --attack 20` (docs/benchmarks.md). Here the attackers share the
 honest workers' 2 cores, so one 12 s phase moves by several points with the machine's load (CI
-once measured 0.796): this test holds a floor of 70%, which an attack that costs the run real
-capacity (hoarded leases counted against proven workers, grading starved: 0.57-0.68 before those
-fixes) does not reach.
+once measured 0.796, and 0.67 on an AMD EPYC in a clean CI run): this test holds a floor of 60%
+and checks the mechanism the fixed attacks worked through (0.57-0.68 before those fixes, under
+load): the honest workers are never refused a lease nor rate-limited while attacked, which
+hoarded leases counted against proven workers, or their groups awaiting a validator busy with
+garbage counted against their allowance, did to them whatever the CPU's speed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from hostile import scenario
 # the rate limit).
 pytestmark = [pytest.mark.timeout(400), pytest.mark.serial]
 PHASE_S = 12.0
-FLOOR = 0.7  # of the calm throughput; the 80% goal is measured by the benchmark (see above)
+FLOOR = 0.6  # of the calm throughput; the 80% goal is measured by the benchmark (see above)
+REFUSED = ("no_lease", "lease_429", "submit_429")  # the Honest loop's notes of being turned away
 
 
 def test_honest_workers_keep_their_throughput_under_attack(tmp_path):
@@ -41,6 +44,8 @@ def test_honest_workers_keep_their_throughput_under_attack(tmp_path):
     )
     print("calm:", got["calm_stats"], "\nattacked:", got["attacked_stats"])
     assert calm > 0
+    turned_away = {k: v for k, v in got["attacked_stats"].items() if k.startswith(REFUSED)}
+    assert not turned_away, f"the attack cost the honest workers leases or requests: {turned_away}"
     assert attacked >= FLOOR * calm, f"honest throughput fell to {attacked / calm:.0%} under attack"
     assert got["worst_healthz_s"] < 1.0, f"/healthz took {got['worst_healthz_s']:.2f} s"
     assert got["honest_rejected"] == []
