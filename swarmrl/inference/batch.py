@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from swarmrl.inference.decoder import SlotDecoder
+from swarmrl.inference.malloc import keep_freed_memory
 from swarmrl.inference.sampler import Completion, check_rows
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice
 
@@ -94,6 +95,8 @@ class BatchEngine:
         self.capacity = capacity or 0
         self.decoder: SlotDecoder | None = None
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":  # each step's temporaries reused, not faulted in again
+            keep_freed_memory()
         self._stop = torch.tensor(self.stop_token_ids, device=self.device)
         self._waiting: deque[Job] = deque()
         self._lock = threading.Lock()

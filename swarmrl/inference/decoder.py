@@ -306,6 +306,9 @@ class SlotDecoder:
 
     # -- prefill -----------------------------------------------------------------------------
 
+    #: Tokens per block of the prefill's MLP (see `prefill`).
+    PREFILL_BLOCK = 1024
+
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: Tensor) -> Tensor:
         """Run ``prompts`` from position 0, write their keys/values into ``slots`` (one slot per
@@ -356,7 +359,12 @@ class SlotDecoder:
                     enable_gqa=heads != kv,
                 )[0]
             x = x + self._linear(L, att, L.o_w)
-            x = x + self._mlp(L, _rms_norm(x, L.ln2, self.eps))
+            # The MLP's intermediates by blocks of tokens: 6,568 packed tokens of a 1,536-wide
+            # MLP made an 80 MB gate/up product per layer, which malloc maps afresh (and the
+            # kernel faults in page by page) at every layer; a block's stay under the threshold
+            # below which freed memory is kept (`inference/malloc.py`).
+            for a in range(0, total, self.PREFILL_BLOCK):
+                x[a : a + self.PREFILL_BLOCK] += self._mlp(L, _rms_norm(x[a : a + self.PREFILL_BLOCK], L.ln2, self.eps))
         last = torch.tensor([a + m - 1 for _, a, m in spans], device=self.device)
         return _rms_norm(x[last], self._norm, self.eps)
 

@@ -235,3 +235,35 @@ def test_rows_of_different_lengths_attend_in_ranges_and_get_what_they_get_alone(
         assert outs[i].token_ids == alone.token_ids, i
         torch.testing.assert_close(torch.tensor(outs[i].logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-4)
         torch.testing.assert_close(outs[i].hidden, alone.hidden, rtol=1e-4, atol=1e-4)
+
+
+def test_the_prefill_mlp_by_blocks_of_tokens_gives_what_one_block_gives(policy, monkeypatch):
+    # The prefill runs its MLP over blocks of packed tokens (to keep its intermediates small):
+    # blocks of 7 tokens across 4 prompts of 3-40 tokens (blocks straddle prompts) must give
+    # the hidden states and cached keys/values of one block.
+    model, _ = policy
+    prompts = _prompts([3, 40, 17, 25], seed=9)
+    slots = torch.arange(4)
+    whole = SlotDecoder(model, slots=4, capacity=48)
+    want = whole.prefill(prompts, slots)
+    monkeypatch.setattr(SlotDecoder, "PREFILL_BLOCK", 7)
+    blocked = SlotDecoder(model, slots=4, capacity=48)
+    got = blocked.prefill(prompts, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for k_want, k_got in zip(whole.k + whole.v, blocked.k + blocked.v, strict=True):
+        torch.testing.assert_close(k_got, k_want, rtol=1e-5, atol=1e-5)
+    # and it is not a test of nothing: a block that skipped its tokens' MLP would differ
+    monkeypatch.setattr(SlotDecoder, "_mlp", lambda self, L, x: torch.zeros_like(x))
+    assert not torch.allclose(SlotDecoder(model, slots=4, capacity=48).prefill(prompts, slots), want, atol=1e-3)
+
+
+def test_malloc_tuning_is_applied_on_glibc_and_can_be_turned_off(monkeypatch):
+    import platform
+
+    from swarmrl.inference.malloc import keep_freed_memory
+
+    monkeypatch.setenv("SWARMRL_MALLOC_TUNING", "0")
+    assert keep_freed_memory.__wrapped__() is False
+    monkeypatch.delenv("SWARMRL_MALLOC_TUNING")
+    # mallopt answers 1 for each setting it accepted (the thresholds are within glibc's range)
+    assert keep_freed_memory.__wrapped__() is (platform.libc_ver()[0] == "glibc")
