@@ -7,8 +7,9 @@ The same prompts on both sides: the first --batch GSM8K test questions under the
 chat template (the real assets, `make real-assets`), all at once, T = 1, exactly --new-tokens new
 tokens per row (the built-in engine stops on an id no model emits; vLLM gets `ignore_eos`).
 
-- builtin, streams S: `build_engine(model, tokenizer, streams=S)` on the loaded folder in this
-  process (S = 1: one engine on torch's threads; S = 2: two single-threaded processes, one per core).
+- builtin, streams S: `build_engine(model, tokenizer, streams=S)` on the loaded folder, each S in
+  a child process of its own (S = 1: one engine on torch's threads; S = 2: two single-threaded
+  processes, one per core).
 - vllm: `vllm.LLM(model=DIR, dtype=float32, enforce_eager=True)` in-process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch keeps its threads; VLLM_CPU_OMP_THREADS_BIND on
   every core, VLLM_CPU_KVCACHE_SPACE=2 GiB) in a child process of
@@ -78,13 +79,49 @@ def vllm_side() -> int:
     return 0
 
 
+def builtin_side() -> int:
+    """A child: the built-in engine with the streams asked for, then one timed generate per "run"
+    line on stdin. Each configuration has its own process: one engine on 2 threads measured 152-177
+    tokens/s in a process that had also built the 2-stream engine, and 221-238 alone (machine Z;
+    the cause was not found: neither the streams' processes, which were idle or closed, nor their
+    weights moved to shared memory, nor page faults)."""
+    spec = json.loads(sys.stdin.readline())
+    import torch
+
+    from swarmrl.inference.engine import build_engine
+    from swarmrl.model.checkpoint import load_policy
+
+    torch.set_num_threads(spec["threads"])
+    model, tokenizer = load_policy(Path(spec["model"]))
+    model.eval()
+    never = model.config.vocab_size  # an id no model emits: every row runs to N tokens
+    t0 = time.perf_counter()
+    engine = build_engine(
+        model, tokenizer, stop_token_ids=[never], max_batch=len(spec["prompts"]), streams=spec["streams"]
+    )
+    prompts, seeds = spec["prompts"], list(range(len(spec["prompts"])))
+    engine.generate(prompts[:4], seeds[:4], max_new_tokens=8, temperature=1.0)  # warm-up
+    print(MARK + json.dumps({"ready": time.perf_counter() - t0, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, seeds, max_new_tokens=spec["new_tokens"], temperature=1.0)
+        seconds = time.perf_counter() - t0
+        print(MARK + json.dumps({"seconds": seconds, "tokens": [len(o.token_ids) for o in outs]}), flush=True)
+    close = getattr(engine, "close", None)
+    if close:
+        close()
+    return 0
+
+
 def _answer(child: subprocess.Popen) -> dict:
-    """The vLLM side's next answer; its other output (vLLM logs to stdout) goes to stderr."""
+    """A side's next answer; its other output (vLLM logs to stdout) goes to stderr."""
     for line in child.stdout:
         if line.startswith(MARK):
             return json.loads(line[len(MARK) :])
         sys.stderr.write(line)
-    sys.exit(f"the vLLM side exited with code {child.wait()} (its error is above)")
+    sys.exit(f"a side exited with code {child.wait()} (its error is above)")
 
 
 def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
@@ -127,6 +164,7 @@ def useful_flops(config, prompt_lengths: list[int], new_tokens: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--builtin-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help="HF folder (default: the real assets' SmolLM2-135M)")
     parser.add_argument("--benchmark", default=None, help="JSONL with a 'prompt' field (default: GSM8K test)")
     parser.add_argument("--batch", type=int, default=64)
@@ -138,12 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.vllm_side:
         return vllm_side()
+    if args.builtin_side:
+        return builtin_side()
 
     import torch
 
     from swarmrl.assets.prepare import MODEL_NAME, default_cache
     from swarmrl.eval.runner import chat_ids
-    from swarmrl.inference.engine import build_engine
     from swarmrl.model.checkpoint import load_policy
 
     torch.set_num_threads(args.threads)
@@ -189,35 +228,30 @@ def main(argv: list[str] | None = None) -> int:
     child.stdin.flush()
     ready = _answer(child)
 
-    never = model.config.vocab_size  # an id no model emits: every row runs to N tokens
-    engines = {}
-    for s in [int(x) for x in args.streams.split(",")]:
-        engines[f"builtin, streams {s}"] = build_engine(
-            model, tokenizer, stop_token_ids=[never], max_batch=args.batch, streams=s
+    sides = {"vllm": child}
+    for n in [int(x) for x in args.streams.split(",")]:
+        side = subprocess.Popen(
+            [sys.executable, __file__, "--builtin-side"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-    seeds = list(range(args.batch))
-    for engine in engines.values():  # warm-up
-        engine.generate(prompts[:4], seeds[:4], max_new_tokens=8, temperature=1.0)
+        side.stdin.write(json.dumps({**spec, "streams": n}) + "\n")
+        side.stdin.flush()
+        sides[f"builtin, streams {n}"] = side
+    for name, side in sides.items():
+        if name != "vllm":
+            _answer(side)  # built and warmed up
 
-    times: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
+    times: dict[str, list[float]] = {name: [] for name in [*sorted(n for n in sides if n != "vllm"), "vllm"]}
     for _ in range(args.rounds):
         peaks.append(matmul_gflops())
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            outs = engine.generate(prompts, seeds, max_new_tokens=N, temperature=1.0)
-            times[name].append(time.perf_counter() - t0)
-            assert all(len(o.token_ids) == N for o in outs), name
-        child.stdin.write("run\n")
-        child.stdin.flush()
-        reply = _answer(child)
-        assert reply["tokens"] == [N] * args.batch, reply["tokens"]
-        times["vllm"].append(reply["seconds"])
-    child.stdin.close()
-    child.wait(timeout=120)
-    for engine in engines.values():
-        close = getattr(engine, "close", None)
-        if close:
-            close()
+        for name in times:  # one side at a time, in turn; the others wait on their stdin
+            sides[name].stdin.write("run\n")
+            sides[name].stdin.flush()
+            reply = _answer(sides[name])
+            assert reply["tokens"] == [N] * args.batch, (name, reply["tokens"])
+            times[name].append(reply["seconds"])
+    for side in sides.values():
+        side.stdin.close()
+        side.wait(timeout=120)
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lscpu if line.startswith("Model name")), platform.processor())
