@@ -6,7 +6,7 @@ layers' activations. glibc's malloc serves blocks above its mmap threshold (128 
 rising with what is freed) with fresh mappings, and returns freed memory at the top of the heap
 above its trim threshold to the OS: either way the next step touches new pages, and the kernel
 faults and zeroes each 4 KiB page again. SmolLM2-135M, 64 GSM8K prompts x 96 new tokens, one
-engine on 2 threads of machine Z (AMD EPYC, docs/engines.md): 1.21-1.48 million page faults a
+engine on 2 threads of an Intel Xeon with AMX (2 vCPUs, docs/engines.md): 1.21-1.48 million page faults a
 run (about 5 GiB zeroed); with these settings and the prefill's MLP in blocks of tokens
 (`SlotDecoder.PREFILL_BLOCK`, whose products were otherwise 80 MB, above any threshold), about
 175,000 on a process's first run and 655-8,245 on the next. Tokens/s moved from 191-213 to
