@@ -34,6 +34,9 @@ attention output or the MLP (Llama's attention_bias / mlp_bias), FSDP-sharded pa
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import time
 
 import torch
 from torch import Tensor
@@ -41,6 +44,8 @@ from torch import Tensor
 # By config.model_type: Qwen2.5 checkpoints say "qwen2"; SmolLM/SmolLM2 and Llama 2 say "llama"
 # (Llama 3.1+ too, but their "llama3" rope scaling is refused below). Each family is checked
 # against transformers' own forward in tests/unit/test_model_families.py.
+log = logging.getLogger(__name__)
+
 SUPPORTED_TYPES = ("qwen2", "qwen3", "llama")
 FAMILIES = "Qwen2/Qwen2.5, Qwen3 (dense) and Llama/SmolLM"
 
@@ -156,6 +161,88 @@ def onednn_linear():
     return _onednn_linear()
 
 
+#: Which kernels multiply a CPU float32 decoder's large weights: "auto" (time both on the model's
+#: own weights when the decoder is built and keep the faster), "onednn" or "mkl".
+LINEAR_ENV = "SWARMRL_CPU_LINEAR"
+LINEAR_CHOICES = ("auto", "onednn", "mkl")
+
+# Neither library wins everywhere. A decode step's products (64 rows, SmolLM2-135M's layers, 2
+# threads): oneDNN 1.3-2.2x MKL's rate on an AMD EPYC (Zen 4), MKL 1.17x oneDNN's on an Intel
+# Xeon with AMX (69 against 81 ms a step). So a decoder measures, once per process and model shape.
+_LINEAR_CHOICE: dict[tuple, str] = {}
+
+
+def linear_setting() -> str:
+    """The `LINEAR_ENV` setting, checked."""
+    value = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
+    if value not in LINEAR_CHOICES:
+        raise ValueError(
+            f"{LINEAR_ENV}={value!r} is not one of {', '.join(LINEAR_CHOICES)}; unset it to let the decoder choose"
+        )
+    return value
+
+
+def _time_products(layers: list, run, rows: int, reps: int = 2) -> float:
+    """The best of ``reps`` passes over every layer's four products with ``rows`` random rows."""
+    gen = torch.Generator().manual_seed(0)
+    L0 = layers[0]
+    x = torch.randn(rows, L0.qkv_w.shape[1], generator=gen)
+    att = torch.randn(rows, L0.o_w.shape[1], generator=gen)
+    inner = torch.randn(rows, L0.down.shape[1], generator=gen)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for L in layers:
+            run(L, x, att, inner)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def choose_linear(layers: list, dnn, rows: int) -> str:
+    """Returns "onednn" or "mkl" for these layers: whichever ran a decode step's products faster here
+    (alternating, best of two each; oneDNN on a tie within 3 %). ``layers`` carry both the
+    [out, in] weights oneDNN reads and the [in, out] copies MKL streams."""
+    L0 = layers[0]
+    key = (
+        len(layers),
+        tuple(L0.qkv_w.shape),
+        tuple(L0.gate_up.shape),
+        tuple(L0.down.shape),
+        rows,
+        torch.get_num_threads(),
+    )
+    if key in _LINEAR_CHOICE:
+        return _LINEAR_CHOICE[key]
+
+    def with_dnn(L, x, att, inner):
+        dnn(x, L.qkv_w, L.qkv_b, "none", [], "")
+        dnn(att, L.o_w, None, "none", [], "")
+        dnn(x, L.gate_up, None, "none", [], "")
+        dnn(inner, L.down, None, "none", [], "")
+
+    def with_mkl(L, x, att, inner):
+        torch.mm(x, L.qkv_t)
+        torch.mm(att, L.o_t)
+        torch.mm(x, L.gate_up_t)
+        torch.mm(inner, L.down_t)
+
+    t_dnn = t_mkl = float("inf")
+    for _ in range(2):
+        t_dnn = min(t_dnn, _time_products(layers, with_dnn, rows, reps=1))
+        t_mkl = min(t_mkl, _time_products(layers, with_mkl, rows, reps=1))
+    choice = "mkl" if t_mkl < 0.97 * t_dnn else "onednn"
+    log.info(
+        "CPU float32 products of %d rows: oneDNN %.1f ms, MKL %.1f ms a pass: %s",
+        rows,
+        t_dnn * 1e3,
+        t_mkl * 1e3,
+        choice,
+    )
+    _LINEAR_CHOICE[key] = choice
+    return choice
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -220,6 +307,11 @@ class SlotDecoder:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
         self._stamp = None
         self._layers: list[_Layer] = []
+        #: How the layers' products run once the weights are fused: "onednn" or "mkl"
+        #: (`choose_linear`; `LINEAR_ENV` overrides). The head runs on oneDNN wherever it exists
+        #: (faster on both machine kinds measured) unless `LINEAR_ENV` says "mkl".
+        self._linear_setting = linear_setting()
+        self.linear = self._linear_setting
         self._fuse()
 
     # -- weights -----------------------------------------------------------------------------
@@ -234,9 +326,9 @@ class SlotDecoder:
         stamp = self._weights_stamp()
         if stamp == self._stamp:
             return
-        # oneDNN for the large float32 products on a CPU (`onednn_linear`); MKL otherwise.
+        # oneDNN or MKL for the large float32 products on a CPU (`choose_linear`); MKL otherwise.
         fp32_cpu = self.dtype == torch.float32 and self.device.type == "cpu"
-        dnn = onednn_linear() if fp32_cpu else None
+        dnn = onednn_linear() if fp32_cpu and self._linear_setting != "mkl" else None
         layers = []
         for layer in self.base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -254,17 +346,25 @@ class SlotDecoder:
             L.gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
             L.down = m.down_proj.weight.detach()
             L.dnn = dnn is not None and L.o_w.numel() >= ONEDNN_MIN_WEIGHT
-            if L.dnn:  # oneDNN reads the [out, in] weights as they are: no transposed copies
-                L.qkv_t = L.gate_up_t = L.o_t = L.down_t = None
-            elif self.dtype == torch.float32 and self.device.type == "cpu":
+            if fp32_cpu and (not L.dnn or self.linear != "onednn"):
                 # Decode steps multiply [B, in] by [in, out]: with the weight stored that way
                 # round (contiguous), MKL streams it ~15% faster than through a transposed view
                 # once the weights no longer fit the CPU's caches (a 30M model's decode step).
                 L.qkv_t, L.gate_up_t = L.qkv_w.t().contiguous(), L.gate_up.t().contiguous()
                 L.o_t, L.down_t = L.o_w.detach().t().contiguous(), L.down.detach().t().contiguous()
+            elif L.dnn:  # oneDNN reads the [out, in] weights as they are: no transposed copies
+                L.qkv_t = L.gate_up_t = L.o_t = L.down_t = None
             else:
                 L.qkv_t, L.gate_up_t, L.o_t, L.down_t = L.qkv_w.t(), L.gate_up.t(), L.o_w.t(), L.down.t()
             layers.append(L)
+        big = [L for L in layers if L.dnn]
+        if self.linear == "auto":  # decided once; later versions of the weights keep the choice
+            self.linear = choose_linear(big, dnn, min(self.slots, 64)) if big else "mkl"
+        for L in layers:
+            if self.linear == "mkl":
+                L.dnn = False
+            elif L.dnn:
+                L.qkv_t = L.gate_up_t = L.o_t = L.down_t = None  # the probe's copies, not needed
         self._layers = layers
         self._embed = self.base.embed_tokens.weight
         self._norm = self.base.norm.weight

@@ -13,6 +13,10 @@ the same integers bit for bit.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -97,21 +101,88 @@ def _fmix32_np(h: np.ndarray) -> np.ndarray:
     return h
 
 
-def _hash24(keys: Tensor, vocab_size: int) -> Tensor:
-    """The 24-bit integer behind each noise value [B, V], as float32 (exact below 2**24)."""
+#: Rows the CPU hash processes at a time: [4, 49,152] uint32 is 786 KB, so a block's ten passes
+#: stay in a core's L2 instead of streaming a [64, 49,152] matrix (12.6 MB) through memory ten
+#: times (a 64-row step: 15-16 ms in one pass, 9.5 ms by blocks, ~7 ms by blocks on 2 threads).
+HASH_BLOCK_ROWS = 4
+#: Below this many elements the hash runs on the calling thread (a pool hand-off costs more).
+HASH_PARALLEL_MIN = 1 << 18
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of at least ``workers`` threads (grown, never shrunk). A forked child
+    gets a pool of its own: the parent's threads do not exist there, and work handed to their
+    queue would wait forever."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < workers:
+            _POOL = (os.getpid(), workers, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarmrl-hash"))
+        return _POOL[2]
+
+
+def _fmix32_np_tmp(h: np.ndarray, tmp: np.ndarray) -> None:
+    """`_fmix32_np` with the shifts written into ``tmp`` (no temporaries allocated per pass)."""
+    np.right_shift(h, 16, out=tmp)
+    h ^= tmp
+    h *= np.uint32(0x85EBCA6B)
+    np.right_shift(h, 13, out=tmp)
+    h ^= tmp
+    h *= np.uint32(0xC2B2AE35)
+    np.right_shift(h, 16, out=tmp)
+    h ^= tmp
+
+
+def _hash24_rows(keys: np.ndarray, term: np.ndarray, out: np.ndarray, uniform: bool) -> None:
+    """`_hash24` of ``keys`` [R] uint32 into ``out`` [R, V] float32, HASH_BLOCK_ROWS rows at a
+    time; with ``uniform``, `_uniform`'s values instead (the same float32 operations as its
+    tensor form, each correctly rounded, so the same bits, while the block is in cache)."""
+    n = min(HASH_BLOCK_ROWS, keys.shape[0])
+    h_buf = np.empty((n, term.shape[0]), np.uint32)
+    t_buf = np.empty_like(h_buf)
+    for r in range(0, keys.shape[0], n):
+        m = min(n, keys.shape[0] - r)
+        h, tmp = h_buf[:m], t_buf[:m]
+        np.bitwise_xor(keys[r : r + m, None], term[None, :], out=h)
+        _fmix32_np_tmp(h, tmp)
+        h ^= np.uint32(0x5BD1E995)
+        _fmix32_np_tmp(h, tmp)
+        h >>= 8
+        block = out[r : r + m]
+        block[:] = h  # < 2**24: exact in float32
+        if uniform:
+            block += np.float32(0.5)
+            block *= np.float32(1.0 / 2**24)
+            np.minimum(block, np.float32(_U_MAX), out=block)
+
+
+def _hash24(keys: Tensor, vocab_size: int, uniform: bool = False) -> Tensor:
+    """The 24-bit integer behind each noise value [B, V], as float32 (exact below 2**24); with
+    ``uniform``, `_uniform` of it."""
     term = _vocab_term(vocab_size, keys.device)
     if keys.device.type == "cpu":
-        # On a CPU this hash is most of a sampling step at small sizes: ~25 int64 kernels,
-        # each with torch's dispatch and thread-pool overhead. numpy's native uint32 does it in
-        # ~10 single-threaded passes, 5-8x faster on [64, 261], and gives the same integers.
+        # On a CPU this hash is a tenth of a sampling step at a 135M model's sizes: ~25 int64
+        # kernels in torch, each with dispatch and thread-pool overhead. numpy's native uint32
+        # does it in ~10 passes and gives the same integers; by blocks of rows (cache-sized)
+        # split over torch's threads (numpy releases the GIL in its loops). The rows are
+        # independent, so the split cannot change a value.
         k = (keys.numpy() & _MASK32).astype(np.uint32)
-        h = k[:, None] ^ term.numpy().astype(np.uint32)[None, :]
-        _fmix32_np(h)
-        h ^= np.uint32(0x5BD1E995)
-        _fmix32_np(h)
-        h >>= 8
-        return torch.from_numpy(h.astype(np.float32))
-    return _hash24_torch(keys, vocab_size)
+        t = term.numpy().astype(np.uint32)
+        out = np.empty((k.shape[0], vocab_size), np.float32)
+        parts = min(torch.get_num_threads(), k.shape[0] // HASH_BLOCK_ROWS)
+        if parts <= 1 or out.size < HASH_PARALLEL_MIN:
+            _hash24_rows(k, t, out, uniform)
+        else:
+            bounds = [round(i * k.shape[0] / parts) for i in range(parts + 1)]
+            pool = _pool(parts)
+            jobs = [pool.submit(_hash24_rows, k[a:b], t, out[a:b], uniform) for a, b in zip(bounds, bounds[1:])]
+            for job in jobs:
+                job.result()
+        return torch.from_numpy(out)
+    h = _hash24_torch(keys, vocab_size)
+    return _to_uniform(h) if uniform else h
 
 
 def _hash24_torch(keys: Tensor, vocab_size: int) -> Tensor:
@@ -122,12 +193,18 @@ def _hash24_torch(keys: Tensor, vocab_size: int) -> Tensor:
     return h.bitwise_right_shift_(8).to(torch.float32)
 
 
+# float32 cannot hold 2**24 - 0.5, so the top value rounds to exactly 1.0, whose Gumbel noise is
+# +inf (that token would win even at logit -inf). It is clamped to the largest float below 1;
+# every other value is unchanged bit for bit.
+_U_MAX = 1.0 - 2**-24
+
+
+def _to_uniform(h: Tensor) -> Tensor:
+    return h.add_(0.5).mul_(1.0 / 2**24).clamp_(max=_U_MAX)
+
+
 def _uniform(keys: Tensor, vocab_size: int) -> Tensor:
-    u = _hash24(keys, vocab_size).add_(0.5).mul_(1.0 / 2**24)
-    # float32 cannot hold 2**24 - 0.5, so the top value rounds to exactly 1.0, whose Gumbel noise
-    # is +inf (that token would win even at logit -inf). Clamp it to the largest float below 1;
-    # every other value is unchanged bit for bit.
-    return u.clamp_(max=1.0 - 2**-24)
+    return _hash24(keys, vocab_size, uniform=True)
 
 
 def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:

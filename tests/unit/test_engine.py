@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarmrl.inference.batch import BatchEngine, Job
-from swarmrl.inference.decoder import SlotDecoder, onednn_linear, supports
+from swarmrl.inference.decoder import LINEAR_ENV, SlotDecoder, onednn_linear, supports
 from swarmrl.inference.engine import build_engine
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import build_tiny_policy
@@ -183,34 +183,66 @@ def test_generate_refuses_batch_wide_hooks_and_a_busy_engine(policy):
         engine.submit(Job([], 1, 3))
 
 
-def test_onednn_carries_only_products_large_enough_to_gain():
-    # A 1M-parameter model's products cost more through oneDNN's call than they save (a 64-wide
-    # layer: ~40 us against MKL's ~20), so they stay on MKL; SmolLM2-135M's 576-wide layers and
-    # its 49,152 x 576 head go through oneDNN when this CPU and torch build have it.
-    tiny, _ = build_tiny_policy(seed=0, hidden_size=64, num_layers=2, intermediate_size=128)
-    small = SlotDecoder(tiny, slots=2, capacity=8)
-    assert not any(layer.dnn for layer in small._layers) and small._dnn_head is None
-    op = onednn_linear()
-    if op is None:
-        pytest.skip("this torch build or CPU has no oneDNN linear: every product runs on MKL")
+def _smollm_layer(layers: int = 1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=256,
         hidden_size=576,
         intermediate_size=1536,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=9,
         num_key_value_heads=3,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    big = SlotDecoder(LlamaForCausalLM(cfg).eval(), slots=2, capacity=8)
-    assert all(layer.dnn for layer in big._layers)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_onednn_carries_only_products_large_enough_to_gain(monkeypatch):
+    # A 1M-parameter model's products cost more through oneDNN's call than they save (a 64-wide
+    # layer: ~40 us against MKL's ~20), so they stay on MKL; SmolLM2-135M's 576-wide layers go
+    # through oneDNN when this CPU and torch build have it and it is asked for.
+    monkeypatch.setenv(LINEAR_ENV, "onednn")
+    tiny, _ = build_tiny_policy(seed=0, hidden_size=64, num_layers=2, intermediate_size=128)
+    small = SlotDecoder(tiny, slots=2, capacity=8)
+    assert not any(layer.dnn for layer in small._layers) and small._dnn_head is None
+    op = onednn_linear()
+    if op is None:
+        pytest.skip("this torch build or CPU has no oneDNN linear: every product runs on MKL")
+    big = SlotDecoder(_smollm_layer(), slots=2, capacity=8)
+    assert big.linear == "onednn" and all(layer.dnn for layer in big._layers)
+    assert big._layers[0].gate_up_t is None  # oneDNN reads [out, in]: no transposed copies kept
     assert big._dnn_head is None  # 256 x 576 is below the threshold: MKL
     x = torch.randn(5, 576)
     w = big._layers[0].gate_up
     torch.testing.assert_close(op(x, w, None, "none", [], ""), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_products_library_is_measured_or_chosen_and_both_decode_alike(monkeypatch):
+    # "auto" times oneDNN and MKL on the model's own weights once and keeps the faster; the
+    # setting can force either. Both give the same step to float32 rounding.
+    if onednn_linear() is None:
+        pytest.skip("this torch build or CPU has no oneDNN linear: nothing to choose")
+    model = _smollm_layer(layers=2)
+    tokens, lengths = torch.tensor([3, 7]), torch.tensor([4, 2])
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    out = {}
+    for setting in ("mkl", "onednn", "auto"):
+        monkeypatch.setenv(LINEAR_ENV, setting)
+        dec = SlotDecoder(model, slots=2, capacity=8)
+        assert dec.linear in ("mkl", "onednn") and (setting == "auto" or dec.linear == setting)
+        assert all(layer.dnn == (dec.linear == "onednn") for layer in dec._layers)
+        assert all((layer.gate_up_t is None) == layer.dnn for layer in dec._layers)
+        dec.prefill(prompts, torch.arange(2))
+        out[setting] = dec.decode(tokens, lengths)
+    torch.testing.assert_close(out["mkl"], out["onednn"], rtol=1e-4, atol=1e-4)
+    # the measured choice is remembered for the process (a new engine does not time it again)
+    monkeypatch.setattr("swarmrl.inference.decoder._time_products", lambda *a, **k: pytest.fail("timed again"))
+    SlotDecoder(model, slots=2, capacity=8)
+    monkeypatch.setenv(LINEAR_ENV, "fastest")
+    with pytest.raises(ValueError, match="SWARMRL_CPU_LINEAR='fastest' is not one of auto, onednn, mkl"):
+        SlotDecoder(model, slots=2, capacity=8)
 
 
 def test_rows_of_different_lengths_attend_in_ranges_and_get_what_they_get_alone(policy, monkeypatch):

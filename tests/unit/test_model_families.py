@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from swarmrl.inference.batch import BatchEngine
-from swarmrl.inference.decoder import SlotDecoder, onednn_linear, supports
+from swarmrl.inference.decoder import LINEAR_ENV, SlotDecoder, onednn_linear, supports
 from swarmrl.inference.engine import build_engine
 from swarmrl.inference.sampler import Sampler
 
@@ -126,17 +126,22 @@ def test_the_family_has_the_shape_it_stands_for(family):
         assert attn.q_proj.bias is None and tied
 
 
-def test_prefill_and_decode_steps_match_transformers_forward(family):
+@pytest.mark.parametrize("linear", ["onednn", "mkl"])
+def test_prefill_and_decode_steps_match_transformers_forward(family, linear, monkeypatch):
+    # Both libraries a CPU decoder may choose for its products (`choose_linear`) are compared.
+    monkeypatch.setenv(LINEAR_ENV, linear)
     name, model = family
     g = torch.Generator().manual_seed(2)
     # Two rows of different prompt lengths share every decode step (each masked to its own length).
     sequences = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (15, 11)]
     prompt_lengths, steps = [7, 3], 8
     decoder = SlotDecoder(model, slots=2, capacity=16)
-    if onednn_linear() is not None and next(model.parameters()).dtype == torch.float32:
+    if linear == "onednn" and onednn_linear() is not None and next(model.parameters()).dtype == torch.float32:
         # These shapes are past ONEDNN_MIN_WEIGHT: the comparison below is of oneDNN's products
-        # (what a real checkpoint decodes with on an x86 CPU), not MKL's.
+        # (what a real checkpoint decodes with on an x86 CPU where oneDNN measures faster).
         assert all(layer.dnn for layer in decoder._layers) and decoder._dnn_head is not None, name
+    if linear == "mkl":
+        assert not any(layer.dnn for layer in decoder._layers) and decoder._dnn_head is None, name
     hidden = [[h] for h in decoder.prefill([s[:n] for s, n in zip(sequences, prompt_lengths)], torch.tensor([0, 1]))]
     lengths = torch.tensor(prompt_lengths)
     for _ in range(steps):  # teacher-forced: the next token of each sequence, not a sampled one

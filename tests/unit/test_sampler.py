@@ -107,6 +107,28 @@ def test_cpu_numpy_hash_equals_the_tensor_hash_cuda_runs():
     assert torch.equal(keys, seeded._stream_keys_torch(seeds, steps))
     for V in (1, 261, 4099):
         assert torch.equal(seeded._hash24(keys, V), seeded._hash24_torch(keys.clone(), V))
+        # the CPU path also finishes the uniform values in numpy, block by block: the same bits
+        assert torch.equal(seeded._uniform(keys, V), seeded._to_uniform(seeded._hash24_torch(keys.clone(), V)))
+
+
+def test_cpu_hash_split_over_threads_and_blocks_is_the_same_hash(monkeypatch):
+    # The CPU hash runs by blocks of rows, split over torch's threads: any split (uneven parts,
+    # a last block shorter than the others, one row) gives the same integers as one pass.
+    from swarmrl.inference import seeded
+
+    g = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(seeded, "HASH_PARALLEL_MIN", 0)
+    threads = torch.get_num_threads()
+    try:
+        for rows, workers, block in [(13, 3, 4), (9, 2, 4), (1, 2, 4), (30, 4, 7), (8, 1, 3)]:
+            monkeypatch.setattr(seeded, "HASH_BLOCK_ROWS", block)
+            torch.set_num_threads(workers)
+            keys = seeded.stream_keys(torch.randint(0, 2**62, (rows,), generator=g), _t(list(range(rows))))
+            assert torch.equal(seeded._hash24(keys, 1000), seeded._hash24_torch(keys.clone(), 1000)), (rows, workers)
+            want = seeded._to_uniform(seeded._hash24_torch(keys.clone(), 1000))
+            assert torch.equal(seeded._uniform(keys, 1000), want), (rows, workers)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_uniform_in_open_interval_with_mean_half():
