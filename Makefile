@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install real-assets vllm-env sandbox browser openssl demo test test-unit test-integration test-e2e test-real test-fast lint bench clean
+.PHONY: install real-assets vllm-env sandbox browser openssl compiler demo test test-unit test-integration test-e2e test-real test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,15 @@ openssl:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get install -y -q openssl >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q openssl; }; \
 	  else echo "the operating rehearsal's test needs openssl: run 'sudo apt-get install openssl'"; exit 1; fi; }
+
+# The CPU decoder's C attention kernel (swarmrl/inference/native.py) is compiled on first use with
+# the machine's C compiler (Debian package `gcc`); without one the decoder uses torch's kernels,
+# and its tests (tests/integration/test_native_attention.py) are skipped, so CI installs it.
+compiler:
+	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q gcc >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q gcc; }; \
+	  else echo "the C decode attention needs a C compiler: run 'sudo apt-get install gcc'"; exit 1; fi; }
 
 # The real assets (docs/real-models.md): SmolLM2-135M-Instruct de-quantised from its Q4_1 GGUF into
 # an HF folder, GSM8K test, AIME 2025 and HumanEval as JSONL, under ASSETS (outside the repository).
@@ -92,14 +101,14 @@ PYTEST := $(BIN)/python -m pytest -q --durations=25
 # missing one fail it rather than skip it.
 REAL_ENV := SWARMRL_ASSETS=$(ASSETS) SWARMRL_REQUIRE_VLLM=1
 
-test: $(STAMP) sandbox browser openssl real-assets vllm-env lint
+test: $(STAMP) sandbox browser openssl compiler real-assets vllm-env lint
 	$(REAL_ENV) $(PYTEST) -n $(JOBS) -m "not serial" tests
 	$(REAL_ENV) $(PYTEST) -m serial tests
 
 test-unit: $(STAMP)
 	$(PYTEST) -n $(JOBS) tests/unit
 
-test-integration: $(STAMP) sandbox openssl
+test-integration: $(STAMP) sandbox openssl compiler
 	$(PYTEST) -n $(JOBS) -m "not serial" tests/integration
 	$(PYTEST) -m serial tests/integration
 

@@ -41,6 +41,8 @@ import time
 import torch
 from torch import Tensor
 
+from swarmrl.inference import native
+
 # By config.model_type: Qwen2.5 checkpoints say "qwen2"; SmolLM/SmolLM2 and Llama 2 say "llama"
 # (Llama 3.1+ too, but their "llama3" rope scaling is refused below). Each family is checked
 # against transformers' own forward in tests/unit/test_model_families.py.
@@ -312,6 +314,11 @@ class SlotDecoder:
         #: (faster on both machine kinds measured) unless `LINEAR_ENV` says "mkl".
         self._linear_setting = linear_setting()
         self.linear = self._linear_setting
+        # A float32 CPU decode step's attention in C, one pass over each row's own keys and
+        # values (`inference/native.py`), where it builds here; torch's kernels otherwise.
+        group_ok = self.heads % self.kv_heads == 0 and native.supported(self.heads // self.kv_heads, self.head_dim)
+        fp32_cpu = self.dtype == torch.float32 and self.device.type == "cpu"
+        self._native = native.decode_attention_lib() if fp32_cpu and group_ok else None
         self._fuse()
 
     # -- weights -----------------------------------------------------------------------------
@@ -525,9 +532,14 @@ class SlotDecoder:
         group, fp32 = heads // kv, self.dtype == torch.float32
         rows = self._rows[:b]
         cos, sin = self.cos[lengths].unsqueeze(1), self.sin[lengths].unsqueeze(1)  # [B, 1, D]: all heads
-        # Keys at positions <= length are real for each slot; later ones are stale or empty.
-        future = self._positions[:span] > lengths[:, None]  # [B, S]
-        if fp32:
+        # Keys at positions <= length are real for each slot; later ones are stale or empty (the
+        # C kernel reads each row's own positions only; torch's kernels mask the rest).
+        kernel = self._native if fp32 else None
+        if kernel is not None:
+            lengths_i64 = lengths.to(torch.int64).contiguous()
+        else:
+            future = self._positions[:span] > lengths[:, None]  # [B, S]
+        if fp32 and kernel is None:
             # Attention reads every cached key up to the span, and at a decode step that read is
             # most of attention's time. One span for the whole batch makes a short row read as
             # far as the longest (GSM8K prompts of 68-170 tokens: ~1.4x the keys). Contiguous
@@ -538,7 +550,7 @@ class SlotDecoder:
                 bias = torch.zeros(((r1 - r0) * kv, 1, sp), dtype=torch.float32, device=self.device)
                 bias.masked_fill_(future[r0:r1, :sp].repeat_interleave(kv, 0).unsqueeze(1), float("-inf"))
                 parts.append((r0 * kv, r1 * kv, r0, r1, sp, bias))
-        else:
+        elif not fp32:
             keep = ~future[:, None, None, :]  # [B, 1, 1, S]
         x = F.embedding(tokens, self._embed)  # [B, H]
         width = (heads + kv) * dim
@@ -559,7 +571,12 @@ class SlotDecoder:
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary, queries and keys at once
             kc[rows, :, lengths] = qk[:, heads:]
             vc[rows, :, lengths] = qkv[:, width:].view(b, kv, dim)
-            if fp32:
+            if kernel is not None:
+                att = torch.empty((b, kv, group, dim), dtype=x.dtype, device=self.device)
+                q = qk[:, :heads].reshape(b, kv, group, dim).contiguous()
+                native.decode_attention(kernel, q, kc, vc, lengths_i64, att, self.scale)
+                att = att.view(b, heads * dim)
+            if fp32 and kernel is None:
                 # Grouped-query attention without repeating keys: the `group` query heads sharing
                 # a key head are the rows of one small matmul, [B*KV, G, D] x [B*KV, D, S]; the
                 # residual adds ride on the matrix products (addmm). float32 rounding makes these
@@ -571,6 +588,7 @@ class SlotDecoder:
                     probs = torch.baddbmm(bias, q[q0:q1], keys.transpose(1, 2), alpha=self.scale).softmax(-1)
                     torch.bmm(probs, vc[r0:r1, :, :sp].reshape(q1 - q0, sp, dim), out=att[q0:q1])
                 att = att.view(b, heads * dim)
+            if fp32:
                 if L.dnn:
                     x = x + dnn(att, L.o_w, None, "none", [], "")
                     h = F.rms_norm(x, (x.shape[-1],), L.ln2, eps)

@@ -13,13 +13,11 @@ the same integers bit for bit.
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 from torch import Tensor
+
+from swarmrl.inference.pool import worker_pool
 
 _MASK32 = 0xFFFFFFFF
 
@@ -108,20 +106,6 @@ HASH_BLOCK_ROWS = 4
 #: Below this many elements the hash runs on the calling thread (a pool hand-off costs more).
 HASH_PARALLEL_MIN = 1 << 18
 
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of at least ``workers`` threads (grown, never shrunk). A forked child
-    gets a pool of its own: the parent's threads do not exist there, and work handed to their
-    queue would wait forever."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < workers:
-            _POOL = (os.getpid(), workers, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarmrl-hash"))
-        return _POOL[2]
-
 
 def _fmix32_np_tmp(h: np.ndarray, tmp: np.ndarray) -> None:
     """`_fmix32_np` with the shifts written into ``tmp`` (no temporaries allocated per pass)."""
@@ -176,7 +160,7 @@ def _hash24(keys: Tensor, vocab_size: int, uniform: bool = False) -> Tensor:
             _hash24_rows(k, t, out, uniform)
         else:
             bounds = [round(i * k.shape[0] / parts) for i in range(parts + 1)]
-            pool = _pool(parts)
+            pool = worker_pool(parts)
             jobs = [pool.submit(_hash24_rows, k[a:b], t, out[a:b], uniform) for a, b in zip(bounds, bounds[1:])]
             for job in jobs:
                 job.result()

@@ -22,11 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from families import FAMILIES, VOCAB, build_family, check_steps_against_transformers, close_to
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -36,79 +35,10 @@ from swarmrl.inference.decoder import LINEAR_ENV, SlotDecoder, onednn_linear, su
 from swarmrl.inference.engine import build_engine
 from swarmrl.inference.sampler import Sampler
 
-VOCAB = 2048
-FAMILIES = {
-    "qwen2": lambda: Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=896,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            intermediate_size=4864,
-            num_hidden_layers=2,
-            tie_word_embeddings=False,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        )
-    ),
-    "qwen3": lambda: Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=3072,
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        )
-    ),
-    "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=576,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            intermediate_size=1536,
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-            rope_theta=1e5,
-            rms_norm_eps=1e-5,
-        )
-    ),
-}
-
-# Relative to the largest reference value. Both sides compute in float32 (unit roundoff u = 6e-8)
-# from the same weights, in different orders: fused q/k/v and gate/up matrices, MKL's blocking for a
-# [1, in] decode step vs a [W, in] prefill (it differs between AVX2 and AVX-512 CPUs), and another
-# attention kernel. Each reduction of n <= 4864 terms of O(1) inputs (RMSNorm bounds them) then
-# differs by about sqrt(n)*u = 4e-6 of its scale, and the ~10 such ops of two layers add up, not
-# multiply: 3-8e-6 was measured. 1e-4 leaves >10x for other CPUs, while each mistake this file
-# guards against moves values by >1e-1 of scale (measured when written: a Qwen3 head norm without
-# its weight 0.27, without the norm 0.52, Qwen2 without its q/k/v biases 1.5).
-RTOL_SCALE = 1e-4
-
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
-    torch.manual_seed(0)
-    model = FAMILIES[request.param]().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return request.param, model
-
-
-def _close(ours, ref, what):
-    err, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
-    assert err <= RTOL_SCALE * scale, f"{what}: max difference {err:.3g} at scale {scale:.3g}"
+    return request.param, build_family(request.param)
 
 
 def test_the_family_has_the_shape_it_stands_for(family):
@@ -131,10 +61,6 @@ def test_prefill_and_decode_steps_match_transformers_forward(family, linear, mon
     # Both libraries a CPU decoder may choose for its products (`choose_linear`) are compared.
     monkeypatch.setenv(LINEAR_ENV, linear)
     name, model = family
-    g = torch.Generator().manual_seed(2)
-    # Two rows of different prompt lengths share every decode step (each masked to its own length).
-    sequences = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (15, 11)]
-    prompt_lengths, steps = [7, 3], 8
     decoder = SlotDecoder(model, slots=2, capacity=16)
     if linear == "onednn" and onednn_linear() is not None and next(model.parameters()).dtype == torch.float32:
         # These shapes are past ONEDNN_MIN_WEIGHT: the comparison below is of oneDNN's products
@@ -142,19 +68,7 @@ def test_prefill_and_decode_steps_match_transformers_forward(family, linear, mon
         assert all(layer.dnn for layer in decoder._layers) and decoder._dnn_head is not None, name
     if linear == "mkl":
         assert not any(layer.dnn for layer in decoder._layers) and decoder._dnn_head is None, name
-    hidden = [[h] for h in decoder.prefill([s[:n] for s, n in zip(sequences, prompt_lengths)], torch.tensor([0, 1]))]
-    lengths = torch.tensor(prompt_lengths)
-    for _ in range(steps):  # teacher-forced: the next token of each sequence, not a sampled one
-        tokens = torch.tensor([s[n] for s, n in zip(sequences, lengths.tolist())])
-        for row, h in zip(hidden, decoder.decode(tokens, lengths)):
-            row.append(h)
-        lengths += 1
-    for seq, n, row in zip(sequences, prompt_lengths, hidden):
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([seq[: n + steps]]), output_hidden_states=True)
-        ours = torch.stack(row)  # the state behind each of the next steps + 1 tokens
-        _close(ours, out.hidden_states[-1][0, n - 1 :], f"{name} final hidden states")
-        _close(decoder.logits(ours), out.logits[0, n - 1 :], f"{name} logits")
+    check_steps_against_transformers(name, model, decoder)
 
 
 def test_builtin_and_generic_engines_draw_the_same_seeded_tokens(family):
@@ -174,8 +88,8 @@ def test_builtin_and_generic_engines_draw_the_same_seeded_tokens(family):
         theirs = generic.generate(prompts, seeds, max_new_tokens=8, temperature=temperature, return_hidden=True)
         for a, b in zip(ours, theirs, strict=True):
             assert a.token_ids == b.token_ids, f"{name} at T={temperature}"
-            _close(a.hidden, b.hidden, f"{name} hidden states")
-            _close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{name} logprobs")
+            close_to(a.hidden, b.hidden, f"{name} hidden states")
+            close_to(torch.tensor(a.logprobs), torch.tensor(b.logprobs), f"{name} logprobs")
         assert ours[0].token_ids != ours[3].token_ids  # same prompt, other seed: another sample
 
 

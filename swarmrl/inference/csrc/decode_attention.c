@@ -1,0 +1,156 @@
+/* One decode step's grouped-query attention over a per-slot KV cache (float32), reading each
+ * row's cached keys and values once.
+ *
+ * Why: at a decode step attention reads every cached key and value of every row, and on a CPU
+ * that read is the cost (SmolLM2-135M, 64 rows of ~200 tokens: 590 MB a step). torch's batched
+ * products write the scores out, softmax them in another kernel and read the values in a third.
+ * Here each (row, key head) pair reads its keys once for all the query heads that share them
+ * (grouped-query attention), keeps the scores in a small buffer, and reads its values once.
+ *
+ * Layout (what inference/decoder.py keeps):
+ *   q    [rows, kv_heads, group, dim]          the step's queries (rotated), contiguous
+ *   k, v [slots, kv_heads, capacity, dim]      the cache; row r uses slot r
+ *   len  [rows] int64                          row r attends to positions 0..len[r] inclusive
+ *   out  [rows, kv_heads, group, dim]
+ * The rows x kv_heads pairs are split over `threads` OpenMP threads. The library is linked
+ * against libgomp.so.1, and torch has loaded its own libgomp.so.1 before this one is, so the
+ * dynamic linker binds both to torch's copy: one thread team, whose threads are already spinning
+ * after torch's last kernel (a second runtime, or threads of our own, would fight them for the
+ * cores: 172 ms a step against 138 with torch's attention, measured). inference/native.py checks
+ * that only one libgomp is mapped and otherwise runs on one thread.
+ *
+ * Written with GCC's vector extensions (8 floats, one AVX register; the compiler maps them to
+ * what -march=native offers), dim a multiple of 8 up to MAX_DIM, group up to MAX_GROUP.
+ * Numerics: float32, the row maximum subtracted before exp as torch's softmax does; the sums
+ * run in another order than torch's kernels (float32 rounding: ~1e-7 relative).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define W 8
+
+typedef float v8 __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t i8 __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline v8 load(const float *p) {
+    v8 x;
+    memcpy(&x, p, sizeof(x));
+    return x;
+}
+
+static inline void store(float *p, v8 x) { memcpy(p, &x, sizeof(x)); }
+
+/* The eight horizontal sums of a[0..7], as one vector (sum i in lane i). */
+static inline v8 sum8x8(const v8 a[W]) {
+    const i8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const i8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const i8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+    /* c[0] lanes: sums of a0,a1,a2,a3 over lanes 0-3, then over lanes 4-7; c[1] the same for a4-a7 */
+    return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
+/* The kernel for dim = nv * W; inlined with nv a constant for the common head sizes, so the
+   query and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_pair(const float *q, const float *k, const float *v,
+                                                              const int64_t n, float *out, int64_t pair,
+                                                              int64_t row, int64_t head, int64_t kv_heads,
+                                                              int64_t group, const int64_t nv, int64_t capacity,
+                                                              float scale, float *scratch) {
+    const int64_t dim = nv * W;
+    const float *kp = k + (row * kv_heads + head) * capacity * dim;
+    const float *vp = v + (row * kv_heads + head) * capacity * dim;
+    for (int64_t g = 0; g < group; g++) {
+        const float *qp = q + (pair * group + g) * dim;
+        float *s = scratch + g * capacity;
+        v8 qv[MAX_DIM / W];
+        for (int64_t b = 0; b < nv; b++) qv[b] = load(qp + b * W) * scale;
+        /* scores, eight keys at a time: eight vector dot products, then their sums at once (a
+           key row is re-read from L2 for each query head of the group; reading the eight rows
+           once for all the heads measured slower, the queries then leaving the registers) */
+        int64_t t = 0;
+        for (; t + W <= n; t += W) {
+            v8 acc[W];
+            for (int i = 0; i < W; i++) {
+                const float *kt = kp + (t + i) * dim;
+                v8 a = qv[0] * load(kt);
+                for (int64_t b = 1; b < nv; b++) a += qv[b] * load(kt + b * W);
+                acc[i] = a;
+            }
+            store(s + t, sum8x8(acc));
+        }
+        for (; t < n; t++) {
+            const float *kt = kp + t * dim;
+            v8 a = qv[0] * load(kt);
+            for (int64_t b = 1; b < nv; b++) a += qv[b] * load(kt + b * W);
+            float x = 0.0f;
+            for (int i = 0; i < W; i++) x += a[i];
+            s[t] = x;
+        }
+        float m = s[0];
+        for (t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (t = 0; t < n; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        /* the values weighted by the probabilities */
+        v8 acc[MAX_DIM / W];
+        for (int64_t b = 0; b < nv; b++) acc[b] = (v8){0};
+        for (t = 0; t < n; t++) {
+            const float *vt = vp + t * dim;
+            const float p = s[t];
+            for (int64_t b = 0; b < nv; b++) acc[b] += p * load(vt + b * W);
+        }
+        const float inv = 1.0f / sum;
+        float *op = out + (pair * group + g) * dim;
+        for (int64_t b = 0; b < nv; b++) store(op + b * W, acc[b] * inv);
+    }
+}
+
+int swarmrl_decode_attention(const float *q, const float *k, const float *v, const int64_t *len, float *out,
+                             int64_t rows, int64_t kv_heads, int64_t group, int64_t dim, int64_t capacity,
+                             float scale, int64_t threads) {
+    if (group < 1 || group > MAX_GROUP || dim < W || dim > MAX_DIM || dim % W || threads < 1) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (len[r] < 0 || len[r] >= capacity) return 2;
+    const int64_t nv = dim / W;
+    int failed = 0;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *scratch = malloc(sizeof(float) * group * capacity);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < rows * kv_heads; pair++) {
+            if (!scratch) continue;
+            const int64_t row = pair / kv_heads, head = pair % kv_heads, n = len[row] + 1;
+            /* nv a literal in each call, so the inlined kernel keeps the query and the
+               accumulators in registers (the parallel region's body is a function of its own,
+               where a variable nv would not be constant) */
+            switch (nv) {
+                case 8: /* head_dim 64: SmolLM2, Qwen2.5-0.5B..7B */
+                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, 8, capacity, scale, scratch);
+                    break;
+                case 16: /* head_dim 128: Qwen3, Llama 3 */
+                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, 16, capacity, scale, scratch);
+                    break;
+                default:
+                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, nv, capacity, scale, scratch);
+            }
+        }
+        free(scratch);
+    }
+    return failed;
+}

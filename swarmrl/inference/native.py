@@ -1,0 +1,140 @@
+"""Small C kernels for the CPU decoder, compiled on the machine that runs them.
+
+Why compile here: the kernels are plain C (`csrc/`), built with `-O3 -march=native` for the CPU
+at hand (AVX2 on one machine kind, AVX-512 on another), so a wheel cannot carry them, and torch's
+extension builder would compile its headers for a minute. A C compiler builds one of these in
+under a second; the library is cached under `~/.cache/swarmrl/native/` (`SWARMRL_NATIVE_CACHE`),
+keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes.
+
+The kernel runs on torch's own OpenMP threads: linked against libgomp.so.1, it binds to the copy
+torch loaded first. Where the process ends up with two OpenMP runtimes mapped (a torch build whose
+runtime has another name), the kernel runs on the calling thread only.
+
+Nothing depends on it: where there is no compiler, the build fails, or `SWARMRL_NATIVE=0`, the
+decoder keeps its torch path (the same results to float32 rounding). The library is compiled by
+whichever process first needs it (atomically: a temporary name, then a rename), so concurrent
+engines share one build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+NATIVE_ENV = "SWARMRL_NATIVE"
+CACHE_ENV = "SWARMRL_NATIVE_CACHE"
+# -ffast-math lets the compiler vectorise expf (glibc's libmvec) and reorder the sums. It is
+# given to the compile step only: linking a shared library with it would add crtfastmath.o on
+# GCC < 13, which turns on flush-to-zero for the whole process (torch's arithmetic included).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11"]
+# -fopenmp links libgomp.so.1: torch's own copy, already loaded by the time this library is (see
+# csrc/decode_attention.c; `_one_openmp` checks it).
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and flags (a cache shared by machines of
+    different kinds must not hand one of them the other's library)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(fields)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(source: Path, cache: Path) -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or gcc; set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_id()]).encode()
+    ).hexdigest()[:16]
+    lib = cache / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        obj, out = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            [cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+            [cc, str(obj), *LINK_FLAGS, "-o", str(out)],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(out, lib)  # atomic: a concurrent builder either finds it whole or not at all
+    return lib
+
+
+def _one_openmp() -> bool:
+    """Whether exactly one OpenMP runtime (libgomp or libiomp) is mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
+    return len(paths) == 1
+
+
+@functools.cache
+def decode_attention_lib():
+    """The loaded kernel, as (ctypes function, whether it may use torch's threads), or None where
+    it cannot be built or is turned off."""
+    if os.environ.get(NATIVE_ENV, "1").strip() in ("0", "false", "no", "off"):
+        return None
+    if platform.system() != "Linux":
+        return None
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "swarmrl" / "native").expanduser()
+    try:
+        return load(_build(SOURCE, cache))
+    except Exception as exc:  # no compiler, a failed build, a refused subprocess (unit tests)
+        log.info("the C decode attention is not available (%s); the decoder uses torch's kernels", exc)
+        return None
+
+
+def load(library: Path):
+    """(the kernel as a ctypes function, whether it may use torch's threads) from a built library."""
+    fn = ctypes.CDLL(str(library)).swarmrl_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    threaded = _one_openmp()
+    if not threaded:
+        log.warning("two OpenMP runtimes are loaded: the C decode attention runs on one thread")
+    return fn, threaded
+
+
+def supported(group: int, dim: int) -> bool:
+    """Shapes the kernel takes (see csrc/decode_attention.c)."""
+    return 1 <= group <= 16 and dim % 8 == 0 and 8 <= dim <= 256
+
+
+def decode_attention(lib, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, out: Tensor, scale: float) -> None:
+    """Attention of ``q`` [B, KV, G, D] against slots 0..B-1 of the cache ``k``/``v``
+    [slots, KV, capacity, D], row i over positions 0..lengths[i], into ``out`` [B, KV, G, D], on
+    torch's threads. All float32 and contiguous, ``lengths`` int64 ([B], each below capacity)."""
+    fn, threaded = lib
+    b, kv, group, dim = q.shape
+    threads = torch.get_num_threads() if threaded else 1
+    code = fn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        b, kv, group, dim, k.shape[2], scale, threads,
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"decode attention kernel refused its arguments (code {code})")

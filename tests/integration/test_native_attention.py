@@ -1,0 +1,102 @@
+"""The C decode attention (inference/native.py, csrc/decode_attention.c): built with the machine's
+compiler (a subprocess, so not in the unit tier), then checked against torch's attention and
+inside the decoder against transformers' forward."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from families import FAMILIES, build_family, check_steps_against_transformers, close_to
+
+from swarmrl.inference import native
+from swarmrl.inference.decoder import SlotDecoder
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: the decoder uses torch's attention"
+)
+
+
+def _kernel(tmp_path):
+    lib = native.load(native._build(native.SOURCE, tmp_path))
+    assert lib[1], "more than one OpenMP runtime is mapped: the kernel would not use torch's threads"
+    return lib
+
+
+def _reference(q, k, v, lengths, scale):
+    """Masked softmax attention in float64: row i over positions 0..lengths[i]."""
+    b, kv, group, dim = q.shape
+    out = torch.empty(b, kv, group, dim, dtype=torch.float64)
+    for i in range(b):
+        n = int(lengths[i]) + 1
+        keys, values = k[i, :, :n].double(), v[i, :, :n].double()  # [kv, n, dim]
+        scores = torch.einsum("hgd,hnd->hgn", q[i].double(), keys) * scale
+        out[i] = torch.einsum("hgn,hnd->hgd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize(
+    "rows,kv,group,dim,capacity",
+    [(5, 3, 3, 64, 40), (3, 2, 1, 128, 33), (4, 1, 4, 24, 17), (7, 3, 2, 8, 9)],
+)
+def test_kernel_matches_masked_softmax_attention(tmp_path, rows, kv, group, dim, capacity):
+    fn = _kernel(tmp_path)
+    g = torch.Generator().manual_seed(rows * dim)
+    slots = rows + 2  # the cache has more slots than the step's rows
+    q = torch.randn(rows, kv, group, dim, generator=g)
+    k = torch.randn(slots, kv, capacity, dim, generator=g)
+    v = torch.randn(slots, kv, capacity, dim, generator=g)
+    # one position only, a row up to the last position, and lengths around the 8-key blocks
+    lengths = torch.tensor([min(n, capacity - 1) for n in [0, capacity - 1, 7, 8, 9, 15, 3][:rows]], dtype=torch.int64)
+    want = _reference(q, k, v, lengths, dim**-0.5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):  # on torch's OpenMP threads, as many as torch has
+            torch.set_num_threads(threads)
+            out = torch.full((rows, kv, group, dim), float("nan"))
+            native.decode_attention(fn, q, k, v, lengths, out, dim**-0.5)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+    # keys past a row's length are never read: garbage there changes nothing
+    k2, v2 = k.clone(), v.clone()
+    for i, n in enumerate(lengths.tolist()):
+        k2[i, :, n + 1 :] = 1e30
+        v2[i, :, n + 1 :] = float("nan")
+    again = torch.empty_like(out)
+    native.decode_attention(fn, q, k2, v2, lengths, again, dim**-0.5)
+    assert torch.equal(again, out)
+
+
+def test_kernel_refuses_shapes_and_lengths_it_cannot_take(tmp_path):
+    fn = _kernel(tmp_path)
+    q = torch.randn(2, 1, 2, 12)  # dim 12: not a multiple of 8
+    k = v = torch.randn(2, 1, 8, 12)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        native.decode_attention(fn, q, k, v, torch.tensor([1, 2]), torch.empty_like(q), 0.3)
+    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="refused its arguments"):  # position 8 of a cache of 8
+        native.decode_attention(fn, q, k, k, torch.tensor([1, 8]), torch.empty_like(q), 0.3)
+    assert not native.supported(2, 12) and not native.supported(17, 64) and native.supported(3, 64)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_decoder_with_the_kernel_matches_transformers_and_torchs_kernels(name):
+    # Each family's shapes (head_dim 64 and 128, groups of 7, 2 and 3 query heads per key head):
+    # the decoder's steps with the C kernel against transformers' forward, as the unit tier checks
+    # them with torch's kernels, and against those kernels step by step.
+    assert native.decode_attention_lib() is not None, "the kernel did not build with this machine's compiler"
+    model = build_family(name)
+    with_c = SlotDecoder(model, slots=2, capacity=16)
+    assert with_c._native is not None
+    check_steps_against_transformers(name, model, with_c)
+    with_torch = SlotDecoder(model, slots=2, capacity=16)
+    with_torch._native = None
+    prompts, lengths = [[3, 9, 4, 1, 7], [8, 2]], torch.tensor([5, 2])
+    with_c.prefill(prompts, torch.arange(2))
+    with_torch.prefill(prompts, torch.arange(2))
+    for step in range(4):
+        tokens = torch.tensor([10 + step, 20 + step])
+        close_to(with_c.decode(tokens, lengths), with_torch.decode(tokens, lengths), f"{name} step {step}")
+        lengths = lengths + 1
