@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from swarmrl.inference import native
 from swarmrl.inference.decoder import SlotDecoder
 from swarmrl.inference.malloc import keep_freed_memory
 from swarmrl.inference.sampler import Completion, check_rows
-from swarmrl.inference.seeded import gumbel_noise, seeded_choice
+from swarmrl.inference.seeded import gumbel_noise, seeded_choice, stream_keys, vocab_term_u32
 
 
 @dataclass(eq=False)
@@ -97,6 +98,8 @@ class BatchEngine:
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":  # each step's temporaries reused, not faulted in again
             keep_freed_memory()
+        # The C kernels (the seeded choice in one pass, the decoder's attention) where they build.
+        self._kernels = native.decode_attention_lib() if self.device.type == "cpu" else None
         self._stop = torch.tensor(self.stop_token_ids, device=self.device)
         self._waiting: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -215,7 +218,12 @@ class BatchEngine:
         temps = {j.temperature for j in jobs}
         if len(temps) == 1:
             temp = temps.pop()
-            tok = seeded_choice(logits, seeds, steps, temp)
+            if temp > 0 and self._kernels is not None:  # the same rule in one C pass (native.py)
+                keys = stream_keys(seeds, steps)
+                term = vocab_term_u32(logits.shape[-1])
+                tok = native.seeded_argmax(self._kernels, logits.contiguous(), keys, term, temp)
+            else:
+                tok = seeded_choice(logits, seeds, steps, temp)
             scaled = logits / temp if temp > 0 and temp != 1.0 else logits
         else:  # rows at different temperatures (serving): the same rule row by row
             t = torch.tensor([j.temperature for j in jobs], dtype=torch.float32, device=self.device)

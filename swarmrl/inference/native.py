@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -93,9 +94,8 @@ def _one_openmp() -> bool:
 
 
 @functools.cache
-def decode_attention_lib():
-    """The loaded kernel, as (ctypes function, whether it may use torch's threads), or None where
-    it cannot be built or is turned off."""
+def decode_attention_lib() -> Kernels | None:
+    """The loaded kernels, or None where they cannot be built or are turned off."""
     if os.environ.get(NATIVE_ENV, "1").strip() in ("0", "false", "no", "off"):
         return None
     if platform.system() != "Linux":
@@ -108,16 +108,24 @@ def decode_attention_lib():
         return None
 
 
-def load(library: Path):
-    """(the kernel as a ctypes function, whether it may use torch's threads) from a built library."""
-    fn = ctypes.CDLL(str(library)).swarmrl_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+class Kernels(NamedTuple):
+    attention: ctypes._CFuncPtr  # swarmrl_decode_attention
+    seeded_argmax: ctypes._CFuncPtr  # swarmrl_seeded_argmax
+    threaded: bool  # whether they may use torch's threads (one OpenMP runtime in the process)
+
+
+def load(library: Path) -> Kernels:
+    """The kernels of a built library."""
+    lib = ctypes.CDLL(str(library))
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    attention, argmax = lib.swarmrl_decode_attention, lib.swarmrl_seeded_argmax
+    attention.restype = argmax.restype = ctypes.c_int
+    attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, i64]
     threaded = _one_openmp()
     if not threaded:
-        log.warning("two OpenMP runtimes are loaded: the C decode attention runs on one thread")
-    return fn, threaded
+        log.warning("two OpenMP runtimes are loaded: the C kernels run on one thread")
+    return Kernels(attention, argmax, threaded)
 
 
 def supported(group: int, dim: int) -> bool:
@@ -125,16 +133,31 @@ def supported(group: int, dim: int) -> bool:
     return 1 <= group <= 16 and dim % 8 == 0 and 8 <= dim <= 256
 
 
-def decode_attention(lib, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, out: Tensor, scale: float) -> None:
+def decode_attention(lib: Kernels, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, out: Tensor, scale: float) -> None:
     """Attention of ``q`` [B, KV, G, D] against slots 0..B-1 of the cache ``k``/``v``
     [slots, KV, capacity, D], row i over positions 0..lengths[i], into ``out`` [B, KV, G, D], on
     torch's threads. All float32 and contiguous, ``lengths`` int64 ([B], each below capacity)."""
-    fn, threaded = lib
     b, kv, group, dim = q.shape
-    threads = torch.get_num_threads() if threaded else 1
-    code = fn(
+    threads = torch.get_num_threads() if lib.threaded else 1
+    code = lib.attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(),
         b, kv, group, dim, k.shape[2], scale, threads,
     )  # fmt: skip
     if code:
         raise RuntimeError(f"decode attention kernel refused its arguments (code {code})")
+
+
+def seeded_argmax(lib: Kernels, logits: Tensor, keys: Tensor, term: Tensor, temperature: float) -> Tensor:
+    """`seeded.seeded_choice` for float32 ``logits`` [B, V] (finite), temperature > 0, in one pass
+    on torch's threads: ``keys`` [B] int64 are the rows' stream keys, ``term`` [V] uint32 the
+    vocabulary term (`seeded.vocab_term_u32`). The same tokens except where two scores tie to
+    ~1e-7 (its logf is not torch's; csrc/decode_attention.c)."""
+    b, vocab = logits.shape
+    out = torch.empty(b, dtype=torch.int64)
+    code = lib.seeded_argmax(
+        logits.data_ptr(), b, vocab, keys.data_ptr(), term.data_ptr(), temperature, out.data_ptr(),
+        torch.get_num_threads() if lib.threaded else 1,
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"seeded argmax kernel refused its arguments (code {code})")
+    return out

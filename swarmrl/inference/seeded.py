@@ -88,6 +88,19 @@ def _vocab_term(vocab_size: int, device: torch.device) -> Tensor:
     return term
 
 
+_VOCAB_U32: dict[int, Tensor] = {}
+
+
+def vocab_term_u32(vocab_size: int) -> Tensor:
+    """`_vocab_term` on the CPU as uint32 values (what the C sampling kernel reads), cached."""
+    term = _VOCAB_U32.get(vocab_size)
+    if term is None:
+        term = torch.from_numpy(_vocab_term(vocab_size, torch.device("cpu")).numpy().astype(np.uint32))
+        if len(_VOCAB_U32) < 16:
+            _VOCAB_U32[vocab_size] = term
+    return term
+
+
 def _fmix32_np(h: np.ndarray) -> np.ndarray:
     """`_fmix32` in place on a uint32 array: numpy's uint32 products wrap mod 2**32, which is
     exactly the arithmetic the int64 emulation spells out, so the integers are the same."""

@@ -1,6 +1,6 @@
-"""The C decode attention (inference/native.py, csrc/decode_attention.c): built with the machine's
-compiler (a subprocess, so not in the unit tier), then checked against torch's attention and
-inside the decoder against transformers' forward."""
+"""The C kernels (inference/native.py, csrc/decode_attention.c), built with the machine's compiler
+(a subprocess, so not in the unit tier): the decode attention against float64 attention and, inside
+the decoder, against transformers' forward; the seeded choice against the torch sampler's tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from families import FAMILIES, build_family, check_steps_against_transformers, close_to
 
-from swarmrl.inference import native
+from swarmrl.inference import native, seeded
 from swarmrl.inference.decoder import SlotDecoder
 
 pytestmark = pytest.mark.skipif(
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 def _kernel(tmp_path):
     lib = native.load(native._build(native.SOURCE, tmp_path))
-    assert lib[1], "more than one OpenMP runtime is mapped: the kernel would not use torch's threads"
+    assert lib.threaded, "more than one OpenMP runtime is mapped: the kernels would not use torch's threads"
     return lib
 
 
@@ -100,3 +100,49 @@ def test_the_decoder_with_the_kernel_matches_transformers_and_torchs_kernels(nam
         tokens = torch.tensor([10 + step, 20 + step])
         close_to(with_c.decode(tokens, lengths), with_torch.decode(tokens, lengths), f"{name} step {step}")
         lengths = lengths + 1
+
+
+@pytest.mark.parametrize("rows,vocab,temperature", [(64, 5000, 1.0), (7, 49152, 0.7), (3, 1, 1.0), (5, 513, 1.3)])
+def test_seeded_argmax_draws_the_seeded_samplers_tokens(tmp_path, rows, vocab, temperature):
+    # The one-pass C choice against seeded_choice (torch): the same tokens. Its logf may differ
+    # from torch's in the last bit, so they could part only at a tie within ~1e-7, which random
+    # logits do not produce.
+    lib = _kernel(tmp_path)
+    g = torch.Generator().manual_seed(rows + vocab)
+    seeds, steps = torch.randint(0, 2**62, (rows,), generator=g), torch.randint(0, 5000, (rows,), generator=g)
+    term = seeded.vocab_term_u32(vocab)
+    for scale in (0.5, 3.0, 20.0):  # flat and peaked distributions
+        logits = torch.randn(rows, vocab, generator=g) * scale
+        want = seeded.seeded_choice(logits, seeds, steps, temperature)
+        got = native.seeded_argmax(lib, logits, seeded.stream_keys(seeds, steps), term, temperature)
+        assert torch.equal(got, want), (scale, (got != want).sum())
+    # the first maximal index on an exact tie of logits and noise: a row of equal entries whose
+    # noise is then the only difference, and a row where one logit dominates
+    flat = torch.zeros(rows, vocab)
+    flat[:, vocab // 2] = 1e4
+    got = native.seeded_argmax(lib, flat, seeded.stream_keys(seeds, steps), term, temperature)
+    assert got.tolist() == [vocab // 2] * rows
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        native.seeded_argmax(lib, flat, seeded.stream_keys(seeds, steps), term, 0.0)
+
+
+def test_the_engine_draws_the_same_completions_with_and_without_the_kernels():
+    from swarmrl.inference.batch import BatchEngine
+
+    assert native.decode_attention_lib() is not None
+    model = build_family("llama")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (9, 4, 13, 4)]
+    outs = {}
+    for name in ("c", "torch"):
+        engine = BatchEngine(model, stop_token_ids=[2048], pad_token_id=0, max_batch=3)
+        if name == "torch":
+            engine._kernels = None
+            engine.generate(prompts[:1], [0], max_new_tokens=1)  # builds the decoder
+            engine.decoder._native = None
+        else:
+            assert engine._kernels is not None
+        outs[name] = engine.generate(prompts, [11, 12, 13, 14], max_new_tokens=12, temperature=1.0)
+    for a, b in zip(outs["c"], outs["torch"], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-4)

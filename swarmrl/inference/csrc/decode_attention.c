@@ -154,3 +154,60 @@ int swarmrl_decode_attention(const float *q, const float *k, const float *v, con
     }
     return failed;
 }
+
+/* The seeded Gumbel-max choice of inference/seeded.py for rows of float32 logits, in one pass:
+ * per entry the hash of (key, vocabulary term), the uniform value, the Gumbel noise and the
+ * score, with the row's first maximal index kept. The integers are the hash's exactly; the noise
+ * comes from this compiler's vectorised logf where torch uses its own, which can differ in the
+ * last bit (a relative 1e-7: a choice flips only where two scores tie that closely, and the
+ * validator's sampling check has a tolerance far above it). Logits must be finite.
+ *   logits [rows, vocab], keys [rows] (the stream keys, < 2**32), term [vocab] (uint32),
+ *   out [rows]: the chosen index. temperature > 0 (1 leaves the logits as they are). */
+static inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
+#define BLOCK 512
+
+int swarmrl_seeded_argmax(const float *logits, int64_t rows, int64_t vocab, const int64_t *keys,
+                          const uint32_t *term, float temperature, int64_t *out, int64_t threads) {
+    if (rows < 0 || vocab < 1 || !(temperature > 0.0f) || threads < 1) return 1;
+    const float u_max = 1.0f - 0x1p-24f, inv_2_24 = 0x1p-24f;
+    const int unit = temperature == 1.0f;
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t key = (uint32_t)keys[r];
+        const float *x = logits + r * vocab;
+        float score[BLOCK];
+        float best = -INFINITY;
+        int64_t best_i = 0;
+        for (int64_t v0 = 0; v0 < vocab; v0 += BLOCK) {
+            const int64_t m = vocab - v0 < BLOCK ? vocab - v0 : BLOCK;
+            float block_max = -INFINITY;
+#pragma omp simd reduction(max : block_max)
+            for (int64_t i = 0; i < m; i++) {
+                const uint32_t h = fmix32(fmix32(key ^ term[v0 + i]) ^ 0x5BD1E995u) >> 8;
+                float u = ((float)h + 0.5f) * inv_2_24;
+                u = u < u_max ? u : u_max;
+                const float base = unit ? x[v0 + i] : x[v0 + i] / temperature;
+                const float s = base + -logf(-logf(u));
+                score[i] = s;
+                block_max = s > block_max ? s : block_max;
+            }
+            if (block_max > best) { /* the first index of the new maximum, in this block */
+                for (int64_t i = 0; i < m; i++)
+                    if (score[i] == block_max) {
+                        best = block_max, best_i = v0 + i;
+                        break;
+                    }
+            }
+        }
+        out[r] = best_i;
+    }
+    return 0;
+}
