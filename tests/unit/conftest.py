@@ -52,3 +52,15 @@ def no_processes_or_sockets(monkeypatch):
     for name in ("bind", "listen", "connect", "connect_ex"):
         monkeypatch.setattr(socket.socket, name, _guarded_socket_method(name, getattr(socket.socket, name)))
     yield
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels_only(monkeypatch):
+    """The CPU engine's C kernels are compiled in a subprocess on first use, which this tier
+    refuses, but a pytest-xdist worker that ran an integration test first already holds them
+    loaded: without this, a unit test would run the torch path or the C path depending on what
+    its worker ran before. The unit tier checks the torch path; tests/integration/
+    test_native_attention.py the C one."""
+    from swarmrl.inference import native
+
+    monkeypatch.setattr(native, "decode_attention_lib", lambda: None)
