@@ -209,7 +209,7 @@ def test_seeded_sampling_leaves_the_engine_alive(vllm, real_model, real_data, tm
 def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm, real_model, tmp_path):
     """`swarmrl rl` on the real model with a trusted `swarmrl worker --engine openai --load vllm`
     beside its built-in worker: every version the worker takes is reloaded into the running vLLM
-    (no restart), its groups are trained on and pass the validator's logprob check, and afterwards
+    (no restart), its groups reach the trainer and pass the validator's logprob check, and afterwards
     vLLM's logprobs are those of the last version loaded, not the base's. `async.bound 0`: step 2
     trains on v1's groups only, so the worker must have loaded v1 to contribute. Runs last: it
     leaves the module's server on the run's last version."""
@@ -286,7 +286,11 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     # float32 tolerance 0.005; vLLM's logprobs are within ~5e-5 of the validator's prefill.
     assert max(v["stats"]["logprob_err_max"] for v in verdicts) < 1e-3
     assert any(version >= 1 for version, _, v in mine if v is not None), "no group of a reloaded version was checked"
-    assert any(state == "consumed" for _, state, _ in mine), "none of the vLLM worker's groups was trained on"
+    # Reached the trainer's batch: trained on, or dropped there as "uninformative" (all 4 rewards
+    # equal, which 4 samples of 16 tokens give by chance: a CI run had both of the worker's v1
+    # groups so, while the built-in worker's were trained on; that is the filter working).
+    reached = [state for _, state, _ in mine if state in ("consumed", "uninformative")]
+    assert reached, f"none of the vLLM worker's groups reached the trainer: {[state for _, state, _ in mine]}"
     assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
     # The weights in use are the last version's: vLLM's logprobs match its prefill, not the base's.
     last = cache / "policies" / f"v{max(loaded):06d}"
