@@ -104,11 +104,7 @@ def vocab_term_u32(vocab_size: int) -> Tensor:
 def _fmix32_np(h: np.ndarray) -> np.ndarray:
     """`_fmix32` in place on a uint32 array: numpy's uint32 products wrap mod 2**32, which is
     exactly the arithmetic the int64 emulation spells out, so the integers are the same."""
-    h ^= h >> 16
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> 13
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> 16
+    _fmix32_np_tmp(h, np.empty_like(h))
     return h
 
 
@@ -158,7 +154,6 @@ def _hash24_rows(keys: np.ndarray, term: np.ndarray, out: np.ndarray, uniform: b
 def _hash24(keys: Tensor, vocab_size: int, uniform: bool = False) -> Tensor:
     """The 24-bit integer behind each noise value [B, V], as float32 (exact below 2**24); with
     ``uniform``, `_uniform` of it."""
-    term = _vocab_term(vocab_size, keys.device)
     if keys.device.type == "cpu":
         # On a CPU this hash is a tenth of a sampling step at a 135M model's sizes: ~25 int64
         # kernels in torch, each with dispatch and thread-pool overhead. numpy's native uint32
@@ -166,7 +161,7 @@ def _hash24(keys: Tensor, vocab_size: int, uniform: bool = False) -> Tensor:
         # split over torch's threads (numpy releases the GIL in its loops). The rows are
         # independent, so the split cannot change a value.
         k = (keys.numpy() & _MASK32).astype(np.uint32)
-        t = term.numpy().astype(np.uint32)
+        t = vocab_term_u32(vocab_size).numpy()
         out = np.empty((k.shape[0], vocab_size), np.float32)
         parts = min(torch.get_num_threads(), k.shape[0] // HASH_BLOCK_ROWS)
         if parts <= 1 or out.size < HASH_PARALLEL_MIN:
