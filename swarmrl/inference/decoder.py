@@ -525,6 +525,8 @@ class SlotDecoder:
         span = int(lengths.max()) + 1 if span is None else span
         if span > self.capacity:
             raise ValueError(f"a sequence of {span} tokens does not fit a cache of {self.capacity}")
+        if self._native is not None and self.dtype == torch.float32:
+            return self._decode_native(tokens, lengths)
         # At the sizes a CPU run decodes, a step costs kernel launches and Python more than
         # arithmetic: locals instead of attribute lookups, fused ops where torch has them.
         F = torch.nn.functional
@@ -532,14 +534,9 @@ class SlotDecoder:
         group, fp32 = heads // kv, self.dtype == torch.float32
         rows = self._rows[:b]
         cos, sin = self.cos[lengths].unsqueeze(1), self.sin[lengths].unsqueeze(1)  # [B, 1, D]: all heads
-        # Keys at positions <= length are real for each slot; later ones are stale or empty (the
-        # C kernel reads each row's own positions only; torch's kernels mask the rest).
-        kernel = self._native if fp32 else None
-        if kernel is not None:
-            lengths_i64 = lengths.to(torch.int64).contiguous()
-        else:
-            future = self._positions[:span] > lengths[:, None]  # [B, S]
-        if fp32 and kernel is None:
+        # Keys at positions <= length are real for each slot; later ones are stale or empty.
+        future = self._positions[:span] > lengths[:, None]  # [B, S]
+        if fp32:
             # Attention reads every cached key up to the span, and at a decode step that read is
             # most of attention's time. One span for the whole batch makes a short row read as
             # far as the longest (GSM8K prompts of 68-170 tokens: ~1.4x the keys). Contiguous
@@ -571,12 +568,7 @@ class SlotDecoder:
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary, queries and keys at once
             kc[rows, :, lengths] = qk[:, heads:]
             vc[rows, :, lengths] = qkv[:, width:].view(b, kv, dim)
-            if kernel is not None:
-                att = torch.empty((b, kv, group, dim), dtype=x.dtype, device=self.device)
-                q = qk[:, :heads].reshape(b, kv, group, dim).contiguous()
-                native.decode_attention(kernel, q, kc, vc, lengths_i64, att, self.scale)
-                att = att.view(b, heads * dim)
-            if fp32 and kernel is None:
+            if fp32:
                 # Grouped-query attention without repeating keys: the `group` query heads sharing
                 # a key head are the rows of one small matmul, [B*KV, G, D] x [B*KV, D, S]; the
                 # residual adds ride on the matrix products (addmm). float32 rounding makes these
@@ -616,3 +608,39 @@ class SlotDecoder:
                 gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
                 x = x + F.linear(F.silu(gate) * up, L.down)
         return _rms_norm(x, self._norm, self.eps)
+
+    def _decode_native(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """`decode` for a float32 CPU model with the C kernels (`inference/native.py`): per layer
+        the norms, the rotary embedding with the cache writes and attention, and the MLP's
+        activation are one C call each, the products torch's (oneDNN or MKL, `choose_linear`). At
+        64 rows a torch op costs ~10-30 us of dispatch and threading whatever its size, and the
+        torch path runs ~20 of them per layer besides the products. Each row reads only its own
+        cached positions, so no mask is built. The same arithmetic as the torch path to float32
+        rounding (tests/integration/test_native_attention.py)."""
+        F = torch.nn.functional
+        lib, eps, dnn = self._native, self.eps, self._dnn
+        b, heads, kv, dim = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        width = (heads + kv) * dim
+        lengths = lengths.to(torch.int64).contiguous()
+        x = F.embedding(tokens, self._embed)  # [B, H]
+        att = torch.empty((b, heads * dim), dtype=x.dtype, device=self.device)
+        for L, kc, vc in zip(self._layers, self.k, self.v):
+            h = native.rms_norm(lib, x, L.ln1, eps)
+            if L.dnn:
+                qkv = dnn(h, L.qkv_w, L.qkv_b, "none", [], "")
+            else:
+                qkv = torch.mm(h, L.qkv_t) if L.qkv_b is None else torch.addmm(L.qkv_b, h, L.qkv_t)
+            qk = qkv[:, :width].view(b, heads + kv, dim)
+            if L.qk_norm is not None:  # Qwen3: each query and key head normalised before rotation
+                qk = _head_norm(qk, L.qk_norm, eps).contiguous()
+            v_new = qkv[:, width:].view(b, kv, dim)
+            native.decode_rope_attention(lib, qk, v_new, self.cos, self.sin, kc, vc, lengths, att, self.scale)
+            if L.dnn:
+                x = x + dnn(att, L.o_w, None, "none", [], "")
+                gate_up = dnn(native.rms_norm(lib, x, L.ln2, eps), L.gate_up, None, "none", [], "")
+                x = x + dnn(native.silu_mul(lib, gate_up), L.down, None, "none", [], "")
+            else:
+                x = torch.addmm(x, att, L.o_t)
+                gate_up = torch.mm(native.rms_norm(lib, x, L.ln2, eps), L.gate_up_t)
+                x = torch.addmm(x, native.silu_mul(lib, gate_up), L.down_t)
+        return native.rms_norm(lib, x, self._norm, eps)

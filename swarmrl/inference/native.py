@@ -111,6 +111,9 @@ def decode_attention_lib() -> Kernels | None:
 class Kernels(NamedTuple):
     attention: ctypes._CFuncPtr  # swarmrl_decode_attention
     seeded_argmax: ctypes._CFuncPtr  # swarmrl_seeded_argmax
+    rope_attention: ctypes._CFuncPtr  # swarmrl_decode_rope_attention
+    rms_norm: ctypes._CFuncPtr  # swarmrl_rms_norm
+    silu_mul: ctypes._CFuncPtr  # swarmrl_silu_mul
     threaded: bool  # whether they may use torch's threads (one OpenMP runtime in the process)
 
 
@@ -119,13 +122,18 @@ def load(library: Path) -> Kernels:
     lib = ctypes.CDLL(str(library))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     attention, argmax = lib.swarmrl_decode_attention, lib.swarmrl_seeded_argmax
-    attention.restype = argmax.restype = ctypes.c_int
+    rope, rms, silu = lib.swarmrl_decode_rope_attention, lib.swarmrl_rms_norm, lib.swarmrl_silu_mul
+    for fn in (attention, argmax, rope, rms, silu):
+        fn.restype = ctypes.c_int
     attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, i64]
+    rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    rms.argtypes = [ptr, ptr, ptr, i64, i64, f32, i64]
+    silu.argtypes = [ptr, ptr, i64, i64, i64]
     threaded = _one_openmp()
     if not threaded:
         log.warning("two OpenMP runtimes are loaded: the C kernels run on one thread")
-    return Kernels(attention, argmax, threaded)
+    return Kernels(attention, argmax, rope, rms, silu, threaded)
 
 
 def supported(group: int, dim: int) -> bool:
@@ -145,6 +153,61 @@ def decode_attention(lib: Kernels, q: Tensor, k: Tensor, v: Tensor, lengths: Ten
     )  # fmt: skip
     if code:
         raise RuntimeError(f"decode attention kernel refused its arguments (code {code})")
+
+
+def _threads(lib: Kernels) -> int:
+    return torch.get_num_threads() if lib.threaded else 1
+
+
+def decode_rope_attention(
+    lib: Kernels,
+    qk: Tensor,
+    v_new: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    out: Tensor,
+    scale: float,
+) -> None:
+    """One decode step's rotary embedding, cache writes and attention (csrc/decode_attention.c):
+    ``qk`` [B, heads + KV, D] the step's unrotated queries then keys and ``v_new`` [B, KV, D] its
+    values (each row contiguous; rows may be strided, e.g. views of one fused q/k/v product),
+    ``cos``/``sin`` [capacity, D] the rotary tables; row i's key and value go to position
+    lengths[i] of slot i of ``k``/``v`` [slots, KV, capacity, D], then its queries attend to
+    positions 0..lengths[i], into ``out`` [B, heads, D] (contiguous). float32; ``lengths`` int64."""
+    b, _, dim = qk.shape
+    kv = k.shape[1]
+    if qk.stride(1) != dim or qk.stride(2) != 1 or v_new.stride(1) != dim or v_new.stride(2) != 1:
+        raise ValueError("decode_rope_attention needs each row's heads contiguous")
+    code = lib.rope_attention(
+        qk.data_ptr(), qk.stride(0), v_new.data_ptr(), v_new.stride(0), cos.data_ptr(), sin.data_ptr(),
+        k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+        b, kv, (qk.shape[1] - kv) // kv, dim, k.shape[2], scale, _threads(lib),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"decode rope attention kernel refused its arguments (code {code})")
+
+
+def rms_norm(lib: Kernels, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's RMSNorm of contiguous float32 rows ``x`` [B, n] with ``weight`` [n]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    if lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps, _threads(lib)):
+        raise RuntimeError("rms_norm kernel refused its arguments")
+    return out
+
+
+def silu_mul(lib: Kernels, gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for contiguous float32 rows ``gate_up`` [B, 2n] holding [gate, up]."""
+    gate_up = gate_up.contiguous()
+    b, n = gate_up.shape[0], gate_up.shape[-1] // 2
+    out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device)
+    if lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), b, n, _threads(lib)):
+        raise RuntimeError("silu_mul kernel refused its arguments")
+    return out
 
 
 def seeded_argmax(lib: Kernels, logits: Tensor, keys: Tensor, term: Tensor, temperature: float) -> Tensor:

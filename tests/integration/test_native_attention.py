@@ -69,6 +69,66 @@ def test_kernel_matches_masked_softmax_attention(tmp_path, rows, kv, group, dim,
     assert torch.equal(again, out)
 
 
+def _rotate64(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+@pytest.mark.parametrize("rows,kv,group,dim,capacity,qk_norm", [(5, 3, 3, 64, 40, False), (3, 2, 2, 128, 21, True)])
+def test_rope_attention_rotates_writes_the_cache_and_attends(tmp_path, rows, kv, group, dim, capacity, qk_norm):
+    # The fused step (rotary, cache writes, attention) against float64 done op by op: queries and
+    # keys rotated at each row's position, the key and value written there and nowhere else, then
+    # attention over positions 0..length. The queries and keys are a strided view of one q/k/v
+    # product, as the decoder hands them over; with a per-head norm (Qwen3) a contiguous copy.
+    fn = _kernel(tmp_path)
+    g = torch.Generator().manual_seed(rows * dim)
+    heads, slots = kv * group, rows + 1
+    qkv = torch.randn(rows, (heads + 2 * kv) * dim, generator=g)
+    qk = qkv[:, : (heads + kv) * dim].view(rows, heads + kv, dim)
+    if qk_norm:
+        qk = qk.contiguous() * 0.5
+    v_new = qkv[:, (heads + kv) * dim :].view(rows, kv, dim)
+    angles = torch.rand(capacity, dim // 2, generator=g) * 6.3
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    k = torch.randn(slots, kv, capacity, dim, generator=g)
+    v = torch.randn(slots, kv, capacity, dim, generator=g)
+    lengths = torch.tensor([min(n, capacity - 1) for n in [0, capacity - 1, 7, 8, 16][:rows]], dtype=torch.int64)
+    want_k, want_v = k.double().clone(), v.double().clone()
+    q = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for i, n in enumerate(lengths.tolist()):
+        c, s = cos[n].double(), sin[n].double()
+        q[i] = _rotate64(qk[i, :heads].double(), c, s)
+        want_k[i, :, n] = _rotate64(qk[i, heads:].double(), c, s)
+        want_v[i, :, n] = v_new[i].double()
+    want = _reference(q.view(rows, kv, group, dim), want_k, want_v, lengths, dim**-0.5)
+    out = torch.full((rows, heads, dim), float("nan"))
+    native.decode_rope_attention(fn, qk, v_new, cos, sin, k, v, lengths, out, dim**-0.5)
+    torch.testing.assert_close(k.double(), want_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v.double(), want_v, rtol=0, atol=0)  # copied, every other entry kept
+    torch.testing.assert_close(out.double().view(rows, kv, group, dim), want, rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="contiguous"):  # a row's heads must be contiguous
+        native.decode_rope_attention(fn, qk.transpose(1, 2), v_new, cos, sin, k, v, lengths, out, 0.1)
+    with pytest.raises(RuntimeError, match="refused its arguments"):  # a position past the cache
+        native.decode_rope_attention(fn, qk, v_new, cos, sin, k, v, lengths + capacity, out, 0.1)
+
+
+def test_rms_norm_and_silu_mul_match_float64(tmp_path):
+    fn = _kernel(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    for rows, n in ((64, 576), (3, 8), (1, 1)):
+        x, w = torch.randn(rows, n, generator=g) * 3, torch.randn(n, generator=g)
+        xd = x.double()
+        want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        torch.testing.assert_close(native.rms_norm(fn, x, w, 1e-5).double(), want, rtol=1e-5, atol=1e-6)
+        gate_up = torch.randn(rows, 2 * n, generator=g) * 6
+        gate_up[0, 0], gate_up[-1, n - 1] = -200.0, 90.0  # exp(-g) overflows, and underflows
+        gd, ud = gate_up.double()[:, :n], gate_up.double()[:, n:]
+        want = gd * torch.sigmoid(gd) * ud
+        torch.testing.assert_close(native.silu_mul(fn, gate_up).double(), want, rtol=1e-5, atol=1e-6)
+        by_torch = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+        torch.testing.assert_close(native.silu_mul(fn, gate_up), by_torch)
+
+
 def test_kernel_refuses_shapes_and_lengths_it_cannot_take(tmp_path):
     fn = _kernel(tmp_path)
     q = torch.randn(2, 1, 2, 12)  # dim 12: not a multiple of 8

@@ -60,16 +60,13 @@ static inline v8 sum8x8(const v8 a[W]) {
 
 /* The kernel for dim = nv * W; inlined with nv a constant for the common head sizes, so the
    query and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_pair(const float *q, const float *k, const float *v,
-                                                              const int64_t n, float *out, int64_t pair,
-                                                              int64_t row, int64_t head, int64_t kv_heads,
-                                                              int64_t group, const int64_t nv, int64_t capacity,
-                                                              float scale, float *scratch) {
+static inline __attribute__((always_inline)) void attend_pair(const float *qs, const float *kp, const float *vp,
+                                                              const int64_t n, float *os, int64_t group,
+                                                              const int64_t nv, int64_t capacity, float scale,
+                                                              float *scratch) {
     const int64_t dim = nv * W;
-    const float *kp = k + (row * kv_heads + head) * capacity * dim;
-    const float *vp = v + (row * kv_heads + head) * capacity * dim;
     for (int64_t g = 0; g < group; g++) {
-        const float *qp = q + (pair * group + g) * dim;
+        const float *qp = qs + g * nv * W;
         float *s = scratch + g * capacity;
         v8 qv[MAX_DIM / W];
         for (int64_t b = 0; b < nv; b++) qv[b] = load(qp + b * W) * scale;
@@ -112,8 +109,25 @@ static inline __attribute__((always_inline)) void attend_pair(const float *q, co
             for (int64_t b = 0; b < nv; b++) acc[b] += p * load(vt + b * W);
         }
         const float inv = 1.0f / sum;
-        float *op = out + (pair * group + g) * dim;
+        float *op = os + g * nv * W;
         for (int64_t b = 0; b < nv; b++) store(op + b * W, acc[b] * inv);
+    }
+}
+
+/* attend_pair with nv a literal for the common head sizes, so the inlined kernel keeps the query
+   and the accumulators in registers (a parallel region's body is a function of its own, where a
+   variable nv would not be a constant). */
+static void attend(const float *qs, const float *kp, const float *vp, int64_t n, float *os, int64_t group, int64_t nv,
+                   int64_t capacity, float scale, float *scratch) {
+    switch (nv) {
+        case 8: /* head_dim 64: SmolLM2, Qwen2.5-0.5B..7B */
+            attend_pair(qs, kp, vp, n, os, group, 8, capacity, scale, scratch);
+            break;
+        case 16: /* head_dim 128: Qwen3, Llama 3 */
+            attend_pair(qs, kp, vp, n, os, group, 16, capacity, scale, scratch);
+            break;
+        default:
+            attend_pair(qs, kp, vp, n, os, group, nv, capacity, scale, scratch);
     }
 }
 
@@ -135,24 +149,104 @@ int swarmrl_decode_attention(const float *q, const float *k, const float *v, con
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < rows * kv_heads; pair++) {
             if (!scratch) continue;
-            const int64_t row = pair / kv_heads, head = pair % kv_heads, n = len[row] + 1;
-            /* nv a literal in each call, so the inlined kernel keeps the query and the
-               accumulators in registers (the parallel region's body is a function of its own,
-               where a variable nv would not be constant) */
-            switch (nv) {
-                case 8: /* head_dim 64: SmolLM2, Qwen2.5-0.5B..7B */
-                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, 8, capacity, scale, scratch);
-                    break;
-                case 16: /* head_dim 128: Qwen3, Llama 3 */
-                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, 16, capacity, scale, scratch);
-                    break;
-                default:
-                    attend_pair(q, k, v, n, out, pair, row, head, kv_heads, group, nv, capacity, scale, scratch);
-            }
+            const int64_t row = pair / kv_heads, n = len[row] + 1;
+            const float *qs = q + pair * group * dim, *kp = k + pair * capacity * dim, *vp = v + pair * capacity * dim;
+            float *os = out + pair * group * dim;
+            attend(qs, kp, vp, n, os, group, nv, capacity, scale, scratch);
         }
         free(scratch);
     }
     return failed;
+}
+
+/* The rotary embedding of a decode step, its cache writes and its attention, in one pass per
+ * (row, key head) pair (what inference/decoder.py did as ~10 small torch kernels per layer):
+ *   qk    row r at qk + r * qk_stride: the step's [heads + kv_heads, dim] queries then keys, not
+ *         yet rotated (after Qwen3's per-head norm where the model has one)
+ *   vnew  row r at vnew + r * v_stride: the step's [kv_heads, dim] values
+ *   cos, sin [capacity, dim]: the rotary tables by position (Hugging Face's rotate_half form)
+ * Row r's key and value are written at position len[r] of slot r, then its queries attend to
+ * positions 0..len[r]. Each pair writes and reads only its own slot's head, so pairs run in any
+ * order. The rotation is x * cos + rotate_half(x) * sin as torch computes it, to one rounding
+ * (the compiler may fuse a multiply and an add). */
+int swarmrl_decode_rope_attention(const float *qk, int64_t qk_stride, const float *vnew, int64_t v_stride,
+                                  const float *cos, const float *sin, float *k, float *v, const int64_t *len,
+                                  float *out, int64_t rows, int64_t kv_heads, int64_t group, int64_t dim,
+                                  int64_t capacity, float scale, int64_t threads) {
+    if (group < 1 || group > MAX_GROUP || dim < W || dim > MAX_DIM || dim % W || threads < 1) return 1;
+    const int64_t heads = kv_heads * group, half = dim / 2;
+    if (qk_stride < (heads + kv_heads) * dim || v_stride < kv_heads * dim) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (len[r] < 0 || len[r] >= capacity) return 2;
+    const int64_t nv = dim / W;
+    int failed = 0;
+#pragma omp parallel num_threads((int)threads)
+    {
+        float *scratch = malloc(sizeof(float) * group * capacity);
+        float qs[MAX_GROUP * MAX_DIM];
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < rows * kv_heads; pair++) {
+            if (!scratch) continue;
+            const int64_t row = pair / kv_heads, head = pair % kv_heads, pos = len[row];
+            const float *c = cos + pos * dim, *s = sin + pos * dim, *x = qk + row * qk_stride;
+            float *kp = k + pair * capacity * dim, *vp = v + pair * capacity * dim;
+            for (int64_t g = 0; g <= group; g++) {
+                /* the group's query heads into qs, then the key head into the cache */
+                const float *xh = x + (g < group ? head * group + g : heads + head) * dim;
+                float *o = g < group ? qs + g * dim : kp + pos * dim;
+                for (int64_t i = 0; i < half; i++) {
+                    o[i] = xh[i] * c[i] + -xh[i + half] * s[i];
+                    o[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
+                }
+            }
+            memcpy(vp + pos * dim, vnew + row * v_stride + head * dim, sizeof(float) * dim);
+            attend(qs, kp, vp, pos + 1, out + pair * group * dim, group, nv, capacity, scale, scratch);
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/* Hugging Face's RMSNorm in float32 for rows of n values: x * (1 / sqrt(mean(x^2) + eps)) * w. The
+ * sum of squares runs in another order than torch's (float32 rounding). */
+int swarmrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps,
+                     int64_t threads) {
+    if (rows < 0 || n < 1 || threads < 1) return 1;
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n, ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * inv) * w[i];
+    }
+    return 0;
+}
+
+/* The gated MLP's activation: gate_up rows of [gate (n), up (n)] -> silu(gate) * up, silu(g) =
+ * g / (1 + exp(-g)) as torch computes it (exp is the compiler's vectorised one: last-bit
+ * differences). */
+int swarmrl_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t threads) {
+    if (rows < 0 || n < 1 || threads < 1) return 1;
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            /* exp's argument capped below float's overflow: -ffast-math assumes no infinities,
+               and g / inf came out NaN (silu(-200) is -0 to float precision either way) */
+            const float e = expf(-g[i] < 88.0f ? -g[i] : 88.0f);
+            o[i] = g[i] / (1.0f + e) * u[i];
+        }
+    }
+    return 0;
 }
 
 /* The seeded Gumbel-max choice of inference/seeded.py for rows of float32 logits, in one pass:
