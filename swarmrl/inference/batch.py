@@ -216,27 +216,34 @@ class BatchEngine:
         seeds = torch.tensor([j.seed for j in jobs], dtype=torch.int64, device=self.device)
         steps = torch.tensor([len(j.tokens) for j in jobs], dtype=torch.int64, device=self.device)
         temps = {j.temperature for j in jobs}
-        if len(temps) == 1:
-            temp = temps.pop()
-            if temp > 0 and self._kernels is not None:  # the same rule in one C pass (native.py)
-                keys = stream_keys(seeds, steps)
-                term = vocab_term_u32(logits.shape[-1])
-                tok = native.seeded_argmax(self._kernels, logits.contiguous(), keys, term, temp)
-            else:
-                tok = seeded_choice(logits, seeds, steps, temp)
-            scaled = logits / temp if temp > 0 and temp != 1.0 else logits
-        else:  # rows at different temperatures (serving): the same rule row by row
-            t = torch.tensor([j.temperature for j in jobs], dtype=torch.float32, device=self.device)
-            safe = torch.where(t > 0, t, torch.ones_like(t))[:, None]
-            scaled = logits / safe
-            noisy = (scaled + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(-1)
-            tok = torch.where(t > 0, noisy, logits.argmax(-1))
-        all_logp = scaled.log_softmax(-1)
-        logp = all_logp.gather(-1, tok[:, None])[:, 0]
         k = max(j.top_logprobs for j in jobs)
-        if k:
-            top = all_logp.topk(k, -1)
-            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        temp = next(iter(temps))
+        if len(temps) == 1 and temp > 0 and self._kernels is not None and not k:
+            # The same rule in one C pass (native.py), which also sums the row's softmax: the
+            # chosen logprob without a log-softmax over the whole vocabulary.
+            keys, term = stream_keys(seeds, steps), vocab_term_u32(logits.shape[-1])
+            tok, lse = native.seeded_argmax(self._kernels, logits.contiguous(), keys, term, temp, with_lse=True)
+            chosen = logits.gather(-1, tok[:, None])[:, 0]
+            logp = (chosen / temp if temp != 1.0 else chosen) - lse
+        else:
+            if len(temps) == 1:
+                if temp > 0 and self._kernels is not None:
+                    keys, term = stream_keys(seeds, steps), vocab_term_u32(logits.shape[-1])
+                    tok = native.seeded_argmax(self._kernels, logits.contiguous(), keys, term, temp)
+                else:
+                    tok = seeded_choice(logits, seeds, steps, temp)
+                scaled = logits / temp if temp > 0 and temp != 1.0 else logits
+            else:  # rows at different temperatures (serving): the same rule row by row
+                t = torch.tensor([j.temperature for j in jobs], dtype=torch.float32, device=self.device)
+                safe = torch.where(t > 0, t, torch.ones_like(t))[:, None]
+                scaled = logits / safe
+                noisy = (scaled + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+                tok = torch.where(t > 0, noisy, logits.argmax(-1))
+            all_logp = scaled.log_softmax(-1)
+            logp = all_logp.gather(-1, tok[:, None])[:, 0]
+            if k:
+                top = all_logp.topk(k, -1)
+                top_ids, top_vals = top.indices.tolist(), top.values.tolist()
         is_stop = torch.isin(tok, self._stop).tolist()
         tok_l, logp_l = tok.tolist(), logp.tolist()
         hidden_cpu = hidden.to("cpu") if any(j.return_hidden for j in jobs) else None

@@ -126,7 +126,7 @@ def load(library: Path) -> Kernels:
     for fn in (attention, argmax, rope, rms, silu):
         fn.restype = ctypes.c_int
     attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
-    argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, i64]
+    argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, ptr, i64]
     rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     rms.argtypes = [ptr, ptr, ptr, i64, i64, f32, i64]
     silu.argtypes = [ptr, ptr, i64, i64, i64]
@@ -210,17 +210,22 @@ def silu_mul(lib: Kernels, gate_up: Tensor) -> Tensor:
     return out
 
 
-def seeded_argmax(lib: Kernels, logits: Tensor, keys: Tensor, term: Tensor, temperature: float) -> Tensor:
+def seeded_argmax(
+    lib: Kernels, logits: Tensor, keys: Tensor, term: Tensor, temperature: float, *, with_lse: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """`seeded.seeded_choice` for float32 ``logits`` [B, V] (finite), temperature > 0, in one pass
     on torch's threads: ``keys`` [B] int64 are the rows' stream keys, ``term`` [V] uint32 the
     vocabulary term (`seeded.vocab_term_u32`). The same tokens except where two scores tie to
-    ~1e-7 (its logf is not torch's; csrc/decode_attention.c)."""
+    ~1e-7 (its logf is not torch's; csrc/decode_attention.c). With ``with_lse`` also each row's
+    log-sum-exp of logits / temperature [B] (float32, from the same pass), so the chosen token's
+    logprob is its scaled logit minus it."""
     b, vocab = logits.shape
     out = torch.empty(b, dtype=torch.int64)
+    lse = torch.empty(b, dtype=torch.float32) if with_lse else None
     code = lib.seeded_argmax(
         logits.data_ptr(), b, vocab, keys.data_ptr(), term.data_ptr(), temperature, out.data_ptr(),
-        torch.get_num_threads() if lib.threaded else 1,
+        lse.data_ptr() if lse is not None else None, _threads(lib),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"seeded argmax kernel refused its arguments (code {code})")
-    return out
+    return (out, lse) if lse is not None else out

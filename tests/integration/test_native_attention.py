@@ -174,8 +174,14 @@ def test_seeded_argmax_draws_the_seeded_samplers_tokens(tmp_path, rows, vocab, t
     for scale in (0.5, 3.0, 20.0):  # flat and peaked distributions
         logits = torch.randn(rows, vocab, generator=g) * scale
         want = seeded.seeded_choice(logits, seeds, steps, temperature)
-        got = native.seeded_argmax(lib, logits, seeded.stream_keys(seeds, steps), term, temperature)
+        got, lse = native.seeded_argmax(
+            lib, logits, seeded.stream_keys(seeds, steps), term, temperature, with_lse=True
+        )
         assert torch.equal(got, want), (scale, (got != want).sum())
+        # the log-sum-exp of the scaled row from the same pass (the chosen token's logprob is
+        # its scaled logit minus it), against float64
+        want_lse = torch.logsumexp(logits.double() / temperature, -1)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=2e-6, atol=2e-6)
     # the first maximal index on an exact tie of logits and noise: a row of equal entries whose
     # noise is then the only difference, and a row where one logit dominates
     flat = torch.zeros(rows, vocab)

@@ -256,7 +256,10 @@ int swarmrl_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, 
  * last bit (a relative 1e-7: a choice flips only where two scores tie that closely, and the
  * validator's sampling check has a tolerance far above it). Logits must be finite.
  *   logits [rows, vocab], keys [rows] (the stream keys, < 2**32), term [vocab] (uint32),
- *   out [rows]: the chosen index. temperature > 0 (1 leaves the logits as they are). */
+ *   out [rows]: the chosen index. temperature > 0 (1 leaves the logits as they are).
+ *   lse [rows] or NULL: log(sum(exp(logits / temperature))) of each row, from the same pass, so
+ *   the chosen token's logprob needs no log-softmax over the vocabulary (one more 12 MB pass at
+ *   64 rows of 49,152). */
 static inline uint32_t fmix32(uint32_t h) {
     h ^= h >> 16;
     h *= 0x85EBCA6Bu;
@@ -269,7 +272,7 @@ static inline uint32_t fmix32(uint32_t h) {
 #define BLOCK 512
 
 int swarmrl_seeded_argmax(const float *logits, int64_t rows, int64_t vocab, const int64_t *keys,
-                          const uint32_t *term, float temperature, int64_t *out, int64_t threads) {
+                          const uint32_t *term, float temperature, int64_t *out, float *lse, int64_t threads) {
     if (rows < 0 || vocab < 1 || !(temperature > 0.0f) || threads < 1) return 1;
     const float u_max = 1.0f - 0x1p-24f, inv_2_24 = 0x1p-24f;
     const int unit = temperature == 1.0f;
@@ -277,21 +280,23 @@ int swarmrl_seeded_argmax(const float *logits, int64_t rows, int64_t vocab, cons
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t key = (uint32_t)keys[r];
         const float *x = logits + r * vocab;
-        float score[BLOCK];
-        float best = -INFINITY;
+        float score[BLOCK], based[BLOCK];
+        float best = -INFINITY, run_max = 0.0f, run_sum = 0.0f;
         int64_t best_i = 0;
         for (int64_t v0 = 0; v0 < vocab; v0 += BLOCK) {
             const int64_t m = vocab - v0 < BLOCK ? vocab - v0 : BLOCK;
-            float block_max = -INFINITY;
-#pragma omp simd reduction(max : block_max)
+            float block_max = -INFINITY, base_max = x[v0];
+#pragma omp simd reduction(max : block_max, base_max)
             for (int64_t i = 0; i < m; i++) {
                 const uint32_t h = fmix32(fmix32(key ^ term[v0 + i]) ^ 0x5BD1E995u) >> 8;
                 float u = ((float)h + 0.5f) * inv_2_24;
                 u = u < u_max ? u : u_max;
                 const float base = unit ? x[v0 + i] : x[v0 + i] / temperature;
                 const float s = base + -logf(-logf(u));
+                based[i] = base;
                 score[i] = s;
                 block_max = s > block_max ? s : block_max;
+                base_max = base > base_max ? base : base_max;
             }
             if (block_max > best) { /* the first index of the new maximum, in this block */
                 for (int64_t i = 0; i < m; i++)
@@ -300,7 +305,18 @@ int swarmrl_seeded_argmax(const float *logits, int64_t rows, int64_t vocab, cons
                         break;
                     }
             }
+            if (lse) { /* log-sum-exp of the scaled logits, online: rescaled when the maximum grows */
+                if (v0 == 0 || base_max > run_max) {
+                    run_sum = v0 == 0 ? 0.0f : run_sum * expf(run_max - base_max);
+                    run_max = base_max;
+                }
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < m; i++) acc += expf(based[i] - run_max);
+                run_sum += acc;
+            }
         }
+        if (lse) lse[r] = run_max + logf(run_sum);
         out[r] = best_i;
     }
     return 0;
