@@ -403,8 +403,18 @@ class SlotDecoder:
         return qkv[..., :hq], qkv[..., hq : hq + hk], qkv[..., hq + hk :]
 
     def _mlp(self, L: _Layer, x: Tensor) -> Tensor:
-        gate, up = self._linear(L, x, L.gate_up).chunk(2, dim=-1)
+        gate_up = self._linear(L, x, L.gate_up)
+        if self._native is not None:  # one pass instead of silu, then a product (native.py)
+            return self._linear(L, native.silu_mul(self._native, gate_up), L.down)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self._linear(L, torch.nn.functional.silu(gate) * up, L.down)
+
+    def _norm_rows(self, x: Tensor, weight: Tensor) -> Tensor:
+        """RMSNorm of rows of hidden states: the C kernel where it is loaded (one pass over the
+        rows where torch's fused form makes several), `_rms_norm` otherwise."""
+        if self._native is not None:
+            return native.rms_norm(self._native, x, weight, self.eps)
+        return _rms_norm(x, weight, self.eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         if self._dnn_head is not None:
@@ -434,7 +444,8 @@ class SlotDecoder:
         F = torch.nn.functional
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
         positions = torch.cat([self._positions[:m] for m in lengths])
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
+        if self._native is None:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
         starts = [0]
         for m in lengths[:-1]:
             starts.append(starts[-1] + m)
@@ -443,14 +454,18 @@ class SlotDecoder:
         x = F.embedding(ids, self._embed)  # [T, H]
         att = torch.empty((total, heads * dim), dtype=self.dtype, device=self.device)
         for li, L in enumerate(self._layers):
-            h = _rms_norm(x, L.ln1, self.eps)
+            h = self._norm_rows(x, L.ln1)
             q, k, v = self._qkv(L, h)
             q, k = q.view(total, heads, dim), k.view(total, kv, dim)
             if L.qk_norm is not None:  # Qwen3 normalises each head before the rotary embedding
                 q = _head_norm(q, L.qk_norm[:heads], self.eps)
                 k = _head_norm(k, L.qk_norm[heads:], self.eps)
-            q = _rotate(q, cos, sin).transpose(0, 1)  # [heads, T, D]
-            k = _rotate(k, cos, sin).transpose(0, 1)  # [kv, T, D]
+            if self._native is not None:  # one pass per tensor (native.py) where torch makes five
+                q = native.rope(self._native, q, positions, self.cos, self.sin).transpose(0, 1)  # [heads, T, D]
+                k = native.rope(self._native, k, positions, self.cos, self.sin).transpose(0, 1)  # [kv, T, D]
+            else:
+                q = _rotate(q, cos, sin).transpose(0, 1)  # [heads, T, D]
+                k = _rotate(k, cos, sin).transpose(0, 1)  # [kv, T, D]
             v = v.reshape(total, kv, dim).transpose(0, 1)
             kc, vc = self.k[li], self.v[li]
             out = att.view(total, heads, dim).transpose(0, 1)  # [heads, T, D], a view of att
@@ -471,9 +486,9 @@ class SlotDecoder:
             # kernel faults in page by page) at every layer; a block's stay under the threshold
             # below which freed memory is kept (`inference/malloc.py`).
             for a in range(0, total, self.PREFILL_BLOCK):
-                x[a : a + self.PREFILL_BLOCK] += self._mlp(L, _rms_norm(x[a : a + self.PREFILL_BLOCK], L.ln2, self.eps))
+                x[a : a + self.PREFILL_BLOCK] += self._mlp(L, self._norm_rows(x[a : a + self.PREFILL_BLOCK], L.ln2))
         last = torch.tensor([a + m - 1 for _, a, m in spans], device=self.device)
-        return _rms_norm(x[last], self._norm, self.eps)
+        return self._norm_rows(x[last], self._norm)
 
     def grow(self, capacity: int) -> None:
         """Make room for sequences of ``capacity`` tokens, keeping what is cached."""

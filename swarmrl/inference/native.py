@@ -114,6 +114,7 @@ class Kernels(NamedTuple):
     rope_attention: ctypes._CFuncPtr  # swarmrl_decode_rope_attention
     rms_norm: ctypes._CFuncPtr  # swarmrl_rms_norm
     silu_mul: ctypes._CFuncPtr  # swarmrl_silu_mul
+    rope: ctypes._CFuncPtr  # swarmrl_rope
     threaded: bool  # whether they may use torch's threads (one OpenMP runtime in the process)
 
 
@@ -123,17 +124,19 @@ def load(library: Path) -> Kernels:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     attention, argmax = lib.swarmrl_decode_attention, lib.swarmrl_seeded_argmax
     rope, rms, silu = lib.swarmrl_decode_rope_attention, lib.swarmrl_rms_norm, lib.swarmrl_silu_mul
-    for fn in (attention, argmax, rope, rms, silu):
+    rotate = lib.swarmrl_rope
+    for fn in (attention, argmax, rope, rms, silu, rotate):
         fn.restype = ctypes.c_int
     attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, ptr, i64]
     rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     rms.argtypes = [ptr, ptr, ptr, i64, i64, f32, i64]
     silu.argtypes = [ptr, ptr, i64, i64, i64]
+    rotate.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     threaded = _one_openmp()
     if not threaded:
         log.warning("two OpenMP runtimes are loaded: the C kernels run on one thread")
-    return Kernels(attention, argmax, rope, rms, silu, threaded)
+    return Kernels(attention, argmax, rope, rms, silu, rotate, threaded)
 
 
 def supported(group: int, dim: int) -> bool:
@@ -188,6 +191,23 @@ def decode_rope_attention(
     )  # fmt: skip
     if code:
         raise RuntimeError(f"decode rope attention kernel refused its arguments (code {code})")
+
+
+def rope(lib: Kernels, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` [T, heads, D] (each row's heads contiguous; rows may be strided) rotated at
+    ``positions`` [T] (int64) by the rotary tables ``cos``/``sin`` [P, D]: [T, heads, D] contiguous."""
+    t, heads, dim = x.shape
+    if x.stride(1) != dim or x.stride(2) != 1:
+        raise ValueError("rope needs each row's heads contiguous")
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    code = lib.rope(
+        x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        t, heads, dim, cos.shape[0], _threads(lib),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"rope kernel refused its arguments (code {code})")
+    return out
 
 
 def rms_norm(lib: Kernels, x: Tensor, weight: Tensor, eps: float) -> Tensor:

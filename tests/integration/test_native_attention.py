@@ -112,6 +112,23 @@ def test_rope_attention_rotates_writes_the_cache_and_attends(tmp_path, rows, kv,
         native.decode_rope_attention(fn, qk, v_new, cos, sin, k, v, lengths + capacity, out, 0.1)
 
 
+def test_rope_rotates_a_prefills_tokens_at_their_positions(tmp_path):
+    # The prefill's rotary pass: a strided view of a q/k/v product (as the decoder passes it), each
+    # token at its own position, against float64 op by op; a position past the tables is refused.
+    fn = _kernel(tmp_path)
+    g = torch.Generator().manual_seed(9)
+    tokens, heads, dim, table = 11, 3, 16, 20
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=g)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)
+    angles = torch.rand(table, dim // 2, generator=g) * 6.3
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 19, 5, 6, 7, 8])
+    want = _rotate64(x.double(), cos[positions].double()[:, None], sin[positions].double()[:, None])
+    torch.testing.assert_close(native.rope(fn, x, positions, cos, sin).double(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        native.rope(fn, x, positions + 1, cos, sin)
+
+
 def test_rms_norm_and_silu_mul_match_float64(tmp_path):
     fn = _kernel(tmp_path)
     g = torch.Generator().manual_seed(5)
@@ -174,9 +191,7 @@ def test_seeded_argmax_draws_the_seeded_samplers_tokens(tmp_path, rows, vocab, t
     for scale in (0.5, 3.0, 20.0):  # flat and peaked distributions
         logits = torch.randn(rows, vocab, generator=g) * scale
         want = seeded.seeded_choice(logits, seeds, steps, temperature)
-        got, lse = native.seeded_argmax(
-            lib, logits, seeded.stream_keys(seeds, steps), term, temperature, with_lse=True
-        )
+        got, lse = native.seeded_argmax(lib, logits, seeded.stream_keys(seeds, steps), term, temperature, with_lse=True)
         assert torch.equal(got, want), (scale, (got != want).sum())
         # the log-sum-exp of the scaled row from the same pass (the chosen token's logprob is
         # its scaled logit minus it), against float64

@@ -211,6 +211,30 @@ int swarmrl_decode_rope_attention(const float *qk, int64_t qk_stride, const floa
     return failed;
 }
 
+/* The rotary embedding of a prefill's tokens: x row t at x + t * row_stride holds [heads, dim]
+ * (each head contiguous), rotated at position pos[t] by the [*, dim] tables into out [tokens,
+ * heads, dim] (contiguous), as swarmrl_decode_rope_attention rotates. */
+int swarmrl_rope(const float *x, int64_t row_stride, const int64_t *pos, const float *cos, const float *sin,
+                 float *out, int64_t tokens, int64_t heads, int64_t dim, int64_t table, int64_t threads) {
+    if (tokens < 0 || heads < 1 || dim < 2 || dim % 2 || row_stride < heads * dim || threads < 1) return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (pos[t] < 0 || pos[t] >= table) return 2;
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + pos[t] * dim, *s = sin + pos[t] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * row_stride + h * dim;
+            float *o = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = xh[i] * c[i] + -xh[i + half] * s[i];
+                o[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
+            }
+        }
+    }
+    return 0;
+}
+
 /* Hugging Face's RMSNorm in float32 for rows of n values: x * (1 / sqrt(mean(x^2) + eps)) * w. The
  * sum of squares runs in another order than torch's (float32 rounding). */
 int swarmrl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps,
