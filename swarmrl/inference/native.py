@@ -109,7 +109,6 @@ def decode_attention_lib() -> Kernels | None:
 
 
 class Kernels(NamedTuple):
-    attention: ctypes._CFuncPtr  # swarmrl_decode_attention
     seeded_argmax: ctypes._CFuncPtr  # swarmrl_seeded_argmax
     rope_attention: ctypes._CFuncPtr  # swarmrl_decode_rope_attention
     rms_norm: ctypes._CFuncPtr  # swarmrl_rms_norm
@@ -122,12 +121,10 @@ def load(library: Path) -> Kernels:
     """The kernels of a built library."""
     lib = ctypes.CDLL(str(library))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    attention, argmax = lib.swarmrl_decode_attention, lib.swarmrl_seeded_argmax
-    rope, rms, silu = lib.swarmrl_decode_rope_attention, lib.swarmrl_rms_norm, lib.swarmrl_silu_mul
-    rotate = lib.swarmrl_rope
-    for fn in (attention, argmax, rope, rms, silu, rotate):
+    argmax, rope, rms = lib.swarmrl_seeded_argmax, lib.swarmrl_decode_rope_attention, lib.swarmrl_rms_norm
+    silu, rotate = lib.swarmrl_silu_mul, lib.swarmrl_rope
+    for fn in (argmax, rope, rms, silu, rotate):
         fn.restype = ctypes.c_int
-    attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     argmax.argtypes = [ptr, i64, i64, ptr, ptr, f32, ptr, ptr, i64]
     rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     rms.argtypes = [ptr, ptr, ptr, i64, i64, f32, i64]
@@ -136,26 +133,12 @@ def load(library: Path) -> Kernels:
     threaded = _one_openmp()
     if not threaded:
         log.warning("two OpenMP runtimes are loaded: the C kernels run on one thread")
-    return Kernels(attention, argmax, rope, rms, silu, rotate, threaded)
+    return Kernels(argmax, rope, rms, silu, rotate, threaded)
 
 
 def supported(group: int, dim: int) -> bool:
     """Shapes the kernel takes (see csrc/decode_attention.c)."""
     return 1 <= group <= 16 and dim % 8 == 0 and 8 <= dim <= 256
-
-
-def decode_attention(lib: Kernels, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, out: Tensor, scale: float) -> None:
-    """Attention of ``q`` [B, KV, G, D] against slots 0..B-1 of the cache ``k``/``v``
-    [slots, KV, capacity, D], row i over positions 0..lengths[i], into ``out`` [B, KV, G, D], on
-    torch's threads. All float32 and contiguous, ``lengths`` int64 ([B], each below capacity)."""
-    b, kv, group, dim = q.shape
-    threads = torch.get_num_threads() if lib.threaded else 1
-    code = lib.attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-        b, kv, group, dim, k.shape[2], scale, threads,
-    )  # fmt: skip
-    if code:
-        raise RuntimeError(f"decode attention kernel refused its arguments (code {code})")
 
 
 def _threads(lib: Kernels) -> int:

@@ -24,6 +24,17 @@ def _kernel(tmp_path):
     return lib
 
 
+def _attend(fn, q, k, v, lengths, out, scale):
+    """The decode kernel as attention alone: identity rotary tables (cos 1, sin 0), and each row's
+    new key and value the ones already cached at its position, so the writes change nothing."""
+    rows, kv, group, dim = q.shape
+    rows_i = torch.arange(rows)
+    qk = torch.cat([q.reshape(rows, kv * group, dim), k[rows_i, :, lengths]], 1)
+    v_new = v[rows_i, :, lengths].contiguous()
+    ones, zeros = torch.ones(k.shape[2], dim), torch.zeros(k.shape[2], dim)
+    native.decode_rope_attention(fn, qk, v_new, ones, zeros, k, v, lengths, out.view(rows, kv * group, dim), scale)
+
+
 def _reference(q, k, v, lengths, scale):
     """Masked softmax attention in float64: row i over positions 0..lengths[i]."""
     b, kv, group, dim = q.shape
@@ -55,7 +66,7 @@ def test_kernel_matches_masked_softmax_attention(tmp_path, rows, kv, group, dim,
         for threads in (1, 2, 3):  # on torch's OpenMP threads, as many as torch has
             torch.set_num_threads(threads)
             out = torch.full((rows, kv, group, dim), float("nan"))
-            native.decode_attention(fn, q, k, v, lengths, out, dim**-0.5)
+            _attend(fn, q, k, v, lengths, out, dim**-0.5)
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-6)
     finally:
         torch.set_num_threads(before)
@@ -65,7 +76,7 @@ def test_kernel_matches_masked_softmax_attention(tmp_path, rows, kv, group, dim,
         k2[i, :, n + 1 :] = 1e30
         v2[i, :, n + 1 :] = float("nan")
     again = torch.empty_like(out)
-    native.decode_attention(fn, q, k2, v2, lengths, again, dim**-0.5)
+    _attend(fn, q, k2, v2, lengths, again, dim**-0.5)
     assert torch.equal(again, out)
 
 
@@ -151,10 +162,11 @@ def test_kernel_refuses_shapes_and_lengths_it_cannot_take(tmp_path):
     q = torch.randn(2, 1, 2, 12)  # dim 12: not a multiple of 8
     k = v = torch.randn(2, 1, 8, 12)
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        native.decode_attention(fn, q, k, v, torch.tensor([1, 2]), torch.empty_like(q), 0.3)
-    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 8, 16)
+        _attend(fn, q, k, v, torch.tensor([1, 2]), torch.empty_like(q), 0.3)
+    qk, k = torch.randn(2, 3, 16), torch.randn(2, 1, 8, 16)
+    table = torch.ones(8, 16)
     with pytest.raises(RuntimeError, match="refused its arguments"):  # position 8 of a cache of 8
-        native.decode_attention(fn, q, k, k, torch.tensor([1, 8]), torch.empty_like(q), 0.3)
+        native.decode_rope_attention(fn, qk, qk[:, 2:], table, table, k, k, torch.tensor([1, 8]), qk[:, :2] * 0, 0.3)
     assert not native.supported(2, 12) and not native.supported(17, 64) and native.supported(3, 64)
 
 

@@ -1,17 +1,17 @@
-/* One decode step's grouped-query attention over a per-slot KV cache (float32), reading each
- * row's cached keys and values once.
+/* The CPU decoder's small kernels (float32): a decode step's grouped-query attention over a
+ * per-slot KV cache with its rotary embedding and cache writes, the RMS norm, the gated MLP's
+ * activation, the prefill's rotary embedding, and the seeded choice of the next token. Torch runs
+ * the four products of each layer; these replace the ~20 small torch kernels around them.
  *
- * Why: at a decode step attention reads every cached key and value of every row, and on a CPU
- * that read is the cost (SmolLM2-135M, 64 rows of ~200 tokens: 590 MB a step). torch's batched
- * products write the scores out, softmax them in another kernel and read the values in a third.
- * Here each (row, key head) pair reads its keys once for all the query heads that share them
- * (grouped-query attention), keeps the scores in a small buffer, and reads its values once.
+ * Why attention here: at a decode step attention reads every cached key and value of every row,
+ * and on a CPU that read is the cost (SmolLM2-135M, 64 rows of ~200 tokens: 590 MB a step).
+ * torch's batched products write the scores out, softmax them in another kernel and read the
+ * values in a third. Here each (row, key head) pair reads its keys once for all the query heads
+ * that share them (grouped-query attention), keeps the scores in a small buffer, and reads its
+ * values once.
  *
- * Layout (what inference/decoder.py keeps):
- *   q    [rows, kv_heads, group, dim]          the step's queries (rotated), contiguous
- *   k, v [slots, kv_heads, capacity, dim]      the cache; row r uses slot r
- *   len  [rows] int64                          row r attends to positions 0..len[r] inclusive
- *   out  [rows, kv_heads, group, dim]
+ * Cache layout (what inference/decoder.py keeps):
+ *   k, v [slots, kv_heads, capacity, dim]      row r uses slot r and attends to 0..len[r]
  * The rows x kv_heads pairs are split over `threads` OpenMP threads. The library is linked
  * against libgomp.so.1, and torch has loaded its own libgomp.so.1 before this one is, so the
  * dynamic linker binds both to torch's copy: one thread team, whose threads are already spinning
@@ -129,34 +129,6 @@ static void attend(const float *qs, const float *kp, const float *vp, int64_t n,
         default:
             attend_pair(qs, kp, vp, n, os, group, nv, capacity, scale, scratch);
     }
-}
-
-int swarmrl_decode_attention(const float *q, const float *k, const float *v, const int64_t *len, float *out,
-                             int64_t rows, int64_t kv_heads, int64_t group, int64_t dim, int64_t capacity,
-                             float scale, int64_t threads) {
-    if (group < 1 || group > MAX_GROUP || dim < W || dim > MAX_DIM || dim % W || threads < 1) return 1;
-    for (int64_t r = 0; r < rows; r++)
-        if (len[r] < 0 || len[r] >= capacity) return 2;
-    const int64_t nv = dim / W;
-    int failed = 0;
-#pragma omp parallel num_threads((int)threads)
-    {
-        float *scratch = malloc(sizeof(float) * group * capacity);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 3;
-        }
-#pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < rows * kv_heads; pair++) {
-            if (!scratch) continue;
-            const int64_t row = pair / kv_heads, n = len[row] + 1;
-            const float *qs = q + pair * group * dim, *kp = k + pair * capacity * dim, *vp = v + pair * capacity * dim;
-            float *os = out + pair * group * dim;
-            attend(qs, kp, vp, n, os, group, nv, capacity, scale, scratch);
-        }
-        free(scratch);
-    }
-    return failed;
 }
 
 /* The rotary embedding of a decode step, its cache writes and its attention, in one pass per
