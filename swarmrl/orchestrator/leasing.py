@@ -51,10 +51,12 @@ def wants_more_work(
 
 @dataclass(frozen=True)
 class Unproven:
-    """What unproven keys (trusted ones aside) hold now: by lease source, and their open slots."""
+    """What unproven keys (trusted ones aside) hold now: by lease source, their open slots, and
+    their groups awaiting the validator."""
 
     by_source: dict[str, int]
     open_slots: int
+    awaiting: int
 
 
 class Leasing:
@@ -135,12 +137,15 @@ class Leasing:
     def _unproven(self, db) -> Unproven:
         trusted = self.gate.trusted_keys()  # count as proven (docs/engines.md)
         by_source: dict[str, int] = {}
-        open_slots = 0
-        for source, worker, leased, other in self.store.unproven_held(db, self.cfg.orchestrator.proven_after):
+        open_slots = awaiting = 0
+        for source, worker, leased, scoring, waiting in self.store.unproven_held(
+            db, self.cfg.orchestrator.proven_after
+        ):
             if worker not in trusted:
-                by_source[source] = by_source.get(source, 0) + leased + other
+                by_source[source] = by_source.get(source, 0) + leased + scoring + waiting
                 open_slots += leased
-        return Unproven(by_source, open_slots)
+                awaiting += waiting
+        return Unproven(by_source, open_slots, awaiting)
 
     def _admit(self, db, key: str, source: str, unproven: Unproven, now: float) -> tuple[int, dict | None, bool]:
         """How many prompts `key` may lease now (admission.py), or why none: (0, a no-lease reply)
@@ -233,21 +238,25 @@ class Leasing:
             n, no_lease, proven = self._admit(db, key, source, unproven, now)
             if no_lease is not None:
                 return no_lease
-            queued = self.store.count_groups(db, WAITING)
-            # A lease costs a free key nothing to hold: counted here, hoarders would take that much
-            # capacity from proven workers, and keys from a few addresses would keep a newcomer
-            # from another out. Unproven keys' slots have their own caps (_admit), so back-pressure
-            # counts proven work only (the total may exceed the limit by the unproven share and
-            # reserve).
+            # A lease costs a free key nothing to hold, nor does garbage it submits: counted here,
+            # hoarders would take that much capacity from proven workers (as would a flood of
+            # unproven groups awaiting the validator: CI saw honest workers refused with "16 groups
+            # wait for the trainer and 0 are leased"), and keys from a few addresses would keep a
+            # newcomer from another out. Unproven keys' slots and groups awaiting the validator
+            # have their own caps (_admit), so back-pressure counts proven work only (the total may
+            # exceed the limit by the unproven share and reserve).
+            queued = self.store.count_groups(db, WAITING) - unproven.awaiting
             open_slots = self.store.open_slot_count(db) - unproven.open_slots
             # Lease while below the limit (not "if the lease fits"): with fewer informative groups
             # queued than a batch needs and nothing leased, a lease must always be possible.
             outstanding = queued + open_slots
             if outstanding >= max(max_outstanding(cfg), s.prompts_per_step):
+                validating = self.store.count_groups(db, ("pending", "validating")) - unproven.awaiting
                 return {
                     "lease": None,
                     "retry_after_s": 0.1,
-                    "reason": f"{queued} groups wait for the trainer and {open_slots} are leased",
+                    "reason": f"{queued} groups wait for the trainer ({validating} of them for the validator) "
+                    f"and {open_slots} are leased",
                 }
             # Work sampled with version v can only feed batches up to v + k. Once what is queued or
             # leased covers those batches (at the informative rate seen lately), more work with v

@@ -294,9 +294,9 @@ class Store:
         ).fetchone()[0]
         return (row[0] if row else 0), expired, fraud, leased, waiting, (row[1] if row else 0)
 
-    def unproven_held(self, db: Db, proven_after: int) -> list[tuple[str, str, int, int]]:
+    def unproven_held(self, db: Db, proven_after: int) -> list[tuple[str, str, int, int, int]]:
         """Work held by keys with fewer than `proven_after` validated groups, per lease source and
-        key: (source, key, slots open in open leases, slots being scored and groups awaiting the
+        key: (source, key, slots open in open leases, slots being scored, groups awaiting the
         validator). Leases from before sources were recorded count as source ''."""
         out: dict[tuple[str, str], list[int]] = {}
         for column, sql in (
@@ -313,15 +313,15 @@ class Store:
                 "AND w.validated < ? GROUP BY 1, 2",
             ),
             (
-                1,
+                2,
                 "SELECT COALESCE(l.source, ''), g.worker, COUNT(*) FROM groups g JOIN leases l ON g.lease_id = l.id "
                 "JOIN workers w ON g.worker = w.key WHERE g.state IN ('pending', 'validating') "
                 "AND w.validated < ? GROUP BY 1, 2",
             ),
         ):
             for source, worker, n in db.execute(sql, (proven_after,)).fetchall():
-                out.setdefault((source, worker), [0, 0])[column] += n
-        return [(source, worker, leased, other) for (source, worker), (leased, other) in out.items()]
+                out.setdefault((source, worker), [0, 0, 0])[column] += n
+        return [(source, worker, *held) for (source, worker), held in out.items()]
 
     def source_expired(self, db: Db, source: str, since: float) -> int:
         """Slots unproven keys leased from `source` let expire since `since`."""

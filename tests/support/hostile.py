@@ -149,7 +149,7 @@ class Honest:
                 self._cycle(t0, 0)
                 continue
             if got["lease"] is None:
-                self._note("no_lease: " + str(got.get("reason", ""))[:40])
+                self._note("no_lease: " + str(got.get("reason", ""))[:90])
                 time.sleep(min(0.5, got.get("retry_after_s") or 0.1))
                 self._note("s_waiting", time.monotonic() - t0)
                 self._cycle(t0, 0)

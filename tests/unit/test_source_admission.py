@@ -84,12 +84,35 @@ def test_a_run_directory_of_an_earlier_version_gains_the_source_columns(tmp_path
     try:
         with store.tx() as tx:
             store.add_slot(tx, "l", 0, 3, None, "[1]")
-            assert store.unproven_held(tx, proven_after=4) == [("", "k", 1, 0)]
+            assert store.unproven_held(tx, proven_after=4) == [("", "k", 1, 0, 0)]
             store.create_lease(tx, "m", "k", 0, 1e12, 0, 0, 1, "10.0.0.1")
             store.add_slot(tx, "m", 0, 4, None, "[1]")
             store.penalise(tx, "k", 2, 100.0, "10.0.0.1")
-            assert sorted(store.unproven_held(tx, proven_after=4)) == [("", "k", 1, 0), ("10.0.0.1", "k", 1, 0)]
+            assert sorted(store.unproven_held(tx, proven_after=4)) == [("", "k", 1, 0, 0), ("10.0.0.1", "k", 1, 0, 0)]
             assert store.source_expired(tx, "10.0.0.1", since=50.0) == 2
             assert store.source_expired(tx, "10.0.0.1", since=150.0) == 0
+    finally:
+        store.close()
+
+
+def test_an_unproven_keys_groups_awaiting_the_validator_are_counted_apart(tmp_path):
+    """Groups an unproven key submitted that wait for the validator are its own column, which
+    leasing takes out of the back-pressure count (garbage from free keys queued for the
+    validator must not hold proven workers' leases back); once validated and queued for the
+    trainer they count as any group does."""
+    from swarmrl.orchestrator.errors import WAITING
+
+    store = Store(tmp_path / "orchestrator.sqlite")
+    try:
+        store.register("k", "new")
+        with store.tx() as tx:
+            store.create_lease(tx, "m", "k", 0, 1e12, 0, 0, 5, "10.0.0.1")
+            for slot in range(5):
+                store.add_slot(tx, "m", slot, slot, None, "[1]")
+            for slot, state in enumerate(["pending", "pending", "validating", "queued"]):
+                store.add_group(tx, "m", slot, "k", 0, 0.0, "{}", True, state, "[]")
+            assert store.unproven_held(tx, proven_after=4) == [("10.0.0.1", "k", 5, 0, 3)]
+            assert store.count_groups(tx, WAITING) - 3 == 1  # the validated one still counts
+            assert store.unproven_held(tx, proven_after=0) == []  # a proven key's count as any
     finally:
         store.close()
