@@ -14,7 +14,7 @@ from torch import Tensor
 
 from swarmrl.config import AlgorithmConfig
 
-NORMALIZER_MODES = ("token", "constant")
+NORMALIZER_MODES = ("token", "constant", "sequence")
 
 # exp() of a log-ratio above ~88 is inf in float32, and inf * 0 in exp's backward is NaN.
 # Every use of the ratio is bounded (by delta or 1 + eps_high) long before e^20, so
@@ -45,12 +45,17 @@ def loss_normalizer(mode: str, *, num_tokens: int, num_sequences: int, max_token
     ``"token"``: total masked tokens (DAPO's token-level mean; long answers are not
     down-weighted per token). ``"constant"``: ``num_sequences * max_tokens``, a budget
     that does not depend on the sampled lengths (Dr.GRPO), so the length bias of a
-    per-sequence mean disappears. At least 1, so an all-masked step gives a 0 loss.
+    per-sequence mean disappears. ``"sequence"``: ``num_sequences``, for a loss whose
+    tokens were each divided by their sequence's length (``grpo_loss(per_sequence=True)``):
+    the original GRPO mean of per-sequence means, where every sequence weighs the same
+    whatever its length. At least 1, so an all-masked step gives a 0 loss.
     """
     if mode == "token":
         return float(max(num_tokens, 1))
     if mode == "constant":
         return float(max(num_sequences * max_tokens, 1))
+    if mode == "sequence":
+        return float(max(num_sequences, 1))
     raise ValueError(f"unknown loss normalizer mode {mode!r}; allowed: {', '.join(NORMALIZER_MODES)}")
 
 
@@ -63,12 +68,14 @@ def grpo_loss(
     eps_high: float = _ALG.eps_high,
     entropy_coef: float = _ALG.entropy_coef,
     kl_coef: float = _ALG.kl_coef,
+    per_sequence: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """Sum of masked per-token losses divided by ``normalizer``; returns (loss, metrics).
 
     ``normalizer`` is the whole optimizer step's (see ``loss_normalizer``), so summing
     this over the step's micro-batches equals the loss of the step as one batch.
-    Metrics are python floats, masked means over this micro-batch.
+    ``per_sequence``: each token's loss is first divided by its sequence's masked length
+    (normalization "sequence"). Metrics are python floats, masked means over this micro-batch.
     """
     if not delta > 1.0 + eps_high:
         raise ValueError(f"delta ({delta}) must exceed 1 + eps_high ({1.0 + eps_high})")
@@ -98,6 +105,8 @@ def grpo_loss(
         d = torch.where(mask, x.ref_logprobs - x.logprobs, 0.0)  # [B, T]
         kl = d.exp() - d - 1.0  # [B, T]
         per_token = per_token + kl_coef * kl
+    if per_sequence:
+        per_token = per_token / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, T] / [B, 1]
     loss = torch.where(mask, per_token, 0.0).sum() / normalizer  # scalar
 
     with torch.no_grad():

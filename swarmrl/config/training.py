@@ -20,9 +20,12 @@ class AlgorithmConfig(Section):
     """Divide group advantages by the group's std. False is the Dr.GRPO variant (Liu et al. 2025)."""
     adv_eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
-    normalization: Literal["token", "constant"] = "token"
+    normalization: Literal["token", "constant", "sequence"] = "token"
     """Loss normaliser: "token" divides by the step's total completion tokens; "constant" by
-    samples x max_new_tokens, a constant budget (Dr.GRPO)."""
+    samples x max_new_tokens, a constant budget (Dr.GRPO); "sequence" averages each completion's
+    tokens, then the completions (the original GRPO), so every completion weighs the same
+    whatever its length: with tasks of very different answer lengths mixed in one batch, "token"
+    gives the short-answer task a small share of each step (docs/instructions.md)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus weight (0: off)."""
     kl_coef: float = Field(0.0, ge=0.0)

@@ -396,6 +396,7 @@ class GRPOTrainer:
                     eps_high=alg.eps_high,
                     entropy_coef=alg.entropy_coef,
                     kl_coef=alg.kl_coef,
+                    per_sequence=alg.normalization == "sequence",
                 )
                 loss.backward()
                 if want_entropy:

@@ -197,12 +197,12 @@ def test_micro_batches_sum_to_full_batch():
     mask = torch.rand(B, T, generator=g) > 0.3
     w = torch.rand(B, T, generator=g) + 0.5
     kw = dict(entropy_coef=0.0, kl_coef=0.1)
-    for mode in ("token", "constant"):
+    for mode in ("token", "constant", "sequence"):
         norm = loss_normalizer(mode, num_tokens=int(mask.sum()), num_sequences=B, max_tokens=T)
 
-        def loss_of(s: slice, norm: float = norm) -> torch.Tensor:  # old_logprobs double as the reference
+        def loss_of(s: slice, norm: float = norm, mode: str = mode) -> torch.Tensor:  # old_logprobs: also the ref
             inputs = LossInputs(logprobs[s], old[s], adv[s], mask[s], w[s], ref_logprobs=old[s])
-            return grpo_loss(inputs, normalizer=norm, **kw)[0]
+            return grpo_loss(inputs, normalizer=norm, per_sequence=mode == "sequence", **kw)[0]
 
         full = loss_of(slice(None))
         parts = [loss_of(slice(0, 2)), loss_of(slice(2, B))]
@@ -220,8 +220,24 @@ def test_loss_normalizer_modes():
     assert loss_normalizer("constant", num_tokens=37, num_sequences=4, max_tokens=16) == 64.0
     assert loss_normalizer("token", num_tokens=0, num_sequences=4, max_tokens=16) == 1.0
     assert loss_normalizer("constant", num_tokens=0, num_sequences=0, max_tokens=16) == 1.0
-    with pytest.raises(ValueError, match="token.*constant"):
-        loss_normalizer("sequence", num_tokens=1, num_sequences=1, max_tokens=1)
+    assert loss_normalizer("sequence", num_tokens=37, num_sequences=4, max_tokens=16) == 4.0
+    with pytest.raises(ValueError, match="token.*constant.*sequence"):
+        loss_normalizer("sample", num_tokens=1, num_sequences=1, max_tokens=1)
+
+
+def test_per_sequence_loss_is_the_mean_of_sequence_means():
+    # Row 0: 3 tokens summing to -2.8; row 1: 4 tokens summing to 7.9 (TOKEN_LOSS).
+    x = make_inputs()
+    norm = loss_normalizer("sequence", num_tokens=7, num_sequences=2, max_tokens=4)
+    loss, _ = grpo_loss(x, normalizer=norm, per_sequence=True)
+    torch.testing.assert_close(loss, torch.tensor((-2.8 / 3 + 7.9 / 4) / 2))
+    loss.backward()
+    # Each token's gradient is its sequence's share: 1 / (length x sequences).
+    torch.testing.assert_close(x.logprobs.grad, TOKEN_GRAD / torch.tensor([[3.0], [4.0]]) / 2)
+    # An all-masked row adds nothing (and no division by zero).
+    y = make_inputs(loss_mask=torch.tensor([[False] * 4, [True] * 4]))
+    loss, _ = grpo_loss(y, normalizer=2.0, per_sequence=True)
+    torch.testing.assert_close(loss, torch.tensor(7.9 / 4 / 2))
 
 
 # ---------------------------------------------------------------- token log-probs / entropy

@@ -139,6 +139,7 @@ VARIANTS = {
         "0.8",
     ],
     "constant_normalizer": ["--algorithm.normalization", "constant"],
+    "sequence_normalizer": ["--algorithm.normalization", "sequence"],
 }
 
 
@@ -196,6 +197,35 @@ def test_packed_step_equals_padded_step(variant):
         worst = max(worst, err / max(scale, 1e-12))
         assert err <= 1e-5 * scale + 1e-9, f"{k}: |packed - padded| = {err:.3g}, |padded| = {scale:.3g}"
     print(f"{variant}: worst relative gradient difference {worst:.2g}")
+
+
+def test_sequence_normalization_weighs_each_completion_the_same():
+    """A step with normalization "sequence" is, exactly, a "token" step whose advantages were each
+    scaled by (tokens in the step) / (sequences x that sequence's length): the clipped objective is
+    linear in a positive advantage scale. Same gradient, from identical weights."""
+    common = ["--trainer.optimizer_steps", "1", "--trainer.grad_clip", "1e9"]
+    model, _ = build_tiny_policy(0, **SHAPE)
+    seq_cfg = make_cfg(*common, "--algorithm.normalization", "sequence")
+    groups = random_groups(
+        model, prompts=4, group_size=4, prompt_lens=(3, 12), completion_lens=(1, 40), seed=11, temperature=1.0
+    )
+    batch = make_batch(groups, seq_cfg)
+    lengths = batch.loss_mask.sum(1).float()  # [N]
+    assert lengths.min() < 10 and lengths.max() > 30
+    scaled = dataclasses.replace(batch, advantages=batch.advantages * lengths.sum() / (len(batch) * lengths))
+    grads = []
+    for cfg, b in ((seq_cfg, batch), (make_cfg(*common), scaled)):
+        m, _ = build_tiny_policy(0, **SHAPE)
+        GRPOTrainer(m, cfg).train_step(b)
+        grads.append({k: p.grad.detach().clone() for k, p in m.named_parameters()})
+    for k in grads[0]:
+        scale = float(grads[1][k].norm())
+        assert float((grads[0][k] - grads[1][k]).norm()) <= 1e-5 * scale + 1e-9, k
+    # And it is not the "token" step itself: the lengths differ, so the weights do.
+    m, _ = build_tiny_policy(0, **SHAPE)
+    GRPOTrainer(m, make_cfg(*common)).train_step(batch)
+    plain = {k: p.grad for k, p in m.named_parameters()}
+    assert any(float((plain[k] - grads[0][k]).norm()) > 1e-3 * float(plain[k].norm()) for k in plain)
 
 
 def test_budget_is_validated_at_config_load():
