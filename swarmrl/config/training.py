@@ -244,6 +244,15 @@ class AsyncConfig(Section):
     `swarmrl serve` process that it reloads with every policy version. Their keys are made
     trusted (written to <run-dir>/trusted_keys.txt with those of `orchestrator.trusted_keys_file`),
     so their groups go without proofs; the `async.workers` still prove theirs (docs/engines.md)."""
+    vllm_workers: int = Field(0, ge=0)
+    """Untrusted workers `swarmrl rl` starts that generate with vLLM in their own process
+    (`swarmrl worker --engine vllm`): the same seeded choice and TOPLOC proofs as the built-in
+    engine, so the validator checks them like the `async.workers` (docs/engines.md, "Proving
+    vLLM workers"). They run on `vllm_python`; on a CPU each keeps to `worker_threads` cores of
+    its own where the machine has them (vLLM pins its threads)."""
+    vllm_python: str = ".venv-vllm/bin/python"
+    """The python of vLLM's environment, which runs the `vllm_workers` (`make vllm-env` builds it,
+    with swarmrl installed in it); relative paths are from the current directory."""
     adversaries: list[str] = Field(default_factory=list)
     """FOR TESTING THE VALIDATOR: extra workers `swarmrl rl` starts that cheat, one per entry,
     each in the named way (`swarmrl worker --help` lists them: other_model, old_version,

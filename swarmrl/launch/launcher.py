@@ -72,8 +72,10 @@ class Children:
         *,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
-        """`swarmrl <args>` as child `name`, or `command` (torchrun) in its place."""
+        """`swarmrl <args>` as child `name` (on `python`, default this one), or `command`
+        (torchrun) in its place."""
         log = self.rd.logs / f"{name}.log"
         if command:
             self.torchrun, self.log_start = name, log.stat().st_size if log.exists() else 0
@@ -87,7 +89,7 @@ class Children:
         }
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                command or [sys.executable, "-m", "swarmrl.cli", *args],
+                command or [python or sys.executable, "-m", "swarmrl.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -308,6 +310,32 @@ def _start_endpoint_workers(children: Children, rd: RunDir, cfg: Config, start_w
         )
 
 
+def vllm_cpus(index: int, threads: int, cpus: list[int]) -> list[int]:
+    """The cores vLLM worker `index` pins its `threads` threads to: its own block of the CPU set,
+    wrapping around when there are more workers than blocks (they then share)."""
+    if threads >= len(cpus):
+        return list(cpus)
+    start = (index * threads) % len(cpus)
+    return [cpus[(start + k) % len(cpus)] for k in range(threads)]
+
+
+def _start_vllm_workers(cfg: Config, start_worker, log) -> None:
+    """`async.vllm_workers` untrusted workers on vLLM's environment (`swarmrl worker --engine vllm`)."""
+    n = cfg.async_.vllm_workers
+    if not n:
+        return
+    from swarmrl.inference.vllm_engine import cpu_list
+
+    python = Path(cfg.async_.vllm_python).expanduser()
+    cpus = sorted(os.sched_getaffinity(0))
+    for i in range(n):
+        env = {**os.environ}
+        if cfg.model.device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(vllm_cpus(i, cfg.async_.worker_threads, cpus))
+        start_worker(f"worker-vllm-{i}", f"worker-vllm-{i}", "--engine", "vllm", python=str(python.absolute()), env=env)
+    log(f"{n} proving vLLM workers on {python} (swarmrl worker --engine vllm)")
+
+
 def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: list[str], log) -> float:
     """The trainer as node 0 of trainer.nnodes, trainer.nproc ranks here under torchrun; returns
     how long to wait for it to come up (with other nodes: until they join, or the rendezvous times out)."""
@@ -379,6 +407,12 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
         if cfg.async_.endpoint_workers:
             cfg = _trust_endpoint_workers(rd, cfg)
+        if cfg.async_.vllm_workers and not Path(cfg.async_.vllm_python).expanduser().exists():
+            raise FileNotFoundError(
+                f"async.vllm_workers {cfg.async_.vllm_workers} needs vLLM's environment, and async.vllm_python "
+                f"{cfg.async_.vllm_python} does not exist: build it with `make vllm-env`, or point "
+                "async.vllm_python at the python of an environment with vLLM and swarmrl installed"
+            )
         if cfg.async_.tls:  # the origin's certificate goes into the run's config: the trainer reads it there
             _, cert, key = make_loopback_certificates(rd.root / "tls")
             cfg = cfg.model_copy(
@@ -450,7 +484,9 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             log(f"relays: {', '.join(relays)} (origin {origin})")
         weights = ["--relays", ",".join(relays), "--trainer-key", str(rd.root / "trainer.pub")]
 
-        def start_worker(proc_name: str, display_name: str, *extra: str) -> None:
+        def start_worker(
+            proc_name: str, display_name: str, *extra: str, python: str | None = None, env: dict | None = None
+        ) -> None:
             wdir = rd.root / "workers" / proc_name  # its own key, policy cache and outbox
             children.start(
                 proc_name,
@@ -475,10 +511,13 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 ],
                 cfg.async_.worker_threads,
                 nice=cfg.async_.worker_nice,
+                python=python,
+                env=env,
             )
 
         for i in range(cfg.async_.workers):
             start_worker(f"worker-{i}", f"worker-{i}")
+        _start_vllm_workers(cfg, start_worker, log)
         _start_endpoint_workers(children, rd, cfg, start_worker)
         if cfg.async_.endpoint_workers:
             log(

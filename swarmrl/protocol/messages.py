@@ -62,10 +62,10 @@ class GroupIn(_Claims):
     slot: int = Field(ge=0, le=MAX_GROUPS)
     policy_version: int = Field(ge=0, le=10**9)
     samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
-    engine: Literal["builtin", "openai"] = Field(
+    engine: Literal["builtin", "vllm", "openai"] = Field(
         "builtin",
-        description="what generated the group: the seeded sampler (with proofs), or an OpenAI-compatible "
-        "server (no proofs: accepted from trusted keys only)",
+        description="what generated the group: the built-in seeded sampler or vLLM in the worker's process "
+        "(both with proofs), or an OpenAI-compatible server (no proofs: accepted from trusted keys only)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None,

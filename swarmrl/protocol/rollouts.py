@@ -32,7 +32,8 @@ class Group:
     target_length: int | None = None
     created: float = 0.0
     gen_seconds: float = 0.0  # this group's share of the worker's generate call (for time/generation)
-    engine: str = "builtin"  # what the worker declared generated it ("openai": a trusted key's server, no proofs)
+    # What the worker declared generated it: "builtin" or "vllm" (with proofs), "openai" (a trusted key's server).
+    engine: str = "builtin"
     engine_dtype: str | None = None  # the precision that engine declared, if not the run's
     # Filled in by the trusted side, never by a worker:
     rewards: list[float] = field(default_factory=list)

@@ -203,6 +203,22 @@ def test_dry_run_of_a_role_on_a_run_dir_shows_the_runs_config(run_dir, capsys):
             ["worker", "--orchestrator", "http://127.0.0.1:9", "--endpoint", "http://e"],
             ["--endpoint is for --engine openai"],
         ),
+        (
+            ["worker", "--orchestrator", "http://127.0.0.1:9", "--vllm-kv-cache-gib", "2"],
+            ["--vllm-kv-cache-gib is for --engine vllm"],
+        ),
+        (
+            ["worker", "--orchestrator", "http://127.0.0.1:9", "--engine", "vllm", "--endpoint", "http://e"],
+            ["--endpoint is for --engine openai"],
+        ),
+        (
+            ["worker", "--orchestrator", "http://127.0.0.1:9", "--engine", "vllm", "--streams", "2"],
+            ["--engine vllm schedules its own batches"],
+        ),
+        (
+            ["worker", "--orchestrator", "http://127.0.0.1:9", "--engine", "vllm", "--vllm-max-model-len", "1"],
+            ["--vllm-max-model-len 1: give at least 2"],
+        ),
         (["relay", "--upstream", "http://ok:1,bad:2", "--cache-dir", "c"], ["--upstream 'bad:2' has no scheme"]),
         (["relay", "--upstream", "http://ok:1", "--cache-dir", "c", "--tls-key", "k"], ["--tls-cert and --tls-key go"]),
         (["tasks", "--output", "x", "--completions", "wrong"], ["--completions is for --kind code"]),
