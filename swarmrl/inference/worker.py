@@ -44,6 +44,7 @@ from pydantic import ValidationError
 from swarmrl.inference.engine import RolloutEngine, build_engine
 from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
 from swarmrl.inference.streams import StreamedEngine
+from swarmrl.inference.vllm_engine import VllmUnavailable
 from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
@@ -469,7 +470,7 @@ def run_worker(
     )
     try:
         worker.run()
-    except (Unavailable, Refused, WrongPrecision, EndpointError) as e:
+    except (Unavailable, Refused, WrongPrecision, EndpointError, VllmUnavailable) as e:
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

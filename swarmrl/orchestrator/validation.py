@@ -117,6 +117,7 @@ class ValidationQueue:
                     # logprobs are all that can be checked.
                     "checks": "full" if any(proofs) else "logprobs",
                     "engine_dtype": g.get("engine_dtype"),
+                    "engine": g.get("engine") or "builtin",
                 }
             )
         self.counters.count("validator/claimed", len(items))

@@ -289,6 +289,11 @@ class ClaimedGroup(_Out):
         "proofs, whose logprobs alone can be checked",
     )
     engine_dtype: str | None = Field(None, description="the precision its engine declared (logprobs checks)")
+    engine: str = Field(
+        "builtin",
+        description="what the worker declared generated it (builtin, vllm, openai): a proving vLLM worker's "
+        "bfloat16 groups are held to the run's validator.vllm_bf16_group_mant_err_max",
+    )
 
 
 class Claim(_Out):

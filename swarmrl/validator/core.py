@@ -300,7 +300,7 @@ class Validator:
         """The group's verdict under the thresholds for a run sampling in `dtype`."""
         if item.get("checks") == "logprobs":
             return self.judge_logprobs(item, reports, dtype)
-        lim = self.cfg.limits(dtype)
+        lim = self.cfg.limits(dtype, item.get("engine") or "builtin")
         chunks = [c for r in reports for c in r.chunks]
         means = sorted(c.mant_err_mean for c in chunks if not math.isnan(c.mant_err_mean))
         stats = {

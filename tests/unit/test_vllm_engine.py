@@ -72,3 +72,17 @@ def test_max_positions_come_from_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="--vllm-max-model-len"):
         max_positions(tmp_path)
+
+
+def test_a_vllm_without_the_hooked_attributes_is_refused_with_the_fallback():
+    """Another vLLM release that moved what the hooks use must stop the worker, naming the trusted
+    fallback, never let it submit unproven work."""
+    from types import SimpleNamespace
+
+    from swarmrl.inference.vllm_engine import VllmUnavailable, _install, _Recorder
+
+    runner = SimpleNamespace(model=SimpleNamespace(compute_logits=lambda h: h), sampler=object(), requests={})
+    with pytest.raises(VllmUnavailable, match="model_runner.input_batch.*--engine openai"):
+        _install(SimpleNamespace(model_runner=runner), _Recorder())
+    with pytest.raises(VllmUnavailable, match="worker.model_runner"):
+        _install(SimpleNamespace(), _Recorder())
