@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from swarmrl.adversary.workers import _prefill
+from swarmrl.adversary.workers import _prefill, quantised, reinitialised
 from swarmrl.config import ValidatorConfig, load_config
 from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import ENGINES, build_engine
@@ -63,26 +63,6 @@ from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator
-
-
-def quantised(model, bits: int, group: int | None = 32):
-    """A copy of `model` whose decoder linear weights are rounded to `bits`-bit integers
-    (symmetric, one scale per `group` consecutive inputs of an output row; None: one per output
-    row, i.e. per channel) and stored back in the model's dtype: what a weight-only int8 / int4
-    (GPTQ, AWQ-style) checkpoint computes. Embeddings and the output head stay exact, as those
-    tools leave them."""
-    out = copy.deepcopy(model)
-    levels = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for layer in out.model.layers:
-            for m in layer.modules():
-                if isinstance(m, torch.nn.Linear):
-                    w = m.weight.float()  # [out, in]
-                    g = w.reshape(w.shape[0], -1, group or w.shape[1])  # [out, in / group, group]
-                    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
-                    m.weight.copy_(((g / scale).round().clamp(-levels, levels) * scale).reshape_as(w))
-    return out.eval()
-
 
 ENGINE = "builtin"  # --engine: which rollout engine honest workers (and cheats) sample with
 
@@ -343,16 +323,6 @@ def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
             out_f, in_f = m.weight.shape
             delta = torch.randn((out_f, rank), generator=gen) @ torch.randn((rank, in_f), generator=gen)
             m.weight.add_(delta * (relative * m.weight.norm() / delta.norm()))
-    return new.eval()
-
-
-def reinitialised(full):
-    """The adversary `other_model`'s model: the claimed architecture, re-initialised."""
-    new = copy.deepcopy(full)
-    torch.manual_seed(12345)
-    for m in new.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
     return new.eval()
 
 
@@ -770,11 +740,7 @@ def main() -> None:
     for gap in (1, 2, 5, newest - versions[0]):
         if newest - gap in models:
             results["cheats"][f"old_version_gap{gap}"] = run(models[newest - gap], models[newest], *prompts_for(n))
-    other_model = copy.deepcopy(models[newest])
-    torch.manual_seed(12345)
-    for m in other_model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    other_model = reinitialised(models[newest])
     results["cheats"]["other_model"] = run(
         other_model.to(getattr(torch, dtype)).eval(), models[newest], *prompts_for(n)
     )

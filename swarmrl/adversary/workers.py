@@ -5,21 +5,67 @@ cheats in one specific way. Each cheat is as careful as it can be about everythi
 cheat changes tokens it rebuilds proofs and logprobs honestly for what it submits, so the check
 that catches it is the one aimed at that cheat, not an accident. Never point one at a run you
 care about; the orchestrator will ban its key.
+
+Every cheat runs on the built-in engine and on the proving vLLM engine (`--engine vllm`): there,
+cheats on the weights (other_model, int8/int4_weights) load altered weights into vLLM in place,
+old_version stops loading, best-of-n samples through vLLM with seeds of its own, and the careful
+rebuilds (edit_tokens, replay) prefill the claimed version with the project's own model code,
+the strongest prefill a cheat has (the validator's).
 """
 
 from __future__ import annotations
 
 import copy
 import secrets
+from pathlib import Path
 
 import torch
 
 from swarmrl.config import ADVERSARY_KINDS as KINDS
 from swarmrl.inference.worker import Worker
+from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
 from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import Lease
 from swarmrl.validator.checks import token_logprobs
+
+WEIGHT_CHEATS = ("other_model", "int8_weights", "int4_weights")  # sample with altered weights
+
+
+def quantised(model, bits: int, group: int | None = 32):
+    """A copy of `model` whose decoder linear weights are rounded to `bits`-bit integers
+    (symmetric, one scale per `group` consecutive inputs of an output row; None: one per output
+    row, i.e. per channel) and stored back in the model's dtype: what a weight-only int8 / int4
+    (GPTQ, AWQ-style) checkpoint computes. Embeddings and the output head stay exact, as those
+    tools leave them."""
+    out = copy.deepcopy(model)
+    levels = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for layer in out.model.layers:
+            for m in layer.modules():
+                if isinstance(m, torch.nn.Linear):
+                    w = m.weight.float()  # [out, in]
+                    g = w.reshape(w.shape[0], -1, group or w.shape[1])  # [out, in / group, group]
+                    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
+                    m.weight.copy_(((g / scale).round().clamp(-levels, levels) * scale).reshape_as(w))
+    return out.eval()
+
+
+def reinitialised(model):
+    """A copy of `model` with every layer's weights drawn afresh (a fixed seed): another model of
+    the same architecture and vocabulary."""
+    out = copy.deepcopy(model)
+    torch.manual_seed(12345)
+    for module in out.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return out.eval()
+
+
+def _altered(kind: str, model):
+    if kind == "other_model":
+        return reinitialised(model)
+    return quantised(model, 8 if kind == "int8_weights" else 4)
 
 
 def _prefill(model, prompt: list[int], completions: list[list[int]]):
@@ -37,6 +83,8 @@ class AdversarialWorker(Worker):
         self.kind, self.kind_help = kind, KINDS[kind]
         self.frozen = None  # old_version: the sampler it keeps
         self.previous: dict | None = None  # replay: the last submission
+        self.folder: Path | None = None  # vLLM: the claimed version's folder (for _rebuild's prefill)
+        self._prefill_model: tuple[Path, str, object] | None = None
 
     def _ensure_policy(self, policy: dict) -> bool:
         if self.kind == "old_version" and self.frozen is not None:
@@ -49,14 +97,31 @@ class AdversarialWorker(Worker):
             return False
         if self.kind == "old_version":
             self.frozen = self.sampler
-        elif self.kind == "other_model" and fresh:
-            model = copy.deepcopy(self.sampler.model)
-            torch.manual_seed(12345)
-            for module in model.modules():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-            self.sampler.model = model.eval()
+        elif self.kind in WEIGHT_CHEATS and fresh and self.vllm is None:
+            self.sampler.model = _altered(self.kind, self.sampler.model)
         return True
+
+    def _load_vllm(self, folder: Path, tok) -> str:
+        """vLLM: the weight cheats write the altered version beside the real one and load that."""
+        self.folder = folder
+        if self.kind in WEIGHT_CHEATS:
+            model, tok = load_policy(folder, dtype=getattr(torch, self.dtype))
+            folder = save_policy(_altered(self.kind, model), tok, self.cache / "altered" / folder.name)
+        return super()._load_vllm(folder, tok)
+
+    def _policy_model(self):
+        """The claimed version's model, for a careful cheat's own prefill: the sampler's on the
+        built-in engine, loaded from the version's folder for vLLM (which has no prefill to offer)."""
+        if self.sampler.model is not None:
+            return self.sampler.model
+        key = (self.folder, self.dtype)
+        if self._prefill_model is None or self._prefill_model[:2] != key:
+            model, _ = load_policy(self.folder, dtype=getattr(torch, self.dtype))
+            self._prefill_model = (*key, model.eval())
+        return self._prefill_model[2]
+
+    def _engine(self) -> str:
+        return "vllm" if self.vllm is not None else "builtin"
 
     def generate(self, lease: Lease | dict) -> dict:
         lease = Lease.model_validate(lease)
@@ -94,7 +159,7 @@ class AdversarialWorker(Worker):
         """Change the middle token of each completion to another non-stop token, then make the
         proofs and logprobs those of the edited text (what a careful cheater would do)."""
         stop = set(self.sampler.stop_token_ids)
-        vocab = self.sampler.model.config.vocab_size
+        vocab = self._policy_model().config.vocab_size
         for g in sub["groups"]:
             for s in g["samples"]:
                 ids = list(s["token_ids"])
@@ -111,7 +176,7 @@ class AdversarialWorker(Worker):
     def _rebuild(self, lease: Lease, sub: dict) -> None:
         """Honest proofs and logprobs for whatever tokens the submission now holds."""
         for p, g in zip(lease.prompts, sub["groups"]):
-            outs = _prefill(self.sampler.model, p.prompt_ids, [s["token_ids"] for s in g["samples"]])
+            outs = _prefill(self._policy_model(), p.prompt_ids, [s["token_ids"] for s in g["samples"]])
             proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)
             for s, (_, logits), pr in zip(g["samples"], outs, proofs):
                 tokens = torch.tensor(s["token_ids"])
@@ -139,6 +204,7 @@ class AdversarialWorker(Worker):
                 {
                     "slot": p.slot,
                     "policy_version": self.version,
+                    "engine": self._engine(),
                     "samples": [
                         {
                             "token_ids": o.token_ids,

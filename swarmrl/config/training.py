@@ -256,8 +256,13 @@ class AsyncConfig(Section):
     adversaries: list[str] = Field(default_factory=list)
     """FOR TESTING THE VALIDATOR: extra workers `swarmrl rl` starts that cheat, one per entry,
     each in the named way (`swarmrl worker --help` lists them: other_model, old_version,
-    edit_tokens, edit_logprobs, cherry_pick, claim_reward, replay, garbage_proofs,
-    truncated_proofs, missing_proofs, wrong_group_size). They are banned and leave; the run goes on."""
+    int8_weights, int4_weights, edit_tokens, edit_logprobs, cherry_pick, claim_reward, replay,
+    garbage_proofs, truncated_proofs, missing_proofs, wrong_group_size). They are banned and
+    leave; the run goes on."""
+    adversary_engine: Literal["builtin", "vllm"] = "builtin"
+    """The engine the `adversaries` cheat with: "vllm" runs each as a proving vLLM worker
+    (`swarmrl worker --engine vllm --adversary KIND` on `vllm_python`), whose cheats the validator
+    must catch through vLLM's own kernels."""
     max_pending_groups: int | None = None
     """Back-pressure: the orchestrator stops issuing leases while this many groups are leased or
     wait unconsumed. None: prompts_per_step x min(bound + 1, 2): one batch in flight while the

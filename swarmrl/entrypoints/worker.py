@@ -145,8 +145,8 @@ class Settings(RoleSettings):
         given = [f for f in VLLM_FIELDS if getattr(self, f) is not None]
         if self.engine != "vllm" and given:
             raise ValueError(f"--{given[0].replace('_', '-')} is for --engine vllm")
-        if self.engine == "vllm" and (self.adversary or self.streams > 1):
-            raise ValueError("--engine vllm schedules its own batches: drop --streams and --adversary")
+        if self.engine == "vllm" and self.streams > 1:
+            raise ValueError("--engine vllm schedules its own batches: drop --streams")
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
             raise ValueError(f"--vllm-max-model-len {self.vllm_max_model_len}: give at least 2 tokens")
         if self.vllm_kv_cache_gib is not None and self.vllm_kv_cache_gib <= 0:
@@ -154,7 +154,10 @@ class Settings(RoleSettings):
         if self.engine == "openai" and not self.endpoint:
             raise ValueError("--engine openai needs --endpoint URL, the OpenAI-compatible server to generate with")
         if self.engine == "openai" and self.adversary:
-            raise ValueError("--adversary runs the built-in engine; it cannot be combined with --engine openai")
+            raise ValueError(
+                "--adversary cheats on the built-in or the vLLM engine (--engine builtin or vllm), "
+                "not through an OpenAI-compatible endpoint"
+            )
         return self
 
 

@@ -324,16 +324,34 @@ def _start_vllm_workers(cfg: Config, start_worker, log) -> None:
     n = cfg.async_.vllm_workers
     if not n:
         return
+    for i in range(n):
+        start_worker(f"worker-vllm-{i}", f"worker-vllm-{i}", "--engine", "vllm", **_vllm_process(cfg, i))
+    log(f"{n} proving vLLM workers on {cfg.async_.vllm_python} (swarmrl worker --engine vllm)")
+
+
+def _vllm_process(cfg: Config, index: int) -> dict:
+    """The python and environment of vLLM worker `index` (its own cores on a CPU)."""
     from swarmrl.inference.vllm_engine import cpu_list
 
-    python = Path(cfg.async_.vllm_python).expanduser()
-    cpus = sorted(os.sched_getaffinity(0))
-    for i in range(n):
-        env = {**os.environ}
-        if cfg.model.device == "cpu":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(vllm_cpus(i, cfg.async_.worker_threads, cpus))
-        start_worker(f"worker-vllm-{i}", f"worker-vllm-{i}", "--engine", "vllm", python=str(python.absolute()), env=env)
-    log(f"{n} proving vLLM workers on {python} (swarmrl worker --engine vllm)")
+    env = {**os.environ}
+    if cfg.model.device == "cpu":
+        cpus = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(vllm_cpus(index, cfg.async_.worker_threads, cpus))
+    return {"python": str(Path(cfg.async_.vllm_python).expanduser().absolute()), "env": env}
+
+
+def _start_adversaries(cfg: Config, start_worker, log) -> None:
+    """`async.adversaries`, on the built-in engine or as proving vLLM workers (`adversary_engine`)."""
+    kinds, vllm = cfg.async_.adversaries, cfg.async_.adversary_engine == "vllm"
+    for i, kind in enumerate(kinds):
+        if vllm:  # after the honest vLLM workers' cores
+            extra = _vllm_process(cfg, cfg.async_.vllm_workers + i)
+            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind, "--engine", "vllm", **extra)
+        else:
+            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
+    if kinds:
+        on = f"proving vLLM workers on {cfg.async_.vllm_python}" if vllm else "the built-in engine"
+        log(f"{len(kinds)} adversarial workers ({on}): {', '.join(kinds)}")
 
 
 def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: list[str], log) -> float:
@@ -407,9 +425,15 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
         if cfg.async_.endpoint_workers:
             cfg = _trust_endpoint_workers(rd, cfg)
-        if cfg.async_.vllm_workers and not Path(cfg.async_.vllm_python).expanduser().exists():
+        vllm_users = cfg.async_.vllm_workers or (cfg.async_.adversaries and cfg.async_.adversary_engine == "vllm")
+        if vllm_users and not Path(cfg.async_.vllm_python).expanduser().exists():
+            what = (
+                f"async.vllm_workers {cfg.async_.vllm_workers}"
+                if cfg.async_.vllm_workers
+                else 'async.adversary_engine "vllm"'
+            )
             raise FileNotFoundError(
-                f"async.vllm_workers {cfg.async_.vllm_workers} needs vLLM's environment, and async.vllm_python "
+                f"{what} needs vLLM's environment, and async.vllm_python "
                 f"{cfg.async_.vllm_python} does not exist: build it with `make vllm-env`, or point "
                 "async.vllm_python at the python of an environment with vLLM and swarmrl installed"
             )
@@ -523,10 +547,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             log(
                 f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve"
             )
-        for i, kind in enumerate(cfg.async_.adversaries):
-            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
-        if cfg.async_.adversaries:
-            log(f"{len(cfg.async_.adversaries)} adversarial workers: {', '.join(cfg.async_.adversaries)}")
+        _start_adversaries(cfg, start_worker, log)
         events = _Events(rd.logs / "orchestrator.log")
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0

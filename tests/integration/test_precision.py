@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from swarmrl.adversary.workers import quantised
 from swarmrl.config import ValidatorConfig
 from swarmrl.inference.sampler import Sampler
 from swarmrl.inference.worker import Worker, WrongPrecision
@@ -35,20 +36,6 @@ from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir,
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 G = 8  # completions per group, as in the default run
-
-
-def quantised(model, bits: int, group: int = 32):
-    """Weight-only int8 / int4 of the decoder's linear layers, as benchmarks/calibrate_validator.py
-    builds its quantised cheats: symmetric, one scale per `group` inputs, stored back as floats."""
-    out = copy.deepcopy(model)
-    levels = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for m in out.model.layers.modules():
-            if isinstance(m, torch.nn.Linear):
-                w = m.weight.float().reshape(m.weight.shape[0], -1, group)  # [out, in / group, group]
-                scale = w.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
-                m.weight.copy_(((w / scale).round().clamp(-levels, levels) * scale).reshape_as(m.weight))
-    return out.eval()
 
 
 @pytest.fixture(scope="module")

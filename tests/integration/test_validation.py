@@ -15,134 +15,17 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from swarmrl.adversary.workers import AdversarialWorker
-from swarmrl.inference.worker import Worker
-from swarmrl.model.checkpoint import load_policy, save_policy
-from swarmrl.protocol.client import Refused, TrainerClient
+from swarmrl.protocol.client import Refused
 from swarmrl.protocol.signing import public_key_hex, sign_headers
-from swarmrl.tasks.source import model_input
-from swarmrl.transport.broadcast import ShardServer
 
-from orchestrator_harness import (
-    TRAINER_KEY,
-    OrchestratorProcess,
-    answers,
-    completion_ids,
-    make_run_dir,
-    signed_version,
-)
+from adversary_world import World, attack, honest_clean, honest_round, lease_of, settled
 
 pytestmark = pytest.mark.timeout(300)
-
-SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000", "--sampling.prompts_per_step", "1000")
-
-
-def train_a_little(src: Path, dst: Path, steps: int = 10, lr: float = 3e-3) -> None:
-    """A later policy version: real AdamW steps of next-token loss on worked answers."""
-    model, tok = load_policy(src)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ans = answers()
-    texts = []
-    for pid, answer in list(ans.items())[:16]:
-        _, prompt = model_input(tok, f"What is {pid}?", None)
-        texts.append(prompt + completion_ids(tok, answer))
-    width = max(len(t) for t in texts)
-    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
-    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    save_policy(model.eval(), tok, dst)
-
-
-class World:
-    def __init__(self, root: Path, *overrides: str):
-        self.root = root
-        self.run = make_run_dir(root / "run", *SHARED, *overrides)
-        policies = self.run / "policies"
-        train_a_little(policies / "v000000", policies / "v000001")
-        manifests = {v: signed_version(self.run, v, policies / f"v{v:06d}") for v in (0, 1)}
-        self.server = ShardServer(self.run / "broadcast").start()
-        self.orch = OrchestratorProcess(self.run).start()
-        self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
-        self.policy = {}
-        for v, manifest in manifests.items():
-            self.trainer.publish(v, self.server.url, manifest)
-            self.policy[v] = {"version": v, "url": self.server.url, "manifest": manifest}
-        self.count = 0
-        self.honest = self.worker("honest")
-
-    def worker(self, name: str, kind: str | None = None, version: int = 1, **extra) -> Worker:
-        self.count += 1
-        d = self.root / "workers" / f"{name}-{self.count}"
-        args = dict(
-            key_file=d / "key.pem",
-            cache_dir=d,
-            name=name,
-            log=lambda *_: None,
-            trainer_key=public_key_hex(TRAINER_KEY),
-            **extra,
-        )
-        w = AdversarialWorker(self.orch.url, kind=kind, **args) if kind else Worker(self.orch.url, **args)
-        w.client.register(name)
-        assert w._ensure_policy(self.policy[version])
-        return w
-
-    def close(self) -> None:
-        self.orch.stop()
-        self.server.close()
-
-    def db(self):
-        return sqlite3.connect(self.run / "orchestrator.sqlite")
-
-
-def lease_of(w: Worker) -> dict:
-    lease = w.client.lease(w.version)["lease"]
-    assert lease is not None
-    return lease
-
-
-def settled(w: Worker, timeout_s: float = 90.0) -> dict:
-    """The worker's record once the validator has judged everything it submitted."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        me = w.client.me()
-        if me["awaiting_validation"] == 0:
-            return me
-        assert time.monotonic() < deadline, f"validation did not finish: {me}"
-        time.sleep(0.1)
-
-
-def honest_round(world: World) -> dict:
-    result = world.honest.client.submit(world.honest.generate(lease_of(world.honest)))
-    assert result["rejected"] == [] and len(result["accepted"]) == 2
-    return result
-
-
-def honest_clean(world: World) -> None:
-    me = settled(world.honest)
-    assert me["rejected"] == 0 and me["fraud"] == 0 and me["rejections"] == {} and not me["banned"], me
-    assert me["accepted"] >= 2
-
-
-def attack(world: World, kind: str) -> tuple[dict, dict]:
-    """One lease of an adversary, submitted; (submit response, its record once judged)."""
-    honest_round(world)  # honest work in flight in the same run, checked by the same validator
-    adv = world.worker(f"adv-{kind}", kind)
-    result = adv.client.submit(adv.generate(lease_of(adv)))
-    record = settled(adv)
-    honest_clean(world)
-    return result, record
 
 
 def verdicts(world: World, worker_key: str) -> list[dict]:
@@ -197,6 +80,7 @@ def test_a_worker_decoding_in_streams_passes_the_full_check(world):
     "kind, reason",
     [
         ("other_model", "toploc"),
+        ("int4_weights", "toploc"),
         ("edit_tokens", "sampling"),
         ("edit_logprobs", "logprobs"),
         ("cherry_pick", "sampling"),

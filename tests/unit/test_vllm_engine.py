@@ -86,3 +86,31 @@ def test_a_vllm_without_the_hooked_attributes_is_refused_with_the_fallback():
         _install(SimpleNamespace(model_runner=runner), _Recorder())
     with pytest.raises(VllmUnavailable, match="worker.model_runner"):
         _install(SimpleNamespace(), _Recorder())
+
+
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+def test_adversaries_start_on_the_engine_the_config_names(engine, monkeypatch):
+    """`async.adversary_engine vllm`: each adversary is a proving vLLM worker on vLLM's python,
+    pinned after the honest vLLM workers' cores; "builtin" starts them as before."""
+    from swarmrl.config import load_config
+    from swarmrl.launch.launcher import _start_adversaries
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3})
+    cfg = load_config(
+        None,
+        ["--async.adversaries", "other_model,int8_weights", "--async.adversary_engine", engine]
+        + ["--async.vllm_workers", "1", "--async.vllm_python", "/opt/v/bin/python"],
+    )
+    started, said = [], []
+    _start_adversaries(cfg, lambda *args, **kw: started.append((args, kw)), said.append)
+    assert [args[:4] for args, _ in started] == [
+        ("adversary-0", "adversary-0-other_model", "--adversary", "other_model"),
+        ("adversary-1", "adversary-1-int8_weights", "--adversary", "int8_weights"),
+    ]
+    if engine == "vllm":
+        assert all(args[4:] == ("--engine", "vllm") and kw["python"] == "/opt/v/bin/python" for args, kw in started)
+        assert [kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] for _, kw in started] == ["1", "2"]  # the honest one has 0
+        assert "proving vLLM workers" in said[0]
+    else:
+        assert all(len(args) == 4 and kw == {} for args, kw in started)
+        assert "the built-in engine" in said[0]
