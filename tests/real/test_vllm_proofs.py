@@ -128,12 +128,15 @@ def test_an_untrusted_vllm_worker_in_a_real_rl_run(vllm_python, easy_base, tmp_p
     (`async.vllm_workers`: `swarmrl worker --engine vllm` on vLLM's environment): its groups carry
     proofs, all pass the validator, some reach the trainer, and every version after the first is
     loaded into the running vLLM in place. `async.bound 0`: each step trains on its version's
-    groups only, two leases of 2 prompts each, so both workers can take part."""
+    groups only, two leases of 2 prompts each, so both workers can take part. LoRA, as the real
+    model's config trains: each version is an adapter that the vLLM worker merges into its base
+    (peft, in vLLM's environment) before loading it."""
     run = tmp_path / "run"
     swarmrl(
         "rl", "--run-dir", str(run), "--model.path", str(easy_base), *EASY,
         "--trainer.steps", "6", "--async.workers", "1", "--async.vllm_workers", "1", "--async.bound", "0",
         "--async.vllm_python", str(vllm_python), "--sampling.worker_batch_prompts", "2",
+        "--trainer.lora.rank", "8",
         timeout=800,
     )  # fmt: skip
     key = public_key_hex(load_or_create_key(run / "workers" / "worker-vllm-0" / "key.pem"))
@@ -149,3 +152,4 @@ def test_an_untrusted_vllm_worker_in_a_real_rl_run(vllm_python, easy_base, tmp_p
     assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
     if any(version >= 1 for version, _, _ in mine):
         assert "into vLLM in place" in log, log[-3000:]
+        assert any((run / "workers" / "worker-vllm-0" / "merged").iterdir())  # adapters merged for vLLM
