@@ -38,7 +38,6 @@ from swarmrl.model.lora import (
 from swarmrl.protocol.client import TrainerClient
 from swarmrl.protocol.manifest import content_digest
 from swarmrl.protocol.signing import public_key_hex
-from swarmrl.tasks.source import model_input
 from swarmrl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer
 from swarmrl.transport.broadcast import (
@@ -53,8 +52,7 @@ from swarmrl.validator.core import Validator
 from orchestrator_harness import (
     TRAINER_KEY,
     OrchestratorProcess,
-    answers,
-    completion_ids,
+    fit_worked_answers,
     make_run_dir,
     signed_version,
 )
@@ -69,20 +67,7 @@ def train_adapter(base: Path, out: Path, steps: int = 8, lr: float = 3e-3, rank:
     worked answers), saved adapter-only. Returns the peft model (the trainer's view of it)."""
     model, tok = load_policy(base)
     model = apply_lora(model, LoRAConfig(rank=rank))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    texts = []
-    for pid, answer in list(answers().items())[:16]:
-        _, prompt = model_input(tok, f"What is {pid}?", None)
-        texts.append(prompt + completion_ids(tok, answer))
-    width = max(len(t) for t in texts)
-    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
-    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit_worked_answers(model, tok, steps, lr)
     save_adapter(model, out)
     return model.eval()
 

@@ -7,6 +7,7 @@ tier would hide exactly what this tier is for."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,17 @@ def real_model(assets) -> Path:
 @pytest.fixture(scope="session")
 def real_data(assets) -> Path:
     return assets / "data"
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """vLLM's environment (`make vllm-env`), where proving vLLM workers run. Skipped only when it
+    is missing and SWARMRL_REQUIRE_VLLM is unset (CI sets it, so there it fails instead)."""
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("SWARMRL_REQUIRE_VLLM"):
+            pytest.fail(f"{VLLM_PYTHON} is missing and SWARMRL_REQUIRE_VLLM is set: run `make vllm-env`")
+        pytest.skip(f"no vLLM environment ({VLLM_PYTHON}): `make vllm-env` builds it")
+    return VLLM_PYTHON

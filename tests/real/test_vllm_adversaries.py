@@ -28,7 +28,6 @@ from orchestrator_harness import TRAINER_KEY
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 # (kind, reason, leases): the cheats the issue names (another model, int8/int4 weights, an old
 # version claimed as new, edited tokens, best-of-n) and the rest of the validator's suite. int8
@@ -47,15 +46,6 @@ TINY = [
     ("garbage_proofs", "toploc", 1),
 ]
 REAL = [(None, None, 1), ("int8_weights", "toploc", 1), ("int4_weights", "toploc", 1)]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("SWARMRL_REQUIRE_VLLM"):
-            pytest.fail(f"{VLLM_PYTHON} is missing and SWARMRL_REQUIRE_VLLM is set: run `make vllm-env`")
-        pytest.skip(f"no vLLM environment ({VLLM_PYTHON}): `make vllm-env` builds it")
-    return VLLM_PYTHON
 
 
 def judged(client: WorkerClient, timeout_s: float = 120.0) -> dict:

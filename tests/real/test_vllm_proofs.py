@@ -36,16 +36,6 @@ from runs import EASY, swarmrl
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("SWARMRL_REQUIRE_VLLM"):
-            pytest.fail(f"{VLLM_PYTHON} is missing and SWARMRL_REQUIRE_VLLM is set: run `make vllm-env`")
-        pytest.skip(f"no vLLM environment ({VLLM_PYTHON}): `make vllm-env` builds it")
-    return VLLM_PYTHON
 
 
 def vllm_env() -> dict:

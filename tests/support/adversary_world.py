@@ -11,17 +11,14 @@ import sqlite3
 import time
 from pathlib import Path
 
-import torch
-
 from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.protocol.client import TrainerClient
 from swarmrl.protocol.signing import public_key_hex
-from swarmrl.tasks.source import model_input
 from swarmrl.transport.broadcast import ShardServer
 
-from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, answers, completion_ids, make_run_dir, signed_version
+from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, fit_worked_answers, make_run_dir, signed_version
 
 SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000", "--sampling.prompts_per_step", "1000")
 
@@ -29,21 +26,7 @@ SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000"
 def train_a_little(src: Path, dst: Path, steps: int = 10, lr: float = 3e-3) -> None:
     """A later policy version: real AdamW steps of next-token loss on worked answers."""
     model, tok = load_policy(src)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ans = answers()
-    texts = []
-    for pid, answer in list(ans.items())[:16]:
-        _, prompt = model_input(tok, f"What is {pid}?", None)
-        texts.append(prompt + completion_ids(tok, answer))
-    width = max(len(t) for t in texts)
-    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
-    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit_worked_answers(model, tok, steps, lr)
     save_policy(model.eval(), tok, dst)
 
 

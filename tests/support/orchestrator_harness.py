@@ -154,3 +154,26 @@ def honest_proofs(
 
 def completion_ids(tokenizer, answer: str) -> list[int]:
     return tokenizer(f"<think>ok</think>\\boxed{{{answer}}}<|im_end|>", add_special_tokens=False)["input_ids"]
+
+
+def fit_worked_answers(model, tok, steps: int, lr: float) -> None:
+    """`steps` real AdamW steps of next-token loss on 16 worked answers, on the parameters of
+    `model` that require grad (all of them, or a LoRA run's adapters): a later policy version."""
+    import torch
+
+    from swarmrl.tasks.source import model_input
+
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    texts = []
+    for pid, answer in list(answers().items())[:16]:
+        _, prompt = model_input(tok, f"What is {pid}?", None)
+        texts.append(prompt + completion_ids(tok, answer))
+    width = max(len(t) for t in texts)
+    ids = torch.tensor([t + [tok.pad_token_id] * (width - len(t)) for t in texts])
+    mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in texts])
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
