@@ -293,7 +293,10 @@ def test_restart_mode_reports_a_server_that_dies_with_its_log(tmp_path):
         (["--engine", "openai"], "--engine openai needs --endpoint URL"),
         (["--endpoint", "http://127.0.0.1:8100"], "--endpoint is for --engine openai"),
         (["--engine", "openai", "--endpoint", "http://x", "--load", "restart"], "needs --server-command with {model}"),
-        (["--engine", "openai", "--endpoint", "http://x", "--adversary", "replay"], "cannot be combined"),
+        (
+            ["--engine", "openai", "--endpoint", "http://x", "--adversary", "replay"],
+            "not through an OpenAI-compatible endpoint",
+        ),
         (
             ["--engine", "openai", "--endpoint", "http://x", "--endpoint-key-file", "/nonexistent/key"],
             "--endpoint-key-file",

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 from test_serve import Server
-from test_validation import lease_of, settled, train_a_little
 
 from swarmrl.config import ConfigError, load_config
 from swarmrl.inference.engine import build_engine
@@ -28,6 +27,7 @@ from swarmrl.protocol.client import TrainerClient
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.transport.broadcast import ShardServer
 
+from adversary_world import lease_of, settled, train_a_little
 from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 
 pytestmark = pytest.mark.timeout(300)
