@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+import shutil
 from pathlib import Path
 
 import torch
@@ -107,6 +108,8 @@ class AdversarialWorker(Worker):
         if self.kind in WEIGHT_CHEATS:
             model, tok = load_policy(folder, dtype=getattr(torch, self.dtype))
             folder = save_policy(_altered(self.kind, model), tok, self.cache / "altered" / folder.name)
+            for old in sorted(folder.parent.iterdir())[:-2]:  # a full model per version: keep two
+                shutil.rmtree(old, ignore_errors=True)
         return super()._load_vllm(folder, tok)
 
     def _policy_model(self):
@@ -119,9 +122,6 @@ class AdversarialWorker(Worker):
             model, _ = load_policy(self.folder, dtype=getattr(torch, self.dtype))
             self._prefill_model = (*key, model.eval())
         return self._prefill_model[2]
-
-    def _engine(self) -> str:
-        return "vllm" if self.vllm is not None else "builtin"
 
     def generate(self, lease: Lease | dict) -> dict:
         lease = Lease.model_validate(lease)

@@ -221,6 +221,10 @@ class Worker:
         self.sampler.load(folder)
         return f"into vLLM in place ({self.dtype})"
 
+    def _engine(self) -> str:
+        """The engine a proving worker's groups declare (the validator's limits follow it)."""
+        return "vllm" if self.vllm is not None else "builtin"
+
     def _merged(self, adapter: Path, base: Path, version: int) -> Path:
         """An adapter version merged into its base, saved as a plain HF folder for an inference
         server (<cache>/merged/vNNNNNN, the newest two kept), in the run's dtype."""
@@ -277,7 +281,7 @@ class Worker:
                     [o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
                 )
             ]
-            declared = {"engine": "vllm" if self.vllm is not None else "builtin"}
+            declared = {"engine": self._engine()}
         else:
             self._check_endings(outs, lease)
             proofs = [[] for _ in outs]
