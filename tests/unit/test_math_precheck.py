@@ -120,3 +120,36 @@ def test_the_bracket_depth_and_growth_estimates():
     assert m._growth_digits("\\binom{10}{3}\\binom{7}{2}") == pytest.approx(math.log10(120))  # side by side
     assert m._growth_digits("\\binom{10^{6}}{5}") == pytest.approx(27.92, abs=0.01)  # big n, small k: fine
     assert m._growth_digits("\\Gamma(10^{100})") == math.inf
+
+
+# ---- the plain-integer shortcut (issue 30) ------------------------------------------------------
+INTEGER_PAIRS = [
+    ("12", "12"),
+    ("12", "012"),
+    ("12", "13"),
+    ("-0", "0"),
+    ("7", " 7\n"),
+    ("-3", "-3"),
+    ("5", "-5"),
+    ("0", "00"),
+    ("-40", "40"),
+    ("99", "0099"),
+    ("123456789012345678901234567890", "123456789012345678901234567890"),
+    ("123456789012345678901234567890", "123456789012345678901234567891"),
+]
+
+
+@pytest.mark.parametrize("gold,answer", INTEGER_PAIRS)
+def test_plain_integers_get_math_verifys_verdict_without_math_verify(gold, answer, monkeypatch):
+    slow = m._grade_parsed(gold, answer)  # math_verify's own verdict and reason
+    monkeypatch.setattr(m, "parse", lambda *a, **k: pytest.fail(f"math_verify parsed {a[0]!r} for {gold!r}/{answer!r}"))
+    assert m._grade(gold, answer) == slow
+
+
+@pytest.mark.parametrize("answer", ["1e2", "100.0", "+100", "10^2", "١٠٠", "100\u00a0", "(100)"])
+def test_anything_but_a_plain_integer_still_goes_through_math_verify(answer, monkeypatch):
+    seen = []
+    real = m.parse
+    monkeypatch.setattr(m, "parse", lambda text, **k: seen.append(text) or real(text, **k))
+    assert m._grade("100", answer) == m._grade_parsed("100", answer)
+    assert seen, f"{answer!r} was graded without math_verify"
