@@ -198,8 +198,19 @@ class ValidatorConfig(Section):
     validator token) claim and check them over HTTP."""
     rate: float = Field(1.0, ge=0.0, le=1.0)
     """Share of accepted groups that get the full check (prefill: TOPLOC, seeded sampling,
-    logprobs). The others still get every cheap check. A banned worker's unconsumed groups are
-    always fully re-checked."""
+    logprobs) while their key is not on a clean streak (below). The others still get every cheap check.
+    A banned worker's unconsumed groups are always fully re-checked."""
+    sample_after: int = Field(16, ge=1)
+    """Validation by reputation: a key whose last `sample_after` fully checked groups all passed
+    (no fraud since) is on a clean streak, and its groups are checked at `sampled_rate` only. Any
+    fraud rejection ends the streak (every group fully checked again until it is re-earned)
+    and sends the key's groups that got only the cheap checks, not yet trained, back to the
+    validator. Bans are unchanged (`ban_after`). docs/security.md derives the default from what
+    a cheater gains: at most (1 - sampled_rate) / (sampled_rate * sample_after) unchecked
+    groups per honest one, 0.19 here."""
+    sampled_rate: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of the groups of a key on a clean streak that get the full check (never more than `rate`).
+    1: validate everything, as before issue 30."""
     trusted_rate: float = Field(0.1, ge=0.0, le=1.0)
     """Share of trusted keys' groups without proofs (`orchestrator.trusted_keys_file`; an
     OpenAI-compatible server's) whose logprobs the validator checks by prefill: the only check

@@ -115,6 +115,9 @@ class Store:
                 ("fraud", "INTEGER NOT NULL DEFAULT 0"),
                 ("expired", "INTEGER NOT NULL DEFAULT 0"),
                 ("validated", "INTEGER NOT NULL DEFAULT 0"),
+                # Groups passed by the full check since the key's last fraud rejection: what earns
+                # sampled validation (validator.sample_after), reset by any failure.
+                ("clean_streak", "INTEGER NOT NULL DEFAULT 0"),
             ],
             "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")],
             # Leases of earlier versions have no source: they count as source '' until they end.
@@ -251,17 +254,29 @@ class Store:
             "INSERT INTO rejections (worker, lease_id, slot, reason, detail, at) VALUES (?, ?, ?, ?, ?, ?)",
             (worker, lease_id, slot, reason, detail[:500], time.time()),
         )
-        db.execute("UPDATE workers SET rejected = rejected + 1, fraud = fraud + ? WHERE key = ?", (int(fraud), worker))
+        db.execute(
+            "UPDATE workers SET rejected = rejected + 1, fraud = fraud + ?, "
+            "clean_streak = CASE WHEN ? THEN 0 ELSE clean_streak END WHERE key = ?",
+            (int(fraud), int(fraud), worker),
+        )
         row = db.execute("SELECT fraud FROM workers WHERE key = ?", (worker,)).fetchone()
         return row[0] if row else 0
 
     def add_accepted(self, db: Db, key: str, n: int = 1, *, validated: bool = False) -> None:
         """Add `n` to the worker's count of accepted groups (negative: take them back); groups
-        the validator passed also count as validated (what makes a key proven)."""
+        the validator passed also count as validated (what makes a key proven) and lengthen its
+        clean streak (what earns sampled validation)."""
         db.execute(
-            "UPDATE workers SET accepted = accepted + ?, validated = validated + ? WHERE key = ?",
-            (n, n if validated else 0, key),
+            "UPDATE workers SET accepted = accepted + ?, validated = validated + ?, "
+            "clean_streak = MAX(0, clean_streak + ?) WHERE key = ?",
+            (n, n if validated else 0, n if validated else 0, key),
         )
+
+    @staticmethod
+    def clean_streak(db: Db, key: str) -> int:
+        """Groups of `key` the full check passed since its last fraud rejection."""
+        row = db.execute("SELECT clean_streak FROM workers WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else 0
 
     def penalise(self, db: Db, worker: str, slots: int, at: float, source: str | None = None) -> None:
         """Slots a worker let expire: they count against its lease allowance for a while (and,
@@ -522,12 +537,14 @@ class Store:
             ).fetchall()
         ]
 
-    def recheck_worker_groups(self, db: Db, worker: str) -> int:
+    def recheck_worker_groups(self, db: Db, worker: str, *, unchecked_only: bool = False) -> int:
         """Send the worker's groups back to the validator (pending): everything not yet trained or
-        counted in a batch's metrics. Returns how many."""
+        counted in a batch's metrics (`unchecked_only`: of those, the ones that got only the cheap
+        checks). Returns how many."""
         return db.execute(
             "UPDATE groups SET state = 'pending', claimed = NULL WHERE worker = ? AND "
-            "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))",
+            "(state = 'queued' OR (state = 'uninformative' AND resolved_step IS NULL))"
+            + (" AND verdict IS NULL" if unchecked_only else ""),
             (worker,),
         ).rowcount
 

@@ -190,6 +190,19 @@ class Submissions:
         )
         return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
 
+    def _check_rate(self, db, key: str, proofless: bool) -> float:
+        """Chance that a group of `key` gets the full check: trusted keys' proofless groups at
+        `trusted_rate`; a key on a clean streak (its last `sample_after` full checks passed,
+        no fraud since) at `sampled_rate`; every other key at `rate`. Drawn after the group is
+        accepted, from the orchestrator's own generator: a worker cannot tell in advance which
+        of its groups will be checked."""
+        v = self.cfg.validator
+        if proofless:
+            return v.trusted_rate
+        if self.store.clean_streak(db, key) >= v.sample_after:
+            return min(v.rate, v.sampled_rate)
+        return v.rate
+
     def _proven(self, key: str) -> bool:
         validated = (self.store.worker(key) or {}).get("validated", 0)
         return is_proven(validated, self.cfg.orchestrator) or self.gate.is_trusted(key)
@@ -336,7 +349,7 @@ class Submissions:
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
                 v = self.cfg.validator
-                full = self._rng.random() < (v.trusted_rate if c.proofless else v.rate)
+                full = self._rng.random() < self._check_rate(db, key, c.proofless)
                 if c.proofless:
                     self.counters.count("groups_accepted/without_proofs")
                 self.store.add_group(

@@ -44,16 +44,24 @@ class ValidationQueue:
         """A fraudulent group of `key` was rejected, its `total`-th: log it, and ban the key once
         that reaches the limit."""
         self.log(f"rejected: worker {self._name(db, key)}: {reason}: {detail}")
-        self._maybe_ban(db, key, total)
+        if self._maybe_ban(db, key, total):
+            return
+        # Its clean streak is over (store.count_rejection): what it sent under sampled validation and
+        # nobody trained on yet gets the full check after all (validator.sample_after).
+        recheck = self.store.recheck_worker_groups(db, key, unchecked_only=True)
+        if recheck:
+            self.store.add_accepted(db, key, -recheck)
+            self.counters.count("validator/rechecked_after_fraud", recheck)
+            self.log(f"worker {self._name(db, key)}: {recheck} of its unchecked groups go back to the validator")
 
-    def _maybe_ban(self, db, key: str, fraud: int) -> None:
+    def _maybe_ban(self, db, key: str, fraud: int) -> bool:
         """Ban a worker once its fraud count reaches the limit: refuse its key from now on, give
         its open leases' problems to others, and send its not-yet-trained groups back to the
         validator for a full check (groups that got only the cheap checks included)."""
         if fraud < self.cfg.validator.ban_after:
-            return
+            return False
         if not self.store.ban(db, key):
-            return
+            return True  # banned already
         self.store.end_worker_leases(db, key)
         self.leasing.expire(db, time.time())
         # Everything not yet trained or counted in a batch's metrics; each was counted as accepted,
@@ -65,6 +73,7 @@ class ValidationQueue:
             f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
             f"{recheck} of its queued groups go back to the validator"
         )
+        return True
 
     def metrics(self, db) -> dict[str, float]:
         """Rejections by reason, banned workers and groups awaiting the validator, for a batch's metrics."""

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from swarmrl.inference.worker import Worker
 from swarmrl.protocol.client import Refused
 from swarmrl.protocol.signing import public_key_hex, sign_headers
 
@@ -227,6 +228,38 @@ def test_a_banned_worker_is_refused_and_its_unchecked_groups_are_rechecked(tmp_p
         batch = world.trainer.batch(0)
         assert batch["ready"] is False or all(g["worker"] != record["worker"] for g in batch["groups"])
         honest_clean(world)
+    finally:
+        world.close()
+
+
+# ---- validation by reputation (issue 30) ------------------------------------------------------------
+def test_a_key_on_a_clean_streak_is_sampled_and_any_failure_sends_it_back_to_full_checks(tmp_path):
+    # A clean streak after 2 passed groups, and then a sampled rate of 0: what only the full check sees
+    # gets through while the streak lasts. A failure the cheap checks see ends it.
+    world = World(tmp_path, "--validator.sample_after", "2", "--validator.sampled_rate", "0")
+    try:
+        honest_round(world)
+        adv = world.worker("adv", "edit_logprobs")
+        earned = adv.client.submit(Worker.generate(adv, lease_of(adv)))  # honest work earns the streak
+        assert [a["validation"] for a in earned["accepted"]] == ["pending", "pending"]
+        assert settled(adv)["rejections"] == {}
+        with world.db() as db:
+            assert db.execute("SELECT clean_streak FROM workers WHERE name = 'adv'").fetchone()[0] == 2
+        unchecked = adv.client.submit(adv.generate(lease_of(adv)))  # edited logprobs, now sampled out
+        assert [a["validation"] for a in unchecked["accepted"]] == ["cheap checks only"] * 2
+        assert settled(adv)["rejections"] == {}
+        adv.kind = "claim_reward"  # caught by the cheap checks: the streak is over ...
+        caught = adv.client.submit(adv.generate(lease_of(adv)))
+        assert [r["reason"] for r in caught["rejected"]] == ["claimed_reward"] * 2
+        record = settled(adv)  # ... and the two unchecked groups got the full check after all
+        assert record["rejections"] == {"claimed_reward": 2, "logprobs": 2} and not record["banned"], record
+        assert record["accepted"] == 2  # the honest two; the edited ones no longer count
+        assert "2 of its unchecked groups go back to the validator" in world.orch.log()
+        with world.db() as db:  # back below sample_after: its next groups get the full check
+            assert db.execute("SELECT clean_streak FROM workers WHERE name = 'adv'").fetchone()[0] == 0
+        # (It may not lease again to show it: 4 frauds in the penalty window used up its allowance.)
+        honest_clean(world)
+        assert world.honest.client.me()["rejections"] == {}
     finally:
         world.close()
 
