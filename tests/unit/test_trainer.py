@@ -209,9 +209,9 @@ def _count_logprob_passes(trainer) -> list:
     calls = []
     inner = trainer._logprobs
 
-    def counted(model, batch):
+    def counted(model, batch, rows=None):
         calls.append(model is trainer.reference)
-        return inner(model, batch)
+        return inner(model, batch, rows)
 
     trainer._logprobs = counted
     return calls
@@ -236,6 +236,25 @@ def test_kl_keeps_frozen_reference():
     cfg0 = make_cfg()
     plain = GRPOTrainer(make_model()[0], cfg0)
     assert plain.reference is None and "loss/kl" not in plain.train_step(batch)
+
+
+def test_the_first_mini_batch_takes_its_proximal_logprobs_from_its_own_forward():
+    # Issue 30: before the first optimizer step the policy is the proximal one, so only the later
+    # mini-batches get a no-grad pass; the update must be the one a separate pass gives.
+    cfg, model, _, _, batch = prepare("--algorithm.tis_level", "sequence")
+    n, per_opt = len(batch), len(batch) // cfg.trainer.optimizer_steps
+    fast, slow = GRPOTrainer(model, cfg), GRPOTrainer(make_model()[0], cfg)
+    seen = []
+    inner = fast._logprobs
+    fast._logprobs = lambda m, b, rows=None: seen.append(rows.tolist()) or inner(m, b, rows)
+    slow.proximal_in_forward = False  # a separate pass over every row, as several ranks do
+    m_fast, m_slow = fast.train_step(batch), slow.train_step(batch)
+    assert seen == [list(range(per_opt, n))]
+    for key in ("off_policy/logprob_abs_diff_max", "off_policy/is_weight_mean", "loss/policy", "grad_norm"):
+        assert m_fast[key] == pytest.approx(m_slow[key], rel=1e-4, abs=1e-6), key
+    after_fast, after_slow = weights(fast.model), weights(slow.model)
+    for k in after_fast:
+        torch.testing.assert_close(after_fast[k], after_slow[k], rtol=1e-5, atol=1e-6)
 
 
 def test_entropy_bonus():
