@@ -234,6 +234,12 @@ class AsyncConfig(Section):
     """torch threads per worker process."""
     trainer_threads: int = Field(1, ge=1)
     """torch threads in the trainer process (in each rank, with trainer.nproc above 1)."""
+    pin_trainer: bool = True
+    """CPU runs (model.device "cpu", one trainer rank): the trainer gets the first
+    `trainer_threads` CPUs of `swarmrl rl`'s CPU set to itself and every other process it starts
+    (orchestrator and validator, relays, workers) the rest, when any are left. The trainer is
+    the critical path; left to the scheduler, the trainer got 86% of a core on the default run
+    with 19% of the machine idle (docs/benchmarks.md, issue 30)."""
     worker_nice: int = Field(10, ge=0, le=19)
     """Scheduling niceness of the workers `swarmrl rl` starts. The trainer is the critical path
     (workers sample the next batch while it trains), so on a machine where they share cores

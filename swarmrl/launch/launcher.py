@@ -73,9 +73,10 @@ class Children:
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
         python: str | None = None,
+        cpus: list[int] | None = None,
     ) -> None:
         """`swarmrl <args>` as child `name` (on `python`, default this one), or `command`
-        (torchrun) in its place."""
+        (torchrun) in its place; on `cpus` only when given (`placement`)."""
         log = self.rd.logs / f"{name}.log"
         if command:
             self.torchrun, self.log_start = name, log.stat().st_size if log.exists() else 0
@@ -94,7 +95,7 @@ class Children:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=(lambda: os.nice(nice)) if nice else None,
+                preexec_fn=_placed(nice, cpus) if nice or cpus else None,
             )
         self.procs[name] = (proc, log)
 
@@ -310,6 +311,32 @@ def _start_endpoint_workers(children: Children, rd: RunDir, cfg: Config, start_w
         )
 
 
+def _placed(nice: int, cpus: list[int] | None):
+    """What a child runs before exec: its niceness and CPU set."""
+
+    def place() -> None:
+        if nice:
+            os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return place
+
+
+def placement(cfg: Config) -> tuple[list[int] | None, list[int] | None]:
+    """(the trainer's CPUs, everyone else's) under `async.pin_trainer`, or (None, None): the
+    scheduler places everything (GPU runs, several trainer ranks, or no CPU left over)."""
+    if not cfg.async_.pin_trainer or cfg.model.device != "cpu" or torchrun.world_size(cfg) > 1:
+        return None, None
+    if not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    n = cfg.async_.trainer_threads
+    if len(cpus) <= n:
+        return None, None
+    return cpus[:n], cpus[n:]
+
+
 def vllm_cpus(index: int, threads: int, cpus: list[int]) -> list[int]:
     """The cores vLLM worker `index` pins its `threads` threads to: its own block of the CPU set,
     wrapping around when there are more workers than blocks (they then share)."""
@@ -462,10 +489,14 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
         fatal.clear(rd.root)
+        trainer_cpus, other_cpus = placement(cfg)
+        if trainer_cpus:
+            log(f"CPUs: the trainer on {trainer_cpus}, the other processes on {other_cpus} (async.pin_trainer)")
         children.start(
             "orchestrator",
             ["orchestrator", "--run-dir", str(rd.root), *serve_tls] + (["--resume"] if resume else []),
             1,
+            cpus=other_cpus,
         )
         children.wait_for_file(info)
         url = json.loads(info.read_text())["url"]
@@ -473,7 +504,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         (rd.root / "origin.json").unlink(missing_ok=True)
         trainer_args = ["--run-dir", str(rd.root)] + (["--resume"] if resume else [])
         if torchrun.world_size(cfg) == 1:
-            children.start("trainer", ["trainer", *trainer_args], cfg.async_.trainer_threads)
+            children.start("trainer", ["trainer", *trainer_args], cfg.async_.trainer_threads, cpus=trainer_cpus)
             origin_wait_s = 120.0
         else:
             origin_wait_s = _start_torchrun(children, rd, cfg, trainer_args, log)
@@ -501,6 +532,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                     *serve_tls,
                 ],
                 1,
+                cpus=other_cpus,
             )
             children.wait_for_file(url_file)
             relays.append(json.loads(url_file.read_text())["url"])
@@ -537,6 +569,8 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 nice=cfg.async_.worker_nice,
                 python=python,
                 env=env,
+                # vLLM workers bind their own threads (VLLM_CPU_OMP_THREADS_BIND, from the whole set)
+                cpus=None if python else other_cpus,
             )
 
         for i in range(cfg.async_.workers):
