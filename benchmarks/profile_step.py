@@ -8,8 +8,9 @@ then records every process of the run with `py-spy record --subprocesses --nonbl
 number of steps recorded. py-spy counts a sample only where a thread is running (not waiting on
 a socket, a lock or sleep), so the figures are CPU seconds, native code (torch, SQLite) charged to
 the Python frame that called it. Each process's CPU seconds are the kernel's count over the
-window (/proc/PID/stat), split over its parts in proportion to its samples. Parts come from the frames on each sample's stack (PARTS below,
-the first rule that matches wins); what no rule names is "other" with its innermost swarmrl frame.
+window (/proc/PID/stat), split over its parts in proportion to its samples. Parts come from the
+frames on each sample's stack (PARTS below, the first rule that matches wins); what no rule names
+is "other" with its innermost swarmrl frame.
 
 Needs py-spy (`pip install -e ".[profile]"`) and root or ptrace rights over the run's processes.
 Usage: python benchmarks/profile_step.py [--steps 20 --warm 3 --rate 100 --out /tmp/profile_step]
@@ -22,7 +23,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -35,12 +35,12 @@ from pathlib import Path
 PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     # trainer
     ("trainer", "proximal pass (no-grad forward)", ("GRPOTrainer._logprobs",)),
-    ("trainer", "optimizer (clip + AdamW)", ("clip_grad_norm_", "Optimizer.step", "AdamW.step", "adamw (", "_sync_compute")),
+    ("trainer", "optimizer (clip + AdamW)", ("clip_grad_norm_", "Optimizer.step", "AdamW.step", "_sync_compute")),
     ("trainer", "backward", ("backward (torch/", "_engine_run_backward")),
     ("trainer", "forward + loss", ("GRPOTrainer._logits", "grpo_loss", "token_logprobs", "token_entropy")),
     ("trainer", "batch assembly", ("build_train_batch", "TrainBatch", "batch_from", "swarmrl/trainer/batch.py")),
     ("trainer", "train step (rest)", ("GRPOTrainer.train_step",)),
-    ("trainer", "publishing (write + sign)", ("_write_version", "Publisher", "publish", "save_policy", "sign", "prune_versions")),
+    ("trainer", "publishing (write + sign)", ("_write_version", "publish", "save_policy", "sign", "prune_versions")),
     ("trainer", "pulling batches (HTTP)", ("TrainerClient", "httpx", "httpcore")),
     ("trainer", "serving versions to relays (origin)", ("ShardRequestHandler", "_Server", "socketserver", "source_of")),
     ("trainer", "checkpoint", ("save_checkpoint",)),
@@ -53,14 +53,14 @@ PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("worker", "submission (sign + HTTP)", ("_Client", "WorkerClient", "httpx", "httpcore", "sign_headers")),
     ("worker", "rollout bookkeeping", ("Worker.generate", "Worker.run")),
     # orchestrator (its validator thread and its grading pool's processes included)
-    ("orchestrator", "validation: prefill", ("Validator.prefill", "validator/core.py:prefill", "prefill (swarmrl/validator")),
+    ("orchestrator", "validation: prefill", ("Validator.prefill", "prefill (swarmrl/validator")),
     ("orchestrator", "validation: checks", ("swarmrl/validator/", "verify_proofs", "swarmrl/proofs/")),
     ("orchestrator", "grading", ("math_task_reward", "VerifierPool", "score_rows", "_worker_main", "Graders")),
     ("orchestrator", "SQLite", ("sqlite3", "Store.", "swarmrl/orchestrator/store.py")),
     ("orchestrator", "submissions (parse + checks)", ("Submissions.", "Group.", "swarmrl/orchestrator/submissions.py")),
     ("orchestrator", "batches for the trainer", ("swarmrl/orchestrator/batches.py",)),
     ("orchestrator", "leases", ("swarmrl/orchestrator/leasing.py", "Leasing.")),
-    ("orchestrator", "auth + admission", ("swarmrl/orchestrator/gate.py", "swarmrl/orchestrator/admission.py", "verify_headers")),
+    ("orchestrator", "auth + admission", ("orchestrator/gate.py", "orchestrator/admission.py", "verify_headers")),
     ("orchestrator", "dashboard", ("dashboard",)),
     ("orchestrator", "HTTP server", ("uvicorn", "starlette", "fastapi", "h11", "asyncio", "pydantic")),
     # relay
@@ -180,7 +180,8 @@ def cpu_kind() -> str:
         return "unknown"
     flags = fields.get("flags", "").split()
     isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {isa}"
+    vendor, family, model = fields.get("vendor_id", "?"), fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{vendor} family {family} model {model}, {isa}"
 
 
 def scaled(by_part: collections.Counter, procs: dict, cpu: dict[str, float], rate: float) -> dict:
@@ -266,8 +267,20 @@ def main() -> None:
         first = len(steps_done(run_dir))
         raw = out / "raw.txt"
         spy = subprocess.Popen(
-            [args.py_spy, "record", "--pid", str(rl.pid), "--subprocesses", "--nonblocking", "--rate", str(args.rate),
-             "--format", "raw", "--output", str(raw)],
+            [
+                args.py_spy,
+                "record",
+                "--pid",
+                str(rl.pid),
+                "--subprocesses",
+                "--nonblocking",
+                "--rate",
+                str(args.rate),
+                "--format",
+                "raw",
+                "--output",
+                str(raw),
+            ],
             stdout=(out / "py-spy.log").open("w"),
             stderr=subprocess.STDOUT,
         )
@@ -304,7 +317,12 @@ def main() -> None:
         f"extra arguments: {' '.join(args.rl_args) or '(none: the embedded default)'}\n\n"
     )
     summary.update(
-        cpu=cpu_name(), cpu_kind=cpu_kind(), steps=steps, wall_s=wall, step_s=step_s, rl_args=args.rl_args,
+        cpu=cpu_name(),
+        cpu_kind=cpu_kind(),
+        steps=steps,
+        wall_s=wall,
+        step_s=step_s,
+        rl_args=args.rl_args,
         processes=list(procs.values()),
     )
     (out / "profile.json").write_text(json.dumps(summary, indent=1))

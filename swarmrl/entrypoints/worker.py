@@ -68,6 +68,9 @@ class Settings(RoleSettings):
     relays: str = ""
     """comma-separated relay URLs to fetch policy versions from (the origin the orchestrator names is tried
     last)"""
+    relay_files: str = ""
+    """comma-separated files a relay writes its URL to (`swarmrl relay --url-file`), for relays that may
+    start after this worker: each is used once it exists (how `swarmrl rl` starts workers beside the trainer)"""
     trainer_key: str | None = None
     """the trainer's ed25519 public key (64 hex) or a file holding it (<run-dir>/trainer.pub); versions it did
     not sign are refused"""
@@ -239,6 +242,7 @@ def main(settings: Settings, cfg: None) -> None:
             dtype=s.dtype,
             worker_class=worker_class,
             relays=url_list(s.relays),
+            relay_files=[f for f in s.relay_files.split(",") if f],
             trainer_key=key_arg(s.trainer_key),
             run_id=s.run_id,
             endpoint=endpoint,

@@ -85,6 +85,7 @@ class Worker:
         unreachable_s: float = float("inf"),
         log=_log,
         relays: list[str] = (),
+        relay_files: list[str] = (),
         trainer_key: str | None = None,
         parallel: int = 4,
         timeout_s: float = 10.0,
@@ -111,6 +112,9 @@ class Worker:
         # signed by the trainer's key. Without a configured key the key the orchestrator announces
         # is used (trusting the orchestrator for it), with a warning.
         self.relays, self.trainer_key = [r.rstrip("/") for r in relays], trainer_key
+        # Relays that were not up yet when this worker started (`swarmrl relay --url-file`): each
+        # joins `relays` once its file exists, so `swarmrl rl` can start workers beside the trainer.
+        self.relay_files = [Path(f) for f in relay_files]
         self.parallel, self.timeout_s, self.scores = parallel, timeout_s, SourceScores()
         self.version: int | None = None
         self.digest: str | None = None
@@ -132,6 +136,17 @@ class Worker:
         return retrying(fn, what=what, give_up_s=self.unreachable_s, check=self._watchdog, log=self.log)
 
     # ---- policy ------------------------------------------------------------------------------
+    def _relays(self) -> list[str]:
+        """The relays to fetch from: the given ones, and those of `relay_files` written by now."""
+        for f in list(self.relay_files):
+            try:
+                url = json.loads(f.read_text())["url"].rstrip("/")
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not written yet (or being written): the origin serves meanwhile
+            self.relays.append(url)
+            self.relay_files.remove(f)
+        return self.relays
+
     def _ensure_policy(self, policy: dict) -> bool:
         """Load the orchestrator's newest version if we do not have it. False: try again later."""
         version, digest = policy["version"], manifest_digest(policy["manifest"])
@@ -150,7 +165,7 @@ class Worker:
         before = {u: e["successes"] for u, e in self.scores.snapshot().items()}
         try:
             t0 = time.monotonic()
-            sources = [*self.relays, policy["url"]]
+            sources = [*self._relays(), policy["url"]]
             folder = fetch_version(
                 version,
                 sources,
@@ -447,6 +462,7 @@ def run_worker(
     dtype: str | None = None,
     worker_class=None,
     relays: list[str] = (),
+    relay_files: list[str] = (),
     trainer_key: str | None = None,
     run_id: str | None = None,
     endpoint: EndpointSettings | None = None,
@@ -466,6 +482,7 @@ def run_worker(
         device=device,
         dtype=dtype,
         relays=relays,
+        relay_files=relay_files,
         trainer_key=trainer_key,
         run_id=run_id,
         endpoint=endpoint,

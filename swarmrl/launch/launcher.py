@@ -323,6 +323,16 @@ def _placed(nice: int, cpus: list[int] | None):
     return place
 
 
+def trainer_pub(rd: RunDir) -> Path:
+    """<run>/trainer.pub, written here if the trainer has not yet (it loads the same key file):
+    relays and workers may then start before the trainer does."""
+    pub = rd.root / "trainer.pub"
+    key = load_or_create_key(rd.root / "trainer_key.pem")
+    if not pub.exists() or pub.read_text().strip() != public_key_hex(key):
+        atomic_write_text(pub, public_key_hex(key) + "\n")
+    return pub
+
+
 def placement(cfg: Config) -> tuple[list[int] | None, list[int] | None]:
     """(the trainer's CPUs, everyone else's) under `async.pin_trainer`, or (None, None): the
     scheduler places everything (GPU runs, several trainer ranks, or no CPU left over)."""
@@ -508,37 +518,14 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             origin_wait_s = 120.0
         else:
             origin_wait_s = _start_torchrun(children, rd, cfg, trainer_args, log)
-        # Weights: trainer (origin) -> relays -> workers, every version signed by the trainer.
-        children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
-        origin = json.loads((rd.root / "origin.json").read_text())["url"]
-        relays = []
-        for i in range(cfg.broadcast.relays):
-            url_file = rd.root / "relays" / f"relay-{i}.json"
-            url_file.unlink(missing_ok=True)
-            children.start(
-                f"relay-{i}",
-                [
-                    "relay",
-                    "--upstream",
-                    origin,
-                    "--cache-dir",
-                    str(rd.root / "relays" / f"relay-{i}"),
-                    "--trainer-key",
-                    str(rd.root / "trainer.pub"),
-                    "--keep",
-                    str(cfg.broadcast.keep),
-                    "--url-file",
-                    str(url_file),
-                    *serve_tls,
-                ],
-                1,
-                cpus=other_cpus,
-            )
-            children.wait_for_file(url_file)
-            relays.append(json.loads(url_file.read_text())["url"])
-        if relays:
-            log(f"relays: {', '.join(relays)} (origin {origin})")
-        weights = ["--relays", ",".join(relays), "--trainer-key", str(rd.root / "trainer.pub")]
+        # Weights: trainer (origin) -> relays -> workers, every version signed by the trainer. The
+        # workers start now, beside the trainer (their imports take seconds a first batch would
+        # wait for): they take each relay's URL from its file once it is written, and fetch from
+        # the origin the orchestrator names until then.
+        relay_files = [rd.root / "relays" / f"relay-{i}.json" for i in range(cfg.broadcast.relays)]
+        for f in relay_files:
+            f.unlink(missing_ok=True)  # from an earlier start: that relay listened elsewhere
+        weights = ["--relay-files", ",".join(map(str, relay_files)), "--trainer-key", str(trainer_pub(rd))]
 
         def start_worker(
             proc_name: str, display_name: str, *extra: str, python: str | None = None, env: dict | None = None
@@ -582,6 +569,34 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve"
             )
         _start_adversaries(cfg, start_worker, log)
+        children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
+        origin = json.loads((rd.root / "origin.json").read_text())["url"]
+        relays = []
+        for i in range(cfg.broadcast.relays):
+            url_file = relay_files[i]
+            children.start(
+                f"relay-{i}",
+                [
+                    "relay",
+                    "--upstream",
+                    origin,
+                    "--cache-dir",
+                    str(rd.root / "relays" / f"relay-{i}"),
+                    "--trainer-key",
+                    str(rd.root / "trainer.pub"),
+                    "--keep",
+                    str(cfg.broadcast.keep),
+                    "--url-file",
+                    str(url_file),
+                    *serve_tls,
+                ],
+                1,
+                cpus=other_cpus,
+            )
+            children.wait_for_file(url_file)
+            relays.append(json.loads(url_file.read_text())["url"])
+        if relays:
+            log(f"relays: {', '.join(relays)} (origin {origin})")
         events = _Events(rd.logs / "orchestrator.log")
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0

@@ -348,7 +348,6 @@ class Submissions:
                 g = c.group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
-                v = self.cfg.validator
                 full = self._rng.random() < self._check_rate(db, key, c.proofless)
                 if c.proofless:
                     self.counters.count("groups_accepted/without_proofs")

@@ -260,6 +260,11 @@ class GRPOTrainer:
         """
         budget = self.cfg.trainer.max_tokens_per_micro_batch
         if budget is None:
+            # Shortest first, so that each micro-batch is trimmed to lengths near its own: the loss
+            # is a sum over sequences with the mini-batch's normaliser, so the order changes no
+            # gradient, only the padding computed (a 1.4-1.6x faster step, docs/benchmarks.md).
+            if self.cfg.trainer.sort_micro_batches:
+                rows = rows[torch.argsort(batch.attention_mask[rows].sum(1), stable=True)]
             return [(r, batch.slice(r).trimmed(), None) for r in rows.split(self.cfg.trainer.micro_batch_size)]
         packs = pack_sequences(batch.input_ids[rows], batch.attention_mask[rows].sum(1), budget)
         return [(rows[p.rows], batch.slice(rows[p.rows]).trimmed(), p) for p in packs]
@@ -315,7 +320,8 @@ class GRPOTrainer:
         """No-grad logprobs of every batch position under `model` [N, L-1] (`rows`: of those rows
         only, the others 0)."""
         out = torch.zeros_like(batch.inference_logprobs)
-        for rows, mb, pack in self._micro_batches(batch, torch.arange(len(batch)) if rows is None else rows):
+        wanted = torch.arange(len(batch)) if rows is None else rows
+        for rows, mb, pack in self._micro_batches(batch, wanted):  # noqa: B020 (each micro-batch's own rows)
             logits, targets = self._logits(model, mb, pack)
             lp = self._unpacked(pack, token_logprobs(logits, targets, self.cfg.sampling.temperature))  # [n, w]
             out[rows, : lp.shape[1]] = lp.cpu()
