@@ -62,6 +62,7 @@ class Children:
         self.torchrun: str | None = None  # the child that is torchrun, whose ranks run in their own sessions
         self.rank_pids: set[int] = set()
         self.log_start = 0  # where this start's output begins in torchrun's log (a resumed run appends)
+        self.deferred: dict[str, list[int]] = {}  # CPU sets to apply once the run is under way
 
     def start(
         self,
@@ -98,6 +99,27 @@ class Children:
                 preexec_fn=_placed(nice, cpus) if nice or cpus else None,
             )
         self.procs[name] = (proc, log)
+
+    def place_later(self, name: str, cpus: list[int]) -> None:
+        """Move child `name` to `cpus` at `place_deferred`: workers start on every CPU (their
+        imports and first policy load then overlap the trainer's start instead of queueing on the
+        CPUs left to them) and keep off the trainer's once the run is under way."""
+        self.deferred[name] = cpus
+
+    def place_deferred(self) -> None:
+        for name, cpus in self.deferred.items():
+            proc, _ = self.procs[name]
+            tasks = Path(f"/proc/{proc.pid}/task")
+            try:  # every thread it has: sched_setaffinity(pid) moves only the main one
+                tids = [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [proc.pid]
+            except OSError:
+                tids = [proc.pid]
+            for tid in tids:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except OSError:
+                    pass  # gone (a thread that ended, a worker that stopped): nothing to move
+        self.deferred.clear()
 
     def check(self) -> bool:
         """True once the trainer has finished; raises ChildDied if any child failed."""
@@ -556,9 +578,10 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 nice=cfg.async_.worker_nice,
                 python=python,
                 env=env,
-                # vLLM workers bind their own threads (VLLM_CPU_OMP_THREADS_BIND, from the whole set)
-                cpus=None if python else other_cpus,
             )
+            if other_cpus and python is None:  # vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND)
+                # once the first step is trained: see Children.place_later
+                children.place_later(proc_name, other_cpus)
 
         for i in range(cfg.async_.workers):
             start_worker(f"worker-{i}", f"worker-{i}")
@@ -605,6 +628,8 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 for line in events.new():
                     progress.note(line)
                 records = read_metrics(rd)
+                if children.deferred and any("time/step" in r for r in records):
+                    children.place_deferred()
                 for r in records[seen:]:
                     progress.update(r)
                 seen = len(records)
