@@ -51,6 +51,25 @@ from pathlib import Path
 
 from swarmrl.config import load_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_step import cpu_seconds, descendants, role_of, steps_done  # noqa: E402 (a sibling script)
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds used so far by the processes under `root`, by role; a process that is no
+    swarmrl role (a grading pool's) counts as its nearest ancestor's."""
+    out: dict[str, float] = {}
+    for pid, secs in cpu_seconds(descendants(root)).items():
+        role, p = "other", int(pid)
+        while role == "other" and p > 1:
+            try:
+                role = role_of(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                p = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                break
+        out[role] = out.get(role, 0.0) + secs
+    return out
+
 
 def cpu_name() -> str:
     try:
@@ -114,10 +133,25 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         "--logging.plots",
         "false",
     ]
+    cmd += ["--seed", str(cfg.seed)]
     started = time.monotonic()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = (out / "swarmrl-rl.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    # CPU seconds of every process of the run (the kernel's count), from the first trained step to
+    # the last snapshot before the run ends: per step, by role (trainer, orchestrator with its
+    # validator and graders, relay, launcher: the trusted side; workers).
+    first = last = None
+    while proc.poll() is None:
+        done = len(steps_done(run_dir))
+        if done >= 1:
+            snap = (done, cpu_by_role(proc.pid))
+            first = first or snap
+            last = snap
+        time.sleep(0.5)
+    err.close()
     if proc.returncode != 0:
-        raise SystemExit(f"swarmrl rl failed (exit {proc.returncode}); logs in {run_dir}/logs\n{proc.stderr[-2000:]}")
+        tail = (out / "swarmrl-rl.log").read_text()[-2000:]
+        raise SystemExit(f"swarmrl rl failed (exit {proc.returncode}); logs in {run_dir}/logs\n{tail}")
     process_wall = time.monotonic() - started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     wall, curve, steps = 0.0, [], 0
@@ -128,13 +162,21 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         if "eval/accuracy" in r:
             curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
     a = cfg.async_
+    cpu = {}
+    if first and last and last[0] > first[0]:
+        n = last[0] - first[0]
+        cpu = {role: (last[1].get(role, 0.0) - first[1].get(role, 0.0)) / n for role in last[1]}
     return {
         "side": "swarmrl",
+        "seed": cfg.seed,
         "curve": curve,
         "trainer_wall_s": round(wall, 1),
         "s_per_step": wall / max(steps, 1),
         "process_wall_s": round(process_wall, 1),
         "threads": f"trainer {a.trainer_threads} + {a.workers} workers x {a.worker_threads}",
+        "cpu_s_per_step": sum(cpu.values()) if cpu else None,
+        "trusted_cpu_s_per_step": sum(v for r, v in cpu.items() if r != "worker") if cpu else None,
+        "cpu_by_role": cpu,
     }
 
 
@@ -257,17 +299,19 @@ def run_trl(args, cfg, out: Path) -> dict:
             self.saves, self.t0, self.paused = [], 0.0, 0.0
 
         def on_train_begin(self, args_, state, control, **kw):
-            self.t0 = time.monotonic()
+            self.t0, self.cpu0, self.cpu_paused = time.monotonic(), time.process_time(), 0.0
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             step = state.global_step
             if step % (args.eval_every * per_gen) and step != state.max_steps:
                 return
             wall = time.monotonic() - self.t0 - self.paused
-            started = time.monotonic()
+            cpu = time.process_time() - self.cpu0 - self.cpu_paused
+            started, cpu_started = time.monotonic(), time.process_time()
             path = save_policy(model, save_tokenizer, ckpt_dir / f"step-{step // per_gen:06d}")
             self.paused += time.monotonic() - started
-            self.saves.append({"step": step // per_gen, "wall_s": round(wall, 1), "path": str(path)})
+            self.cpu_paused += time.process_time() - cpu_started
+            self.saves.append({"step": step // per_gen, "wall_s": round(wall, 1), "cpu_s": cpu, "path": str(path)})
 
         def on_log(self, args_, state, control, logs=None, **kw):
             logs = logs or {}
@@ -299,8 +343,12 @@ def run_trl(args, cfg, out: Path) -> dict:
         acc = eval_checkpoint(s["path"], out / "trl-eval" / Path(s["path"]).name, cfg)
         curve.append({"step": s["step"], "wall_s": s["wall_s"], "accuracy": acc})
     final_wall = timer.saves[-1]["wall_s"] if timer.saves else train_wall
+    cpu_per_step = timer.saves[-1]["cpu_s"] / args.steps if timer.saves else None
     return {
         "side": "trl",
+        "seed": cfg.seed,
+        "cpu_s_per_step": cpu_per_step,
+        "trusted_cpu_s_per_step": cpu_per_step,  # one process: all of it is the trainer's
         "curve": curve,
         "trainer_wall_s": final_wall,
         "s_per_step": final_wall / args.steps,
@@ -316,28 +364,78 @@ def time_to_gain(curve: list[dict], gain: float) -> float | None:
     return next((c["wall_s"] for c in curve if c["accuracy"] - base >= gain - 1e-9), None)
 
 
+def _f(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
 def table(results: list[dict], gain: float) -> str:
     pts = round(gain * 100)
     lines = [
-        f"| side | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts | process wall (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| side | seed | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts "
+        "| CPU s/step (all) | CPU s/step (trusted side) | process wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         reach = r["time_to_gain_s"]
         lines.append(
-            f"| {r['side']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} | {r['curve'][-1]['accuracy']:.3f} "
-            f"| {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
-            f"{f'{reach:.0f} s' if reach is not None else 'not reached'} | {r['process_wall_s']:.0f} |"
+            f"| {r['side']} | {r['seed']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} "
+            f"| {r['curve'][-1]['accuracy']:.3f} | {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
+            f"{f'{reach:.1f} s' if reach is not None else 'not reached'} | {_f(r.get('cpu_s_per_step'), '.2f')} "
+            f"| {_f(r.get('trusted_cpu_s_per_step'), '.2f')} | {r['process_wall_s']:.0f} |"
         )
-    lines += ["", "| side | step | trainer wall (s) | held-out avg@4 (T=1) |", "|---|---|---|---|"]
+    lines += ["", "| side | seed | step | trainer wall (s) | held-out avg@4 (T=1) |", "|---|---|---|---|---|"]
     for r in results:
-        lines += [f"| {r['side']} | {c['step']} | {c['wall_s']:.1f} | {c['accuracy']:.3f} |" for c in r["curve"]]
+        lines += [
+            f"| {r['side']} | {r['seed']} | {c['step']} | {c['wall_s']:.1f} | {c['accuracy']:.3f} |" for c in r["curve"]
+        ]
     return "\n".join(lines) + "\n"
+
+
+def summary_lines(results: list[dict], gain: float) -> str:
+    """Per side over seeds: mean time to the gain, s/step and CPU; then swarmrl / TRL ratios."""
+    pts = round(gain * 100)
+    sides: dict[str, dict] = {}
+    for r in results:
+        d = sides.setdefault(r["side"], {"reach": [], "step": [], "cpu": [], "trusted": []})
+        d["reach"].append(r["time_to_gain_s"])
+        d["step"].append(r["s_per_step"])
+        d["cpu"].append(r.get("cpu_s_per_step"))
+        d["trusted"].append(r.get("trusted_cpu_s_per_step"))
+
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    out = [f"| side | seeds | time to +{pts} pts (each) | mean | s/step (mean) | CPU s/step | trusted CPU s/step |"]
+    out.append("|---|---|---|---|---|---|---|")
+    for side, d in sides.items():
+        each = ", ".join(_f(x, ".1f") for x in d["reach"])
+        out.append(
+            f"| {side} | {len(d['reach'])} | {each} | {_f(mean(d['reach']), '.1f')} | {_f(mean(d['step']), '.2f')} "
+            f"| {_f(mean(d['cpu']), '.2f')} | {_f(mean(d['trusted']), '.2f')} |"
+        )
+    if {"swarmrl", "trl"} <= sides.keys():
+        sw, tr = sides["swarmrl"], sides["trl"]
+        ratio = lambda a, b: _f(a / b, ".2f") if a is not None and b else "n/a"  # noqa: E731
+        out.append("")
+        out.append(
+            f"swarmrl / TRL: time to +{pts} pts {ratio(mean(sw['reach']), mean(tr['reach']))} (mean over seeds; "
+            f"per seed {', '.join(ratio(a, b) for a, b in zip(sw['reach'], tr['reach']))}); s/step "
+            f"{ratio(mean(sw['step']), mean(tr['step']))}; trusted-side CPU per step against TRL's "
+            f"{ratio(mean(sw['trusted']), mean(tr['trusted']))}"
+        )
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="base HF folder both sides start from (e.g. `swarmrl sft --output`)")
+    p.add_argument(
+        "--model",
+        required=True,
+        nargs="+",
+        help="base HF folder both sides start from (`swarmrl sft --output`): one per --seeds entry, or one for all",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="run seeds (both sides, one sitting, interleaved)")
     p.add_argument("--steps", type=int, default=60, help="generations (swarmrl rollout steps) per side")
     p.add_argument("--eval-every", type=int, default=20, help="evaluate every N generations (and at the end)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
@@ -346,16 +444,17 @@ def main() -> None:
     p.add_argument("--skip-swarmrl", action="store_true")
     p.add_argument("--skip-trl", action="store_true")
     args = p.parse_args()
-    if not (Path(args.model) / "config.json").exists():
-        p.error(f"--model {args.model} is not a Hugging Face model folder")
+    if len(args.model) not in (1, len(args.seeds)):
+        p.error(f"give one --model, or one per seed ({len(args.seeds)})")
+    models = args.model * len(args.seeds) if len(args.model) == 1 else args.model
+    for m in models:
+        if not (Path(m) / "config.json").exists():
+            p.error(f"--model {m} is not a Hugging Face model folder")
     if not args.skip_trl:
         try:
             import trl
         except ImportError:
             raise SystemExit('TRL is not installed; from the repository root: pip install -e ".[trl]"') from None
-    cfg = load_config(
-        None, ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every), "--model.path", args.model]
-    )
     import torch
 
     out = Path(args.out)
@@ -366,15 +465,23 @@ def main() -> None:
         flush=True,
     )
     results = []
-    if not args.skip_swarmrl:
-        results.append(run_swarmrl(args, cfg, out))
-        print(f"swarmrl done: {results[-1]['trainer_wall_s']:.0f} s trainer wall", flush=True)
-    if not args.skip_trl:
-        results.append(run_trl(args, cfg, out))
+    for seed, model in zip(args.seeds, models):
+        cfg = load_config(
+            None,
+            ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every), "--model.path", model]
+            + ["--seed", str(seed)],
+        )
+        side_args = argparse.Namespace(**{**vars(args), "model": model})
+        seed_out = out / f"seed-{seed}"
+        seed_out.mkdir(parents=True, exist_ok=True)
+        if not args.skip_swarmrl:
+            results.append(run_swarmrl(side_args, cfg, seed_out))
+            print(f"seed {seed}: swarmrl done: {results[-1]['trainer_wall_s']:.0f} s trainer wall", flush=True)
+        if not args.skip_trl:
+            results.append(run_trl(side_args, cfg, seed_out))
+            print(f"seed {seed}: trl done: {results[-1]['trainer_wall_s']:.0f} s trainer wall", flush=True)
     for r in results:
         r["time_to_gain_s"] = time_to_gain(r["curve"], args.gain)
-    times = {r["side"]: r["time_to_gain_s"] for r in results}
-    ratio = times["trl"] / times["swarmrl"] if times.get("trl") and times.get("swarmrl") else None
     summary = {
         "cpu": cpu_name(),
         "torch": torch.__version__,
@@ -382,15 +489,11 @@ def main() -> None:
         "steps": args.steps,
         "eval_every": args.eval_every,
         "gain": args.gain,
-        "ratio_trl_over_swarmrl": ratio,
+        "seeds": args.seeds,
         "sides": results,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1))
-    text = table(results, args.gain)
-    text += (
-        f"\nTRL / swarmrl time to +{round(args.gain * 100)} pts: "
-        f"{f'{ratio:.2f}' if ratio is not None else 'n/a (a side skipped or not reached)'}\n"
-    )
+    text = summary_lines(results, args.gain) + "\n" + table(results, args.gain)
     (out / "table.md").write_text(text)
     print(f"cpu: {cpu_name()}\n" + text)
 

@@ -62,9 +62,9 @@ class Settings(RoleSettings):
     """--model only (cuda is untested: no GPU here)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """--model only"""
-    streams: int = 1
-    """--model on a CPU: decode in this many processes of one thread each (one per core is fastest at small
-    sizes; the same samples as 1, docs/engines.md). Default 1"""
+    streams: int | None = None
+    """--model on a CPU: decode in this many processes of one thread each (the same samples whatever the number,
+    docs/engines.md). Default: one per CPU this process may use (on a GPU: 1)"""
     workers: int = 2
     """math grading processes"""
     extract: Literal["boxed", "last_number"] = "boxed"
@@ -83,6 +83,10 @@ class Settings(RoleSettings):
             raise ValueError(f"--length-target must be a positive number of tokens, got {self.length_target}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.streams is None:
+            from swarmrl.inference.streams import default_streams
+
+            self.streams = default_streams(self.device) if self.model else 1
         if self.streams < 1 or (self.streams > 1 and (not self.model or not self.device.startswith("cpu"))):
             raise ValueError(f"--streams {self.streams}: give 1, or more with --model on a CPU (one per core)")
         return self

@@ -56,10 +56,10 @@ class Settings(RoleSettings):
     """display name (letters, digits, _ . -)"""
     threads: int | None = None
     """torch threads (default: torch's choice)"""
-    streams: int = 1
-    """built-in engine on a CPU: decode in this many independent streams of one thread each (e.g. one per core;
-    then leave --threads unset). At small model sizes this beats splitting each kernel over threads
-    (docs/engines.md). Default 1"""
+    streams: int | None = None
+    """built-in engine on a CPU: decode in this many independent streams of one thread each. At small model sizes
+    this beats splitting each kernel over threads (docs/engines.md). Default: one per CPU this process may use
+    when --threads is not given either; 1 with --threads, on a GPU, with another engine or an --adversary"""
     device: str = "cpu"
     """cpu or cuda (the CUDA path is checked on the device machine only)"""
     dtype: Literal["float32", "bfloat16"] | None = None
@@ -125,6 +125,11 @@ class Settings(RoleSettings):
     def _check(self) -> Settings:
         from swarmrl.protocol.tls import is_loopback
 
+        if self.streams is None:
+            from swarmrl.inference.streams import default_streams
+
+            plain = self.engine not in ("vllm", "openai") and not self.adversary
+            self.streams = default_streams(self.device, self.threads) if plain else 1
         if self.streams < 1:
             raise ValueError(
                 f"--streams {self.streams}: give at least 1 decoding stream (one per core is the usual choice)"

@@ -37,6 +37,18 @@ from swarmrl.inference.sampler import Completion, check_rows
 _ERRORS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, MemoryError)}
 
 
+def default_streams(device: str, threads: int | None = None) -> int:
+    """Streams when the user names none: one per CPU this process may run on, for a CPU model
+    whose torch threads the user did not choose either (their choice means one engine on that
+    many threads). 1 anywhere else (a GPU, or threads given)."""
+    if not device.startswith("cpu") or threads is not None:
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
 def shard_rows(prompts: list[list[int]], streams: int) -> list[list[int]]:
     """Row indices per stream: rows with the same prompt together (their prefill is shared),
     distinct prompts dealt to the stream with the fewest rows so far (ties: the lowest index).

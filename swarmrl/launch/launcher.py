@@ -369,6 +369,47 @@ def placement(cfg: Config) -> tuple[list[int] | None, list[int] | None]:
     return cpus[:n], cpus[n:]
 
 
+def _start_relays(
+    children: Children,
+    rd: RunDir,
+    cfg: Config,
+    url_files: list[Path],
+    origin_wait_s: float,
+    serve_tls: list[str],
+    cpus: list[int] | None,
+    log,
+) -> None:
+    """`broadcast.relays` relays of the trainer's origin, once it serves, each writing its URL
+    to its file in `url_files` (where the workers, started already, pick it up)."""
+    children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
+    origin = json.loads((rd.root / "origin.json").read_text())["url"]
+    relays = []
+    for i, url_file in enumerate(url_files):
+        children.start(
+            f"relay-{i}",
+            [
+                "relay",
+                "--upstream",
+                origin,
+                "--cache-dir",
+                str(rd.root / "relays" / f"relay-{i}"),
+                "--trainer-key",
+                str(rd.root / "trainer.pub"),
+                "--keep",
+                str(cfg.broadcast.keep),
+                "--url-file",
+                str(url_file),
+                *serve_tls,
+            ],
+            1,
+            cpus=cpus,
+        )
+        children.wait_for_file(url_file)
+        relays.append(json.loads(url_file.read_text())["url"])
+    if relays:
+        log(f"relays: {', '.join(relays)} (origin {origin})")
+
+
 def vllm_cpus(index: int, threads: int, cpus: list[int]) -> list[int]:
     """The cores vLLM worker `index` pins its `threads` threads to: its own block of the CPU set,
     wrapping around when there are more workers than blocks (they then share)."""
@@ -592,34 +633,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve"
             )
         _start_adversaries(cfg, start_worker, log)
-        children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
-        origin = json.loads((rd.root / "origin.json").read_text())["url"]
-        relays = []
-        for i in range(cfg.broadcast.relays):
-            url_file = relay_files[i]
-            children.start(
-                f"relay-{i}",
-                [
-                    "relay",
-                    "--upstream",
-                    origin,
-                    "--cache-dir",
-                    str(rd.root / "relays" / f"relay-{i}"),
-                    "--trainer-key",
-                    str(rd.root / "trainer.pub"),
-                    "--keep",
-                    str(cfg.broadcast.keep),
-                    "--url-file",
-                    str(url_file),
-                    *serve_tls,
-                ],
-                1,
-                cpus=other_cpus,
-            )
-            children.wait_for_file(url_file)
-            relays.append(json.loads(url_file.read_text())["url"])
-        if relays:
-            log(f"relays: {', '.join(relays)} (origin {origin})")
+        _start_relays(children, rd, cfg, relay_files, origin_wait_s, serve_tls, other_cpus, log)
         events = _Events(rd.logs / "orchestrator.log")
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0
