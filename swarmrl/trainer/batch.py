@@ -23,6 +23,7 @@ class TrainBatch:
     inference_logprobs: Tensor  # [N, L-1] float, the worker's logprobs (0 off the mask)
     advantages: Tensor  # [N] float
     policy_versions: Tensor  # [N] long, the version that sampled each sequence
+    prompt_lens: Tensor | None = None  # [N] long, each row's prompt tokens (None: not known, no shared prompts)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -39,7 +40,8 @@ class TrainBatch:
                     self.advantages,
                     self.policy_versions,
                 )
-            )
+            ),
+            prompt_lens=None if self.prompt_lens is None else self.prompt_lens[idx],
         )
 
     def trimmed(self) -> TrainBatch:
@@ -52,6 +54,7 @@ class TrainBatch:
             self.inference_logprobs[:, : width - 1],
             self.advantages,
             self.policy_versions,
+            self.prompt_lens,
         )
 
 
@@ -67,6 +70,7 @@ def build_train_batch(groups: list[Group], *, pad_token_id: int, normalize_std: 
     loss_mask = torch.zeros((n, width - 1), dtype=torch.bool)
     inf_lp = torch.zeros((n, width - 1), dtype=torch.float32)
     versions = torch.empty(n, dtype=torch.long)
+    prompt_lens = torch.tensor([len(g.prompt_ids) for g, _ in seqs], dtype=torch.long)
     for i, (g, s) in enumerate(seqs):
         p, c = len(g.prompt_ids), len(s.token_ids)
         input_ids[i, : p + c] = torch.tensor(g.prompt_ids + s.token_ids)
@@ -75,4 +79,4 @@ def build_train_batch(groups: list[Group], *, pad_token_id: int, normalize_std: 
         loss_mask[i, p - 1 : p - 1 + c] = True
         inf_lp[i, p - 1 : p - 1 + c] = torch.tensor(s.logprobs)
         versions[i] = g.policy_version
-    return TrainBatch(input_ids, attention, loss_mask, inf_lp, adv, versions)
+    return TrainBatch(input_ids, attention, loss_mask, inf_lp, adv, versions, prompt_lens)

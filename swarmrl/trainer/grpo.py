@@ -27,6 +27,7 @@ from swarmrl.config import Config
 from swarmrl.model.lora import AdaptersOff, apply_lora
 from swarmrl.trainer.batch import TrainBatch
 from swarmrl.trainer.packing import Pack, pack_sequences
+from swarmrl.trainer.prompts import SharedPrompts, prompt_sets
 
 
 @dataclass
@@ -259,6 +260,8 @@ class GRPOTrainer:
         set): whole sequences laid end to end, at most that many tokens per pass (trainer/packing.py).
         """
         budget = self.cfg.trainer.max_tokens_per_micro_batch
+        if budget is None and self._shares_prompts(batch):
+            return self._prompt_set_micro_batches(batch, rows)
         if budget is None:
             # Shortest first, so that each micro-batch is trimmed to lengths near its own: the loss
             # is a sum over sequences with the mini-batch's normaliser, so the order changes no
@@ -269,9 +272,50 @@ class GRPOTrainer:
         packs = pack_sequences(batch.input_ids[rows], batch.attention_mask[rows].sum(1), budget)
         return [(rows[p.rows], batch.slice(rows[p.rows]).trimmed(), p) for p in packs]
 
-    def _logits(self, model, mb: TrainBatch, pack: Pack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shares_prompts(self, batch: TrainBatch) -> bool:
+        t = self.cfg.trainer
+        return (
+            t.shared_prompts
+            and batch.prompt_lens is not None
+            and self.dist.world_size == 1  # ranks would run different numbers of passes
+            and not t.activation_checkpointing  # its recompute turns the KV cache off
+        )
+
+    def _prompt_set_micro_batches(
+        self, batch: TrainBatch, rows: torch.Tensor
+    ) -> list[tuple[torch.Tensor, TrainBatch, SharedPrompts]]:
+        """Micro-batches of up to `micro_batch_size` rows made of whole prompt sets (a set larger
+        than that is split), longest set last when sorting; each laid out by SharedPrompts."""
+        t = self.cfg.trainer
+        lens = batch.attention_mask.sum(1)
+        sets = prompt_sets(batch, rows)
+        if t.sort_micro_batches:
+            sets = [sorted(s, key=lambda r: int(lens[r])) for s in sets]
+            sets.sort(key=lambda s: int(lens[s[-1]]))
+        chunks = [s[i : i + t.micro_batch_size] for s in sets for i in range(0, len(s), t.micro_batch_size)]
+        micro, current = [], []
+        for chunk in chunks:
+            if current and len(current) + len(chunk) > t.micro_batch_size:
+                micro.append(current)
+                current = []
+            current = current + chunk
+        if current:
+            micro.append(current)
+        out = []
+        for m in micro:
+            r = torch.tensor(m, dtype=torch.long)
+            mb = batch.slice(r).trimmed()
+            out.append((r, mb, SharedPrompts.of(mb)))
+        return out
+
+    def _logits(
+        self, model, mb: TrainBatch, pack: Pack | SharedPrompts | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, target ids) in the forward's own layout, position t predicting token t+1:
-        [n, w, V] and [n, w] padded, [1, T-1, V] and [1, T-1] packed (`_unpacked` maps to [n, w])."""
+        [n, w, V] and [n, w] padded, [1, T-1, V] and [1, T-1] packed, [n, C, V] and [n, C] with
+        shared prompts (completion positions only); `_unpacked` maps each to [n, w]."""
+        if isinstance(pack, SharedPrompts):
+            return pack.logits(model, self.device)
         if pack is None:
             # No KV cache either: a training forward never reads one back, it costs every layer's
             # keys and values, and under activation checkpointing a layer's recompute would append
@@ -295,7 +339,7 @@ class GRPOTrainer:
         return out.logits[:, :-1].float(), ids[:, 1:].to(self.device)
 
     @staticmethod
-    def _unpacked(pack: Pack | None, values: torch.Tensor) -> torch.Tensor:
+    def _unpacked(pack: Pack | SharedPrompts | None, values: torch.Tensor) -> torch.Tensor:
         """Per-position values of `_logits`' layout -> [n, w], batch.py's layout."""
         return values if pack is None else pack.unpack(values)
 

@@ -19,6 +19,7 @@ import torch
 from swarmrl.algorithm.advantages import group_advantages
 from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer
+from swarmrl.trainer.prompts import SharedPrompts
 
 from tiny_trainer import (
     COMPLETION_LENS,
@@ -260,7 +261,7 @@ def test_the_first_mini_batch_takes_its_proximal_logprobs_from_its_own_forward()
 
 
 def test_micro_batches_go_shortest_first_and_each_is_trimmed_to_its_own_longest():
-    cfg, model, _, _, batch = prepare()
+    cfg, model, _, _, batch = prepare("--trainer.shared_prompts", "false")  # the plain padded path
     trainer = GRPOTrainer(model, cfg)
     lengths = batch.attention_mask.sum(1)
     rows = torch.arange(len(batch))
@@ -271,6 +272,28 @@ def test_micro_batches_go_shortest_first_and_each_is_trimmed_to_its_own_longest(
     for r, mb, _ in micro:
         assert mb.input_ids.shape[1] == int(lengths[r].max())
         torch.testing.assert_close(mb.advantages, batch.advantages[r])
+
+
+def test_shared_prompts_give_the_padded_paths_logprobs_and_update():
+    # Issue 30: each prompt runs once and its completions attend to its cached keys and values;
+    # autograd sums the prompt's gradient over them, as the padded path does.
+    cfg, model, _, _, batch = prepare()
+    plain_cfg = make_cfg("--trainer.shared_prompts", "false")
+    shared, plain = GRPOTrainer(model, cfg), GRPOTrainer(make_model()[0], plain_cfg)
+    micro = shared._micro_batches(batch, torch.arange(len(batch)))
+    assert all(isinstance(layout, SharedPrompts) for _, _, layout in micro)
+    assert max(len(layout.prompt_ids) for _, _, layout in micro) < max(len(r) for r, _, _ in micro)  # shared
+    mask = batch.loss_mask
+    a = shared._logprobs(shared.compute_model, batch)
+    b = plain._logprobs(plain.compute_model, batch)
+    torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=2e-5)
+    assert not a[~mask].any()  # nothing computed off the completions
+    m_shared, m_plain = shared.train_step(batch), plain.train_step(batch)
+    for key in ("loss/policy", "grad_norm", "entropy/mean", "ratio/mean", "off_policy/logprob_abs_diff_max"):
+        assert m_shared[key] == pytest.approx(m_plain[key], rel=1e-4, abs=1e-6), key
+    after_shared, after_plain = weights(shared.model), weights(plain.model)
+    for k in after_shared:  # tolerance: see the proximal test above
+        torch.testing.assert_close(after_shared[k], after_plain[k], rtol=1e-4, atol=1e-4)
 
 
 def test_entropy_bonus():
