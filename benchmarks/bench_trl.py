@@ -137,17 +137,19 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
     started = time.monotonic()
     err = (out / "swarmrl-rl.log").open("w")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
-    # CPU seconds of every process of the run (the kernel's count), from the first trained step to
-    # the last snapshot before the run ends: per step, by role (trainer, orchestrator with its
-    # validator and graders, relay, launcher: the trusted side; workers).
-    first = last = None
+    # CPU seconds of every process of the run (the kernel's count), by role (trainer, orchestrator
+    # with its validator and graders, relay, launcher: the trusted side; workers), snapshotted as
+    # each step's record appears. Summed over the steps with no evaluation before their record
+    # (in-run evaluations run in the trainer before their step's record; TRL's are outside its
+    # timer): CPU per trained step.
+    snaps: dict[int, dict[str, float]] = {}
+    seen = 0
     while proc.poll() is None:
         done = len(steps_done(run_dir))
-        if done >= 1:
-            snap = (done, cpu_by_role(proc.pid))
-            first = first or snap
-            last = snap
-        time.sleep(0.5)
+        if done > seen:
+            seen = done
+            snaps[done] = cpu_by_role(proc.pid)
+        time.sleep(0.05)
     err.close()
     if proc.returncode != 0:
         tail = (out / "swarmrl-rl.log").read_text()[-2000:]
@@ -162,10 +164,11 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         if "eval/accuracy" in r:
             curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
     a = cfg.async_
-    cpu = {}
-    if first and last and last[0] > first[0]:
-        n = last[0] - first[0]
-        cpu = {role: (last[1].get(role, 0.0) - first[1].get(role, 0.0)) / n for role in last[1]}
+    cpu: dict[str, float] = {}
+    clean = [k for k in snaps if k >= 1 and k + 1 in snaps and (k + 1) % args.eval_every and "trainer" in snaps[k + 1]]
+    for k in clean:
+        for role, secs in snaps[k + 1].items():
+            cpu[role] = cpu.get(role, 0.0) + (secs - snaps[k].get(role, 0.0)) / len(clean)
     return {
         "side": "swarmrl",
         "seed": cfg.seed,

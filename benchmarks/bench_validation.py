@@ -13,6 +13,7 @@ and for a wider model, since the ratio depends on how much decoding is bound by 
 than by reading weights.
 
     python benchmarks/bench_validation.py [--repeats 5] [--threads 1] [--out FILE]
+    python benchmarks/bench_validation.py --model <HF folder> --config configs/smollm2-135m.toml  (one model)
 """
 
 from __future__ import annotations
@@ -122,9 +123,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench_validation.json")
+    ap.add_argument("--model", help="an HF folder to measure instead of the default and wider tiny models")
+    ap.add_argument("--config", help="the run config whose task, lease and sampling the leases use (with --model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = load_config(None)
+    cfg = load_config(args.config)
+    if args.model:
+        model, tok = load_policy(args.model)
+        results = [measure(Path(args.model).name, model, tok, cfg, args.repeats, random.Random(0))]
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
+        report(results)
+        return
     base = Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
     if (base / "config.json").exists():
         model, tok = load_policy(base)
@@ -139,6 +148,10 @@ def main() -> None:
     )
     results.append(measure("wider, untrained (512 x 8 layers)", wide, tok, cfg, max(2, args.repeats // 2), rng))
     Path(args.out).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
+    report(results)
+
+
+def report(results: list[dict]) -> None:
     for r in results:
         print(
             f"{r['model']}: {r['params_M']:.1f}M params, {r['completions_per_lease']} completions, "
