@@ -34,9 +34,15 @@ Differs (by design of each, not matched):
   - Prompt order: each shuffles the train split with its own seed.
 Wall time is trainer time: swarmrl's summed `time/step` (as study_async.py); TRL's from the start
 of `train()` to each checkpoint, less the time spent saving it. Evaluations are never counted.
+CPU per step (the kernel's count): TRL's process over `train()`, less saving; swarmrl's processes
+by role over the steps with no in-run evaluation before their record, the trusted side (trainer,
+orchestrator with its validator and graders, relay, launcher) apart from the workers.
 
-Usage: python benchmarks/bench_trl.py --model /path/to/base [--steps 60 --eval-every 20 --threads 2]
-The default comparison runs two 60-step trainings plus ~8 evaluations: run it on a quiet machine.
+Usage: python benchmarks/bench_trl.py --model BASE [BASE_1 BASE_2] [--seeds 0 1 2]
+           [--steps 60 --eval-every 20 --threads 2]
+Seeds run one after the other, swarmrl then TRL for each (one sitting); one --model serves every
+seed, or give one per seed. Issue 30's figures: --steps 20 --eval-every 2 with the bases of seeds
+0-2 (the crossing of +20 points located to 2 steps). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from pathlib import Path
 from swarmrl.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import cpu_seconds, descendants, role_of, steps_done  # noqa: E402 (a sibling script)
+from profile_step import cpu_name, cpu_seconds, descendants, role_of, steps_done  # noqa: E402 (a sibling script)
 
 
 def cpu_by_role(root: int) -> dict[str, float]:
@@ -69,16 +75,6 @@ def cpu_by_role(root: int) -> dict[str, float]:
                 break
         out[role] = out.get(role, 0.0) + secs
     return out
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:

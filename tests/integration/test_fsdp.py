@@ -116,9 +116,9 @@ def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
     a, b = one_and_two_ranks(
         tmp_path,
         "precision",
-        # Micro-batches in batch order: each rank's share is then one of the single process's
-        # micro-batches, and bf16 forwards of the same rows round the same way.
-        ["--trainer.precision", "mixed", "--trainer.sort_micro_batches", "false"],
+        # Plain padded micro-batches in batch order: each rank's share is then one of the single
+        # process's micro-batches, and bf16 forwards of the same rows round the same way.
+        ["--trainer.precision", "mixed", "--trainer.sort_micro_batches", "false", "--trainer.shared_prompts", "false"],
         [
             "--trainer.precision",
             "mixed",
