@@ -76,9 +76,15 @@ def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor
     from swarmrl.trainer.grpo import GRPOTrainer
 
     cfg = load_config(run / "config.toml")
+    # The path the ranks take (they cannot share prompts or take proximal logprobs from the
+    # forward): the same update either way, up to float32 rounding that Adam can amplify past TOL
+    # on a weight whose gradient is ~0.
+    t = cfg.trainer.model_copy(update={"shared_prompts": False, "sort_micro_batches": False})
+    cfg = cfg.model_copy(update={"trainer": t})
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_policy(run / "policies" / "v000000")
     trainer = GRPOTrainer(model, cfg)
+    trainer.proximal_in_forward = False
     store = Store(run / "orchestrator.sqlite")
     states, metrics = [], []
     try:

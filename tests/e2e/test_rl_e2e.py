@@ -338,15 +338,18 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
         "adversary-1-edit_tokens": "sampling",
         "adversary-2-other_model": "toploc",
     }, reasons
-    # Every group the trainer consumed passed the full check. An adversary's group can only be
-    # among them if it is token for token what the lease's seeds give (a best-of-4 whose picks all
-    # equal the seeded samples, on a confident model): honest work, whoever sent it.
+    # Every adversary's group the trainer consumed passed the full check (their keys never earn a
+    # clean streak); an honest worker's passed it or was sampled out once its streak was earned
+    # (validation by reputation). An adversary's group can only be among them if it is token for
+    # token what the lease's seeds give (a best-of-4 whose picks all equal the seeded samples, on
+    # a confident model): honest work, whoever sent it.
     consumed = [
         gid for line in (run / "consumed.jsonl").read_text().splitlines() for gid in json.loads(line)["group_ids"]
     ]
     marks = ",".join("?" * len(consumed))
     rows = db.execute(f"SELECT worker, verdict FROM groups WHERE id IN ({marks})", consumed).fetchall()
-    assert len(rows) == len(consumed) and all(json.loads(v)["ok"] for _, v in rows)
+    assert len(rows) == len(consumed) and all(json.loads(v)["ok"] for _, v in rows if v is not None)
+    assert all(v is not None for w, v in rows if w in bad)
     assert {w for w, _ in rows} & good
     for w, v in rows:
         if w in bad:
@@ -380,6 +383,8 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
         "1",
         "--validator.trusted_rate",
         "0.5",
+        "--validator.sampled_rate",
+        "1",  # every proving worker's group fully checked: what this test compares the trusted key's with
         *EASY,
         timeout=600,
     )
