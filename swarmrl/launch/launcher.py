@@ -435,7 +435,7 @@ def _vllm_process(cfg: Config, index: int) -> dict:
 
     env = {**os.environ}
     if cfg.model.device == "cpu":
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = placement(cfg)[1] or sorted(os.sched_getaffinity(0))  # off a pinned trainer's CPUs
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(vllm_cpus(index, cfg.async_.worker_threads, cpus))
     return {"python": str(Path(cfg.async_.vllm_python).expanduser().absolute()), "env": env}
 

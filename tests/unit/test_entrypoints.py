@@ -276,3 +276,17 @@ def test_eval_extract_last_number_changes_math_rows_only():
     assert math_task_reward(json.loads(math_row["verification_info"]), plain)[0] == 0.0
     assert math_task_reward(json.loads(loose["verification_info"]), plain)[0] == 1.0
     assert math_task_reward(json.loads(loose["verification_info"]), "12 + 7 = 8")[0] == 0.0
+
+
+# ---- placement of `swarmrl rl`'s processes (issue 30) -------------------------------------------
+def test_pin_trainer_gives_the_trainer_its_own_cpus_on_a_cpu_run_and_only_there(monkeypatch):
+    from swarmrl.launch import launcher
+
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _: {3, 0, 2, 1})
+    assert launcher.placement(load_config(None, [])) == ([0], [1, 2, 3])
+    two = load_config(None, ["--async.trainer_threads", "2"])
+    assert launcher.placement(two) == ([0, 1], [2, 3])
+    assert launcher.placement(load_config(None, ["--async.pin_trainer", "false"])) == (None, None)
+    assert launcher.placement(load_config(None, ["--model.device", "cuda"])) == (None, None)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _: {0})
+    assert launcher.placement(load_config(None, [])) == (None, None)  # nothing left for the others
