@@ -150,7 +150,7 @@ def test_packed_step_equals_padded_step(variant):
     gradient, to float32 rounding. One optimizer step, no clipping, so `.grad` after train_step
     is the whole step's gradient from identical weights."""
     common = ["--trainer.optimizer_steps", "1", "--trainer.grad_clip", "1e9", *VARIANTS[variant]]
-    padded_cfg = make_cfg(*common)
+    padded_cfg = make_cfg(*common, "--trainer.shared_prompts", "false")  # the plain padded path
     packed_cfg = make_cfg(*common, "--trainer.max_tokens_per_micro_batch", "96")
     model, _ = build_tiny_policy(0, **SHAPE)
     groups = random_groups(

@@ -206,7 +206,12 @@ def test_activation_checkpointing_same_gradients(precision, tmp_path):
     runs = {}
     for ac in (False, True):
         cfg, model, _, _, batch = prepare(
-            "--trainer.precision", precision, "--trainer.activation_checkpointing", str(ac).lower()
+            "--trainer.precision",
+            precision,
+            "--trainer.activation_checkpointing",
+            str(ac).lower(),
+            "--trainer.shared_prompts",
+            "false",  # one forward per micro-batch on both sides (checkpointing turns sharing off)
         )
         trainer = GRPOTrainer(model, cfg)
         layer = decoder_layers(trainer.compute_model)[0]

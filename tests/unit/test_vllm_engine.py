@@ -109,7 +109,8 @@ def test_adversaries_start_on_the_engine_the_config_names(engine, monkeypatch):
     ]
     if engine == "vllm":
         assert all(args[4:] == ("--engine", "vllm") and kw["python"] == "/opt/v/bin/python" for args, kw in started)
-        assert [kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] for _, kw in started] == ["1", "2"]  # the honest one has 0
+        # CPU 0 is the trainer's (async.pin_trainer), 1 the honest vLLM worker's
+        assert [kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] for _, kw in started] == ["2", "3"]
         assert "proving vLLM workers" in said[0]
     else:
         assert all(len(args) == 4 and kw == {} for args, kw in started)
