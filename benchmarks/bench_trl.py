@@ -1,8 +1,11 @@
 """Benchmark (not a test): swarmrl's GRPO loop against Hugging Face TRL's `GRPOTrainer` on the
 same problem, from the same base checkpoint, in the same sitting.
 
-Matched (both sides read swarmrl's default config, `load_config(None)`):
-  model      the --model HF folder, fp32 on CPU; no reference model, no KL (beta 0)
+Matched (both sides read one swarmrl config: the embedded default, or --config FILE; the figures
+below are the default's):
+  model      the --model HF folder, fp32 on CPU; no reference model, no KL (beta 0); with the
+             config's [trainer.lora] both train the same adapters (swarmrl's `apply_lora`: same
+             targets, rank, alpha and zero-initialised B), the optimizer on the adapters alone
   data       `task_rows(cfg)` train split; prompts rendered by the chat template with the generation
              prompt, the token ids checked equal to `model_input`'s for every row (TRL gets
              conversational prompts; the check runs TRL's own prompt tokenizer)
@@ -34,6 +37,12 @@ Differs (by design of each, not matched):
   - Prompt order: each shuffles the train split with its own seed.
 Wall time is trainer time: swarmrl's summed `time/step` (as study_async.py); TRL's from the start
 of `train()` to each checkpoint, less the time spent saving it. Evaluations are never counted.
+"After the first" averages steps 2..N (step 1 carries each side's start: the workers' first
+batch, TRL's first generation).
+Share of the matmul limit: the model FLOPs a step needs (one forward per prompt and completion
+token to sample; 3 forwards' worth per token to train, 2 with LoRA), the same formula on both
+sides from each side's mean completion length, over the step time after the first, against a
+2048^2 fp32 product measured at the start of the sitting on all threads.
 CPU per step (the kernel's count): TRL's process over `train()`, less saving; swarmrl's processes
 by role over the steps with no in-run evaluation before their record, the trusted side (trainer,
 orchestrator with its validator and graders, relay, launcher) apart from the workers.
@@ -42,12 +51,16 @@ Usage: python benchmarks/bench_trl.py --model BASE [BASE_1 BASE_2] [--seeds 0 1 
            [--steps 60 --eval-every 20 --threads 2]
 Seeds run one after the other, swarmrl then TRL for each (one sitting); one --model serves every
 seed, or give one per seed. Issue 30's figures: --steps 20 --eval-every 2 with the bases of seeds
-0-2 (the crossing of +20 points located to 2 steps). Run it on a quiet machine.
+0-2 (the crossing of +20 points located to 2 steps); on the real model:
+  --config configs/smollm2-135m.toml --model ~/.cache/swarmrl/real/models/smollm2-135m-q4
+  --seeds 0 1 2 --steps 6 --eval-every 0      (LoRA both sides; held-out before and after)
+Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -58,7 +71,11 @@ from pathlib import Path
 from swarmrl.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_step import cpu_name, cpu_seconds, descendants, role_of, steps_done  # noqa: E402 (a sibling script)
+# Sibling scripts: the profiler's process helpers, and the matmul limit and per-token FLOPs the
+# engine benchmarks measure against.
+from bench_sampler import flops_per_token  # noqa: E402
+from bench_vllm import matmul_gflops  # noqa: E402
+from profile_step import cpu_name, cpu_seconds, descendants, role_of, steps_done  # noqa: E402
 
 
 def cpu_by_role(root: int) -> dict[str, float]:
@@ -77,8 +94,9 @@ def cpu_by_role(root: int) -> dict[str, float]:
     return out
 
 
-def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:
-    """avg@k of one HF folder through `swarmrl eval`: the runner swarmrl's in-run eval uses."""
+def eval_checkpoint(model: Path | str, out_dir: Path, cfg, config: str | None) -> float:
+    """avg@k of one HF folder through `swarmrl eval`: the runner swarmrl's in-run eval uses, on the
+    held-out split the config's [tasks] define."""
     cmd = [
         sys.executable,
         "-m",
@@ -101,6 +119,7 @@ def eval_checkpoint(model: Path | str, out_dir: Path, cfg) -> float:
         "--output-dir",
         str(out_dir),
     ]
+    cmd += ["--config", config] if config else []
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"swarmrl eval of {model} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -129,7 +148,7 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         "--logging.plots",
         "false",
     ]
-    cmd += ["--seed", str(cfg.seed)]
+    cmd += ["--seed", str(cfg.seed)] + (["--config", args.config] if args.config else [])
     started = time.monotonic()
     err = (out / "swarmrl-rl.log").open("w")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
@@ -152,16 +171,22 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         raise SystemExit(f"swarmrl rl failed (exit {proc.returncode}); logs in {run_dir}/logs\n{tail}")
     process_wall = time.monotonic() - started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    wall, curve, steps = 0.0, [], 0
+    wall, curve, step_walls, lengths, accuracy = 0.0, [], [], [], []
     for r in records:
         if "time/step" in r:
             wall += r["time/step"]
-            steps += 1
+            step_walls.append(r["time/step"])
+        if "length/mean" in r:
+            lengths.append(r["length/mean"])
+            accuracy.append(r["reward/task_mean_all"])
         if "eval/accuracy" in r:
             curve.append({"step": r.get("step", 0), "wall_s": round(wall, 1), "accuracy": r["eval/accuracy"]})
     a = cfg.async_
     cpu: dict[str, float] = {}
-    clean = [k for k in snaps if k >= 1 and k + 1 in snaps and (k + 1) % args.eval_every and "trainer" in snaps[k + 1]]
+    evals = {args.steps} | (
+        {n for n in range(args.eval_every, args.steps, args.eval_every)} if args.eval_every else set()
+    )
+    clean = [k for k in snaps if k >= 1 and k + 1 in snaps and k + 1 not in evals and "trainer" in snaps[k + 1]]
     for k in clean:
         for role, secs in snaps[k + 1].items():
             cpu[role] = cpu.get(role, 0.0) + (secs - snaps[k].get(role, 0.0)) / len(clean)
@@ -170,7 +195,10 @@ def run_swarmrl(args, cfg, out: Path) -> dict:
         "seed": cfg.seed,
         "curve": curve,
         "trainer_wall_s": round(wall, 1),
-        "s_per_step": wall / max(steps, 1),
+        "s_per_step": wall / max(len(step_walls), 1),
+        "step_walls": step_walls,
+        "completion_tokens": sum(lengths) / len(lengths) if lengths else None,
+        "train_accuracy": accuracy,  # per step, every sampled group (before the filter)
         "process_wall_s": round(process_wall, 1),
         "threads": f"trainer {a.trainer_threads} + {a.workers} workers x {a.worker_threads}",
         "cpu_s_per_step": sum(cpu.values()) if cpu else None,
@@ -270,6 +298,7 @@ def run_trl(args, cfg, out: Path) -> dict:
     from trl import GRPOTrainer
 
     from swarmrl.model.checkpoint import load_policy, save_policy
+    from swarmrl.model.lora import apply_lora
     from swarmrl.tasks.source import task_rows
     from swarmrl.trainer.grpo import lr_lambda
 
@@ -286,7 +315,12 @@ def run_trl(args, cfg, out: Path) -> dict:
         ]
     )
     t, per_gen = cfg.trainer, cfg.trainer.optimizer_steps
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    if t.lora.rank:
+        # swarmrl's own wrapping (same targets, rank, alpha, init), so both sides train the same
+        # adapters; TRL takes a PeftModel as it is. The optimizer sees the adapters only.
+        model = apply_lora(model, t.lora)
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ckpt_dir = out / "trl-checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -295,25 +329,37 @@ def run_trl(args, cfg, out: Path) -> dict:
         """Checkpoint every --eval-every generations and at the end; the wall time excludes saving."""
 
         def __init__(self):
-            self.saves, self.t0, self.paused = [], 0.0, 0.0
+            self.saves, self.t0, self.paused, self.walls, self.lengths, self.accuracy = [], 0.0, 0.0, [], [], []
 
         def on_train_begin(self, args_, state, control, **kw):
             self.t0, self.cpu0, self.cpu_paused = time.monotonic(), time.process_time(), 0.0
+            self.last = self.t0
 
         def on_step_end(self, args_, state, control, model=None, **kw):
             step = state.global_step
-            if step % (args.eval_every * per_gen) and step != state.max_steps:
+            if step % per_gen == 0:  # a generation's optimizer steps are done: one swarmrl step
+                now = time.monotonic()
+                self.walls.append(now - self.last)
+                self.last = now
+            due = args.eval_every and step % (args.eval_every * per_gen) == 0
+            if not due and step != state.max_steps:
                 return
             wall = time.monotonic() - self.t0 - self.paused
             cpu = time.process_time() - self.cpu0 - self.cpu_paused
             started, cpu_started = time.monotonic(), time.process_time()
+            if hasattr(model, "merge_and_unload"):  # LoRA: the checkpoint is the merged policy
+                model = copy.deepcopy(model).merge_and_unload()
             path = save_policy(model, save_tokenizer, ckpt_dir / f"step-{step // per_gen:06d}")
             self.paused += time.monotonic() - started
             self.cpu_paused += time.process_time() - cpu_started
+            self.last += time.monotonic() - started  # the save is not the next step's time
             self.saves.append({"step": step // per_gen, "wall_s": round(wall, 1), "cpu_s": cpu, "path": str(path)})
 
         def on_log(self, args_, state, control, logs=None, **kw):
             logs = logs or {}
+            if "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+                self.accuracy.append(logs.get("reward", float("nan")))
             if "reward" in logs:
                 print(
                     f"trl step {state.global_step / per_gen:g} reward {logs['reward']:.3f} zero-std groups "
@@ -337,9 +383,15 @@ def run_trl(args, cfg, out: Path) -> dict:
     started = time.monotonic()
     trainer.train()
     train_wall = time.monotonic() - started
-    curve = [{"step": 0, "wall_s": 0.0, "accuracy": eval_checkpoint(args.model, out / "trl-eval" / "step-000000", cfg)}]
+    curve = [
+        {
+            "step": 0,
+            "wall_s": 0.0,
+            "accuracy": eval_checkpoint(args.model, out / "trl-eval" / "step-000000", cfg, args.config),
+        }
+    ]
     for s in timer.saves:
-        acc = eval_checkpoint(s["path"], out / "trl-eval" / Path(s["path"]).name, cfg)
+        acc = eval_checkpoint(s["path"], out / "trl-eval" / Path(s["path"]).name, cfg, args.config)
         curve.append({"step": s["step"], "wall_s": s["wall_s"], "accuracy": acc})
     final_wall = timer.saves[-1]["wall_s"] if timer.saves else train_wall
     cpu_per_step = timer.saves[-1]["cpu_s"] / args.steps if timer.saves else None
@@ -351,10 +403,50 @@ def run_trl(args, cfg, out: Path) -> dict:
         "curve": curve,
         "trainer_wall_s": final_wall,
         "s_per_step": final_wall / args.steps,
+        "step_walls": timer.walls,
+        "completion_tokens": sum(timer.lengths) / len(timer.lengths) if timer.lengths else None,
+        "train_accuracy": timer.accuracy,  # per step, every sampled group
         "process_wall_s": round(train_wall, 1),
         "threads": f"{torch.get_num_threads()} (one process)",
         "prompts": prompts,
     }
+
+
+# ---- the machine's share ------------------------------------------------------------------------
+def step_work(cfg, model_path: str) -> dict:
+    """What one step must compute, the same for both sides: the mean prompt length of the train
+    rows (as the sampler tokenises them), the forward FLOPs per token, and the training passes per
+    token (forward and backward: 3 forwards' worth for full fine-tuning, 2 with LoRA, whose frozen
+    base gets no weight gradients)."""
+    from swarmrl.model.checkpoint import load_policy
+    from swarmrl.tasks.source import model_input, task_rows
+
+    model, tokenizer = load_policy(model_path)
+    train, _ = task_rows(cfg, log=lambda *_: None)
+    prompt = sum(len(model_input(tokenizer, r["prompt"], None)[1]) for r in train) / len(train)
+    return {
+        "prompt_tokens": prompt,
+        "model": model,
+        "completions": cfg.sampling.prompts_per_step * cfg.sampling.group_size,
+        "train_passes": 2 if cfg.trainer.lora.rank else 3,
+    }
+
+
+def add_share(r: dict, work: dict, limit_gflops: float) -> None:
+    """Model FLOPs per step (generation: one forward per prompt and completion token; training:
+    `train_passes` forwards per token) over the steady step time, as a share of the matmul limit.
+    Only the trained batch counts: groups swarmrl samples and drops for want of signal do not."""
+    walls = r.get("step_walls") or []
+    r["s_per_step_steady"] = sum(walls[1:]) / (len(walls) - 1) if len(walls) > 1 else r["s_per_step"]
+    c = r.get("completion_tokens")
+    if c is None:
+        r["model_gflop_per_step"] = r["matmul_share"] = None
+        return
+    p = work["prompt_tokens"]
+    per_token = flops_per_token(work["model"], context=p + c / 2)
+    flops = work["completions"] * (p + c) * per_token * (1 + work["train_passes"])
+    r["model_gflop_per_step"] = flops / 1e9
+    r["matmul_share"] = flops / 1e9 / r["s_per_step_steady"] / limit_gflops
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -370,23 +462,29 @@ def _f(x, fmt: str) -> str:
 def table(results: list[dict], gain: float) -> str:
     pts = round(gain * 100)
     lines = [
-        f"| side | seed | torch threads | base | final | trainer wall (s) | s/step | time to +{pts} pts "
-        "| CPU s/step (all) | CPU s/step (trusted side) | process wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| side | seed | torch threads | base | final | trainer wall (s) | s/step | s/step after the first "
+        f"| time to +{pts} pts | CPU s/step (all) | CPU s/step (trusted side) | completion tokens "
+        "| model GFLOP/step | share of matmul limit | process wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         reach = r["time_to_gain_s"]
         lines.append(
             f"| {r['side']} | {r['seed']} | {r['threads']} | {r['curve'][0]['accuracy']:.3f} "
-            f"| {r['curve'][-1]['accuracy']:.3f} | {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} | "
-            f"{f'{reach:.1f} s' if reach is not None else 'not reached'} | {_f(r.get('cpu_s_per_step'), '.2f')} "
-            f"| {_f(r.get('trusted_cpu_s_per_step'), '.2f')} | {r['process_wall_s']:.0f} |"
+            f"| {r['curve'][-1]['accuracy']:.3f} | {r['trainer_wall_s']:.1f} | {r['s_per_step']:.2f} "
+            f"| {r['s_per_step_steady']:.2f} | {f'{reach:.1f} s' if reach is not None else 'not reached'} "
+            f"| {_f(r.get('cpu_s_per_step'), '.2f')} | {_f(r.get('trusted_cpu_s_per_step'), '.2f')} "
+            f"| {_f(r.get('completion_tokens'), '.1f')} | {_f(r.get('model_gflop_per_step'), '.0f')} "
+            f"| {_f(r.get('matmul_share'), '.1%')} | {r['process_wall_s']:.0f} |"
         )
-    lines += ["", "| side | seed | step | trainer wall (s) | held-out avg@4 (T=1) |", "|---|---|---|---|---|"]
+    lines += ["", "| side | seed | step | trainer wall (s) | held-out avg@k |", "|---|---|---|---|---|"]
     for r in results:
         lines += [
             f"| {r['side']} | {r['seed']} | {c['step']} | {c['wall_s']:.1f} | {c['accuracy']:.3f} |" for c in r["curve"]
         ]
+    lines += ["", "Training accuracy per step (every sampled group of the step):", ""]
+    for r in results:
+        lines.append(f"- {r['side']} seed {r['seed']}: " + " ".join(f"{a:.2f}" for a in r.get("train_accuracy", [])))
     return "\n".join(lines) + "\n"
 
 
@@ -395,9 +493,11 @@ def summary_lines(results: list[dict], gain: float) -> str:
     pts = round(gain * 100)
     sides: dict[str, dict] = {}
     for r in results:
-        d = sides.setdefault(r["side"], {"reach": [], "step": [], "cpu": [], "trusted": []})
+        d = sides.setdefault(r["side"], {"reach": [], "step": [], "steady": [], "share": [], "cpu": [], "trusted": []})
         d["reach"].append(r["time_to_gain_s"])
         d["step"].append(r["s_per_step"])
+        d["steady"].append(r["s_per_step_steady"])
+        d["share"].append(r.get("matmul_share"))
         d["cpu"].append(r.get("cpu_s_per_step"))
         d["trusted"].append(r.get("trusted_cpu_s_per_step"))
 
@@ -405,12 +505,16 @@ def summary_lines(results: list[dict], gain: float) -> str:
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else None
 
-    out = [f"| side | seeds | time to +{pts} pts (each) | mean | s/step (mean) | CPU s/step | trusted CPU s/step |"]
-    out.append("|---|---|---|---|---|---|---|")
+    out = [
+        f"| side | seeds | time to +{pts} pts (each) | mean | s/step (mean) | after the first | share of matmul "
+        "limit | CPU s/step | trusted CPU s/step |"
+    ]
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for side, d in sides.items():
         each = ", ".join(_f(x, ".1f") for x in d["reach"])
         out.append(
             f"| {side} | {len(d['reach'])} | {each} | {_f(mean(d['reach']), '.1f')} | {_f(mean(d['step']), '.2f')} "
+            f"| {_f(mean(d['steady']), '.2f')} | {_f(mean(d['share']), '.1%')} "
             f"| {_f(mean(d['cpu']), '.2f')} | {_f(mean(d['trusted']), '.2f')} |"
         )
     if {"swarmrl", "trl"} <= sides.keys():
@@ -420,7 +524,8 @@ def summary_lines(results: list[dict], gain: float) -> str:
         out.append(
             f"swarmrl / TRL: time to +{pts} pts {ratio(mean(sw['reach']), mean(tr['reach']))} (mean over seeds; "
             f"per seed {', '.join(ratio(a, b) for a, b in zip(sw['reach'], tr['reach']))}); s/step "
-            f"{ratio(mean(sw['step']), mean(tr['step']))}; trusted-side CPU per step against TRL's "
+            f"{ratio(mean(sw['step']), mean(tr['step']))} (after the first step "
+            f"{ratio(mean(sw['steady']), mean(tr['steady']))}); trusted-side CPU per step against TRL's "
             f"{ratio(mean(sw['trusted']), mean(tr['trusted']))}"
         )
     return "\n".join(out) + "\n"
@@ -436,9 +541,20 @@ def main() -> None:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="run seeds (both sides, one sitting, interleaved)")
     p.add_argument("--steps", type=int, default=60, help="generations (swarmrl rollout steps) per side")
-    p.add_argument("--eval-every", type=int, default=20, help="evaluate every N generations (and at the end)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=20,
+        help="evaluate every N generations (and at the end; 0: only before and after)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process")
     p.add_argument("--gain", type=float, default=0.20, help="the held-out gain whose wall time is reported")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a swarmrl TOML config both sides read (default: the embedded default); with [trainer.lora] "
+        "TRL trains the same adapters (configs/smollm2-135m.toml: the real model)",
+    )
     p.add_argument("--out", default="/tmp/bench_trl")
     p.add_argument("--skip-swarmrl", action="store_true")
     p.add_argument("--skip-trl", action="store_true")
@@ -463,10 +579,12 @@ def main() -> None:
         f"trl {'skipped' if args.skip_trl else trl.__version__}",
         flush=True,
     )
-    results = []
+    limit = matmul_gflops()
+    print(f"matmul limit: {limit:.0f} GFLOP/s (fp32, {torch.get_num_threads()} threads, 2048^2)", flush=True)
+    results, works = [], {}
     for seed, model in zip(args.seeds, models):
         cfg = load_config(
-            None,
+            args.config,
             ["--trainer.steps", str(args.steps), "--eval.every", str(args.eval_every), "--model.path", model]
             + ["--seed", str(seed)],
         )
@@ -479,6 +597,11 @@ def main() -> None:
         if not args.skip_trl:
             results.append(run_trl(side_args, cfg, seed_out))
             print(f"seed {seed}: trl done: {results[-1]['trainer_wall_s']:.0f} s trainer wall", flush=True)
+        if model not in works:
+            works[model] = step_work(cfg, model)
+        for r in results:
+            if r["seed"] == seed:
+                add_share(r, works[model], limit)
     for r in results:
         r["time_to_gain_s"] = time_to_gain(r["curve"], args.gain)
     summary = {
@@ -489,6 +612,8 @@ def main() -> None:
         "eval_every": args.eval_every,
         "gain": args.gain,
         "seeds": args.seeds,
+        "config": args.config,
+        "matmul_limit_gflops": limit,
         "sides": results,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1))

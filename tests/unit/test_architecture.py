@@ -32,6 +32,7 @@ LAYERS = {
     "sandbox": 1,
     "transport": 1,
     "rewards": 2,
+    "envs": 2,
     "assets": 2,
     "tasks": 3,
     "inference": 3,

@@ -1,0 +1,123 @@
+"""The shipped environments.
+
+calculator  a tool the model may call inside its answer: a turn holding `<calc>EXPR</calc>` (integer
+            + - * and parentheses) is answered with `<result>VALUE</result>`, or with
+            `<result>error: ...</result>` for an expression the tool cannot evaluate (a tool error,
+            not a wrong answer); a turn with no call is the final answer, graded on its last
+            number. Task: {"expression": "37 * 48 - 19", "answer": "1757"}.
+guess       find a hidden integer in [low, high]: each turn's last number is answered "higher",
+            "lower", or ends the episode when it is right. The number is a function of the task
+            and the episode's seed, so the episodes of one group (one seed) play the same game
+            and the trusted side can replay them. Reward 1 when found. Task: {"low": 1, "high": 32}.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+
+from swarmrl.envs.base import Environment, Reply
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+_INTEGER = re.compile(r"-?\d+")
+MAX_EXPRESSION_CHARS = 64
+MAX_MAGNITUDE = 10**12  # larger operands or results are a tool error: no 10**10**10 by multiplication
+
+
+def evaluate(expression: str) -> int:
+    """The integer value of `expression` (+ - * and parentheses over integers); ValueError naming
+    what the calculator does not accept. Walks the syntax tree itself: never `eval`."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError("not an arithmetic expression") from None
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            out = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            out = -value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in ops:
+            out = ops[type(node.op)](value(node.left), value(node.right))
+        else:
+            raise ValueError("only integers, + - * and parentheses")
+        if abs(out) > MAX_MAGNITUDE:
+            raise ValueError(f"a value beyond {MAX_MAGNITUDE:.0e}")
+        return out
+
+    return value(tree)
+
+
+def _check_calculator(task: dict) -> str | None:
+    try:
+        want = evaluate(str(task["expression"]))
+        if int(str(task["answer"])) != want:
+            return f"answer {task['answer']!r} is not the value of {task['expression']!r} ({want})"
+    except KeyError as e:
+        return f"a calculator task needs 'expression' and 'answer' (missing {e})"
+    except ValueError as e:
+        return f"calculator task: {e}"
+    return None
+
+
+def _calculator_respond(task: dict, turns: list[str], seed: int) -> Reply:
+    calls = _CALL.findall(turns[-1])
+    if not calls:
+        return Reply("", done=True)
+    try:
+        return Reply(f"<result>{evaluate(calls[-1])}</result>", done=False)
+    except ValueError as e:
+        return Reply(f"<result>error: {e}</result>", done=False, tool_error=True)
+
+
+def _calculator_reward(task: dict, turns: list[str], seed: int) -> tuple[float, str | None]:
+    final = turns[-1]
+    if _CALL.search(final):
+        return 0.0, "the episode ended on a tool call, before a final answer"
+    numbers = _INTEGER.findall(final)
+    if not numbers:
+        return 0.0, "no number in the final answer"
+    return (1.0, None) if int(numbers[-1]) == int(str(task["answer"])) else (0.0, "wrong answer")
+
+
+CALCULATOR = Environment("calculator", _calculator_respond, _calculator_reward, check=_check_calculator, max_turns=4)
+
+
+def secret(task: dict, seed: int) -> int:
+    """The hidden number of a guess task under `seed`: a hash, never global random state."""
+    low, high = int(task["low"]), int(task["high"])
+    digest = hashlib.sha256(f"guess:{low}:{high}:{seed}".encode()).digest()
+    return low + int.from_bytes(digest[:8], "big") % (high - low + 1)
+
+
+def _check_guess(task: dict) -> str | None:
+    try:
+        low, high = int(task["low"]), int(task["high"])
+    except (KeyError, TypeError, ValueError):
+        return "a guess task needs integer 'low' and 'high'"
+    return None if low < high else f"a guess task needs low < high (got {low}, {high})"
+
+
+def _guess_respond(task: dict, turns: list[str], seed: int) -> Reply:
+    numbers = _INTEGER.findall(turns[-1])
+    if not numbers:
+        return Reply(f"Say a number from {task['low']} to {task['high']}.", done=False)
+    n, hidden = int(numbers[-1]), secret(task, seed)
+    if n == hidden:
+        return Reply("", done=True)
+    return Reply("higher" if n < hidden else "lower", done=False)
+
+
+def _guess_reward(task: dict, turns: list[str], seed: int) -> tuple[float, str | None]:
+    numbers = _INTEGER.findall(turns[-1])
+    found = bool(numbers) and int(numbers[-1]) == secret(task, seed)
+    return (1.0, None) if found else (0.0, "not found within the turns")
+
+
+GUESS = Environment("guess", _guess_respond, _guess_reward, check=_check_guess, max_turns=6)
+
+BUILTIN = (CALCULATOR, GUESS)
