@@ -39,6 +39,11 @@ class Episode:
     def observation_tokens(self) -> int:
         return len(self.tokens) - sum(self.model_mask)
 
+    @property
+    def observations(self) -> int:
+        """Observations appended (for a tool environment: tool calls answered)."""
+        return sum(1 for _, _, is_model in runs(self.model_mask) if not is_model)
+
 
 def runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
     """Maximal runs of equal mask values as (start, end, is_model), in order."""
@@ -92,6 +97,22 @@ def run_episode(
         tokens += observation
         mask += [False] * len(observation)
         errors += reply.tool_error
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """What the dashboard and metrics show of a batch of episodes: turns per episode, tool calls
+    (observations) per episode, tool errors, the share of observation tokens (context, never
+    trained on) and the share the environment ended (the rest ran out of budget)."""
+    if not episodes:
+        return {}
+    n, tokens = len(episodes), sum(len(e.tokens) for e in episodes)
+    return {
+        "episode/turns_mean": sum(e.turns for e in episodes) / n,
+        "episode/tool_calls_mean": sum(e.observations for e in episodes) / n,
+        "episode/tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "episode/observation_token_share": sum(e.observation_tokens for e in episodes) / max(tokens, 1),
+        "episode/ended_by_env_frac": sum(e.done for e in episodes) / n,
+    }
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from swarmrl.algorithm.loss import LossInputs, grpo_loss
 from swarmrl.envs import registry
 from swarmrl.envs.base import Environment, Reply
 from swarmrl.envs.builtin import CALCULATOR, GUESS, evaluate, secret
-from swarmrl.envs.episode import Episode, EpisodeRejected, replay, run_episode, runs
+from swarmrl.envs.episode import Episode, EpisodeRejected, episode_metrics, replay, run_episode, runs
 
 STOP = 0  # the toy tokenizer: one id per character, 0 ends a model turn
 
@@ -194,6 +194,21 @@ def test_guess_episodes_replay_and_a_forged_correct_is_refused():
     short = Episode(ep.tokens[:2], ep.model_mask[:2], 1, True)
     with pytest.raises(EpisodeRejected, match="stopped_early"):
         check(GUESS, task, seed, short, max_turns=6)
+
+
+def test_episode_metrics_count_turns_tool_calls_errors_and_observation_tokens():
+    answered = play(CALCULATOR, CALC_TASK, 0, "<calc>37*48</calc>", "<calc>1776 ^ 19</calc>", "1757")
+    # turn 1 (19) + <result>1776</result> (21) + turn 2 (23) + an error result + turn 3 (5)
+    err = len(encode(CALCULATOR.respond(CALC_TASK, ["<calc>1776 ^ 19</calc>"], 0).observation))
+    assert (answered.turns, answered.observations, answered.tool_errors, answered.done) == (3, 2, 1, True)
+    direct = play(CALCULATOR, CALC_TASK, 0, "1757")  # no call: 5 model tokens, nothing observed
+    m = episode_metrics([answered, direct])
+    assert m["episode/turns_mean"] == 2.0
+    assert m["episode/tool_calls_mean"] == 1.0
+    assert m["episode/tool_errors"] == 1.0
+    assert m["episode/observation_token_share"] == pytest.approx((21 + err) / (19 + 21 + 23 + err + 5 + 5))
+    assert m["episode/ended_by_env_frac"] == 1.0
+    assert episode_metrics([]) == {}
 
 
 # ---- the loss over model tokens only ---------------------------------------------------------------
