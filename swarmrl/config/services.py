@@ -229,7 +229,8 @@ class ValidatorConfig(Section):
     """Hidden-state entries committed per proof (seed run: 128, i.e. 258-byte proofs)."""
     exp_mismatches_max: int = Field(8, ge=0)
     """A chunk fails when more of its top-k points differ in sign or exponent than this. Honest
-    CPU fp32 workers, calibrated on 1200 completions: at most 2 (docs/validation.md)."""
+    CPU fp32 workers, calibrated on 1200 completions: at most 2 on machine Y, 3 seen on machine E
+    (docs/validation.md)."""
     mant_err_mean_max: float = Field(0.5, ge=0.0)
     """... or when the mean bf16 mantissa error (in units of the 7-bit mantissa) over the points
     that match exceeds this (honest: at most 0.008) ..."""

@@ -52,9 +52,13 @@ def test_honest_workers_pass_the_full_check(world):
     honest_clean(world)
     checked = verdicts(world, world.honest.client.key_hex)
     assert len(checked) >= 4 and all(v["ok"] for v in checked)
-    for v in checked:  # the statistics behind the verdict are kept, and sit far inside the limits
+    # The statistics behind the verdict are kept, and sit well inside the limits. Exponent
+    # mismatches come from bf16 ties at the 128th place and decode/prefill rounding: 2 at most
+    # on machine Y, 3 in CI on machine E, so the bound is half the configured limit (8), not a
+    # count one CPU printed.
+    for v in checked:
         s = v["stats"]
-        assert s["chunks"] >= 2 and s["exp_mismatches_max"] <= 2 and s["sampling_margin_max"] < 1e-3
+        assert s["chunks"] >= 2 and s["exp_mismatches_max"] <= 4 and s["sampling_margin_max"] < 1e-3
         assert s["logprob_err_max"] < 1e-3
 
 
