@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from swarmrl.config import ADVERSARY_KINDS as KINDS
+from swarmrl.envs.episode import runs
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
@@ -31,6 +32,7 @@ from swarmrl.protocol.messages import Lease
 from swarmrl.validator.checks import token_logprobs
 
 WEIGHT_CHEATS = ("other_model", "int8_weights", "int4_weights")  # sample with altered weights
+EPISODE_CHEATS = ("edit_observation", "truncate_episode", "self_observation")  # edit finished episodes
 
 
 def quantised(model, bits: int, group: int | None = 32):
@@ -139,6 +141,8 @@ class AdversarialWorker(Worker):
             self.previous = sub
         elif self.kind == "edit_tokens":
             self._edit_tokens(lease, sub)
+        elif self.kind in EPISODE_CHEATS:
+            self._cheat_episodes(lease, sub)
         for g in sub["groups"]:
             if self.kind == "wrong_group_size":
                 g["samples"] = g["samples"][:-1]
@@ -154,6 +158,46 @@ class AdversarialWorker(Worker):
                 elif self.kind == "missing_proofs":
                     s["proofs"] = []
         return sub
+
+    def _turn_seed(self, seed: int, turn: int) -> int:
+        return seed if self.kind == "reuse_turn_seed" else super()._turn_seed(seed, turn)
+
+    def _cheat_episodes(self, lease: Lease, sub: dict) -> None:
+        """The multi-turn cheats, on every episode that has an observation to cheat with."""
+        stop = set(self.sampler.stop_token_ids)
+        for p, g in zip(lease.prompts, sub["groups"]):
+            for s in g["samples"]:
+                mask = s.get("model_mask")
+                spans = runs(mask) if mask else []
+                if len(spans) < 3:  # one turn: nothing to forge
+                    continue
+                if self.kind == "edit_observation":
+                    a, b, _ = spans[1]
+                    ids = list(s["token_ids"])
+                    j = next((j for j in range(a, b) if ids[j] not in stop), a)
+                    new = ids[j] + 1
+                    while new in stop:
+                        new += 1
+                    ids[j] = new
+                    s["token_ids"] = ids
+                elif self.kind == "truncate_episode":
+                    cut = spans[-2][0]  # the last observation's start
+                    s["token_ids"], s["logprobs"], s["model_mask"] = (
+                        s["token_ids"][:cut],
+                        s["logprobs"][:cut],
+                        mask[:cut],
+                    )
+                    s["finish_reason"] = "stop" if s["token_ids"][-1] in stop else "length"
+                    per = [-(-(b - a) // lease.proof.chunk_size) for a, b, m in spans[:-2] if m]
+                    s["proofs"] = s["proofs"][: sum(per)]
+                elif self.kind == "self_observation":
+                    s["model_mask"] = [True] * len(s["token_ids"])
+                    outs = _prefill(self._policy_model(), p.prompt_ids, [s["token_ids"]])
+                    (h, logits), temps = outs[0], torch.full((len(s["token_ids"]), 1), lease.temperature)
+                    s["logprobs"] = token_logprobs(logits, torch.tensor(s["token_ids"]), temps).tolist()
+                    s["proofs"] = encode(
+                        build_proofs_many([h], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)[0]
+                    )
 
     def _edit_tokens(self, lease: Lease, sub: dict) -> None:
         """Change the middle token of each completion to another non-stop token, then make the

@@ -20,6 +20,12 @@ ADVERSARY_KINDS = {
     "truncated_proofs": "sends its proofs cut short",
     "missing_proofs": "sends no proofs",
     "wrong_group_size": "drops one completion from every group",
+    # Multi-turn episodes (runs whose tasks name an environment); on single-turn tasks they are honest.
+    "edit_observation": "changes one token of the first observation of every episode (a forged tool answer)",
+    "truncate_episode": "drops every episode's last observation and the turn that answered it",
+    "self_observation": "lets the model write the observations too: each episode submitted as one model turn, "
+    "proofs and logprobs rebuilt for it",
+    "reuse_turn_seed": "samples every turn of an episode with the lease's seed instead of each turn's own",
 }
 
 

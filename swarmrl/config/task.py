@@ -35,6 +35,8 @@ class ModelConfig(Section):
 
 # The procedural task sets built into swarmrl (swarmrl/tasks/<name>.py), by `tasks.source` name.
 BUILTIN_SOURCES = ("arithmetic", "instructions")
+# Built-in multi-turn tasks (swarmrl/tasks/episodes.py): episodes of the environment of that name.
+ENV_SOURCES = ("calculator", "guess")
 MIX = "mix"
 # The IFEval instruction types the built-in instruction generator writes constraints for
 # (swarmrl/tasks/instructions.py, TEMPLATES; a unit test keeps the two equal), named here so that
@@ -69,8 +71,10 @@ class TasksConfig(Section):
     source: str = "arithmetic"
     """"arithmetic" (procedural math) or "instructions" (procedural instruction following:
     plain requests with IFEval constraints, docs/instructions.md) for a built-in task; "mix" for
-    several built-in ones in one run (`mix`); or a path to tasks in the INTELLECT-2 RL dataset
-    schema: a .jsonl/.parquet file or a local Hugging Face dataset folder."""
+    several built-in ones in one run (`mix`); "calculator" or "guess" for multi-turn episodes of
+    the built-in environments (docs/environments.md); or a path to tasks in the INTELLECT-2 RL
+    dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder (rows whose
+    task_type is "env:NAME" are episodes of environment NAME)."""
     mix: dict[str, float] = Field(default_factory=dict)
     """With `source = "mix"`: the built-in sources of the run and their weights, e.g.
     `{arithmetic = 0.5, instructions = 0.5}`. Each source gets its weight's share of `train_size`
@@ -111,6 +115,12 @@ class TasksConfig(Section):
     """Keep rows whose solve rate lies in [lo, hi]. Seed run: [0.1, 0.8] (INTELLECT-2 report)."""
     seed: int = 0
     """Seed for task generation and shuffling."""
+    max_turns: int | None = Field(None, ge=1)
+    """Episodes: model turns at most (None: each environment's own `max_turns`). An episode's
+    tokens after the prompt, turns and observations together, are at most
+    `sampling.max_new_tokens`."""
+    guess_high: int = Field(16, ge=2, le=10**6)
+    """"guess": the hidden number is from 1 to this."""
 
     @model_validator(mode="after")
     def _check_builtin(self) -> TasksConfig:

@@ -44,3 +44,8 @@ class Environment:
     """task -> what is wrong with it, or None: run on a row before any episode starts."""
     max_turns: int = 4
     """Model turns at most, unless the run's config asks for fewer."""
+    visible: Callable[[dict], dict] = lambda task: task
+    """task -> the part of it a worker is sent to play the episode (`respond` is called with
+    this on both sides; `reward` gets the whole task). Leave out what only grading needs."""
+    observation_role: str = "user"
+    """The chat role observations are framed as (`episode.chat_framing`)."""

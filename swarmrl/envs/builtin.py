@@ -84,7 +84,14 @@ def _calculator_reward(task: dict, turns: list[str], seed: int) -> tuple[float, 
     return (1.0, None) if int(numbers[-1]) == int(str(task["answer"])) else (0.0, "wrong answer")
 
 
-CALCULATOR = Environment("calculator", _calculator_respond, _calculator_reward, check=_check_calculator, max_turns=4)
+CALCULATOR = Environment(
+    "calculator",
+    _calculator_respond,
+    _calculator_reward,
+    check=_check_calculator,
+    max_turns=4,
+    visible=lambda task: {"expression": task["expression"]},  # not the answer
+)
 
 
 def secret(task: dict, seed: int) -> int:

@@ -16,6 +16,7 @@ then not appended: observations are never cut, so a replay can compare them whol
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -56,6 +57,83 @@ def runs(mask: list[bool]) -> list[tuple[int, int, bool]]:
     return out
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of model turn `turn` (0-based) of the completion the lease seeded with
+    `seed`. Each turn is sampled as a completion of its own (its step count starts at 0), so it
+    needs its own noise: the first turn keeps the lease's seed (a one-turn episode samples
+    exactly as a single completion does), later ones take a hash of both, below 2**63."""
+    if turn == 0:
+        return seed
+    digest = hashlib.sha256(f"swarmrl-turn:{seed}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A model turn to sample: episode `index`'s turn `turn` (0-based), after `context` (prompt
+    and episode so far), at most `budget` tokens."""
+
+    index: int
+    turn: int
+    context: list[int]
+    budget: int
+
+
+def run_episodes(
+    env: Environment,
+    jobs: list[tuple[dict, int, list[int]]],
+    sample: Callable[[list[Turn]], list[list[int]]],
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    *,
+    max_turns: int,
+    max_tokens: int,
+) -> list[Episode]:
+    """Play episodes side by side, one per job (task as the worker sees it, the environment's
+    seed, prompt ids). Each round `sample` gets every unfinished episode's next `Turn` and returns
+    one turn of ids per row (at least one, at most its budget, ending with the stop token unless
+    the budget ran out); `encode` turns an observation's text into the ids appended after the turn
+    (`chat_framing` for chat models), `decode` a turn's ids into the text the environment reads."""
+    if max_turns < 1 or max_tokens < 1:
+        raise ValueError(f"an episode needs max_turns >= 1 and max_tokens >= 1 (got {max_turns}, {max_tokens})")
+    tokens: list[list[int]] = [[] for _ in jobs]
+    masks: list[list[bool]] = [[] for _ in jobs]
+    said: list[list[str]] = [[] for _ in jobs]
+    errors = [0] * len(jobs)
+    out: list[Episode | None] = [None] * len(jobs)
+    live = list(range(len(jobs)))
+    while live:
+        rows = [Turn(i, len(said[i]), jobs[i][2] + tokens[i], max_tokens - len(tokens[i])) for i in live]
+        turns = sample(rows)
+        if len(turns) != len(rows):
+            raise ValueError(f"the sampler returned {len(turns)} turns for {len(rows)} rows")
+        still = []
+        for row, turn in zip(rows, turns):
+            i, turn = row.index, list(turn)
+            if not 1 <= len(turn) <= row.budget:
+                raise ValueError(f"the sampler returned a turn of {len(turn)} tokens for a budget of {row.budget}")
+            tokens[i] += turn
+            masks[i] += [True] * len(turn)
+            said[i].append(decode(turn))
+            task, seed, _ = jobs[i]
+            reply = env.respond(task, said[i], seed)
+            if reply.done or len(said[i]) >= max_turns:
+                out[i] = Episode(tokens[i], masks[i], len(said[i]), reply.done, errors[i])
+                continue
+            observation = encode(reply.observation)
+            if not observation:
+                raise ValueError(f"environment {env.name!r}: observation {reply.observation!r} encodes to no tokens")
+            if len(tokens[i]) + len(observation) >= max_tokens:  # no room left for the model to answer it
+                out[i] = Episode(tokens[i], masks[i], len(said[i]), False, errors[i])
+                continue
+            tokens[i] += observation
+            masks[i] += [False] * len(observation)
+            errors[i] += reply.tool_error
+            still.append(i)
+        live = still
+    return [e for e in out if e is not None]
+
+
 def run_episode(
     env: Environment,
     task: dict,
@@ -68,35 +146,49 @@ def run_episode(
     max_turns: int,
     max_tokens: int,
 ) -> Episode:
-    """Play one episode. `sample(context ids, budget)` returns the model's next turn (at least one
-    id, at most `budget`, ending with its stop token unless the budget ran out); `encode` turns an
-    observation's text into the ids appended after the turn; `decode` a turn's ids into the text
-    the environment reads."""
-    if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"an episode needs max_turns >= 1 and max_tokens >= 1 (got {max_turns}, {max_tokens})")
-    tokens: list[int] = []
-    mask: list[bool] = []
-    said: list[str] = []
-    errors = 0
-    while True:
-        budget = max_tokens - len(tokens)
-        turn = list(sample(prompt + tokens, budget))
-        if not 1 <= len(turn) <= budget:
-            raise ValueError(f"the sampler returned a turn of {len(turn)} tokens for a budget of {budget}")
-        tokens += turn
-        mask += [True] * len(turn)
-        said.append(decode(turn))
-        reply = env.respond(task, said, seed)
-        if reply.done or len(said) >= max_turns:
-            return Episode(tokens, mask, len(said), reply.done, errors)
-        observation = encode(reply.observation)
-        if not observation:
-            raise ValueError(f"environment {env.name!r}: observation {reply.observation!r} encodes to no tokens")
-        if len(tokens) + len(observation) >= max_tokens:  # no room left for the model to answer it
-            return Episode(tokens, mask, len(said), False, errors)
-        tokens += observation
-        mask += [False] * len(observation)
-        errors += reply.tool_error
+    """One episode (`run_episodes` of one job); `sample(context ids, budget)` returns a turn."""
+    return run_episodes(
+        env,
+        [(task, seed, prompt)],
+        lambda rows: [sample(r.context, r.budget) for r in rows],
+        encode,
+        decode,
+        max_turns=max_turns,
+        max_tokens=max_tokens,
+    )[0]
+
+
+def chat_framing(tokenizer, role: str = "user") -> Callable[[str], list[int]]:
+    """`encode` for a chat model: an observation becomes what the tokenizer's chat template puts
+    between the end of an assistant turn and the start of the next one, around a message of
+    `role` (ChatML: "\\n<|im_start|>user\\nOBS<|im_end|>\\n<|im_start|>assistant\\n"). The model's
+    turn already ends with the end-of-turn token, so the template's copy of it is left out.
+    Found by rendering a conversation with a marker and cutting after it, so any template that
+    renders earlier turns unchanged works; a tokenizer without a template appends the text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    marker = "\u2063swarmrl-turn\u2063"
+    end = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+
+    def encode(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "?"},
+                {"role": "assistant", "content": marker},
+                {"role": role, "content": text},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        at = rendered.find(marker)
+        if at < 0:
+            raise ValueError("the chat template drops earlier assistant turns: frame observations another way")
+        rest = rendered[at + len(marker) :]
+        if end and rest.startswith(end):
+            rest = rest[len(end) :]
+        return tokenizer(rest, add_special_tokens=False)["input_ids"]
+
+    return encode
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -162,6 +254,15 @@ def replay(
     spans, said, errors = runs(mask), [], 0
     for k in range(0, len(spans), 2):  # model runs at even places, observations at odd ones
         start, end, _ = spans[k]
+        # A turn ends at its first stop token, or runs to the episode's budget: a turn cut short
+        # would change what the environment reads, two turns run together would skip a reply.
+        inner = [j for j in range(start, end - 1) if tokens[j] in stop_ids]
+        if inner:
+            raise EpisodeRejected("turn_not_stopped", f"turn {len(said) + 1} goes on after a stop token")
+        if tokens[end - 1] not in stop_ids and end != max_tokens:
+            raise EpisodeRejected(
+                "turn_not_stopped", f"turn {len(said) + 1} ends without a stop token before the budget ({max_tokens})"
+            )
         said.append(decode(tokens[start:end]))
         reply = env.respond(task, said, seed)
         last = k + 1 >= len(spans)
@@ -171,8 +272,6 @@ def replay(
             return Replayed(said, reply.done, errors)
         if end == max_tokens:  # this turn used the budget up: nothing may follow
             return Replayed(said, False, errors)
-        if tokens[end - 1] not in stop_ids:
-            raise EpisodeRejected("turn_not_stopped", f"turn {len(said)} ends without a stop token")
         expected = encode(reply.observation)
         if end + len(expected) >= max_tokens:
             if not last:

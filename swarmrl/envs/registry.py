@@ -9,6 +9,10 @@ from swarmrl.envs.builtin import BUILTIN
 
 _ENVS: dict[str, Environment] = {e.name: e for e in BUILTIN}
 
+TASK_TYPE_PREFIX = "env:"
+"""A task row whose task_type is "env:NAME" is an episode of environment NAME; its
+verification_info is the environment's task."""
+
 
 def register(env: Environment) -> Environment:
     """Add an environment (or replace one of the same name: the last registration wins)."""
@@ -27,3 +31,15 @@ def get(name: str) -> Environment:
 
 def names() -> list[str]:
     return sorted(_ENVS)
+
+
+def task_type(name: str) -> str:
+    return TASK_TYPE_PREFIX + name
+
+
+def for_task_type(task_type: object) -> Environment | None:
+    """The environment a row's task_type names ("env:NAME"), None for a single-turn task type;
+    ValueError for an "env:" type naming no registered environment."""
+    if not isinstance(task_type, str) or not task_type.startswith(TASK_TYPE_PREFIX):
+        return None
+    return get(task_type[len(TASK_TYPE_PREFIX) :])

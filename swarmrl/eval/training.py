@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from swarmrl.config import Config
+from swarmrl.eval.episodes import evaluate_episodes, is_episodic
 from swarmrl.eval.runner import EvalSettings, ModelBackend, evaluate_rows
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders
@@ -20,6 +21,8 @@ def evaluate(
     prompts carry the middle target and the length metrics say how well it was kept. Held-out
     instruction rows are graded all-or-nothing, so their accuracy is IFEval's prompt-level
     strict measure; in a mix of sources, `eval/accuracy/<source>` is each one's."""
+    if is_episodic(rows):
+        return evaluate_episodes(model, tokenizer, rows, cfg)
     target = sorted(cfg.length.targets)[len(cfg.length.targets) // 2] if cfg.length.enabled else None
     settings = EvalSettings(
         k=cfg.eval.samples,

@@ -72,6 +72,10 @@ class WrongPrecision(Exception):
     """The run samples in another dtype than the one this worker was told to use."""
 
 
+class UnknownEnvironment(Exception):
+    """The run's episodes need an environment this worker's installation does not register."""
+
+
 class Worker:
     def __init__(
         self,
@@ -120,6 +124,7 @@ class Worker:
         self.digest: str | None = None
         self.bases: set[str] = set()  # content digests of LoRA bases checked by this process
         self.sampler: RolloutEngine | None = None
+        self.tokenizer = None  # the loaded version's (episodes encode observations and read turns)
         self.streams = streams  # built-in engine: decoding streams, one core each (inference/streams.py)
         # An OpenAI-compatible server generates instead of a local model (trusted keys only).
         self.endpoint = endpoint
@@ -218,6 +223,7 @@ class Worker:
             + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache")
         )
         self.version, self.digest, self.policy_ref = version, digest, policy
+        self.tokenizer = tok
         return True
 
     def _load_vllm(self, folder: Path, tok) -> str:
@@ -282,12 +288,29 @@ class Worker:
                 f"the policy could not be reloaded in {lease.dtype}, the precision this lease asks "
                 "for (the log says why); load it again (_ensure_policy) before generating"
             )
+        plain = [p for p in lease.prompts if p.environment is None]
+        samples = self._completions(lease, plain) if plain else {}
+        episodic = [p for p in lease.prompts if p.environment is not None]
+        if episodic:
+            samples.update(self._episodes(lease, episodic))
+        if self.sampler.provides_hidden:
+            declared = {"engine": self._engine()}
+        else:
+            declared = {"engine": ENGINE_NAME, "dtype": self.endpoint.dtype or lease.dtype}
+        groups = [
+            {"slot": p.slot, "policy_version": self.version, **declared, "samples": samples[p.slot]}
+            for p in lease.prompts
+        ]
+        return {"lease_id": lease.lease_id, "groups": groups}
+
+    def _completions(self, lease: Lease, prompts: list) -> dict[int, list[dict]]:
+        """One completion per seed of each single-turn prompt: the samples by slot."""
         g = lease.group_size
-        prompts = [p.prompt_ids for p in lease.prompts for _ in range(g)]
-        seeds = [s for p in lease.prompts for s in p.seeds]
+        ids = [p.prompt_ids for p in prompts for _ in range(g)]
+        seeds = [s for p in prompts for s in p.seeds]
         proves = self.sampler.provides_hidden
         outs = self.sampler.generate(
-            prompts, seeds, max_new_tokens=lease.max_new_tokens, temperature=lease.temperature, return_hidden=proves
+            ids, seeds, max_new_tokens=lease.max_new_tokens, temperature=lease.temperature, return_hidden=proves
         )
         if proves:
             proofs = [
@@ -296,31 +319,74 @@ class Worker:
                     [o.hidden for o in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
                 )
             ]
-            declared = {"engine": self._engine()}
         else:
             self._check_endings(outs, lease)
             proofs = [[] for _ in outs]
-            declared = {"engine": ENGINE_NAME, "dtype": self.endpoint.dtype or lease.dtype}
-        groups = []
-        for i, p in enumerate(lease.prompts):
-            block = range(i * g, (i + 1) * g)
-            groups.append(
-                {
-                    "slot": p.slot,
-                    "policy_version": self.version,
-                    **declared,
-                    "samples": [
-                        {
-                            "token_ids": outs[j].token_ids,
-                            "logprobs": outs[j].logprobs,
-                            "finish_reason": outs[j].finish_reason,
-                            "proofs": proofs[j],
-                        }
-                        for j in block
-                    ],
-                }
+        sample = [
+            {"token_ids": o.token_ids, "logprobs": o.logprobs, "finish_reason": o.finish_reason, "proofs": pr}
+            for o, pr in zip(outs, proofs)
+        ]
+        return {p.slot: sample[i * g : (i + 1) * g] for i, p in enumerate(prompts)}
+
+    def _episodes(self, lease: Lease, prompts: list) -> dict[int, list[dict]]:
+        """One episode per seed of each prompt that names an environment (protocol v3): the model's
+        turns sampled by the engine, the observations from the environment's code on this machine
+        (the orchestrator replays it and refuses anything else), one TOPLOC proof per chunk of each
+        turn, the turns' proofs in order."""
+        from swarmrl.envs import registry
+        from swarmrl.inference.episodes import EpisodeJob, play_episodes
+
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer loaded: load a policy (_ensure_policy) before generating")
+        proves = self.sampler.provides_hidden
+        by_env: dict[str, list] = {}
+        for p in prompts:
+            by_env.setdefault(p.environment.name, []).append(p)
+        out: dict[int, list[dict]] = {}
+        for name, ps in by_env.items():
+            try:
+                env = registry.get(name)
+            except ValueError as e:
+                raise UnknownEnvironment(
+                    f"this run's tasks are episodes of environment {name!r}, which this worker does not have "
+                    f"({e}): install or import the module that registers it (docs/environments.md)"
+                ) from None
+            spec = ps[0].environment
+            jobs = [EpisodeJob(p.environment.task, p.environment.seed, p.prompt_ids, s) for p in ps for s in p.seeds]
+            played = play_episodes(
+                self.sampler,
+                self.tokenizer,
+                env,
+                jobs,
+                max_turns=spec.max_turns,
+                max_tokens=spec.max_tokens,
+                temperature=lease.temperature,
+                return_hidden=proves,
+                seed_of=self._turn_seed,
             )
-        return {"lease_id": lease.lease_id, "groups": groups}
+            samples = []
+            for e in played:
+                proofs = []
+                if proves:
+                    for turn in build_proofs_many(e.hidden, chunk_size=lease.proof.chunk_size, topk=lease.proof.topk):
+                        proofs += encode(turn)
+                samples.append(
+                    {
+                        "token_ids": e.episode.tokens,
+                        "logprobs": e.logprobs,
+                        "finish_reason": e.finish_reason,
+                        "proofs": proofs,
+                        "model_mask": e.episode.model_mask,
+                    }
+                )
+            g = lease.group_size
+            out.update({p.slot: samples[i * g : (i + 1) * g] for i, p in enumerate(ps)})
+        return out
+
+    def _turn_seed(self, seed: int, turn: int) -> int:
+        from swarmrl.envs.episode import turn_seed
+
+        return turn_seed(seed, turn)
 
     def _check_endings(self, outs: list, lease: Lease) -> None:
         """A server that stops on other tokens than the run's end token (a checkpoint's extra
@@ -491,7 +557,7 @@ def run_worker(
     )
     try:
         worker.run()
-    except (Unavailable, Refused, WrongPrecision, EndpointError, VllmUnavailable) as e:
+    except (Unavailable, Refused, WrongPrecision, EndpointError, VllmUnavailable, UnknownEnvironment) as e:
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

@@ -271,7 +271,7 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         key, auth, body = who
         orch.check_lease_refusal(key)
         orch.authenticate(key, auth["nonce"], auth["ts"])
-        return orch.lease(key, body.policy_version, auth["source"])
+        return orch.lease(key, body.policy_version, auth["source"], body.protocol_version)
 
     @app.post(
         "/v1/rollouts",

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from swarmrl.config import Config
+from swarmrl.envs.episode import Episode, episode_metrics, runs
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.leasing import Leasing
@@ -43,6 +44,23 @@ def batch_metrics(step: int, taken: list[Group], resolved: list[Group], stale: i
         "batch/scored_groups": float(len(scored)),
         "batch/generated_tokens": float(sum(lengths)),
     }
+    # Episodes (all sampled, before filtering): turns, tool calls, tool errors, observation share.
+    m.update(
+        episode_metrics(
+            [
+                Episode(
+                    s.token_ids,
+                    s.model_mask,
+                    sum(1 for r in runs(s.model_mask) if r[2]),
+                    bool(s.ended_by_env),
+                    s.tool_errors,
+                )
+                for g in resolved
+                for s in g.samples
+                if s.model_mask is not None
+            ]
+        )
+    )
     if cfg.length.enabled:
         targets = [g.target_length for g in taken for _ in g.samples]
         m["length/target_mean"] = statistics.fmean(targets)

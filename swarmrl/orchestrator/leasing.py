@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarmrl.config import Config
+from swarmrl.envs import registry as envs
 from swarmrl.orchestrator.admission import (
     Standing,
     UnprovenLimits,
@@ -26,9 +27,10 @@ from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.store import Store
+from swarmrl.protocol import EPISODES_SINCE
 from swarmrl.protocol.messages import Lease, LeasedPrompt, ProofSpec
 from swarmrl.protocol.reasons import FRAUD_REASONS
-from swarmrl.tasks.source import model_input
+from swarmrl.tasks.source import episode_spec, model_input
 
 
 def max_outstanding(cfg: Config) -> int:
@@ -75,6 +77,9 @@ class Leasing:
         self.counters, self.gate = counters, gate
         self._perms: dict[int, list[int]] = {}
         self._refused: dict[str, tuple[float, ApiError]] = {}
+        # Environments by name for the run's episode rows (a name no process registered stops the
+        # orchestrator here, at start, with the registry's message).
+        self.environments = sorted({e.name for r in rows if (e := envs.for_task_type(r.get("task_type")))})
 
     def check_refusal(self, key: str) -> None:
         """A key refused leases a moment ago (its allowance is used up) is refused again from
@@ -201,8 +206,19 @@ class Leasing:
         rate, n = self.store.recent_informative(db, window)
         return rate if n >= 16 else None
 
-    def lease(self, key: str, policy_version: int, source: str = "local") -> dict:
-        """A lease for `key`, asked from `source` (transport/connlimit.py source_of: its address, an IPv6 /64)."""
+    def lease(self, key: str, policy_version: int, source: str = "local", protocol_version: int = 2) -> dict:
+        """A lease for `key`, asked from `source` (transport/connlimit.py source_of: its address, an IPv6 /64)
+        by a worker speaking `protocol_version`."""
+        if self.environments and protocol_version < EPISODES_SINCE:
+            # Such a worker would answer each episode's first turn and stop: work the replay
+            # refuses as fraud. Refused before any lease, with what to do.
+            raise ApiError(
+                409,
+                "protocol_too_old",
+                f"this run's tasks are multi-turn episodes ({', '.join(self.environments)}), which workers "
+                f"speaking protocol v{EPISODES_SINCE} or newer play; this worker speaks v{protocol_version}: "
+                "upgrade swarmrl",
+            )
         now = time.time()
         with self.store.tx() as db:
             # Its own transaction: the refusals below roll theirs back, expiries must stay done.
@@ -287,6 +303,7 @@ class Leasing:
                         "prompt_ids": ids,
                         "target_length": target,
                         "seeds": seeds,
+                        "environment": episode_spec(cfg, row, seeds),
                     }
                 )
         self.counters.count("leases_issued")

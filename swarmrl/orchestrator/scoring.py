@@ -3,8 +3,14 @@ a worker."""
 
 from __future__ import annotations
 
+import json
+
 from swarmrl.config import Config
+from swarmrl.envs import registry as envs
+from swarmrl.envs.episode import runs
+from swarmrl.model.tokenizer import decode_completion
 from swarmrl.protocol.rollouts import Group
+from swarmrl.rewards.length import length_reward
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders
 from swarmrl.rewards.scoring import Score, score_rows
@@ -14,7 +20,45 @@ def score_groups(
     groups: list[Group], *, tokenizer, pool: VerifierPool, cfg: Config, graders: Graders | None = None
 ) -> list[list[Score]]:
     """Fill `rewards` and `task_rewards` of each group in place; return the Scores per group.
-    Task types whose grader owns a resource (code: the sandbox) are graded by `graders`."""
+    Task types whose grader owns a resource (code: the sandbox) are graded by `graders`; episodes
+    by their environment's `reward` (`score_episodes`)."""
+    episodic = {i: g for i, g in enumerate(groups) if envs.for_task_type(g.task_type) is not None}
+    done = {i: score_episodes(g, tokenizer=tokenizer, cfg=cfg) for i, g in episodic.items()}
+    single = [g for i, g in enumerate(groups) if i not in episodic]
+    scored = iter(_score_single(single, tokenizer=tokenizer, pool=pool, cfg=cfg, graders=graders) if single else [])
+    return [done[i] if i in done else next(scored) for i in range(len(groups))]
+
+
+def score_episodes(g: Group, *, tokenizer, cfg: Config) -> list[Score]:
+    """An episode group's rewards: the environment's grade of each episode's model turns (the
+    replay at submission made sure the observations between them are the environment's), shaped
+    by length control on the model's tokens (observations are not the model's to shorten)."""
+    env = envs.for_task_type(g.task_type)
+    task = json.loads(g.verification_info)
+    stop = [tokenizer.eos_token_id]
+    out = []
+    for smp in g.samples:
+        turns = [
+            decode_completion(tokenizer, smp.token_ids[a:b], stop) for a, b, model in runs(smp.model_mask) if model
+        ]
+        try:
+            task_reward, reason = env.reward(task, turns, g.env_seed)
+        except Exception as e:  # a registered environment's bug: this episode is not graded
+            out.append(Score(0.0, 0.0, 0.0, f"environment {env.name!r} could not grade: {e!r}"[:300]))
+            continue
+        reward = task_reward
+        if g.target_length is not None:
+            made = sum(smp.model_mask)
+            reward = length_reward(task_reward, made, g.target_length, cfg.length.mode, cfg.length.coef)
+        out.append(Score(task_reward, task_reward - reward, reward, None, reason))
+    g.rewards = [s.reward for s in out]
+    g.task_rewards = [s.task_reward for s in out]
+    return out
+
+
+def _score_single(
+    groups: list[Group], *, tokenizer, pool: VerifierPool, cfg: Config, graders: Graders | None = None
+) -> list[list[Score]]:
     rows = []
     for g in groups:
         for s in g.samples:

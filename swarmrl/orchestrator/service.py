@@ -222,8 +222,8 @@ class Orchestrator:
     def check_lease_refusal(self, key: str) -> None:
         self.leasing.check_refusal(key)
 
-    def lease(self, key: str, policy_version: int, source: str = "local") -> dict:
-        return self.leasing.lease(key, policy_version, source)
+    def lease(self, key: str, policy_version: int, source: str = "local", protocol_version: int = 2) -> dict:
+        return self.leasing.lease(key, policy_version, source, protocol_version)
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         return self.submissions.submit(key, lease_id, groups)

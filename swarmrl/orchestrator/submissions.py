@@ -19,6 +19,9 @@ import torch
 
 from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
+from swarmrl.envs import registry as envs
+from swarmrl.envs.episode import Episode, EpisodeRejected, Replayed, chat_framing, replay, runs
+from swarmrl.model.tokenizer import decode_completion
 from swarmrl.orchestrator.admission import Busy, GradingLanes, Metered, Spent, extended_expiry, is_proven
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError
@@ -31,12 +34,29 @@ from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.rewards.registry import Graders
-from swarmrl.tasks.source import model_input
+from swarmrl.tasks.source import episode_spec, model_input
 
 # How long a lease is kept after its submission was refused for a busy grading lane (429
 # grading_busy, Retry-After 1 s): the worker is back well within it, and each refusal moves it on
 # (admission.extended_expiry), up to twice the lease time from the lease's start.
 BUSY_GRACE_S = 15.0
+
+
+def check_turn_proofs(smp, hidden_size: int, *, chunk_size: int, topk: int) -> str | None:
+    """`check_format` of a sample's proofs: a completion's over its tokens, an episode's turn by
+    turn (each model turn has its own chunks, in order; observations have none)."""
+    if smp.model_mask is None:
+        return check_format(smp.proofs, len(smp.token_ids), hidden_size, chunk_size=chunk_size, topk=topk)
+    at = 0
+    for k, (start, end, _) in enumerate(r for r in runs(list(smp.model_mask)) if r[2]):
+        want = -(-(end - start) // chunk_size)
+        problem = check_format(smp.proofs[at : at + want], end - start, hidden_size, chunk_size=chunk_size, topk=topk)
+        if problem:
+            return f"turn {k}: {problem}"
+        at += want
+    if at != len(smp.proofs):
+        return f"{len(smp.proofs)} proofs; the episode's turns need {at}"
+    return None
 
 
 @dataclass
@@ -82,6 +102,7 @@ class Submissions:
         self.stop_ids = [tokenizer.eos_token_id]
         self._rng = random.SystemRandom()
         self._resource_lock = threading.Lock()
+        self._framings: dict[str, object] = {}  # observation role -> encoder (a race builds one twice)
 
     def _check_group(self, g, lease, slot_rows: dict, seen: set, next_step: int, trusted: bool = False) -> SlotCheck:
         s, k = self.cfg.sampling, self.cfg.async_.bound
@@ -115,6 +136,10 @@ class Submissions:
             return SlotCheck(
                 g.slot, reason="group_size", detail=f"{len(g.samples)} completions, the lease asked for {s.group_size}"
             )
+        row = self.rows[slot_rows[g.slot]["problem"]]
+        seeds = json.loads(slot_rows[g.slot]["seeds"])
+        env = envs.for_task_type(row["task_type"])
+        replayed: list[Replayed | None] = [None] * len(g.samples)
         for i, smp in enumerate(g.samples):
             n = len(smp.token_ids)
             if not 1 <= n <= s.max_new_tokens:
@@ -143,9 +168,21 @@ class Submissions:
                     detail=f"completion {i} carries {claims[0]!r}: rewards are computed by the "
                     "orchestrator, a worker never sends one",
                 )
-            problem = termination_problem(list(smp.token_ids), smp.finish_reason, self.stop_ids, s.max_new_tokens)
-            if problem:
-                return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
+            if env is not None:
+                result = self._check_episode(i, smp, env, row, seeds[0])
+                if isinstance(result, tuple):
+                    return SlotCheck(g.slot, reason=result[0], detail=result[1])
+                replayed[i] = result
+            elif smp.model_mask is not None:
+                return SlotCheck(
+                    g.slot,
+                    reason="malformed_episode",
+                    detail=f"completion {i}: a single-turn prompt takes no model_mask",
+                )
+            else:
+                problem = termination_problem(list(smp.token_ids), smp.finish_reason, self.stop_ids, s.max_new_tokens)
+                if problem:
+                    return SlotCheck(g.slot, reason="termination", detail=f"completion {i}: {problem}")
             v = self.cfg.validator
             if proofless:
                 continue
@@ -157,7 +194,7 @@ class Submissions:
                         "orchestrator.trusted_keys_file)"
                     )
                 return SlotCheck(g.slot, reason="proofs_missing", detail=detail)
-            problem = check_format(smp.proofs, n, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
+            problem = check_turn_proofs(smp, self.hidden_size, chunk_size=v.chunk_size, topk=v.topk)
             if problem:
                 return SlotCheck(g.slot, reason="proofs_malformed", detail=f"completion {i}: {problem}")
         claims = [k for k in (g.model_extra or {}) if "reward" in k.lower()]
@@ -167,12 +204,18 @@ class Submissions:
                 reason="claimed_reward",
                 detail=f"the group carries {claims[0]!r}: rewards are computed by the orchestrator",
             )
-        row = self.rows[slot_rows[g.slot]["problem"]]
-        seeds = json.loads(slot_rows[g.slot]["seeds"])
         prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
         samples = [
-            Sample(list(x.token_ids), [float(v) for v in x.logprobs], x.finish_reason, seed)
-            for x, seed in zip(g.samples, seeds)
+            Sample(
+                list(x.token_ids),
+                [float(v) for v in x.logprobs],
+                x.finish_reason,
+                seed,
+                None if x.model_mask is None else list(x.model_mask),
+                None if r is None else r.done,
+                0 if r is None else r.tool_errors,
+            )
+            for x, seed, r in zip(g.samples, seeds, replayed)
         ]
         group = Group(
             row["problem_id"],
@@ -187,8 +230,47 @@ class Submissions:
             slot_rows[g.slot]["target_length"],
             engine=g.engine,
             engine_dtype=g.dtype,
+            env_seed=seeds[0] if env is not None else None,
         )
         return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
+
+    def _check_episode(self, i: int, smp, env, row: dict, env_seed: int) -> tuple[str, str] | Replayed:
+        """An episode's mask, and the environment replayed on its model turns: (reason, detail)
+        for the first thing wrong, the replay when it is what the environment would have produced. Runs
+        the environment's code here (pure and cheap by its contract), before any grading."""
+        n, mask = len(smp.token_ids), smp.model_mask
+        if mask is None:
+            return "malformed_episode", f"completion {i}: an episode needs model_mask (protocol v3)"
+        if len(mask) != n:
+            return "malformed_episode", f"completion {i}: {len(mask)} model_mask entries for {n} tokens"
+        if any(lp != 0.0 for lp, m in zip(smp.logprobs, mask) if not m):
+            return "malformed_episode", f"completion {i}: an observation token has a logprob (they are 0)"
+        spec = episode_spec(self.cfg, row, [env_seed])
+        try:
+            replayed = replay(
+                env,
+                spec["task"],
+                env_seed,
+                Episode(list(smp.token_ids), list(mask), 0, False),
+                self._framing(env),
+                lambda ids: decode_completion(self.tokenizer, ids, self.stop_ids),
+                stop_ids=self.stop_ids,
+                max_turns=spec["max_turns"],
+                max_tokens=spec["max_tokens"],
+            )
+        except EpisodeRejected as e:
+            return e.reason, f"completion {i}: {e}"
+        want = "stop" if smp.token_ids[-1] in self.stop_ids else "length"
+        if smp.finish_reason != want:
+            return "termination", f"completion {i}: its last turn ends {want!r}, finish_reason is {smp.finish_reason!r}"
+        return replayed
+
+    def _framing(self, env):
+        """The observation encoder for `env`'s role, made once (chat_framing renders a template)."""
+        role = env.observation_role
+        if role not in self._framings:
+            self._framings[role] = chat_framing(self.tokenizer, role)
+        return self._framings[role]
 
     def _check_rate(self, db, key: str, proofless: bool) -> float:
         """Chance that a group of `key` gets the full check: trusted keys' proofless groups at

@@ -119,6 +119,7 @@ class ValidationQueue:
                             "logprobs": smp["logprobs"],
                             "seed": smp["seed"],
                             "proofs": proofs[i] if i < len(proofs) else [],
+                            "model_mask": smp.get("model_mask"),
                         }
                         for i, smp in enumerate(g["samples"])
                     ],

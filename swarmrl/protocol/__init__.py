@@ -9,6 +9,12 @@ workers, validators and trainer (docs/protocol.md).
     client     the HTTP clients of the orchestrator (worker, trainer, validator)
 """
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped when a message changes in a way an existing worker would misread (GET /v1/status says it).
-2: signed requests are bound to the run (x-swarmrl-run, docs/protocol.md)."""
+2: signed requests are bound to the run (x-swarmrl-run, docs/protocol.md).
+3: multi-turn episodes: a leased prompt may name an environment, a sample carries the mask of the
+   model's tokens, and a lease request says the worker's protocol version (a worker that does not
+   is refused leases in a run with episodes, where its single-turn answers would be fraud)."""
+
+EPISODES_SINCE = 3
+"""The first protocol version whose workers can play episodes."""

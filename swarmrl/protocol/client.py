@@ -160,7 +160,8 @@ class WorkerClient(_Client):
         return _checked(Registered, self._signed("/v1/workers/register", {"name": name}), "register")
 
     def lease(self, policy_version: int) -> dict:
-        return _checked(LeaseReply, self._signed("/v1/leases", {"policy_version": policy_version}), "lease")
+        body = {"policy_version": policy_version, "protocol_version": PROTOCOL_VERSION}
+        return _checked(LeaseReply, self._signed("/v1/leases", body), "lease")
 
     def submit(self, submission: dict) -> dict:
         return _checked(SubmitReply, self._signed("/v1/rollouts", submission), "submit")

@@ -39,6 +39,12 @@ class RegisterIn(_In):
 
 class LeaseIn(_In):
     policy_version: int = Field(ge=0, le=10**9, description="the policy version this worker has loaded")
+    protocol_version: int = Field(
+        2,
+        ge=1,
+        le=10**6,
+        description="the protocol version this worker speaks (absent: 2, a worker from before episodes)",
+    )
 
 
 class _Claims(BaseModel):
@@ -54,7 +60,14 @@ class SampleIn(_Claims):
     proofs: list[Annotated[str, Field(max_length=MAX_PROOF_CHARS)]] = Field(
         default_factory=list,
         max_length=MAX_TOKENS,
-        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says)",
+        description="TOPLOC proofs, base64, one per chunk of validator.chunk_size tokens (the lease says); "
+        "in an episode, each model turn's chunks in turn order",
+    )
+    model_mask: list[bool] | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        description="episodes only (a prompt with an environment): one per token, true where the model "
+        "produced it, false for the environment's observations (whose logprobs are 0)",
     )
 
 
@@ -165,6 +178,16 @@ class ProofSpec(_Out):
     topk: int = Field(ge=1, description="hidden-state entries each proof commits to")
 
 
+class EpisodeSpec(_Out):
+    """A leased prompt that is an episode of an environment (docs/environments.md)."""
+
+    name: str = Field(description="the environment (swarmrl.envs.registry); the worker needs its code")
+    task: dict = Field(description="what the environment's respond() reads of the task")
+    seed: int = Field(ge=0, description="the environment's seed (the same for every episode of the group)")
+    max_turns: int = Field(ge=1, description="model turns at most")
+    max_tokens: int = Field(ge=1, description="episode tokens after the prompt at most (turns and observations)")
+
+
 class LeasedPrompt(_Out):
     slot: int = Field(ge=0, description="this prompt's index in the lease; the submitted group names it")
     problem_id: str
@@ -173,6 +196,9 @@ class LeasedPrompt(_Out):
     prompt_ids: list[int] = Field(description="the chat-templated prompt's token ids: sample after exactly these")
     target_length: int | None = Field(None, description="N of 'Think for N tokens', when length control is on")
     seeds: list[int] = Field(description="one Gumbel-max seed per completion of the group, in order")
+    environment: EpisodeSpec | None = Field(
+        None, description="an episode: play it turn by turn (protocol v3); None: one completion"
+    )
 
 
 class Lease(_Out):
@@ -274,6 +300,7 @@ class ClaimedSample(_Out):
     logprobs: list[float]
     seed: int
     proofs: list[str]
+    model_mask: list[bool] | None = Field(None, description="an episode's model tokens (checked turn by turn)")
 
 
 class ClaimedGroup(_Out):

@@ -29,6 +29,13 @@ REASONS: dict[str, tuple[bool, str]] = {
     "claimed_reward": (True, "the worker sent a reward: rewards are computed by the orchestrator only"),
     "proofs_missing": (True, "a completion has no TOPLOC proofs"),
     "proofs_malformed": (True, "a completion's proofs have the wrong number, size or encoding"),
+    # Multi-turn episodes, replayed by the orchestrator (swarmrl/envs/episode.py `replay`).
+    "malformed_episode": (True, "an episode's model_mask is missing, misplaced or does not match its tokens"),
+    "observation_mismatch": (True, "an observation is not what the environment returns for the turns before it"),
+    "stopped_early": (True, "the episode stops before the environment or the budget ended it"),
+    "continued_after_end": (True, "the episode goes on after the environment or the budget ended it"),
+    "turn_not_stopped": (True, "a model turn is cut before its stop token, or goes on after one"),
+    "over_budget": (True, "the episode is longer than the lease's max_new_tokens"),
     # The validator's re-run of the prefill.
     "toploc": (True, "the proofs do not match the hidden states of the claimed policy"),
     "sampling": (True, "a token is not the seeded Gumbel-max choice for its seed under the claimed policy"),

@@ -15,7 +15,14 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]  # inference logprobs under the sampling temperature
     finish_reason: str  # "stop" | "length"
-    seed: int  # the Gumbel-max seed the tokens were drawn with
+    seed: int  # the Gumbel-max seed the tokens were drawn with (an episode's turn k: envs.episode.turn_seed)
+    # An episode's tokens (model turns and observations): True where the model produced the token.
+    # None: a single completion, every token the model's.
+    model_mask: list[bool] | None = None
+    # An episode's replay by the trusted side: whether the environment ended it (not the budget),
+    # and how many of its observations reported a tool error.
+    ended_by_env: bool | None = None
+    tool_errors: int = 0
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Group:
     # What the worker declared generated it: "builtin" or "vllm" (with proofs), "openai" (a trusted key's server).
     engine: str = "builtin"
     engine_dtype: str | None = None  # the precision that engine declared, if not the run's
+    env_seed: int | None = None  # an episode group's environment seed (its first completion's seed)
     # Filled in by the trusted side, never by a worker:
     rewards: list[float] = field(default_factory=list)
     task_rewards: list[float] = field(default_factory=list)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 from swarmrl.config import Config
-from swarmrl.config.task import BUILTIN_SOURCES, MIX
+from swarmrl.config.task import BUILTIN_SOURCES, ENV_SOURCES, MIX
 from swarmrl.data.loading import load_tasks
+from swarmrl.envs import registry as envs
 from swarmrl.rewards import registry
 from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING
 from swarmrl.rewards.length import with_length_target
-from swarmrl.tasks import arithmetic, instructions
+from swarmrl.tasks import arithmetic, episodes, instructions
 
 
 def builtin_rows(tasks, name: str, n: int, split: str) -> list[dict]:
@@ -22,6 +23,12 @@ def builtin_rows(tasks, name: str, n: int, split: str) -> list[dict]:
         )
     if name == "instructions":
         return instructions.generate(n, split=split, seed=tasks.seed, **instructions.options(tasks))
+    if name == "calculator":
+        return episodes.calculator_rows(
+            n, digits=tasks.digits, split=split, held_out_fraction=tasks.held_out_fraction, seed=tasks.seed
+        )
+    if name == "guess":
+        return episodes.guess_rows(n, high=tasks.guess_high, split=split)
     raise ValueError(f"{name!r} is not a built-in task source; one of: {', '.join(BUILTIN_SOURCES)}")
 
 
@@ -52,6 +59,12 @@ def with_instruction_reward(rows: list[dict], mode: str) -> list[dict]:
     return out
 
 
+def row_checks() -> dict:
+    """The checks of each task type's verification_info: the registered task types' and, for
+    "env:NAME", the environment's own."""
+    return {**registry.checks(), **{envs.task_type(name): envs.get(name).check for name in envs.names()}}
+
+
 def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) as dicts in the task schema. Training rows of instruction
     following carry the run's `rewards.instruction_reward`; held-out rows are always graded
@@ -62,7 +75,7 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
 
 def _task_rows(cfg: Config, log) -> tuple[list[dict], list[dict]]:
     t = cfg.tasks
-    if t.source in BUILTIN_SOURCES:
+    if t.source in BUILTIN_SOURCES or t.source in ENV_SOURCES:
         return builtin_rows(t, t.source, t.train_size, "train"), builtin_rows(t, t.source, t.eval_size, "test")
     if t.source == MIX:
         train, held = [], []
@@ -73,14 +86,14 @@ def _task_rows(cfg: Config, log) -> tuple[list[dict], list[dict]]:
             held += [{**row, "source": name} for row in builtin_rows(t, name, t.eval_size, "test")]
         return train, held
     result = load_tasks(
-        t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=registry.checks()
+        t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=row_checks()
     )
     log(result.summary())
     train = [r.model_dump() for r in result.rows]
     if not train:
         raise ValueError(f"no usable tasks in {t.source}: {result.summary()}")
     if t.eval_source:
-        held = [r.model_dump() for r in load_tasks(t.eval_source, checks=registry.checks()).rows][: t.eval_size]
+        held = [r.model_dump() for r in load_tasks(t.eval_source, checks=row_checks()).rows][: t.eval_size]
     else:
         # No separate held-out file: hold out the tail of the file (deterministic) and say so.
         n = min(t.eval_size, max(1, len(train) // 10))
@@ -97,3 +110,20 @@ def model_input(tokenizer, prompt: str, target_length: int | None) -> tuple[str,
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
     return prompt, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def episode_spec(cfg: Config, row: dict, seeds: list[int]) -> dict | None:
+    """What a lease says of a row that is an episode (messages.EpisodeSpec), None for a
+    single-turn row. The environment's seed is the group's first completion seed, so every
+    episode of the group plays the same game (GRPO compares them)."""
+    env = envs.for_task_type(row.get("task_type"))
+    if env is None:
+        return None
+    task = json.loads(row["verification_info"])
+    return {
+        "name": env.name,
+        "task": env.visible(task),
+        "seed": seeds[0],
+        "max_turns": min(env.max_turns, cfg.tasks.max_turns or env.max_turns),
+        "max_tokens": cfg.sampling.max_new_tokens,
+    }

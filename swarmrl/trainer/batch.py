@@ -76,7 +76,8 @@ def build_train_batch(groups: list[Group], *, pad_token_id: int, normalize_std: 
         input_ids[i, : p + c] = torch.tensor(g.prompt_ids + s.token_ids)
         attention[i, : p + c] = 1
         # Completion token j sits at position p + j and is predicted from position p + j - 1.
-        loss_mask[i, p - 1 : p - 1 + c] = True
+        # An episode's observation tokens are context: off the mask, so no loss, no gradient.
+        loss_mask[i, p - 1 : p - 1 + c] = True if s.model_mask is None else torch.tensor(s.model_mask)
         inf_lp[i, p - 1 : p - 1 + c] = torch.tensor(s.logprobs)
         versions[i] = g.policy_version
     return TrainBatch(input_ids, attention, loss_mask, inf_lp, adv, versions, prompt_lens)

@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from swarmrl.config import ValidatorConfig
+from swarmrl.envs.episode import runs, turn_seed
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
@@ -404,11 +405,68 @@ class Validator:
                 continue
             self._load_failures.pop(version, None)
             outs = self.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in group])
-            samples = [s for it in group for s in it["samples"]]
-            temps = [it["temperature"] for it in group for _ in it["samples"]]
-            reports = self.reports([o for res in outs for o in res], samples, temps)
+            # An episode is checked turn by turn: each model turn as a completion of its own, with
+            # the prompt and everything before it (observations included) as its prompt. One
+            # prefill of the whole episode gives every turn's rows.
+            parts = [
+                split_turns(s, out, self.cfg.chunk_size)
+                for it, res in zip(group, outs)
+                for s, out in zip(it["samples"], res)
+            ]
+            pieces = [p for sample_parts in parts for p in sample_parts]
+            temps = [it["temperature"] for it in group for s in it["samples"] for _ in turn_spans(s)]
+            flat = self.reports([o for _, o in pieces], [smp for smp, _ in pieces], temps)
+            reports, pos = [], 0
+            for sample_parts in parts:
+                reports.append(merge_reports(flat[pos : pos + len(sample_parts)]))
+                pos += len(sample_parts)
             pos = 0
             for it in group:
                 verdicts.append(self.judge(it, reports[pos : pos + len(it["samples"])], dtype))
                 pos += len(it["samples"])
         return verdicts, retry
+
+
+def turn_spans(sample: dict) -> list[tuple[int, int]]:
+    """The model's token ranges of a claimed sample: one for a completion, a turn each for an
+    episode (`model_mask`)."""
+    mask = sample.get("model_mask")
+    if mask is None:
+        return [(0, len(sample["token_ids"]))]
+    return [(a, b) for a, b, model in runs(mask) if model]
+
+
+def split_turns(sample: dict, out: tuple, chunk_size: int) -> list[tuple[dict, tuple]]:
+    """(sample, (hidden, logits)) per model turn: a completion is one; an episode's turn k has
+    its tokens, logprobs and proofs, the seed `turn_seed(seed, k)`, and the prefill's rows for
+    its tokens."""
+    spans = turn_spans(sample)
+    if sample.get("model_mask") is None:
+        return [(sample, out)]
+    hidden, logits = out
+    proofs, at, pieces = sample.get("proofs") or [], 0, []
+    for k, (a, b) in enumerate(spans):
+        want = -(-(b - a) // chunk_size)
+        piece = {
+            "token_ids": sample["token_ids"][a:b],
+            "logprobs": sample["logprobs"][a:b],
+            "seed": turn_seed(int(sample["seed"]), k),
+            "proofs": proofs[at : at + want],
+        }
+        at += want
+        pieces.append((piece, (hidden[a:b], logits[a:b])))
+    return pieces
+
+
+def merge_reports(reports: list[SampleReport]) -> SampleReport:
+    """One episode's report from its turns': every chunk, the worst margin and logprob error, and
+    the first turn's proof problem."""
+    if len(reports) == 1:
+        return reports[0]
+    problems = [f"turn {k}: {r.proof_error}" for k, r in enumerate(reports) if r.proof_error]
+    return SampleReport(
+        [c for r in reports for c in r.chunks],
+        max(r.margin_max for r in reports),
+        max(r.logprob_err_max for r in reports),
+        problems[0] if problems else None,
+    )

@@ -151,7 +151,17 @@ def test_replay_refuses_each_multi_turn_cheat_with_its_reason():
         ("stopped_early", edited(honest.tokens[: n1 + len(obs)])),
         # the observation sampled by the model instead of the environment: one model turn that
         # holds the call, a result and the answer, so the call is never answered by the tool
-        ("stopped_early", edited(honest.tokens, [True] * len(honest.tokens))),
+        ("turn_not_stopped", edited(honest.tokens, [True] * len(honest.tokens))),
+        # ... and the same with the first turn's stop token left out, so it reads as one turn
+        (
+            "stopped_early",
+            edited(honest.tokens[: n1 - 1] + honest.tokens[n1:], [True] * (len(honest.tokens) - 1)),
+        ),
+        # a stop token in the middle of a model turn: two turns run together, one reply skipped
+        (
+            "turn_not_stopped",
+            edited(honest.tokens[:3] + [STOP] + honest.tokens[3:], [True] + honest.model_mask),
+        ),
         # the first turn cut before its stop token (to change what the environment reads)
         ("turn_not_stopped", edited(honest.tokens[: n1 - 1] + honest.tokens[n1:], honest.model_mask[1:])),
         # turns after the final answer
