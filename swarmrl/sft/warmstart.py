@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from swarmrl.config import Config
+from swarmrl.envs.builtin import GUESS
+from swarmrl.envs.episode import chat_framing
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
-from swarmrl.tasks import arithmetic
+from swarmrl.tasks import arithmetic, episodes
 from swarmrl.tasks.source import model_input
 
 
@@ -30,6 +32,21 @@ def encode_example(
     _, p = model_input(tokenizer, prompt, target_length)  # exactly what the sampler sees in RL
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return p + c, [0] * len(p) + [1] * len(c)
+
+
+def encode_episode_example(tokenizer, prompt: str, turns: list[str], observations: list[str]):
+    """An episode as the sampler would produce it: prompt, then each model turn + eos and the
+    observation after it framed by the chat template (`chat_framing`); only the turns are learned."""
+    _, ids = model_input(tokenizer, prompt, None)
+    mask = [0] * len(ids)
+    frame = chat_framing(tokenizer)
+    for k, turn in enumerate(turns):
+        t = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = ids + t, mask + [1] * len(t)
+        if k < len(observations):
+            o = frame(observations[k])
+            ids, mask = ids + o, mask + [0] * len(o)
+    return ids, mask
 
 
 def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -74,6 +91,20 @@ def _accumulate(model, batch: list[tuple[list[int], list[int]]], parts: int, pad
     return loss
 
 
+def _calculator_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """The calculator's warm start (`tasks.source = "calculator"`): worked episodes of training
+    problems, `sft.tool_rate` of them calling the tool (tasks/episodes.py `calculator_traces`)."""
+    rows = episodes.calculator_rows(
+        cfg.sft.examples,
+        digits=cfg.tasks.digits,
+        split="train",
+        held_out_fraction=cfg.tasks.held_out_fraction,
+        seed=cfg.sft.seed + 1000,
+    )
+    traces = episodes.calculator_traces(rows, tool_rate=cfg.sft.tool_rate, seed=cfg.sft.seed)
+    return [encode_episode_example(tokenizer, r["prompt"], r["turns"], r["observations"]) for r in traces]
+
+
 def _sft_target(tokenizer, trace: str, cfg: Config, rng: random.Random) -> int | None:
     """The length target a training prompt names (None without length control)."""
     if not cfg.length.enabled:
@@ -99,6 +130,10 @@ def base_cache_key(cfg: Config) -> str:
         key += f"-mb{s.micro_batches}"
     if s.verbosity != [0]:
         key += "-v" + "".join(str(level) for level in s.verbosity)
+    if t.source == "calculator":
+        key = f"calc-{key}-tool{s.tool_rate:g}"
+    elif t.source == "guess":
+        key = f"guess{t.guess_high}-t{t.max_turns or 0}-{key}"
     if cfg.length.enabled:
         key += "-len" + "-".join(str(n) for n in cfg.length.targets)
         if s.target_match:
@@ -123,22 +158,31 @@ def train_sft(
     # Initialised in float32 (the same starting weights), then trained in the chosen precision.
     model = model.to(getattr(torch, cfg.sft.dtype))
     model.train()
-    rows = arithmetic.generate(
-        cfg.sft.examples,
-        digits=cfg.tasks.digits,
-        ops=cfg.tasks.ops,
-        split="train",
-        seed=cfg.sft.seed + 1000,
-        with_trace=True,
-        slip_rate=cfg.sft.slip_rate,
-        verbosity=tuple(cfg.sft.verbosity),
-    )
-    # With length control, each prompt names a target drawn independently of how verbose its
-    # trace is: the base sees the instruction but does not follow it (RL's job to learn).
-    # `sft.target_match` of them name the target nearest the trace's own length instead.
-    target_rng = random.Random(cfg.sft.seed + 2000)
-    lengths = [_sft_target(tokenizer, r["trace"], cfg, target_rng) for r in rows]
-    examples = [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
+    if cfg.tasks.source == "calculator":
+        examples = _calculator_examples(cfg, tokenizer)
+    elif cfg.tasks.source == "guess":
+        max_turns = min(GUESS.max_turns, cfg.tasks.max_turns or GUESS.max_turns)
+        games = episodes.guess_traces(
+            cfg.sft.examples, high=cfg.tasks.guess_high, max_turns=max_turns, seed=cfg.sft.seed
+        )
+        examples = [encode_episode_example(tokenizer, g["prompt"], g["turns"], g["observations"]) for g in games]
+    else:
+        rows = arithmetic.generate(
+            cfg.sft.examples,
+            digits=cfg.tasks.digits,
+            ops=cfg.tasks.ops,
+            split="train",
+            seed=cfg.sft.seed + 1000,
+            with_trace=True,
+            slip_rate=cfg.sft.slip_rate,
+            verbosity=tuple(cfg.sft.verbosity),
+        )
+        # With length control, each prompt names a target drawn independently of how verbose its
+        # trace is: the base sees the instruction but does not follow it (RL's job to learn).
+        # `sft.target_match` of them name the target nearest the trace's own length instead.
+        target_rng = random.Random(cfg.sft.seed + 2000)
+        lengths = [_sft_target(tokenizer, r["trace"], cfg, target_rng) for r in rows]
+        examples = [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.99), weight_decay=0.01)
     warmup = max(1, cfg.sft.steps // 20)
 
@@ -175,6 +219,8 @@ def train_sft(
         "target_match": cfg.sft.target_match if cfg.length.enabled else None,
         "digits": cfg.tasks.digits,
         "ops": cfg.tasks.ops,
+        "task": cfg.tasks.source if cfg.tasks.source in ("calculator", "guess") else "arithmetic",
+        "tool_rate": cfg.sft.tool_rate if cfg.tasks.source == "calculator" else None,
         "seconds": round(time.time() - t0, 1),
     }
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})

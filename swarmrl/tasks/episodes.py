@@ -17,12 +17,10 @@ import hashlib
 import json
 import random
 
+from swarmrl.envs.builtin import CALCULATOR, GUESS
 from swarmrl.envs.registry import task_type
 
-CALCULATOR_RULE = (
-    "You may use a calculator: write <calc>EXPRESSION</calc> and stop, and its value comes back as "
-    "<result>VALUE</result>. Give the final answer as a number without a calculator call."
-)
+CALCULATOR_RULE = "A calculator answers <calc>EXPRESSION</calc>."
 GUESS_RULE = "Say one number per turn; I answer higher or lower until you find it."
 
 
@@ -73,3 +71,47 @@ def guess_rows(n: int, *, low: int = 1, high: int = 16, split: str = "train"):
         }
         for i in range(n)
     ]
+
+
+def calculator_traces(rows: list[dict], *, tool_rate: float, seed: int = 0) -> list[dict]:
+    """Worked episodes of calculator rows for the warm start, each a row with `turns` (the model's)
+    and `observations` (the environment's own replies, from CALCULATOR.respond): a share
+    `tool_rate` call the tool on the whole expression and copy its result; the rest answer at
+    once with the right number (which a 1M-parameter model cannot learn to compute for unseen
+    2-digit products, so its direct answers are mostly wrong: what RL can fix by calling the tool)."""
+    rng = random.Random(f"{seed}-calculator-traces")
+    out = []
+    for row in rows:
+        task = json.loads(row["verification_info"])
+        if rng.random() < tool_rate:
+            call = f"<calc>{task['expression']}</calc>"
+            reply = CALCULATOR.respond(task, [call], 0)
+            turns, observations = [call, task["answer"]], [reply.observation]
+        else:
+            turns, observations = [task["answer"]], []
+        out.append({**row, "turns": turns, "observations": observations})
+    return out
+
+
+def guess_traces(n: int, *, high: int, max_turns: int, seed: int = 0) -> list[dict]:
+    """Worked games for the warm start: each turn writes the range the number is still in and a
+    guess drawn uniformly from it ("[9,16] 12"), the environment's reply follows (higher, lower;
+    a found number ends the game), up to `max_turns` turns. Uniform guesses find the number less
+    often within the turns than halving the range does: what RL can learn from the reward."""
+    rng = random.Random(f"{seed}-guess-traces")
+    row = guess_rows(1, high=high)[0]
+    task = json.loads(row["verification_info"])
+    out = []
+    for _ in range(n):
+        env_seed = rng.randrange(1 << 62)
+        low, top, turns, observations = int(task["low"]), int(task["high"]), [], []
+        while len(turns) < max_turns:
+            guess = rng.randint(low, top)
+            turns.append(f"[{low},{top}] {guess}")
+            reply = GUESS.respond(task, turns, env_seed)
+            if reply.done:
+                break
+            observations.append(reply.observation)
+            low, top = (guess + 1, top) if reply.observation == "higher" else (low, guess - 1)
+        out.append({**row, "turns": turns, "observations": observations[: len(turns) - 1], "env_seed": env_seed})
+    return out

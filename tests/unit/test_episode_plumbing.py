@@ -4,6 +4,7 @@ validator's split of an episode into turns, the orchestrator's per-turn proof co
 the task rows, and episodes played through the built-in engine with a real model."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,11 +12,11 @@ import torch
 from swarmrl.config import Config
 from swarmrl.envs import registry
 from swarmrl.envs.builtin import CALCULATOR, GUESS, secret
-from swarmrl.envs.episode import chat_framing, run_episode, run_episodes, runs, turn_seed
+from swarmrl.envs.episode import Episode, chat_framing, replay, run_episode, run_episodes, runs, turn_seed
 from swarmrl.inference.engine import build_engine
 from swarmrl.inference.episodes import EpisodeJob, play_episodes
 from swarmrl.model.checkpoint import build_tiny_policy
-from swarmrl.model.tokenizer import build_char_tokenizer
+from swarmrl.model.tokenizer import build_char_tokenizer, decode_completion
 from swarmrl.orchestrator.batches import batch_metrics
 from swarmrl.orchestrator.scoring import score_episodes
 from swarmrl.orchestrator.submissions import check_turn_proofs
@@ -23,8 +24,9 @@ from swarmrl.proofs.toploc import build_proofs_many
 from swarmrl.proofs.toploc import encode as encode_proofs
 from swarmrl.protocol.messages import SampleIn
 from swarmrl.protocol.rollouts import Group, Sample
-from swarmrl.tasks.episodes import calculator_rows, guess_rows
-from swarmrl.tasks.source import episode_spec, row_checks
+from swarmrl.sft.warmstart import encode_episode_example
+from swarmrl.tasks.episodes import calculator_rows, calculator_traces, guess_rows, guess_traces
+from swarmrl.tasks.source import episode_spec, model_input, row_checks
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.validator.core import SampleReport, merge_reports, split_turns
 
@@ -250,3 +252,52 @@ def test_episodes_through_the_built_in_engine_sample_each_turn_as_a_completion_o
             assert alone.logprobs[: b - a] == pytest.approx(p.logprobs[a:b], abs=1e-4)
             assert p.hidden[k].shape[0] == b - a
         assert all(lp == 0.0 for lp, m in zip(p.logprobs, ep.model_mask) if not m)
+
+
+def test_the_calculator_warm_start_shows_episodes_as_the_sampler_would_produce_them():
+    tok = build_char_tokenizer()
+    rows = calculator_rows(40, split="train")
+    traces = calculator_traces(rows, tool_rate=0.5, seed=1)
+    called = [t for t in traces if len(t["turns"]) == 2]
+    assert 10 <= len(called) <= 30  # about half call the tool
+    for t in traces:
+        task = json.loads(t["verification_info"])
+        assert t["turns"][-1] == task["answer"]  # the final turn is the right number
+    t = called[0]
+    task = json.loads(t["verification_info"])
+    assert t["turns"][0] == f"<calc>{task['expression']}</calc>"
+    assert t["observations"] == [f"<result>{task['answer']}</result>"]  # the environment's own reply
+    ids, mask = encode_episode_example(tok, t["prompt"], t["turns"], t["observations"])
+    # The episode's ids are what a worker's episode holds: prompt, turn + eos, framed result, turn + eos.
+    _, prompt = model_input(tok, t["prompt"], None)
+    turn = [tok(x, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in t["turns"]]
+    assert ids == prompt + turn[0] + chat_framing(tok)(t["observations"][0]) + turn[1]
+    assert [i for i, m in zip(ids, mask) if m] == turn[0] + turn[1]  # only the model's turns are learned
+
+
+def test_the_guess_warm_start_plays_games_the_environment_replays():
+    tok = build_char_tokenizer()
+    games = guess_traces(30, high=16, max_turns=4, seed=2)
+    assert all(1 <= len(g["turns"]) <= 4 for g in games)
+    assert any(len(g["turns"]) > 1 for g in games)
+    for g in games:
+        ids, mask = encode_episode_example(tok, g["prompt"], g["turns"], g["observations"])
+        _, prompt = model_input(tok, g["prompt"], None)
+        episode = Episode(ids[len(prompt) :], [bool(m) for m in mask[len(prompt) :]], len(g["turns"]), False)
+        task = json.loads(g["verification_info"])
+        replayed = replay(
+            GUESS,
+            task,
+            g["env_seed"],
+            episode,
+            chat_framing(tok),
+            lambda t: decode_completion(tok, t, [tok.eos_token_id]),
+            stop_ids=[tok.eos_token_id],
+            max_turns=4,
+            max_tokens=400,
+        )
+        # Each turn's range holds the hidden number, and its guess is inside the range.
+        hidden = secret(task, g["env_seed"])
+        for turn in replayed.turns:
+            low, top, guess = (int(x) for x in re.findall(r"\d+", turn))
+            assert low <= hidden <= top and low <= guess <= top
