@@ -37,6 +37,11 @@ PROGRESS_KEYS = (
     "batch/generated_tokens",
     "time/generation",
     "eval/accuracy",
+    # Multi-turn episodes (docs/environments.md): absent from single-turn runs.
+    "episode/turns_mean",
+    "episode/tool_calls_mean",
+    "episode/tool_errors",
+    "episode/observation_token_share",
 )
 STATIC = Path(__file__).parent / "static"  # the page: dashboard.html, .js, .css (no third-party code)
 _PAGE_HEADERS = {

@@ -20,7 +20,7 @@ import random
 from swarmrl.envs.builtin import CALCULATOR, GUESS
 from swarmrl.envs.registry import task_type
 
-CALCULATOR_RULE = "A calculator answers <calc>EXPRESSION</calc>."
+CALCULATOR_RULE = "Tool: <calc>EXPR</calc>."
 GUESS_RULE = "Say one number per turn; I answer higher or lower until you find it."
 
 

@@ -11,6 +11,8 @@ const CHARTS = [
   { id: "length", series: [["length/mean", "mean length"], ["length/target_mean", "mean target"],
                            ["length/abs_error_mean", "|length - target|"]] },
   { id: "offpolicy", series: [["off_policy/mean", "mean"], ["off_policy/max", "max"]] },
+  { id: "episodes", series: [["episode/turns_mean", "turns per episode"], ["episode/tool_calls_mean", "tool calls per episode"],
+                             ["episode/tool_errors", "tool errors"], ["episode/observation_token_share", "observation token share"]] },
 ];
 const SVG = "http://www.w3.org/2000/svg";
 
