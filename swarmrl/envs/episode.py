@@ -16,6 +16,7 @@ then not appended: observations are never cut, so a replay can compare them whol
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -170,7 +171,8 @@ def chat_framing(tokenizer, role: str = "user") -> Callable[[str], list[int]]:
     marker = "\u2063swarmrl-turn\u2063"
     end = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
 
-    def encode(text: str) -> list[int]:
+    @functools.lru_cache(maxsize=4096)  # observations repeat ("higher", a tool's errors): render each once
+    def framed(text: str) -> tuple[int, ...]:
         rendered = tokenizer.apply_chat_template(
             [
                 {"role": "user", "content": "?"},
@@ -186,9 +188,9 @@ def chat_framing(tokenizer, role: str = "user") -> Callable[[str], list[int]]:
         rest = rendered[at + len(marker) :]
         if end and rest.startswith(end):
             rest = rest[len(end) :]
-        return tokenizer(rest, add_special_tokens=False)["input_ids"]
+        return tuple(tokenizer(rest, add_special_tokens=False)["input_ids"])
 
-    return encode
+    return lambda text: list(framed(text))
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

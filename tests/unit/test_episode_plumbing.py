@@ -301,3 +301,24 @@ def test_the_guess_warm_start_plays_games_the_environment_replays():
         for turn in replayed.turns:
             low, top, guess = (int(x) for x in re.findall(r"\d+", turn))
             assert low <= hidden <= top and low <= guess <= top
+
+
+def test_the_shipped_episode_configs_load_and_their_budgets_fit_an_episode():
+    from pathlib import Path
+
+    from swarmrl.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    calc, guess = load_config(root / "calculator.toml", []), load_config(root / "guess.toml", [])
+    assert calc.tasks.source == "calculator" and guess.tasks.source == "guess" and guess.tasks.max_turns == 4
+    tok = build_char_tokenizer()
+    # A worked calculator episode (call, framed result, answer) fits its token budget ...
+    t = calculator_traces(calculator_rows(5, digits=calc.tasks.digits), tool_rate=1.0)[0]
+    ids, mask = encode_episode_example(tok, t["prompt"], t["turns"], t["observations"])
+    _, prompt = model_input(tok, t["prompt"], None)
+    assert len(ids) - len(prompt) <= calc.sampling.max_new_tokens
+    # ... and so does the longest worked game.
+    games = guess_traces(50, high=guess.tasks.guess_high, max_turns=4)
+    _, prompt = model_input(tok, games[0]["prompt"], None)
+    longest = max(len(encode_episode_example(tok, g["prompt"], g["turns"], g["observations"])[0]) for g in games)
+    assert longest - len(prompt) <= guess.sampling.max_new_tokens
