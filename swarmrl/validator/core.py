@@ -440,9 +440,9 @@ def split_turns(sample: dict, out: tuple, chunk_size: int) -> list[tuple[dict, t
     """(sample, (hidden, logits)) per model turn: a completion is one; an episode's turn k has
     its tokens, logprobs and proofs, the seed `turn_seed(seed, k)`, and the prefill's rows for
     its tokens."""
-    spans = turn_spans(sample)
     if sample.get("model_mask") is None:
         return [(sample, out)]
+    spans = turn_spans(sample)
     hidden, logits = out
     proofs, at, pieces = sample.get("proofs") or [], 0, []
     for k, (a, b) in enumerate(spans):
