@@ -16,6 +16,7 @@ import fcntl
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,29 @@ sys.path.insert(0, str(HERE / "support"))
 from runs import EASY, swarmrl  # noqa: E402  (support/ is on the path only from here on)
 
 TIERS = ("unit", "integration", "e2e", "real")
+# The real tier writes 0.5 GB per copy of the real model (versions at the trainer, relay, worker and
+# validator, checkpoints with optimizer state, vLLM's reload copies): its peak on 2 xdist workers
+# was 10.7 GB above the start (machine E, 2026-12-06). A CI run once failed 180 tests on a full disk.
+REAL_TIER_FREE_GB = 14
+
+
+def _check_free_disk(config) -> None:
+    where = Path(config.option.basetemp or tempfile.gettempdir())
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free / 1e9
+    if free < REAL_TIER_FREE_GB:
+        raise pytest.UsageError(
+            f"tests/real needs about {REAL_TIER_FREE_GB} GB free under {where} (the real model's versions, "
+            f"checkpoints and vLLM copies: 10.7 GB at its peak); {free:.1f} GB are free. Free space there "
+            "(old run folders, /tmp/pytest-of-*), point --basetemp at a larger disk, or deselect the tier "
+            "(-m 'not real')"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
+    if any(Path(str(item.path)).resolve().relative_to(HERE).parts[0] == "real" for item in items):
+        _check_free_disk(config)
     for item in items:
         tier = Path(str(item.path)).resolve().relative_to(HERE).parts[0]
         if tier not in TIERS:

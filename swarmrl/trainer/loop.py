@@ -158,11 +158,22 @@ class _Link:
             parent=version - 1 if version else None,
             shard_size=self.cfg.broadcast.shard_size,
             base=base,
+            patch_from=None if lora else self._patch_from(root, version),
         )
         self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
         keep = max(self.cfg.trainer.keep_versions, self.cfg.async_.bound + 2)
         # Under LoRA every later version is an adapter on version 0: the base stays served.
         prune_versions(root, keep, in_use=lambda v: (lora and v == 0) or self.server.in_use(v))
+
+    def _patch_from(self, root: Path, version: int) -> dict | None:
+        """What version `version` is patched against: the one before it, while its folder and
+        its published manifest are both still here (broadcast.patches)."""
+        if not self.cfg.broadcast.patches or version == 0:
+            return None
+        folder, held = self.rd.version_path(version - 1), published_manifest(root, version - 1)
+        if held is None or not folder.is_dir():
+            return None
+        return {"dir": folder, "manifest": held, "max_share": self.cfg.broadcast.patch_max_share}
 
     def _lora_base(self, root: Path) -> dict:
         """What an adapter version's manifest names as its base: version 0 by content digest,

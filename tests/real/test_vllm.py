@@ -233,6 +233,7 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
         + ["--sampling.prompts_per_step", "2", "--sampling.group_size", "4", "--sampling.max_new_tokens", "16"]
         + ["--sampling.worker_batch_prompts", "2", "--trainer.steps", "2", "--trainer.micro_batch_size", "8"]
         + ["--trainer.lr", "1e-4", "--trainer.warmup_steps", "0", "--async.workers", "1", "--async.bound", "0"]
+        + ["--trainer.keep_versions", "1"]  # 0.5 GB a version: keep the disk to what the test needs
         + ["--orchestrator.trusted_keys_file", str(tmp_path / "trusted.txt"), "--validator.trusted_rate", "1"]
         + ["--logging.progress", "false"],
         stdout=subprocess.PIPE,

@@ -123,7 +123,9 @@ def test_cheats_through_vllm_are_refused_each_for_its_reason(vllm_python, tmp_pa
 def test_quantised_weights_through_vllm_are_refused_on_the_real_model(vllm_python, real_model, tmp_path):
     """The real checkpoint (30 layers) as v0 and v1: int8 and int4 weights, loaded into vLLM in
     place of the claimed version's, are refused by TOPLOC; the honest vLLM worker is not."""
-    world = World(tmp_path, model=real_model)
+    # The honest worker generates on the real model with the built-in engine: beside the other
+    # tier's jobs on 2 cores that took over 120 s (the default lease) once; 600 s is ample.
+    world = World(tmp_path, "--orchestrator.lease_timeout_s", "600", model=real_model)
     try:
         through_vllm(world, REAL, vllm_python, tmp_path)
     finally:

@@ -27,6 +27,7 @@ VERSION_DIR = re.compile(r"v([0-9]{6})", re.ASCII)  # a version's folder: v00000
 # strings and anything else fail, so no request can leave the root.
 PATH_MANIFEST = re.compile(r"/v([0-9]{6})/manifest\.json", re.ASCII)
 PATH_SHARD = re.compile(r"/v([0-9]{6})/shards/([0-9]{5})", re.ASCII)
+PATH_PATCH = re.compile(r"/v([0-9]{6})/(patch\.json|patch\.bin)", re.ASCII)
 RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.ASCII)  # a request's Range header
 CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+)", re.ASCII)  # a reply's Content-Range header
 # Temp folders: .tmp-v000003-<pid>-<hex> (being written) and .old-v000003-<pid>-<hex> (moved aside
@@ -180,3 +181,42 @@ def remove_old_versions(root: Path, versions: list[int], keep: int, in_use) -> N
         if in_use(v):
             continue
         remove_dir(root / version_name(v))
+
+
+class ShardWriter:
+    """Cuts a byte stream into shards; with `folder` None it only hashes (a dry run)."""
+
+    def __init__(self, folder: Path | None, shard_size: int):
+        self.folder, self.shard_size = folder, shard_size
+        self.shards: list[dict] = []
+        self._f = None
+        self._h = hashlib.sha256()
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.shard_size - self._size)
+            piece = view[:n]
+            if self.folder is not None:
+                if self._f is None:
+                    self._f = open(self.folder / f"{len(self.shards):05d}", "wb")
+                self._f.write(piece)
+            self._h.update(piece)
+            self._size += n
+            view = view[n:]
+            if self._size == self.shard_size:
+                self._finish()
+
+    def _finish(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.shards.append({"size": self._size, "sha256": self._h.hexdigest()})
+        self._h, self._size = hashlib.sha256(), 0
+
+    def close(self) -> None:
+        if self._size:
+            self._finish()
+        elif self._f is not None:
+            self._f.close()

@@ -119,7 +119,7 @@ def _connect(source: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
     return cls(u.hostname, u.port, timeout=timeout_s), u.path.rstrip("/")
 
 
-def _get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
+def get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
     """GET source+path, 200 only, body at most `limit` bytes; SourceFailure otherwise."""
     conn, prefix = _connect(source, timeout_s)
     try:
@@ -165,7 +165,7 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     listed is only a claim; each version is believed once its signed manifest verifies."""
     (source,) = check_sources([source], "list_versions")
     try:
-        data = json.loads(_get_small(source, "/versions", timeout_s, 16 << 20))
+        data = json.loads(get_small(source, "/versions", timeout_s, 16 << 20))
     except SourceFailure as e:
         raise BroadcastError(
             f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
@@ -203,7 +203,7 @@ def fetch_manifest(
     errors = []
     for src in sources:
         try:
-            raw = _get_small(src, f"/{vname}/manifest.json", timeout_s, MAX_MANIFEST_BYTES)
+            raw = get_small(src, f"/{vname}/manifest.json", timeout_s, MAX_MANIFEST_BYTES)
             try:
                 manifest = json.loads(raw)
             except ValueError:

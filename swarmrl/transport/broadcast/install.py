@@ -4,6 +4,7 @@ and renamed into place whole."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -37,6 +38,14 @@ from swarmrl.transport.broadcast.common import (
     temp_name,
 )
 from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest
+from swarmrl.transport.broadcast.patches import (
+    PATCH_BIN,
+    PATCH_JSON,
+    fetch_patch,
+    held_base,
+    rebuild_folder,
+    rebuild_shards,
+)
 
 
 def _claim_partial(root: Path, vname: str, digest: str) -> Path:
@@ -77,7 +86,10 @@ def _mirror(
     timeout_s: float,
     log,
     tries_per_shard: int | None = None,
+    build=None,
 ) -> dict:
+    """Download `manifest`'s shards into root/vNNNNNN (resuming a partial copy), or, with `build`,
+    call build(tmp) to write them and anything else the folder should hold, then rename it in."""
     vname = version_name(version)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
@@ -86,16 +98,19 @@ def _mirror(
     digest = manifest_digest(manifest)
     tmp = _claim_partial(root, vname, digest)
     try:
-        download_shards(
-            manifest,
-            sources,
-            tmp / "shards",
-            scores=scores,
-            parallel=parallel,
-            timeout_s=timeout_s,
-            log=log,
-            tries_per_shard=tries_per_shard,
-        )
+        if build is None:
+            download_shards(
+                manifest,
+                sources,
+                tmp / "shards",
+                scores=scores,
+                parallel=parallel,
+                timeout_s=timeout_s,
+                log=log,
+                tries_per_shard=tries_per_shard,
+            )
+        else:
+            build(tmp)
         (tmp / ".digest").unlink(missing_ok=True)
         for leftover in (tmp / "shards").glob("*.part"):
             leftover.unlink(missing_ok=True)
@@ -141,12 +156,15 @@ def mirror_version(
     timeout_s: float = 10.0,
     log=lambda msg: None,
     expected_digest: str | None = None,
+    patches: bool = True,
 ) -> dict:
     """Mirror `version` from `sources` into root/vNNNNNN (the origin's layout, so a ShardServer on
     `root` serves it: relays chain). The manifest must verify against `public_key` (the trainer's;
     required), every shard against its sha256; a failed call leaves its partial shards for the
     next call to resume. Returns the manifest; a complete copy already there is returned at once
-    if it still verifies (unless `expected_digest` is given and it differs: then it is replaced)."""
+    if it still verifies (unless `expected_digest` is given and it differs: then it is replaced).
+    With `patches`, a version published with a patch is rebuilt from the version before it when
+    that is held here (patches.py), and its patch is kept to be served on either way."""
     check_version(version)
     vname = version_name(version)
     # A mirror of an unsigned version would be served on to clients that then refuse it (or,
@@ -173,7 +191,52 @@ def mirror_version(
     manifest = fetch_manifest(
         version, scores.order(sources), public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
     )
-    return _mirror(version, manifest, sources, root, scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
+    kw = dict(scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
+    if patches:
+        # Holding the version before it, a relay fetches the patch and rebuilds the shards;
+        # otherwise the shards, and then the patch anyway, to serve it on to its clients.
+        base = held_base(root, version, "manifest.json")
+        got = fetch_patch(
+            manifest,
+            base[1] if base else None,
+            scores.order(sources),
+            scores,
+            public_key=public_key,
+            timeout_s=timeout_s,
+            log=log,
+        )
+        if got is not None and base is not None:
+            try:
+                return _mirror(version, manifest, sources, root, build=_patched_shards(got, base, manifest), **kw)
+            except BroadcastError as e:  # PatchError, or the disk (_mirror says which)
+                log(f"{vname}: the patch did not rebuild it ({e}); fetching its shards")
+        elif got is not None:
+            return _mirror(version, manifest, sources, root, build=_with_patch(got, manifest, sources, kw), **kw)
+    return _mirror(version, manifest, sources, root, **kw)
+
+
+def _write_patch(folder: Path, got: tuple[dict, bytes]) -> None:
+    (folder / PATCH_BIN).write_bytes(got[1])
+    (folder / PATCH_JSON).write_bytes(json.dumps(got[0], sort_keys=True).encode())
+
+
+def _patched_shards(got: tuple[dict, bytes], base: tuple[Path, dict], manifest: dict):
+    def build(tmp: Path) -> None:
+        shards = tmp / "shards"
+        for p in shards.iterdir():  # a partial download of this version: not needed now
+            p.unlink()
+        rebuild_shards(got[1], base[0], base[1], manifest, shards)
+        _write_patch(tmp, got)
+
+    return build
+
+
+def _with_patch(got: tuple[dict, bytes], manifest: dict, sources: list[str], kw: dict):
+    def build(tmp: Path) -> None:
+        download_shards(manifest, sources, tmp / "shards", **kw)
+        _write_patch(tmp, got)
+
+    return build
 
 
 def _listing(folder: Path) -> list[Path]:
@@ -304,6 +367,7 @@ def fetch_version(
     log=lambda msg: None,
     expected_digest: str | None = None,
     relay_wait_s: float = 5.0,
+    patches: bool = True,
 ) -> Path:
     """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
     HF folder ready for from_pretrained, and return that path.
@@ -315,7 +379,9 @@ def fetch_version(
     A folder already there with the manifest's file hashes is returned without downloading.
     `expected_digest` (manifest_digest of the manifest the orchestrator announced) skips sources
     holding another publication of the same version number. The last source is the origin: it
-    is used only when no relay has the version after `relay_wait_s` (`_prefer_relays`)."""
+    is used only when no relay has the version after `relay_wait_s` (`_prefer_relays`). With
+    `patches`, a version published with a patch is rebuilt from the version before it when that
+    is held here, the full download being the fallback for every failure (patches.py)."""
     check_version(version)
     vname = version_name(version)
     if public_key is None:
@@ -370,6 +436,12 @@ def fetch_version(
             pass
         return finish(manifest)
 
+    if patches:
+        relays_first = shard_sources + [s for s in sources if s not in shard_sources]
+        kw = dict(scores=scores, public_key=public_key, timeout_s=timeout_s, log=log)
+        if _from_patch(manifest, scores.order(shard_sources) + relays_first[len(shard_sources) :], dest_root, **kw):
+            return finish(manifest)
+
     shard_root = dest_root / ".shards"
     held = shard_root / vname
     if held.is_dir():  # a complete shard copy from an interrupted call: usable only if it is this publication
@@ -423,25 +495,59 @@ def fetch_version(
                 "(the shard copy was damaged on disk, or the trainer published an inconsistent "
                 "manifest); the shard copy was deleted, try again"
             )
-        (tmp / INSTALLED_MANIFEST).write_bytes(manifest_bytes(manifest))
-        if dest.is_dir() and _folder_matches(dest, manifest):
-            # A concurrent fetch installed it meanwhile: keep that one (its caller may be loading it).
-            remove_dir(held)
-            return finish(manifest)
-        if dest.exists():
-            remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not (dest.is_dir() and _folder_matches(dest, manifest)):  # else: another fetcher won the race
-                raise BroadcastError(
-                    f"fetching {vname}: cannot rename the rebuilt folder to {dest}; remove it and try again"
-                ) from None
+        _put_in_place(tmp, dest, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     remove_dir(held)
     log(f"{vname}: installed in {dest}")
     return finish(manifest)
+
+
+def _put_in_place(tmp: Path, dest: Path, manifest: dict) -> None:
+    """Rename the rebuilt folder `tmp` to `dest` whole, unless a concurrent fetch put the same
+    version there first (then that copy stays: its caller may be loading it)."""
+    (tmp / INSTALLED_MANIFEST).write_bytes(manifest_bytes(manifest))
+    if dest.is_dir() and _folder_matches(dest, manifest):
+        return
+    if dest.exists():
+        remove_dir(dest)  # a stale or damaged copy: moved aside whole, then the new one goes in
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest.is_dir() and _folder_matches(dest, manifest)):  # else: another fetcher won the race
+            raise BroadcastError(
+                f"fetching {version_name(manifest['version'])}: cannot rename the rebuilt folder to {dest}; "
+                "remove it and try again"
+            ) from None
+
+
+def _from_patch(manifest: dict, sources: list[str], dest_root: Path, *, scores, public_key, timeout_s, log) -> bool:
+    """Build the version's folder from the one before it (held in dest_root) and its patch; True
+    if it is in place. False, having logged why, when there is no such version or patch, or the
+    patch does not rebuild files matching the signed manifest: the caller fetches the shards."""
+    version = manifest["version"]
+    vname = version_name(version)
+    base = held_base(dest_root, version, INSTALLED_MANIFEST)
+    if base is None:
+        return False
+    got = fetch_patch(manifest, base[1], sources, scores, public_key=public_key, timeout_s=timeout_s, log=log)
+    if got is None:
+        return False
+    tmp = dest_root / temp_name("tmp", vname)
+    try:
+        tmp.mkdir()
+        rebuild_folder(got[1], base[0], base[1], manifest, tmp)
+        _put_in_place(tmp, dest_root / vname, manifest)
+    except (BroadcastError, OSError) as e:
+        log(f"{vname}: the patch did not rebuild it ({e}); fetching its shards")
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(
+        f"{vname}: installed from {version_name(base[1]['version'])} and a patch of {len(got[1])} bytes "
+        f"({len(got[1]) / max(manifest['total_size'], 1):.1%} of the version)"
+    )
+    return True
 
 
 def fetch_base(

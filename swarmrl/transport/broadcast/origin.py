@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from swarmrl.protocol.manifest import BroadcastError, version_name
-from swarmrl.transport.broadcast.common import CHUNK, PATH_MANIFEST, PATH_SHARD, RANGE
+from swarmrl.transport.broadcast.common import CHUNK, PATH_MANIFEST, PATH_PATCH, PATH_SHARD, RANGE
 from swarmrl.transport.broadcast.publish import read_versions
 from swarmrl.transport.connlimit import SourceSlots, refusal_response, source_of
 
@@ -85,6 +85,9 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
             if m := PATH_SHARD.fullmatch(path):
                 v = int(m.group(1))
                 return self._send_file(v, self.server.root / version_name(v) / "shards" / m.group(2), send_body)
+            if m := PATH_PATCH.fullmatch(path):
+                v = int(m.group(1))
+                return self._send_file(v, self.server.root / version_name(v) / m.group(2), send_body)
             return self._not_found(send_body)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away; it will retry elsewhere

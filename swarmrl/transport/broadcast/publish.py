@@ -28,6 +28,7 @@ from swarmrl.protocol.manifest import (
 from swarmrl.transport.broadcast.common import (
     CHUNK,
     VERSION_DIR,
+    ShardWriter,
     active_temp_dirs,
     clean_temps,
     load_manifest_file,
@@ -36,6 +37,7 @@ from swarmrl.transport.broadcast.common import (
     remove_old_versions,
     temp_name,
 )
+from swarmrl.transport.broadcast.patches import publish_patch
 
 # ---- publishing ---------------------------------------------------------------------------------
 
@@ -57,47 +59,8 @@ def _model_files(model_dir: Path) -> list[Path]:
     return out
 
 
-class _ShardWriter:
-    """Cuts a byte stream into shards; with `folder` None it only hashes (a dry run)."""
-
-    def __init__(self, folder: Path | None, shard_size: int):
-        self.folder, self.shard_size = folder, shard_size
-        self.shards: list[dict] = []
-        self._f = None
-        self._h = hashlib.sha256()
-        self._size = 0
-
-    def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = min(len(view), self.shard_size - self._size)
-            piece = view[:n]
-            if self.folder is not None:
-                if self._f is None:
-                    self._f = open(self.folder / f"{len(self.shards):05d}", "wb")
-                self._f.write(piece)
-            self._h.update(piece)
-            self._size += n
-            view = view[n:]
-            if self._size == self.shard_size:
-                self._finish()
-
-    def _finish(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        self.shards.append({"size": self._size, "sha256": self._h.hexdigest()})
-        self._h, self._size = hashlib.sha256(), 0
-
-    def close(self) -> None:
-        if self._size:
-            self._finish()
-        elif self._f is not None:
-            self._f.close()
-
-
 def _split(paths: list[Path], shard_dir: Path | None, shard_size: int) -> tuple[list[dict], list[dict], int]:
-    writer = _ShardWriter(shard_dir, shard_size)
+    writer = ShardWriter(shard_dir, shard_size)
     files, offset = [], 0
     try:
         for p in paths:
@@ -123,8 +86,14 @@ def publish_version(
     parent: int | None = None,
     shard_size: int = 1 << 20,
     base: dict | None = None,
+    patch_from: dict | None = None,
 ) -> dict:
     """Shard and sign HF folder `model_dir` as root/vNNNNNN (written whole, atomically); return the manifest.
+
+    `patch_from` ({"dir": the previous version's HF folder, "manifest": its published manifest,
+    "max_share": float}) also writes the patch from that version to this one (patches.py) into the
+    folder before it appears, so no relay mirrors the version before its patch is there; skipped
+    when the patch would be larger than max_share of the version.
 
     `base` ({"version": b, "digest": content_digest of version b's manifest}) marks the folder as
     a LoRA adapter that applies to version b: the manifest names it, under the signature.
@@ -205,6 +174,16 @@ def publish_version(
     try:
         try:
             manifest = sign(*_split(paths, tmp / "shards", shard_size))
+            if patch_from is not None:
+                publish_patch(
+                    tmp,
+                    model_dir,
+                    patch_from["dir"],
+                    base_manifest=patch_from["manifest"],
+                    manifest=manifest,
+                    key=key,
+                    max_share=patch_from["max_share"],
+                )
             (tmp / "manifest.json").write_bytes(manifest_bytes(manifest))
         except OSError as e:
             raise BroadcastError(f"cannot publish {vname} into {root}: {e}; check free space and permissions") from e
