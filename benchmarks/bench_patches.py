@@ -2,7 +2,7 @@
 costs to make and apply, and how long a version takes to reach a client over a capped link with
 and without it (docs/broadcast.md, "Patches").
 
-For each run directory, each pair of consecutive versions in <run>/policies (full versions; a
+For each run directory, each pair of consecutive versions in <run>/broadcast (full versions; a
 LoRA run's adapters are skipped) is measured as published (the run's `sampling.dtype`) and cast
 to bfloat16 (what a bf16 publication of the same training would ship: the trainer casts its
 float32 masters the same way). Then the last pair goes through a real origin (ShardServer, capped
@@ -29,11 +29,24 @@ from safetensors.torch import load_file, save_file
 from swarmrl.protocol.patch import apply_patch, encode_patch
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import ShardServer, fetch_version, publish_version
+from swarmrl.transport.broadcast.patches import read_span
 
 
-def versions(run: Path) -> list[Path]:
-    out = sorted(p for p in (run / "policies").iterdir() if re.fullmatch(r"v[0-9]{6}", p.name))
-    return [p for p in out if (p / "model.safetensors").is_file()]
+def versions(run: Path, tmp: Path) -> list[Path]:
+    """The run's full versions as HF folders, rebuilt from what its trainer published
+    (<run>/broadcast keeps them after the run; <run>/policies is pruned), consecutive ones only."""
+    out = []
+    for vdir in sorted(p for p in (run / "broadcast").iterdir() if re.fullmatch(r"v[0-9]{6}", p.name)):
+        manifest = json.loads((vdir / "manifest.json").read_text())
+        if "base" in manifest:
+            continue  # a LoRA adapter
+        folder = tmp / f"{run.name}-{vdir.name}"
+        folder.mkdir()
+        for f in manifest["files"]:
+            data = read_span(vdir / "shards", manifest["shard_size"], f["offset"], f["size"])
+            (folder / f["name"]).write_bytes(data)
+        out.append(folder)
+    return out
 
 
 def as_bf16(src: Path, dst: Path) -> Path:
@@ -106,18 +119,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for run in args.run_dir:
-            vs = versions(run)
+            vs = versions(run, tmp)
             if len(vs) < 2:
-                raise SystemExit(f"{run}/policies holds {len(vs)} full versions; need 2 consecutive ones")
+                raise SystemExit(f"{run}/broadcast holds {len(vs)} full versions; need 2 consecutive ones")
             for precision in ("published", "bfloat16"):
-                pairs = []
-                for a, b in zip(vs, vs[1:]):
-                    if precision == "bfloat16":
-                        a, b = as_bf16(a, tmp / f"{a.name}-bf16"), as_bf16(b, tmp / f"{b.name}-bf16")
+                if precision == "bfloat16":
+                    vs = [as_bf16(v, tmp / f"{v.name}-bf16") for v in vs]
+                pairs = list(zip(vs, vs[1:]))
+                for a, b in pairs:
                     r = measure_pair(a, b)
-                    r.update(run=str(run), precision=precision, old=a.name[:7], new=b.name[:7])
+                    r.update(run=str(run), precision=precision, old=a.name, new=b.name)
                     rows.append(r)
-                    pairs.append((a, b))
                     print(
                         f"{run.name} {precision:9s} {r['old']}->{r['new']}: {r['full_bytes'] / 2**20:8.2f} MiB full, "
                         f"patch {r['patch_bytes'] / 2**20:8.2f} MiB = {r['share']:6.1%}; elements changed "
@@ -132,8 +144,8 @@ def main() -> None:
                     f"with patch {link['with_patch_s']:.2f} s ({link['full_s'] / link['with_patch_s']:.1f}x)",
                     flush=True,
                 )
-                for p in tmp.glob("*-bf16"):
-                    shutil.rmtree(p)
+            for p in tmp.glob(f"{run.name}-*"):
+                shutil.rmtree(p)
     shares = {}
     for r in rows:
         if "share" in r:

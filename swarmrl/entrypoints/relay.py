@@ -44,6 +44,9 @@ class Settings(RoleSettings):
     """connections one client address (IPv6: one /64) may hold; default min(16, --max-connections), or all of
     them when --host is a loopback address (only this machine can connect). Raise it when many clients reach
     this relay through one proxy or NAT address"""
+    client_timeout_s: float = Field(20.0, gt=0)
+    """a connection making no progress this long is closed, and a request's line and headers must arrive within
+    it (a slow client cannot hold a slot)"""
     tls_cert: str | None = None
     """PEM certificate (chain): serve https (with --tls-key)"""
     tls_key: str | None = None
@@ -83,6 +86,7 @@ def main(settings: Settings, cfg: None) -> None:
             max_bytes_per_s=s.max_bytes_per_s,
             max_connections=s.max_connections,
             max_connections_per_source=s.max_connections_per_source,
+            client_timeout_s=s.client_timeout_s,
             tls=tls,
         )
     except BroadcastError as e:

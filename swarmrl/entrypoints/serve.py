@@ -59,6 +59,8 @@ class Settings(RoleSettings):
     come through one proxy or NAT address"""
     header_timeout_s: float = Field(10.0, gt=0)
     """a request's line and headers must arrive within this many seconds (else 408 and closed)"""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """a request's body must arrive within this many seconds of its headers (else 408)"""
     reload_token_file: str | None = None
     """enable POST /v1/reload {"model_path": FOLDER} (load another checkpoint in place) for callers sending
     'Authorization: Bearer' + this file's content; how an endpoint worker loads each new policy version
@@ -98,6 +100,7 @@ def main(settings: Settings, cfg: None) -> None:
             max_connections=s.max_connections,
             max_connections_per_source=s.max_connections_per_source,
             header_timeout_s=s.header_timeout_s,
+            body_timeout_s=s.body_timeout_s,
         )
     except (OSError, ValueError) as e:
         fail(str(e))

@@ -636,6 +636,7 @@ def serve(
     max_connections_per_source: int = 128,
     header_timeout_s: float = 10.0,
     keep_alive_s: float = 5.0,
+    body_timeout_s: float = 30.0,
 ) -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
     `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder.
@@ -689,6 +690,7 @@ def serve(
             default_max_tokens=default_max_tokens,
             vocab_size=vocab,
             model_path=str(Path(model_path).resolve()),
+            body_timeout_s=body_timeout_s,
         ),
         reloader,
     )

@@ -69,6 +69,7 @@ class Relay:
         max_bytes_per_s: float | None = None,
         max_connections: int = 128,
         max_connections_per_source: int | None = None,
+        client_timeout_s: float = 20.0,
         retry_s: float = 5.0,
         max_retry_s: float = 600.0,
         failures_per_poll: int = 2,
@@ -91,6 +92,7 @@ class Relay:
             max_bytes_per_s=max_bytes_per_s,
             max_connections=max_connections,
             max_connections_per_source=max_connections_per_source,
+            client_timeout_s=client_timeout_s,
             tls=tls,
         )
         self.scores = SourceScores()
@@ -293,6 +295,7 @@ def run_relay(
     max_bytes_per_s: float | None = None,
     max_connections: int = 128,
     max_connections_per_source: int | None = None,
+    client_timeout_s: float = 20.0,
     tls=None,
 ) -> None:
     """`swarmrl relay`: mirror and serve until interrupted. BroadcastError at once without the trainer key."""
@@ -313,6 +316,7 @@ def run_relay(
         max_bytes_per_s=max_bytes_per_s,
         max_connections=max_connections,
         max_connections_per_source=max_connections_per_source,
+        client_timeout_s=client_timeout_s,
         tls=tls,
     ).start()
     print(f"relay listening on {relay.url}, mirroring {', '.join(upstreams)} into {cache_dir}", flush=True)
