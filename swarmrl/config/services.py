@@ -178,14 +178,16 @@ class BroadcastConfig(Section):
     """Shards a client downloads at once, spread over the relays it knows by measured bandwidth."""
     timeout_s: float = Field(10.0, gt=0)
     """A download that receives nothing for this long moves to another source."""
-    patches: bool = True
+    patches: Literal["auto", "on", "off"] = "auto"
     """Publish each version also as a patch against the one before it (the weights that changed,
-    compressed; docs/broadcast.md, "Patches"), and fetch that instead of the shards when holding
-    the version before. Every version is still published whole: the patch is a shortcut checked
-    against the signed manifest, and any failure falls back to the shards."""
+    compressed; docs/broadcast.md, "Patches"); relays and workers holding the version before fetch
+    that instead of the shards. auto: when versions are published in bfloat16 (`sampling.dtype`),
+    where a step changes 0.5-5% of the real model's weights (patches of 1-5% of the version, made
+    in 0.2-0.6 s per 260 MB); on: float32 too, where nearly every element changes every step
+    (patches of 30-50% of the version that cost the trainer ~10 s per 500 MB on these CPUs); off.
+    Every version is still published whole, and any failure falls back to its shards."""
     patch_max_share: float = Field(0.5, gt=0, le=1)
-    """A patch larger than this share of its version is not published (float32 weights change in
-    every element every step: their patches save little)."""
+    """A patch larger than this share of its version is not published."""
     tls_cert: str | None = None
     """PEM certificate (chain) of the trainer's weight origin: with `tls_key`, it serves https
     (docs/operating.md). Relays take theirs as `swarmrl relay --tls-cert/--tls-key`."""

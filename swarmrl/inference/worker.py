@@ -168,6 +168,7 @@ class Worker:
                 )
                 self._warned_key = True
         before = {u: e["successes"] for u, e in self.scores.snapshot().items()}
+        notes: list[str] = []  # what fetch_version says: whether it used a patch
         try:
             t0 = time.monotonic()
             sources = [*self._relays(), policy["url"]]
@@ -181,6 +182,7 @@ class Worker:
                 parallel=self.parallel,
                 timeout_s=self.timeout_s,
                 expected_digest=digest,
+                log=notes.append,
             )
             # A LoRA run's version is an adapter: merged into the base it names (fetched once,
             # checked against the digest the trainer signed), so the sampler sees plain weights.
@@ -218,8 +220,10 @@ class Worker:
             self.sampler = self.server.engine([tok.eos_token_id])
             where = f"into {self.server.describe()}"
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
+        patched = [n.split(": ", 1)[1] for n in notes if "and a patch of" in n]
         self.log(
-            f"policy v{version} loaded {where} in {time.monotonic() - t0:.2f} s; shards from "
+            f"policy v{version} loaded {where} in {time.monotonic() - t0:.2f} s; "
+            + (f"{patched[0]} from " if patched else "shards from ")
             + (", ".join(f"{u} ({n})" for u, n in served.items() if n > 0) or "the local cache")
         )
         self.version, self.digest, self.policy_ref = version, digest, policy

@@ -167,8 +167,9 @@ class _Link:
 
     def _patch_from(self, root: Path, version: int) -> dict | None:
         """What version `version` is patched against: the one before it, while its folder and
-        its published manifest are both still here (broadcast.patches)."""
-        if not self.cfg.broadcast.patches or version == 0:
+        its published manifest are both still here; None when broadcast.patches says not to."""
+        mode = self.cfg.broadcast.patches
+        if mode == "off" or version == 0 or (mode == "auto" and self.cfg.sampling.dtype == "float32"):
             return None
         folder, held = self.rd.version_path(version - 1), published_manifest(root, version - 1)
         if held is None or not folder.is_dir():

@@ -46,6 +46,12 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
         "true",
         "--async.tls",
         "true",
+        # Patches for the tiny float32 model too (75% of a version: not worth it, but every hop is
+        # exercised): the relay rebuilds each version from the one before, the workers likewise.
+        "--broadcast.patches",
+        "on",
+        "--broadcast.patch_max_share",
+        "1.0",
         *EASY,
     )
     summary = json.loads((run / "summary.json").read_text())
@@ -58,8 +64,13 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     relay_url = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
     assert relay_url.startswith("https://127.0.0.1:")
     assert (run / "logs" / "relay-0.log").read_text().count("relay: mirrored v") >= 4
-    worker_log = (run / "logs" / "worker-0.log").read_text()
-    assert f"shards from {relay_url}" in worker_log, worker_log
+    # Each later version reaches the workers as a patch against the one before, from the relay.
+    assert all((run / "broadcast" / f"v{v:06d}" / "patch.bin").is_file() for v in range(1, 5))
+    logs = "".join(p.read_text() for p in (run / "logs").glob("worker-*.log"))
+    patched = rf"policy v[1-4] loaded .*installed from v00000[0-3] and a patch of .* from {relay_url}"
+    assert re.search(patched, logs), logs
+    relay_root = run / "relays" / "relay-0"
+    assert any(relay_root.rglob("patch.bin")), "the relay did not keep the patches to serve them on"
     assert (run / "tls" / "ca.pem").exists() and "tls_cert" in (run / "config.toml").read_text()
     pub = (run / "trainer.pub").read_text().strip()
     manifest = json.loads((run / "broadcast" / "v000004" / "manifest.json").read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from swarmrl.protocol.manifest import BroadcastError, content_digest, version_name
@@ -72,9 +73,11 @@ def fetch_patch(
                 d["base"] != base_manifest["version"] or d["base_content"] != content_digest(base_manifest)
             ):
                 return None  # a patch against another base: nothing to gain from other sources
+            t0 = time.monotonic()
             blob = get_small(src, f"/{vname}/{PATCH_BIN}", timeout_s, d["size"])
             if len(blob) != d["size"] or hashlib.sha256(blob).hexdigest() != d["sha256"]:
                 raise SourceFailure("patch.bin does not match its signed size and sha256", corrupt=True)
+            scores.good(src, len(blob), time.monotonic() - t0)
             return d, blob
         except PatchError as e:
             scores.bad(src, str(e), corrupt=True)
