@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+LOGPROB = -0.30102999566398125  # as long in JSON as a real float32 logprob
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -43,7 +45,9 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def _load(url: str, clients: int, seconds: float, think_s: float, group_size: int, answers: dict, out) -> None:
+def _load(
+    url: str, clients: int, seconds: float, think_s: float, group_size: int, tokens: int, answers: dict, out
+) -> None:
     """One load process: `clients` threads, each one worker key."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -79,12 +83,12 @@ def _load(url: str, clients: int, seconds: float, think_s: float, group_size: in
                     samples = []
                     for j in range(lease["group_size"]):
                         answer = right if j % 2 == 0 else str(int(right) + 1)
-                        t = tok(
-                            f"<think>{answer} checked</think>\\boxed{{{answer}}}<|im_end|>", add_special_tokens=False
-                        )["input_ids"]
+                        pad = "x" * max(0, tokens - 40)  # the char tokenizer: a token per character
+                        text = f"<think>{answer} checked{pad}</think>\\boxed{{{answer}}}<|im_end|>"
+                        t = tok(text, add_special_tokens=False)["input_ids"]
                         proofs = encode([to_bytes(65497, [7] * 128)] * chunk_count(len(t), 32))
                         samples.append(
-                            {"token_ids": t, "logprobs": [-0.3] * len(t), "finish_reason": "stop", "proofs": proofs}
+                            {"token_ids": t, "logprobs": [LOGPROB] * len(t), "finish_reason": "stop", "proofs": proofs}
                         )
                     groups.append({"slot": p["slot"], "policy_version": 0, "samples": samples})
                 t0 = time.perf_counter()
@@ -118,7 +122,7 @@ def level(clients: int, args, answers: dict, run: Path, url: str) -> dict:
     procs_n = min(args.procs, clients)
     shares = [clients // procs_n + (i < clients % procs_n) for i in range(procs_n)]
     procs = [
-        ctx.Process(target=_load, args=(url, n, args.seconds, args.think_s, args.group_size, answers, out))
+        ctx.Process(target=_load, args=(url, n, args.seconds, args.think_s, args.group_size, args.tokens, answers, out))
         for n in shares
     ]
     for p in procs:
@@ -137,6 +141,7 @@ def level(clients: int, args, answers: dict, run: Path, url: str) -> dict:
         "offered_per_s": clients / args.think_s,
         "submissions_per_s": sum(r["submissions"] for r in results) / args.seconds,
         "groups_per_s": sum(r["groups"] for r in results) / args.seconds,
+        "tokens_per_s": sum(r["groups"] for r in results) * args.group_size * args.tokens / args.seconds,
         "lease_p50_ms": 1000 * statistics.median(lease) if lease else float("nan"),
         "lease_p99_ms": 1000 * _pct(lease, 0.99),
         "submit_p50_ms": 1000 * statistics.median(submit) if submit else float("nan"),
@@ -155,6 +160,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="length of each level")
     ap.add_argument("--procs", type=int, default=4, help="load processes the clients are spread over")
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=35, help="tokens per completion (long ones measure per-token costs)")
     ap.add_argument("--out", type=Path, help="append one JSON line per level")
     args = ap.parse_args()
 
@@ -174,16 +180,23 @@ def main() -> None:
         "--orchestrator.rate_per_s", "1e6",
         "--orchestrator.rate_burst", str(10**6),
         "--orchestrator.requests_per_s_per_source", "1e6",
+        "--orchestrator.registrations_per_min", str(10**6),
+        "--orchestrator.registrations_per_min_total", str(10**6),
         "--orchestrator.max_connections", "4000",
         "--orchestrator.max_connections_per_source", "4000",
         "--orchestrator.proven_after", "0",
         "--orchestrator.lease_timeout_s", str(max(120.0, 6 * args.think_s)),
         "--validator.rate", "0",
+        "--sampling.max_new_tokens", str(max(64, args.tokens + 16)),
+        "--orchestrator.max_request_bytes", str(max(8 << 20, 64 * args.tokens * args.group_size)),
     ]  # fmt: skip
     cfg = load_config(None, overrides)
     rows, _ = task_rows(cfg, log=lambda *_: None)
     answers = {r["problem_id"]: json.loads(r["verification_info"])["ground_truth"] for r in rows}
-    print(f"{os.cpu_count()} CPUs; think {args.think_s:g} s, {args.seconds:g} s per level, {args.procs} load processes")
+    print(
+        f"{os.cpu_count()} CPUs; think {args.think_s:g} s, {args.seconds:g} s per level, {args.procs} load processes, "
+        f"groups of {args.group_size} x ~{args.tokens} tokens"
+    )
     print("clients  offered/s  subs/s  groups/s  lease p50/p99 ms  submit p50/p99 ms  refused  errors  KB/group")
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
@@ -215,6 +228,7 @@ def main() -> None:
                     f"{r['submit_p99_ms']:7.1f}  {r['refused']:7d}  {r['errors']:6d}  {per_group:8.2f}",
                     flush=True,
                 )
+                print(f"         completion tokens/s accepted: {r['tokens_per_s']:.0f}", flush=True)
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps(r) + "\n")
