@@ -149,6 +149,7 @@ def rehearse(args) -> dict:
         "--broadcast.patch_max_share", "1.0",
         "--eval.every", "0",
         "--seed", str(args.seed),
+        *(["--trainer.checkpoint_every", "1", "--validator.mode", "external"] if args.chaos else []),
     ]  # fmt: skip
     subprocess.run([sys.executable, "-m", "swarmrl.cli", "rl", "--prepare", "--run-dir", str(run), *overrides],
                    check=True, stdout=subprocess.DEVNULL)  # fmt: skip
@@ -162,6 +163,15 @@ def rehearse(args) -> dict:
         logs / "trainer.log",
     ).start()
     wait_for(lambda: (run / "origin.json").exists() and (run / "trainer.pub").exists(), "the trainer's origin")
+    trusted = [orch, trainer]
+    if args.chaos:
+        validator = Proc(
+            "validator",
+            ["validator", "--orchestrator", f"http://127.0.0.1:{OPORT}", "--token-file", str(run / "validator.token")]
+            + ["--cache-dir", str(out / "validator"), "--trainer-key", str(run / "trainer.pub")],
+            logs / "validator.log",
+        ).start()
+        trusted.append(validator)
     seen: dict[int, float] = {}  # version -> when the origin first held it
     stop = threading.Event()
 
@@ -195,14 +205,24 @@ def rehearse(args) -> dict:
             ns(i),
         )
 
+    trusted += relays
     workers = [worker(i, k).start() for i in range(1, args.regions + 1) for k in range(args.workers)]
     late = [worker(i, args.workers + k) for i in range(1, args.regions + 1) for k in range(args.late)]
     before = {i: (dev_bytes(f"swv{i}a"), dev_bytes("lo", ns(i))) for i in range(1, args.regions + 1)}
     kills: list[tuple[float, str]] = []
     rng = random.Random(args.seed)
     t_start, next_kill, late_started = time.time(), time.time() + args.kill_every_s, False
+    next_chaos = time.time() + args.chaos
+    restarting: set[str] = set()
+
+    def restart(p: Proc) -> None:
+        if p is trainer:  # from its newest checkpoint; the steps after it are redone
+            p.args = [*p.args, "--resume"] if "--resume" not in p.args else p.args
+        p.start()
+        restarting.discard(p.name)
+
     try:
-        while trainer.alive():
+        while trainer.alive() or trainer.name in restarting:
             time.sleep(0.5)
             steps = _steps(run)
             if not late_started and len(steps) >= args.steps // 3:
@@ -218,6 +238,15 @@ def rehearse(args) -> dict:
                     kills.append((time.time(), victim.name))
                     threading.Timer(args.restart_after_s, victim.start).start()
                 next_kill = time.time() + args.kill_every_s
+            if args.chaos and time.time() > next_chaos and not (run / "stop").exists():
+                live = [p for p in trusted if p.alive() and p.name not in restarting]
+                if live:
+                    victim = rng.choice(live)
+                    victim.kill9()
+                    kills.append((time.time(), victim.name))
+                    restarting.add(victim.name)
+                    threading.Timer(args.restart_after_s, restart, args=(victim,)).start()
+                next_chaos = time.time() + args.chaos * (0.5 + rng.random())
             if time.time() - t_start > args.timeout_s:
                 raise SystemExit("rehearsal: the run did not finish in time")
         if trainer.p.returncode != 0:
@@ -227,7 +256,7 @@ def rehearse(args) -> dict:
     finally:
         stop.set()
         time.sleep(max(args.restart_after_s, 1.0))  # let pending restarts happen, then stop them
-        for p in [*workers, *late, *relays, trainer, orch]:
+        for p in [*workers, *late, *trusted]:
             p.kill9()
     return report(args, run, logs, seen, before, after, kills, wall)
 
@@ -294,6 +323,7 @@ def report(args, run, logs, seen, before, after, kills, wall) -> dict:
         "group_states": dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall()),
     }
     expired = db.execute("SELECT COUNT(*), COALESCE(SUM(slots), 0) FROM penalties").fetchone()
+    integrity["versions_republished_with_other_weights"] = (logs / "trainer.log").read_text().count("republishing v")
     summary = {
         "args": vars(args),
         "wall_s": wall,
@@ -326,7 +356,11 @@ def _cpu() -> str:
 
 
 def _print(s: dict, regions) -> None:
-    print(f"{s['cpu']}; {s['wall_s']:.0f} s; {len(s['kills'])} workers killed; patches {s['args']['patches']}")
+    killed = sorted({name for _, name in s["kills"]})
+    print(
+        f"{s['cpu']}; {s['wall_s']:.0f} s; {len(s['kills'])} kills ({', '.join(killed)}); "
+        f"patches {s['args']['patches']}"
+    )
     head = " | ".join(f"region {i}: relay has it (s), workers, all hold (s), median (s), patched" for i in regions)
     print(f"| version | {head} |")
     for row in s["versions"]:
@@ -372,6 +406,14 @@ def main() -> None:
         "--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="sampling.dtype (published weights)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--chaos",
+        type=float,
+        default=0.0,
+        help="also SIGKILL a random trusted role (orchestrator, trainer, validator, a relay) about this often "
+        "(seconds; 0: never), restarting it after --restart-after-s (the trainer with --resume); runs the "
+        "validator as its own process and checkpoints every step",
+    )
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", required=True, help="a new folder for the run, the logs and summary.json")
     args = ap.parse_args()

@@ -40,6 +40,7 @@ from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.checkpoint import checkpoint_dirs, load_checkpoint, save_checkpoint
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed, weights_dtype
 from swarmrl.transport.broadcast import (
+    BroadcastError,
     ShardServer,
     prune_versions,
     publish_version,
@@ -149,17 +150,26 @@ class _Link:
         root = self.rd.root / "broadcast"
         lora = self.cfg.trainer.lora.rank > 0
         base = self._lora_base(root) if lora and version else None
-        unpublish_version(root, version)
-        manifest = publish_version(
-            self.rd.version_path(version),
-            root,
-            version,
-            key=self.key,
-            parent=version - 1 if version else None,
-            shard_size=self.cfg.broadcast.shard_size,
-            base=base,
-            patch_from=None if lora else self._patch_from(root, version),
-        )
+        def publish() -> dict:
+            return publish_version(
+                self.rd.version_path(version),
+                root,
+                version,
+                key=self.key,
+                parent=version - 1 if version else None,
+                shard_size=self.cfg.broadcast.shard_size,
+                base=base,
+                patch_from=None if lora else self._patch_from(root, version),
+            )
+
+        try:
+            # After a resume, a redone step usually gives the same weights: then the version
+            # already published stands (same manifest, same digest), and no worker refetches it.
+            manifest = publish()
+        except BroadcastError as e:
+            print(f"republishing v{version}: {e}", flush=True)
+            unpublish_version(root, version)
+            manifest = publish()
         self._call(lambda: self.client.publish(version, self.url, manifest), f"publish v{version}")
         keep = max(self.cfg.trainer.keep_versions, self.cfg.async_.bound + 2)
         # Under LoRA every later version is an adapter on version 0: the base stays served.
