@@ -138,10 +138,11 @@ def level(clients: int, args, answers: dict, run: Path, url: str) -> dict:
     size = sum(p.stat().st_size for p in run.glob("orchestrator.sqlite*"))
     return {
         "clients": clients,
-        "offered_per_s": clients / args.think_s,
+        "offered_per_s": clients / args.think_s if args.think_s else float("inf"),
         "submissions_per_s": sum(r["submissions"] for r in results) / args.seconds,
         "groups_per_s": sum(r["groups"] for r in results) / args.seconds,
         "tokens_per_s": sum(r["groups"] for r in results) * args.group_size * args.tokens / args.seconds,
+        "prompts_per_lease": args.prompts,
         "lease_p50_ms": 1000 * statistics.median(lease) if lease else float("nan"),
         "lease_p99_ms": 1000 * _pct(lease, 0.99),
         "submit_p50_ms": 1000 * statistics.median(submit) if submit else float("nan"),
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="length of each level")
     ap.add_argument("--procs", type=int, default=4, help="load processes the clients are spread over")
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts (groups) per lease and submission")
     ap.add_argument("--tokens", type=int, default=35, help="tokens per completion (long ones measure per-token costs)")
     ap.add_argument("--out", type=Path, help="append one JSON line per level")
     args = ap.parse_args()
@@ -173,7 +175,7 @@ def main() -> None:
     from swarmrl.transport.broadcast import publish_version
 
     overrides = [
-        "--sampling.worker_batch_prompts", "1",
+        "--sampling.worker_batch_prompts", str(args.prompts),
         "--sampling.group_size", str(args.group_size),
         "--async.max_pending_groups", str(10**9),
         "--sampling.prompts_per_step", str(10**6),
@@ -185,6 +187,7 @@ def main() -> None:
         "--orchestrator.max_connections", "4000",
         "--orchestrator.max_connections_per_source", "4000",
         "--orchestrator.proven_after", "0",
+        "--orchestrator.new_key_slots", str(max(8, 2 * args.prompts)),
         "--orchestrator.lease_timeout_s", str(max(120.0, 6 * args.think_s)),
         "--validator.rate", "0",
         "--sampling.max_new_tokens", str(max(64, args.tokens + 16)),

@@ -182,3 +182,20 @@ def test_a_version_whose_patch_would_be_too_large_is_published_without_one(tmp_p
     man0 = publish_version(m0, root, 0, key=KEY, shard_size=SHARD)
     publish_version(m1, root, 1, key=KEY, shard_size=SHARD, patch_from={"dir": m0, "manifest": man0, "max_share": 0.5})
     assert sorted(p.name for p in (root / "v000001").iterdir()) == ["manifest.json", "shards"]
+
+
+def test_the_origin_is_not_asked_for_a_patch_its_relay_does_not_hold(versions, tmp_path):
+    """A relay that mirrored v1 without its patch (patches off there) answers 404 for it: the
+    client takes v1's shards from the relay, and the origin sees no request for v1 at all."""
+    relay_root, client = tmp_path / "relay", tmp_path / "client"
+    with RecordingServer(versions["root"]) as o:
+        for v in (0, 1):
+            mirror_version(v, [o.url], relay_root, public_key=PUB, timeout_s=2.0, patches=False)
+        assert not (relay_root / "v000001" / "patch.bin").exists()
+        with RecordingServer(relay_root) as relay:
+            fetch_version(0, [relay.url, o.url], client, public_key=PUB, **FAST)
+            o.requests.clear()
+            got = fetch_version(1, [relay.url, o.url], client, public_key=PUB, **FAST)
+            assert "/v000001/patch.json" in relay.requests and shard_requests(relay, 1)
+        assert o.requests == []
+    assert same_files(got, versions["m1"])

@@ -436,11 +436,12 @@ def fetch_version(
             pass
         return finish(manifest)
 
-    if patches:
-        relays_first = shard_sources + [s for s in sources if s not in shard_sources]
-        kw = dict(scores=scores, public_key=public_key, timeout_s=timeout_s, log=log)
-        if _from_patch(manifest, scores.order(shard_sources) + relays_first[len(shard_sources) :], dest_root, **kw):
-            return finish(manifest)
+    # The patch from where the shards would come: the relays when one of them has the version
+    # (they mirror its patch with it), so the origin is not asked for patches it would also serve.
+    origin = sources[-1] if shard_sources != sources else None
+    kw = dict(scores=scores, public_key=public_key, timeout_s=timeout_s, log=log, last_resort=origin)
+    if patches and _from_patch(manifest, scores.order(shard_sources), dest_root, **kw):
+        return finish(manifest)
 
     shard_root = dest_root / ".shards"
     held = shard_root / vname
@@ -521,7 +522,9 @@ def _put_in_place(tmp: Path, dest: Path, manifest: dict) -> None:
             ) from None
 
 
-def _from_patch(manifest: dict, sources: list[str], dest_root: Path, *, scores, public_key, timeout_s, log) -> bool:
+def _from_patch(
+    manifest: dict, sources: list[str], dest_root: Path, *, scores, public_key, timeout_s, log, last_resort
+) -> bool:
     """Build the version's folder from the one before it (held in dest_root) and its patch; True
     if it is in place. False, having logged why, when there is no such version or patch, or the
     patch does not rebuild files matching the signed manifest: the caller fetches the shards."""
@@ -530,7 +533,16 @@ def _from_patch(manifest: dict, sources: list[str], dest_root: Path, *, scores, 
     base = held_base(dest_root, version, INSTALLED_MANIFEST)
     if base is None:
         return False
-    got = fetch_patch(manifest, base[1], sources, scores, public_key=public_key, timeout_s=timeout_s, log=log)
+    got = fetch_patch(
+        manifest,
+        base[1],
+        sources,
+        scores,
+        public_key=public_key,
+        timeout_s=timeout_s,
+        log=log,
+        last_resort=last_resort,
+    )
     if got is None:
         return False
     tmp = dest_root / temp_name("tmp", vname)

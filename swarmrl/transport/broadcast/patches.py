@@ -55,14 +55,27 @@ def publish_patch(
 
 
 def fetch_patch(
-    manifest: dict, base_manifest: dict | None, sources: list[str], scores, *, public_key: str, timeout_s: float, log
+    manifest: dict,
+    base_manifest: dict | None,
+    sources: list[str],
+    scores,
+    *,
+    public_key: str,
+    timeout_s: float,
+    log,
+    last_resort: str | None = None,
 ) -> tuple[dict, bytes] | None:
     """(descriptor, patch) from the first source, in the order given, whose descriptor is signed,
     for `manifest` and (unless None: a relay that only passes it on) based on `base_manifest`'s
     content, and whose patch has the descriptor's size and sha256. None when no source has one
-    (the version was published without a patch, or against another base)."""
+    (the version was published without a patch, or against another base). `last_resort` (the
+    origin, for a worker whose relays hold the version) is asked only when a source failed
+    otherwise than by not having a patch: the relays mirror a version's patch with it."""
     vname = version_name(manifest["version"])
-    for src in sources:
+    failed = False
+    for src in [*sources, last_resort]:
+        if src is None or (src == last_resort and not failed):
+            continue
         try:
             raw = get_small(src, f"/{vname}/{PATCH_JSON}", timeout_s, MAX_DESCRIPTOR_BYTES)
             try:
@@ -80,11 +93,13 @@ def fetch_patch(
             scores.good(src, len(blob), time.monotonic() - t0)
             return d, blob
         except PatchError as e:
+            failed = True
             scores.bad(src, str(e), corrupt=True)
             log(f"{vname}: {src} serves a bad patch descriptor ({e})")
         except SourceFailure as e:
             if "HTTP 404" in str(e):
-                continue  # not there (a relay that mirrored before it was written): ask the next
+                continue  # no patch there (or not the version yet): ask the next
+            failed = True
             scores.bad(src, str(e), corrupt=e.corrupt)
             log(f"{vname}: no patch from {src} ({e})")
     return None
