@@ -214,6 +214,7 @@ def rehearse(args) -> dict:
     t_start, next_kill, late_started = time.time(), time.time() + args.kill_every_s, False
     next_chaos = time.time() + args.chaos
     restarting: set[str] = set()
+    order: list[Proc] = []
 
     def restart(p: Proc) -> None:
         if p is trainer:  # from its newest checkpoint; the steps after it are redone
@@ -239,9 +240,13 @@ def rehearse(args) -> dict:
                     threading.Timer(args.restart_after_s, victim.start).start()
                 next_kill = time.time() + args.kill_every_s
             if args.chaos and time.time() > next_chaos and not (run / "stop").exists():
-                live = [p for p in trusted if p.alive() and p.name not in restarting]
+                # Every role in turn, in a shuffled order, so each is hit in a run of a few minutes.
+                if not order:
+                    order = rng.sample(trusted, len(trusted))
+                live = [p for p in order if p.alive() and p.name not in restarting]
                 if live:
-                    victim = rng.choice(live)
+                    victim = live[0]
+                    order.remove(victim)
                     victim.kill9()
                     kills.append((time.time(), victim.name))
                     restarting.add(victim.name)
@@ -410,9 +415,9 @@ def main() -> None:
         "--chaos",
         type=float,
         default=0.0,
-        help="also SIGKILL a random trusted role (orchestrator, trainer, validator, a relay) about this often "
-        "(seconds; 0: never), restarting it after --restart-after-s (the trainer with --resume); runs the "
-        "validator as its own process and checkpoints every step",
+        help="also SIGKILL a trusted role (orchestrator, trainer, validator, each relay; all in turn, "
+        "shuffled) about this often (seconds; 0: never), restarting it after --restart-after-s (the "
+        "trainer with --resume); runs the validator as its own process and checkpoints every step",
     )
     ap.add_argument("--timeout-s", type=float, default=1200)
     ap.add_argument("--out", required=True, help="a new folder for the run, the logs and summary.json")

@@ -150,6 +150,7 @@ class _Link:
         root = self.rd.root / "broadcast"
         lora = self.cfg.trainer.lora.rank > 0
         base = self._lora_base(root) if lora and version else None
+
         def publish() -> dict:
             return publish_version(
                 self.rd.version_path(version),

@@ -97,6 +97,8 @@ class Relay:
         )
         self.scores = SourceScores()
         self._stop = threading.Event()
+        self.mirroring: set[int] = set()  # versions being mirrored now, listed as "incoming"
+        self.server.incoming = lambda: set(self.mirroring)
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None  # the latest problem: an outage, or a version skipped
         # (upstream, version) -> (failures so far, monotonic time before which it is not asked again)
@@ -125,18 +127,32 @@ class Relay:
         return sorted(set().union(*self.advertised().values()))
 
     def sync_once(self) -> list[int]:
-        """Mirror, newest first, the listed versions that verify, until the newest `keep` are held;
-        skip those that do not (see the module doc). The versions mirrored."""
+        """Mirror the newest `keep` listed versions not held (those still worth holding), oldest
+        of them first; skip those that do not verify (see the module doc). The versions mirrored.
+
+        Oldest first because workers move through the versions in order (a lease names the
+        version it needs, often not the newest one), and because a version's patch applies to
+        the version before it: a relay that fetched v5 before v4 made the workers needing v4
+        fetch it from the origin over the same link, and v5 came in full (the rehearsal in
+        docs/scale.md). Versions whose every upstream is backing off from them (they did not
+        verify) take no place among the `keep`."""
         advertised = self.advertised()
         self._forget(advertised)
         now = time.monotonic()
         held = set(read_versions(self.root))
         failures = dict.fromkeys(self.upstreams, 0)
-        done = []
+        wanted = []
         for v in sorted(set().union(*advertised.values()), reverse=True):
-            if sum(h > v for h in held) >= self.keep:
-                break  # older than every version kept: it would be pruned at once
-            if v not in held and self._mirror(v, advertised, failures, now):
+            if len(wanted) >= self.keep or sum(h > v for h in held) >= self.keep:
+                break  # older than the versions kept: it would be pruned at once
+            backing_off = all(
+                self._failed.get((u, v), (0, 0.0))[1] > now for u in self.upstreams if v in advertised.get(u, ())
+            )
+            if v not in held and not backing_off:
+                wanted.append(v)
+        done = []
+        for v in sorted(wanted):
+            if sum(h > v for h in held) < self.keep and self._mirror(v, advertised, failures, now):
                 held.add(v)
                 done.append(v)
         # A LoRA run's versions are adapters on a base (version 0): held as long as they name it,
@@ -160,6 +176,7 @@ class Relay:
         if not sources:
             return False
         t0 = time.monotonic()
+        self.mirroring.add(v)
         try:
             mirror_version(
                 v,
@@ -179,6 +196,8 @@ class Relay:
                 self._failed[(u, v)] = (n, time.monotonic() + backoff)
             self._skip(v, sources, str(e))
             return False
+        finally:
+            self.mirroring.discard(v)
         self.log(f"relay: mirrored {version_name(v)} in {time.monotonic() - t0:.2f} s")
         self.skipped.pop(v, None)
         return True

@@ -271,7 +271,7 @@ def test_ranges_head_and_path_safety(origin, tmp_path):
         status, _, body = raw(url, "GET", "/v000001/manifest.json")
         assert status == 200 and json.loads(body) == manifest
         status, _, body = raw(url, "GET", "/versions")
-        assert status == 200 and json.loads(body) == {"versions": [1]}
+        assert status == 200 and json.loads(body) == {"versions": [1], "incoming": []}
         for bad in [
             "/v000001/../secret.txt",
             "/v000001/shards/../manifest.json",

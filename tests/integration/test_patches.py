@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -199,3 +202,41 @@ def test_the_origin_is_not_asked_for_a_patch_its_relay_does_not_hold(versions, t
             assert "/v000001/patch.json" in relay.requests and shard_requests(relay, 1)
         assert o.requests == []
     assert same_files(got, versions["m1"])
+
+
+def test_a_worker_waits_for_a_relay_that_is_still_mirroring_the_version(versions, tmp_path):
+    """Over a narrow link a version can take longer than `relay_wait_s` to reach the region's
+    relay; a worker that then fetched it from the origin too would double the traffic on that
+    link. A relay lists the versions it is mirroring as "incoming" (Relay sets its server's
+    `incoming`), and the worker keeps waiting for those, up to `relay_wait_max_s`."""
+    relay_root, client = tmp_path / "relay", tmp_path / "client"
+    with RecordingServer(versions["root"]) as o:
+        mirror_version(0, [o.url], relay_root, public_key=PUB, timeout_s=2.0)
+        fetch_version(0, [o.url], client, public_key=PUB, **FAST)
+        with RecordingServer(relay_root) as relay:
+            relay.incoming = lambda: {1}
+            assert httpx.get(relay.url + "/versions", timeout=5).json() == {"versions": [0], "incoming": [1]}
+
+            def finish_mirror():
+                time.sleep(1.5)
+                mirror_version(1, [o.url], relay_root, public_key=PUB, timeout_s=2.0)
+                relay.incoming = lambda: ()
+
+            done = threading.Thread(target=finish_mirror)
+            done.start()
+            got = fetch_version(1, [relay.url, o.url], client, public_key=PUB, relay_wait_s=0.3, timeout_s=2.0)
+            done.join()
+            assert "/v000001/patch.bin" in relay.requests  # waited, then took it from the relay
+        assert shard_requests(o, 1) == [] and o.requests.count("/v000001/patch.bin") == 1  # the relay's only
+        assert same_files(got, versions["m1"])
+        # A relay that never finishes is waited for up to relay_wait_max_s, then the origin serves.
+        m2 = model(tmp_path / "m2", 0, 2)
+        publish_version(m2, versions["root"], 2, key=KEY, shard_size=SHARD)
+        with RecordingServer(relay_root) as relay:
+            relay.incoming = lambda: {2}
+            t0 = time.monotonic()
+            got = fetch_version(
+                2, [relay.url, o.url], client, public_key=PUB, relay_wait_s=0.3, relay_wait_max_s=2.0, timeout_s=2.0
+            )
+            assert 1.8 < time.monotonic() - t0 < 10
+        assert same_files(got, m2)

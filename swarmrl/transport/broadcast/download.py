@@ -184,6 +184,17 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     return sorted({v for v in versions if is_int(v) and 0 <= v <= 999_999})
 
 
+def incoming(source: str, timeout_s: float = 10.0) -> set[int]:
+    """The versions `source` says it is mirroring now (GET /versions, "incoming"; empty for a
+    source that does not say, or does not answer)."""
+    try:
+        data = json.loads(get_small(source, "/versions", timeout_s, 16 << 20))
+    except (SourceFailure, ValueError):
+        return set()
+    listed = data.get("incoming") if isinstance(data, dict) else None
+    return {v for v in listed if is_int(v) and 0 <= v <= 999_999} if isinstance(listed, list) else set()
+
+
 def fetch_manifest(
     version: int,
     sources: list[str],

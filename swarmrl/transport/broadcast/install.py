@@ -37,7 +37,7 @@ from swarmrl.transport.broadcast.common import (
     sha256_file,
     temp_name,
 )
-from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest
+from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest, incoming
 from swarmrl.transport.broadcast.patches import (
     PATCH_BIN,
     PATCH_JSON,
@@ -318,20 +318,25 @@ def _prefer_relays(
     timeout_s: float,
     expected_digest: str | None,
     wait_s: float,
+    max_wait_s: float,
 ) -> tuple[dict, list[str]]:
     """(the manifest, the sources to download its shards from), relays first.
 
     `sources` is [relays..., origin]. A worker learns of a version from its lease as soon as the
     trainer publishes it, usually before the relays have mirrored it (they poll every 0.5 s), and
     went straight to the origin: in hand-started runs 36 of 37 downloads came from it (issue 18).
-    So the relays are asked again for up to `wait_s` before the origin is; and when a relay has
-    the version, its shards come from the relays, the origin only if they all fail."""
+    So the relays are asked again for up to `wait_s` before the origin is, and for up to
+    `max_wait_s` while a relay lists this version or an older one as incoming (it is mirroring
+    them: over a narrow link that takes longer than `wait_s`, and fetching from the origin too
+    would load that link twice). When a relay has the version, its shards come from the relays, the
+    origin only if they all fail."""
     if len(sources) < 2:
         return fetch_manifest(
             version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
         ), sources
     relays = sources[:-1]
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    deadline = start + wait_s
     while True:
         try:
             manifest = fetch_manifest(
@@ -346,6 +351,12 @@ def _prefer_relays(
             # Wait only while every relay says "not here yet" (404); a relay that is down, slow or
             # lying is no reason to wait: the others and the origin are tried at once.
             not_yet = str(e).count("HTTP 404") >= len(relays)
+            now = time.monotonic()
+            if not_yet and deadline <= now < start + max_wait_s:
+                # A relay bringing this version, or an older one first, over its link: the same link a
+                # fetch from the origin would load, so waiting for it is the faster way.
+                if any(v <= version for r in relays for v in incoming(r, timeout_s)):
+                    deadline = min(now + wait_s, start + max_wait_s)
             if not not_yet or time.monotonic() >= deadline:
                 break
             time.sleep(0.25)
@@ -367,6 +378,7 @@ def fetch_version(
     log=lambda msg: None,
     expected_digest: str | None = None,
     relay_wait_s: float = 5.0,
+    relay_wait_max_s: float = 120.0,
     patches: bool = True,
 ) -> Path:
     """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
@@ -379,7 +391,8 @@ def fetch_version(
     A folder already there with the manifest's file hashes is returned without downloading.
     `expected_digest` (manifest_digest of the manifest the orchestrator announced) skips sources
     holding another publication of the same version number. The last source is the origin: it
-    is used only when no relay has the version after `relay_wait_s` (`_prefer_relays`). With
+    is used only when no relay has the version after `relay_wait_s`, or `relay_wait_max_s` while a
+    relay says it is mirroring it (`_prefer_relays`). With
     `patches`, a version published with a patch is rebuilt from the version before it when that
     is held here, the full download being the fallback for every failure (patches.py)."""
     check_version(version)
@@ -428,6 +441,7 @@ def fetch_version(
         timeout_s=timeout_s,
         expected_digest=expected_digest,
         wait_s=relay_wait_s,
+        max_wait_s=relay_wait_max_s,
     )
     if dest.is_dir() and _folder_matches(dest, manifest):
         try:

@@ -77,7 +77,9 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
         try:
             path = self.path
             if path == "/versions":
-                body = json.dumps({"versions": read_versions(self.server.root)}).encode()
+                owner = self.server.owner
+                listing = {"versions": read_versions(self.server.root), "incoming": sorted(owner.incoming())}
+                body = json.dumps(listing).encode()
                 return self._send_small(200, body, "application/json", send_body)
             if m := PATH_MANIFEST.fullmatch(path):
                 v = int(m.group(1))
@@ -312,6 +314,10 @@ class ShardServer:
         self.host, self.port = host, port
         self.busy_grace_s = busy_grace_s
         self.max_bytes_per_s = max_bytes_per_s
+        # The versions this server's owner is fetching now (a relay mirroring them), listed by GET
+        # /versions as "incoming", so that clients wait for them rather than fetch them from
+        # further up over the same link. The origin has none.
+        self.incoming = lambda: ()
         self._lock = threading.Lock()
         self._active: dict[int, int] = {}
         self._last: dict[int, float] = {}
