@@ -122,7 +122,9 @@ def encode_patch(
 ) -> bytes | None:
     """The patch turning the base version's files into the new version's `names` (read one file
     at a time); None as soon as it would exceed `max_bytes` (not worth publishing)."""
-    files, sections, total = [], [], 0
+    files: list[dict] = []
+    sections: list[bytes] = []
+    total = 0
     for name in sorted(names):
         new, old = read_new(name), read_base(name)
         before = len(sections)
