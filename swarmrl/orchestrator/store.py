@@ -670,13 +670,17 @@ class Store:
 
     # ---- policies ----------------------------------------------------------------------------
     def save_policy(self, db: Db, version: int, url: str, manifest: str, published: float) -> None:
-        """Store (or replace) a published policy version; `manifest` is JSON."""
+        """Store (or replace) a published policy version; `manifest` is JSON. The origin serves
+        every version it still holds at the URL it announced last: a trainer restarted on another
+        port (`trainer.weights_port` 0) moves the older versions with it, or validators and workers
+        would keep asking a dead address for them (a chaos test's validator did, for ever)."""
         db.execute(
             "INSERT INTO policies (version, url, manifest, published) VALUES (?, ?, ?, ?) "
             "ON CONFLICT(version) DO UPDATE SET url = excluded.url, manifest = excluded.manifest, "
             "published = excluded.published",
             (version, url, manifest, published),
         )
+        db.execute("UPDATE policies SET url = ? WHERE url != ?", (url, url))
 
     def policy(self, db: Db, version: int) -> sqlite3.Row | None:
         """(url, manifest) of a policy version, manifest as JSON."""

@@ -328,3 +328,15 @@ def test_a_run_without_signal_is_refused_once_the_streak_reaches_the_limit(tmp_p
         assert "never earns a reward" in message and "Held-out accuracy before RL: 0.000" in message
     finally:
         o.close()
+
+
+def test_a_restarted_origin_moves_every_version_it_holds_to_its_new_url(orch):
+    """A trainer restarted with `trainer.weights_port` 0 serves its broadcast root on a new port
+    and announces only its current version there: the older versions it still holds must be
+    fetched from that address too (a validator asked the dead one for ever in a chaos run)."""
+    orch.publish(0, "http://127.0.0.1:1000", {"version": 0})
+    orch.publish(1, "http://127.0.0.1:1000", {"version": 1})
+    orch.publish(2, "http://127.0.0.1:2000", {"version": 2})  # the trainer came back on another port
+    with orch.store.tx() as db:
+        urls = [orch.store.policy(db, v)["url"] for v in (0, 1, 2)]
+    assert urls == ["http://127.0.0.1:2000"] * 3
