@@ -455,6 +455,18 @@ def time_to_gain(curve: list[dict], gain: float) -> float | None:
     return next((c["wall_s"] for c in curve if c["accuracy"] - base >= gain - 1e-9), None)
 
 
+def time_to_gain_interpolated(curve: list[dict], gain: float) -> float | None:
+    """The wall time at which the held-out gain reaches `gain`, linear between the two evaluations
+    around the first crossing: less tied to the evaluation grid than `time_to_gain`, which jumps a
+    whole interval when a seed is a point short at one evaluation."""
+    base = curve[0]["accuracy"]
+    for a, b in zip(curve, curve[1:]):
+        if b["accuracy"] - base >= gain - 1e-9:
+            lo, hi = a["accuracy"] - base, b["accuracy"] - base
+            return a["wall_s"] + (b["wall_s"] - a["wall_s"]) * (gain - lo) / (hi - lo)
+    return None
+
+
 def _f(x, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
@@ -493,10 +505,13 @@ def summary_lines(results: list[dict], gain: float) -> str:
     pts = round(gain * 100)
     sides: dict[str, dict] = {}
     for r in results:
-        d = sides.setdefault(r["side"], {"reach": [], "step": [], "steady": [], "share": [], "cpu": [], "trusted": []})
+        d = sides.setdefault(
+            r["side"], {"reach": [], "interp": [], "step": [], "steady": [], "share": [], "cpu": [], "trusted": []}
+        )
         d["reach"].append(r["time_to_gain_s"])
+        d["interp"].append(time_to_gain_interpolated(r["curve"], gain))
         d["step"].append(r["s_per_step"])
-        d["steady"].append(r["s_per_step_steady"])
+        d["steady"].append(r.get("s_per_step_steady"))
         d["share"].append(r.get("matmul_share"))
         d["cpu"].append(r.get("cpu_s_per_step"))
         d["trusted"].append(r.get("trusted_cpu_s_per_step"))
@@ -528,6 +543,12 @@ def summary_lines(results: list[dict], gain: float) -> str:
             f"{ratio(mean(sw['steady']), mean(tr['steady']))}); trusted-side CPU per step against TRL's "
             f"{ratio(mean(sw['trusted']), mean(tr['trusted']))}"
         )
+        out.append(
+            f"Interpolated between evaluations: time to +{pts} pts swarmrl "
+            f"{', '.join(_f(x, '.1f') for x in sw['interp'])} (mean {_f(mean(sw['interp']), '.1f')}), TRL "
+            f"{', '.join(_f(x, '.1f') for x in tr['interp'])} (mean {_f(mean(tr['interp']), '.1f')}): "
+            f"{ratio(mean(sw['interp']), mean(tr['interp']))}"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -535,7 +556,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
-        required=True,
         nargs="+",
         help="base HF folder both sides start from (`swarmrl sft --output`): one per --seeds entry, or one for all",
     )
@@ -558,7 +578,16 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/bench_trl")
     p.add_argument("--skip-swarmrl", action="store_true")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument(
+        "--report", metavar="RESULTS_JSON", help="print the summary of an earlier sitting's results.json; run nothing"
+    )
     args = p.parse_args()
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        print(summary_lines(saved["sides"], saved["gain"]), end="")
+        return
+    if not args.model:
+        p.error("--model is required (or --report)")
     if len(args.model) not in (1, len(args.seeds)):
         p.error(f"give one --model, or one per seed ({len(args.seeds)})")
     models = args.model * len(args.seeds) if len(args.model) == 1 else args.model

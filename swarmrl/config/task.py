@@ -121,6 +121,9 @@ class TasksConfig(Section):
     `sampling.max_new_tokens`."""
     guess_high: int = Field(16, ge=2, le=10**6)
     """"guess": the hidden number is from 1 to this."""
+    guess_turn_cost: float = Field(0.0, ge=0.0, lt=1.0)
+    """"guess": a number found on turn t pays 1 - guess_turn_cost * (t - 1) (0 when not found), so
+    that GRPO prefers games won in fewer turns; 0 pays 1 whatever the turn."""
 
     @model_validator(mode="after")
     def _check_builtin(self) -> TasksConfig:

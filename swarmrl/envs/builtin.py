@@ -8,7 +8,9 @@ calculator  a tool the model may call inside its answer: a turn holding `<calc>E
 guess       find a hidden integer in [low, high]: each turn's last number is answered "higher",
             "lower", or ends the episode when it is right. The number is a function of the task
             and the episode's seed, so the episodes of one group (one seed) play the same game
-            and the trusted side can replay them. Reward 1 when found. Task: {"low": 1, "high": 32}.
+            and the trusted side can replay them. Reward 1 when found on the first turn, less
+            `turn_cost` for each turn after it (never below 0), 0 when not found. Task:
+            {"low": 1, "high": 32} or {"low": 1, "high": 32, "turn_cost": 0.1}.
 """
 
 from __future__ import annotations
@@ -106,7 +108,12 @@ def _check_guess(task: dict) -> str | None:
         low, high = int(task["low"]), int(task["high"])
     except (KeyError, TypeError, ValueError):
         return "a guess task needs integer 'low' and 'high'"
-    return None if low < high else f"a guess task needs low < high (got {low}, {high})"
+    if low >= high:
+        return f"a guess task needs low < high (got {low}, {high})"
+    cost = task.get("turn_cost", 0.0)
+    if not isinstance(cost, int | float) or isinstance(cost, bool) or not 0.0 <= cost < 1.0:
+        return f"a guess task's turn_cost must be a number in [0, 1) (got {cost!r})"
+    return None
 
 
 def _guess_respond(task: dict, turns: list[str], seed: int) -> Reply:
@@ -122,7 +129,11 @@ def _guess_respond(task: dict, turns: list[str], seed: int) -> Reply:
 def _guess_reward(task: dict, turns: list[str], seed: int) -> tuple[float, str | None]:
     numbers = _INTEGER.findall(turns[-1])
     found = bool(numbers) and int(numbers[-1]) == secret(task, seed)
-    return (1.0, None) if found else (0.0, "not found within the turns")
+    if not found:
+        return 0.0, "not found within the turns"
+    # Found on turn t: 1 - cost * (t - 1). Without a cost a number found on the last turn pays as
+    # much as one found on the first, and nothing asks the policy for fewer turns.
+    return max(0.0, 1.0 - float(task.get("turn_cost", 0.0)) * (len(turns) - 1)), None
 
 
 GUESS = Environment("guess", _guess_respond, _guess_reward, check=_check_guess, max_turns=6)

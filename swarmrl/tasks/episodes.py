@@ -56,12 +56,16 @@ def calculator_rows(n: int, *, digits: int = 2, split: str = "train", held_out_f
     return rows
 
 
-def guess_rows(n: int, *, low: int = 1, high: int = 16, split: str = "train"):
-    """`n` rows of the guessing game on [low, high] (the number comes from each episode's seed)."""
+def guess_rows(n: int, *, low: int = 1, high: int = 16, split: str = "train", turn_cost: float = 0.0):
+    """`n` rows of the guessing game on [low, high] (the number comes from each episode's seed);
+    a found number pays 1 less `turn_cost` per turn after the first (the environment's reward)."""
     if not low < high:
         raise ValueError(f"a guessing game needs low < high, got {low}, {high}")
     prompt = f"I am thinking of a number from {low} to {high}. {GUESS_RULE}"
-    info = json.dumps({"low": low, "high": high})
+    task = {"low": low, "high": high}
+    if turn_cost:
+        task["turn_cost"] = turn_cost
+    info = json.dumps(task)
     return [
         {
             "problem_id": f"guess-{split}-{i}",

@@ -28,7 +28,7 @@ def builtin_rows(tasks, name: str, n: int, split: str) -> list[dict]:
             n, digits=tasks.digits, split=split, held_out_fraction=tasks.held_out_fraction, seed=tasks.seed
         )
     if name == "guess":
-        return episodes.guess_rows(n, high=tasks.guess_high, split=split)
+        return episodes.guess_rows(n, high=tasks.guess_high, split=split, turn_cost=tasks.guess_turn_cost)
     raise ValueError(f"{name!r} is not a built-in task source; one of: {', '.join(BUILTIN_SOURCES)}")
 
 

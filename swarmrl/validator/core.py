@@ -167,6 +167,28 @@ def prefill(
     return out
 
 
+# The bfloat16 limits (validator.bf16_*) were calibrated on the built-in 4-layer model (docs/
+# validation.md, "bfloat16 runs"). Decoding and prefill round differently at every layer, so the
+# gap between an honest worker's hidden states and the validator's grows with depth: on the
+# 30-layer SmolLM2-135M every honest bf16 group exceeded the group limit.
+BF16_CALIBRATED_LAYERS = 4
+
+
+def bf16_limits_warning(num_layers: int, cfg: ValidatorConfig) -> str | None:
+    """What to tell the operator of a bf16 run whose policy is deeper than the model the default
+    bf16 limits were calibrated on (None when it is not, or when the group limit was set)."""
+    default = ValidatorConfig.model_fields["bf16_group_mant_err_max"].default
+    if num_layers <= BF16_CALIBRATED_LAYERS or cfg.bf16_group_mant_err_max != default:
+        return None
+    return (
+        f"validator: the bfloat16 TOPLOC limits were calibrated on the built-in {BF16_CALIBRATED_LAYERS}-layer "
+        f"model and this policy has {num_layers} layers; on the 30-layer SmolLM2-135M every honest bfloat16 "
+        f"group exceeded validator.bf16_group_mant_err_max = {default} (docs/validation.md, 'bfloat16 on a real "
+        "model'). Measure this model with benchmarks/calibrate_validator.py --model FOLDER --dtype bfloat16 and "
+        "set validator.bf16_* from it, or run in float32 (sampling.dtype), before trusting bans"
+    )
+
+
 class Validator:
     def __init__(
         self,
@@ -192,6 +214,7 @@ class Validator:
         self._load_failures: dict[int, tuple[str, float]] = {}  # version -> (last error logged, when)
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
+        self._warned_bf16 = False
 
     # ---- policies ----------------------------------------------------------------------------
     def model(self, version: int, policy: dict, dtype: str = "float32"):
@@ -223,6 +246,11 @@ class Validator:
         )
         model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype), base=base)
         self.models[(version, dtype)] = (digest, model.eval())
+        if dtype == "bfloat16" and not self._warned_bf16:
+            self._warned_bf16 = True
+            warning = bf16_limits_warning(int(getattr(model.config, "num_hidden_layers", 0)), self.cfg)
+            if warning:
+                self.log(warning)
         return model
 
     def forget_below(self, min_version: int) -> None:

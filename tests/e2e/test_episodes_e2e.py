@@ -1,7 +1,8 @@
 """End to end: `swarmrl rl` on multi-turn episodes of the `guess` environment with the tiny base
 (real processes over HTTP on 127.0.0.1: orchestrator, trainer, workers, validator). Workers play
 the episodes turn by turn, the orchestrator replays each one, the validator checks every turn
-of every group, the trainer learns from the model's tokens only; the metrics show the episodes."""
+of every group, the trainer learns from the model's tokens only; the metrics show the episodes. A
+turn cost makes the trusted side's reward depend on the turn a number was found on."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
         "guess",
         "--tasks.guess_high",
         "8",
+        "--tasks.guess_turn_cost",
+        "0.25",
         "--tasks.max_turns",
         "4",
         "--sampling.max_new_tokens",
@@ -41,6 +44,10 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2]  # before and after
     assert all(1.0 <= r["eval/episode/turns_mean"] <= 4.0 for r in evals)
+    for r in evals:
+        by_turn = [r[f"eval/episode/solved_by_turn_{k}"] for k in (1, 2, 3, 4)]
+        assert by_turn == sorted(by_turn) and by_turn[-1] == r["eval/episode/solved"]
+        assert r["eval/accuracy"] <= r["eval/episode/solved"]  # a late find pays less than 1
     db = sqlite3.connect(run / "orchestrator.sqlite")
     groups = [(json.loads(p), v) for p, v in db.execute("SELECT payload, verdict FROM groups")]
     assert groups and all(g["task_type"] == "env:guess" for g, _ in groups)
@@ -53,4 +60,11 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
         for s in g["samples"]
     ]
     assert max(turns) > 1 and max(turns) <= 4
+    # The orchestrator's reward: 1 - 0.25 per turn after the first for a found number, else 0.
+    scored = [g for g, _ in groups if g["task_rewards"]]
+    assert scored
+    for g in scored:
+        for s, reward in zip(g["samples"], g["task_rewards"], strict=True):
+            t = sum(1 for a, b in zip([False] + s["model_mask"], s["model_mask"]) if b and not a)
+            assert reward == 0.0 or reward == 1.0 - 0.25 * (t - 1), (reward, t)
     assert db.execute("SELECT COUNT(*) FROM rejections").fetchone()[0] == 0

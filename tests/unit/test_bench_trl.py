@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_trl import add_share, time_to_gain  # noqa: E402
+from bench_trl import add_share, time_to_gain, time_to_gain_interpolated  # noqa: E402
 
 
 class _TinyModel(torch.nn.Module):
@@ -54,3 +54,15 @@ def test_time_to_gain_is_the_first_evaluation_at_or_past_the_gain():
     ]
     assert time_to_gain(curve, 0.20) == 6.0
     assert time_to_gain(curve, 0.50) is None
+
+
+def test_interpolated_time_to_gain_is_linear_between_the_evaluations_around_the_crossing():
+    curve = [
+        {"wall_s": 0.0, "accuracy": 0.25},
+        {"wall_s": 3.0, "accuracy": 0.35},  # +0.10
+        {"wall_s": 6.0, "accuracy": 0.55},  # +0.30: +0.20 is half way from 3 s to 6 s
+        {"wall_s": 9.0, "accuracy": 0.70},
+    ]
+    assert time_to_gain_interpolated(curve, 0.20) == pytest.approx(4.5)
+    assert time_to_gain_interpolated(curve, 0.30) == pytest.approx(6.0)
+    assert time_to_gain_interpolated(curve, 0.50) is None

@@ -7,11 +7,13 @@ import sqlite3
 
 import torch
 
+from swarmrl.config import ValidatorConfig
 from swarmrl.inference.seeded import gumbel_noise, seeded_choice
 from swarmrl.orchestrator.store import Store
 from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.validator.checks import sampling_margins, token_logprobs
+from swarmrl.validator.core import bf16_limits_warning
 
 STOP = [0]
 
@@ -104,3 +106,11 @@ def test_large_vocabularies_hash_only_the_contenders_and_agree_with_the_dense_co
     dense = scores.max(-1).values - scores.gather(-1, tokens[:, None])[:, 0]
     assert torch.allclose(sparse, dense, atol=1e-5) and torch.all(sparse >= 0)
     assert torch.equal(seeded_choice(logits, seeds, steps, 1.0) == tokens, sparse == 0)
+
+
+def test_a_bf16_policy_deeper_than_the_calibrated_model_is_flagged_until_its_limit_is_set():
+    cfg = ValidatorConfig()
+    assert bf16_limits_warning(4, cfg) is None  # the built-in model the limits came from
+    said = bf16_limits_warning(30, cfg)
+    assert said is not None and "30 layers" in said and "calibrate_validator.py" in said
+    assert bf16_limits_warning(30, ValidatorConfig(bf16_group_mant_err_max=2.5)) is None  # measured and set

@@ -89,6 +89,31 @@ def test_guess_hides_a_number_per_seed_and_answers_higher_or_lower():
     assert GUESS.check({"low": 5, "high": 5}) is not None
 
 
+def test_a_guess_turn_cost_pays_less_for_each_later_turn_and_nothing_for_a_miss():
+    task = {"low": 1, "high": 16, "turn_cost": 0.1}
+    h = secret(task, 3)
+    miss = "17"  # outside the range: never the number
+    assert GUESS.reward(task, [f"{h}"], 3) == (1.0, None)  # turn 1: 1 - 0.1 * 0
+    assert GUESS.reward(task, [miss, f"{h}"], 3) == (pytest.approx(0.9), None)
+    assert GUESS.reward(task, [miss, miss, miss, f"{h}"], 3) == (pytest.approx(0.7), None)
+    assert GUESS.reward(task, [miss, miss], 3) == (0.0, "not found within the turns")
+    assert GUESS.reward({**task, "turn_cost": 0.6}, [miss, miss, f"{h}"], 3) == (0.0, None)  # floored at 0
+    assert GUESS.check(task) is None
+    for bad in (-0.1, 1.0, "0.1", True):
+        assert "turn_cost" in GUESS.check({**task, "turn_cost": bad})
+
+
+def test_solved_within_k_turns_is_cumulative_over_all_episodes():
+    from swarmrl.eval.episodes import solved_metrics
+
+    # 5 episodes, 3 solved on turns 1, 3 and 3; up to 4 turns.
+    m = solved_metrics([1, 3, 3], 5, 4)
+    assert m["eval/episode/solved"] == pytest.approx(0.6)
+    assert [m[f"eval/episode/solved_by_turn_{k}"] for k in (1, 2, 3, 4)] == pytest.approx([0.2, 0.2, 0.6, 0.6])
+    assert m["eval/episode/turns_when_solved"] == pytest.approx(7 / 3)
+    assert "eval/episode/turns_when_solved" not in solved_metrics([], 5, 2)
+
+
 def test_registry_finds_the_shipped_environments_and_takes_a_new_one():
     assert {"calculator", "guess"} <= set(registry.names())
     echo = Environment(

@@ -26,7 +26,7 @@ from swarmrl.protocol.messages import SampleIn
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.sft.warmstart import encode_episode_example
 from swarmrl.tasks.episodes import calculator_rows, calculator_traces, guess_rows, guess_traces
-from swarmrl.tasks.source import episode_spec, model_input, row_checks
+from swarmrl.tasks.source import builtin_rows, episode_spec, model_input, row_checks
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.validator.core import SampleReport, merge_reports, split_turns
 
@@ -217,6 +217,11 @@ def test_calculator_and_guess_rows_are_valid_tasks_and_the_lease_hides_the_answe
     capped = cfg.model_copy(update={"tasks": cfg.tasks.model_copy(update={"max_turns": 2})})
     assert episode_spec(capped, train[0], [11])["max_turns"] == 2
     assert episode_spec(cfg, {"task_type": "verifiable_math", "verification_info": "{}"}, [1]) is None
+    # The turn cost travels in the task row, which the trusted side holds and replays from.
+    costly = Config.model_validate({"tasks": {"source": "guess", "guess_turn_cost": 0.1}})
+    (row,) = builtin_rows(costly.tasks, "guess", 1, "train")
+    assert json.loads(row["verification_info"]) == {"low": 1, "high": 16, "turn_cost": 0.1}
+    assert "turn_cost" not in guess_rows(1)[0]["verification_info"]
 
 
 def test_batch_metrics_show_turns_tool_calls_and_the_observation_share():
