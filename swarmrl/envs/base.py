@@ -39,7 +39,9 @@ class Environment:
     respond: Callable[[dict, list[str], int], Reply]
     """(task, model turns so far, seed) -> the reply to the latest turn."""
     reward: Callable[[dict, list[str], int], tuple[float, str | None]]
-    """(task, all model turns, seed) -> (reward, reason it is not full; None when it is)."""
+    """(task, all model turns, seed) -> (reward, why the episode is not solved; None when it is).
+    A solved episode may pay less than 1 (guess's turn cost, a verifiers rubric's partial score);
+    held-out evaluation counts it in `eval/episode/solved`."""
     check: Callable[[dict], str | None] = lambda task: None
     """task -> what is wrong with it, or None: run on a row before any episode starts."""
     max_turns: int = 4

@@ -9,7 +9,13 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from swarmrl.envs.episode import runs as mask_runs
+
 from runs import EASY, swarmrl
+
+
+def model_turns(mask: list[bool]) -> int:
+    return sum(1 for _, _, model in mask_runs(mask) if model)
 
 
 def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base, tmp_path):
@@ -54,17 +60,13 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
     checked = [json.loads(v) for _, v in groups if v is not None]
     assert checked and all(v["ok"] for v in checked), checked
     # Some episodes went past their first turn, and every one is at most 4 model turns.
-    turns = [
-        sum(1 for a, b in zip([False] + s["model_mask"], s["model_mask"]) if b and not a)
-        for g, _ in groups
-        for s in g["samples"]
-    ]
+    turns = [model_turns(s["model_mask"]) for g, _ in groups for s in g["samples"]]
     assert max(turns) > 1 and max(turns) <= 4
     # The orchestrator's reward: 1 - 0.25 per turn after the first for a found number, else 0.
     scored = [g for g, _ in groups if g["task_rewards"]]
     assert scored
     for g in scored:
         for s, reward in zip(g["samples"], g["task_rewards"], strict=True):
-            t = sum(1 for a, b in zip([False] + s["model_mask"], s["model_mask"]) if b and not a)
+            t = model_turns(s["model_mask"])
             assert reward == 0.0 or reward == 1.0 - 0.25 * (t - 1), (reward, t)
     assert db.execute("SELECT COUNT(*) FROM rejections").fetchone()[0] == 0
