@@ -87,7 +87,7 @@ class ValidationQueue:
         cfg = self.cfg
         now = time.time()
         with self.store.tx() as db:
-            next_step, _, _ = Store.progress(db)
+            next_step, _, finished = Store.progress(db)
             lo = max(0, next_step - cfg.async_.bound)
             # Claims of a validator that died go back to the queue.
             self.store.release_claims(db, now - cfg.validator.claim_timeout_s)
@@ -95,7 +95,11 @@ class ValidationQueue:
             stale = self.store.drop_older(db, ("pending",), lo, next_step)
             if stale:
                 self.counters.count("off_policy_dropped", stale)
-            rows = self.store.claim_pending(db, max_groups, now, cfg.orchestrator.proven_after)
+            # Once the trainer has taken its last step, what still waits will never be trained:
+            # checking it would only keep validators fetching versions whose origin (the trainer)
+            # is gone, and an external validator waiting for them would never see the run end.
+            # The groups stay pending (not dropped), so a resumed run checks them as before.
+            rows = [] if finished else self.store.claim_pending(db, max_groups, now, cfg.orchestrator.proven_after)
             versions = sorted({r["policy_version"] for r in rows})
             policies = {}
             for v in versions:

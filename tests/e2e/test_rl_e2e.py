@@ -63,7 +63,10 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     assert json.loads((run / "origin.json").read_text())["url"].startswith("https://")
     relay_url = json.loads((run / "relays" / "relay-0.json").read_text())["url"]
     assert relay_url.startswith("https://127.0.0.1:")
-    assert (run / "logs" / "relay-0.log").read_text().count("relay: mirrored v") >= 4
+    # v0 and at least one later version (the worker check below names one); not all five: the
+    # trainer may take its last steps on data from v2 and exit before the relay polls again (a CI
+    # run on machine E mirrored 3).
+    assert (run / "logs" / "relay-0.log").read_text().count("relay: mirrored v") >= 2
     # Each later version reaches the workers as a patch against the one before, from the relay.
     assert all((run / "broadcast" / f"v{v:06d}" / "patch.bin").is_file() for v in range(1, 5))
     logs = "".join(p.read_text() for p in (run / "logs").glob("worker-*.log"))

@@ -136,6 +136,28 @@ def test_a_group_goes_from_lease_to_batch(orch):
     assert totals["batches_built"] == 1 and totals["validator/passed"] == 2 and totals["leases_issued"] == 1
 
 
+def test_a_finished_run_gives_validators_nothing_more_and_a_resumed_one_does(orch):
+    """Groups still pending when the trainer has taken its last step are never trained: claiming
+    them would keep an external validator fetching versions from a trainer that is gone (a CI run
+    of docs/operating.md's rehearsal waited on them until it was killed). They stay pending."""
+    orch.publish(0, "http://x/v0", {"version": 0})
+    orch.admit_registration(TRUSTED, "127.0.0.1")
+    orch.authenticate(TRUSTED, "nonce-t", time.time(), registering=True)
+    orch.register(TRUSTED, "t")
+    lease = orch.lease(TRUSTED, 0)["lease"]
+    groups = [
+        GroupIn(
+            slot=p["slot"], policy_version=0, engine="openai", samples=[completion(orch, p["problem_id"], True)] * 2
+        )
+        for p in lease["prompts"]
+    ]
+    assert len(orch.submit(TRUSTED, lease["lease_id"], groups)["accepted"]) == 2
+    orch.finish()
+    assert orch.claim_validation(10)["items"] == [] and orch.status()["finished"]
+    orch.reopen()  # a resumed trainer: the same groups are checked as before
+    assert len(orch.claim_validation(10)["items"]) == 2
+
+
 def test_unproven_keys_of_one_address_crowd_out_only_each_other_and_trusted_keys_are_not_counted(orch):
     """The service layer with the source a request came from: leases of 2 prompts and a share of
     2, then one lease per address from the reserve (admission.py); a trusted key counts as proven."""
