@@ -11,6 +11,7 @@ trusts the same CAs.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -57,8 +58,20 @@ def trust_ca_file(ca_file: str | Path) -> str:
         public = Path(certifi.where()).read_text()
     except (ImportError, OSError):
         public = ""
-    bundle = Path(tempfile.gettempdir()) / f"swarmrl-ca-{os.getpid()}.pem"
-    bundle.write_text(public + "\n" + pem)
+    text = public + "\n" + pem
+    # Named by its content, not by process: every role of a run (and every run with the same CA)
+    # shares one file instead of leaving a 230 KB bundle per process in the temp folder. Written
+    # under a name of its own and renamed, so a process reading it never sees half a file.
+    bundle = Path(tempfile.gettempdir()) / f"swarmrl-ca-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pem"
+    try:
+        if not bundle.is_file() or bundle.read_text() != text:
+            part = bundle.with_name(f"{bundle.name}.{os.getpid()}.part")
+            part.write_text(text)
+            os.replace(part, bundle)
+    except OSError as e:
+        raise TLSError(
+            f"--ca-file {ca_file}: cannot write the CA bundle {bundle} ({e}); is the temp folder writable?"
+        ) from None
     os.environ["SSL_CERT_FILE"] = str(bundle)
     return str(bundle)
 

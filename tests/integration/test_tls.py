@@ -177,6 +177,16 @@ def test_weight_origin_over_https(pki, tmp_path, monkeypatch):
             idle.close()
 
 
+def test_the_ca_bundle_is_one_file_per_ca_not_one_per_process(pki, monkeypatch):
+    """Every process given --ca-file writes the bundle it trusts; named by content, the roles of a
+    run share one file (named by process id, a CI run left 24 of 230 KB each in /tmp)."""
+    monkeypatch.setenv("SSL_CERT_FILE", "")
+    first = trust_ca_file(pki / "ca.pem")
+    assert trust_ca_file(pki / "ca.pem") == first and os.environ["SSL_CERT_FILE"] == first
+    assert (pki / "ca.pem").read_text() in Path(first).read_text()
+    assert not list(Path(first).parent.glob(Path(first).name + ".*.part"))
+
+
 def test_bad_tls_settings_fail_clearly(pki, tmp_path):
     with pytest.raises(TLSError, match="does not exist"):
         server_context(tmp_path / "nope.pem", pki / "server.key")
