@@ -393,9 +393,9 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
         str(easy_base),
         "--trainer.steps",
         "8",
-        # One built-in worker holding one lease at a time: started after it, the endpoint worker
-        # (its own `swarmrl serve` first) found every step's work taken by two built-in workers
-        # in a CI run on machine E, and none of its groups was trained.
+        # One built-in worker holding one lease at a time: the endpoint worker starts after it (its
+        # own `swarmrl serve` first), and in a CI run on machine E with two built-in workers none of
+        # its groups was trained (most likely they had taken every step's work by then).
         "--async.workers",
         "1",
         "--orchestrator.max_open_leases",
