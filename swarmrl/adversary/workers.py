@@ -15,7 +15,6 @@ the strongest prefill a cheat has (the validator's).
 
 from __future__ import annotations
 
-import copy
 import secrets
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from swarmrl.config import ADVERSARY_KINDS as KINDS
 from swarmrl.envs.episode import runs
 from swarmrl.inference.worker import Worker
+from swarmrl.model.altered import quantised, reinitialised
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
 from swarmrl.protocol.manifest import manifest_digest
@@ -33,36 +33,6 @@ from swarmrl.validator.checks import token_logprobs
 
 WEIGHT_CHEATS = ("other_model", "int8_weights", "int4_weights")  # sample with altered weights
 EPISODE_CHEATS = ("edit_observation", "truncate_episode", "self_observation")  # edit finished episodes
-
-
-def quantised(model, bits: int, group: int | None = 32):
-    """A copy of `model` whose decoder linear weights are rounded to `bits`-bit integers
-    (symmetric, one scale per `group` consecutive inputs of an output row; None: one per output
-    row, i.e. per channel) and stored back in the model's dtype: what a weight-only int8 / int4
-    (GPTQ, AWQ-style) checkpoint computes. Embeddings and the output head stay exact, as those
-    tools leave them."""
-    out = copy.deepcopy(model)
-    levels = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for layer in out.model.layers:
-            for m in layer.modules():
-                if isinstance(m, torch.nn.Linear):
-                    w = m.weight.float()  # [out, in]
-                    g = w.reshape(w.shape[0], -1, group or w.shape[1])  # [out, in / group, group]
-                    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
-                    m.weight.copy_(((g / scale).round().clamp(-levels, levels) * scale).reshape_as(w))
-    return out.eval()
-
-
-def reinitialised(model):
-    """A copy of `model` with every layer's weights drawn afresh (a fixed seed): another model of
-    the same architecture and vocabulary."""
-    out = copy.deepcopy(model)
-    torch.manual_seed(12345)
-    for module in out.modules():
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    return out.eval()
 
 
 def _altered(kind: str, model):

@@ -280,17 +280,12 @@ class ValidatorConfig(Section):
     bf16_group_mant_err_max: float = Field(0.6, ge=0.0)
     """bf16 runs only: a group fails TOPLOC when the median, over all its chunks, of their
     mantissa error means exceeds this. One honest chunk can be as far off as a cheat's, a whole
-    group's typical chunk cannot: honest at most 0.44; int4-quantised weights at least 2.8 (every
-    group fails); int8-quantised weights 0.4-0.94 (about half fail, so such a worker is banned
-    within its first lease or two). float32 runs need no such check: each chunk is held to
-    mant_err_mean_max, far below this."""
-    vllm_bf16_group_mant_err_max: float = Field(0.8, ge=0.0)
-    """bf16_group_mant_err_max for the groups of proving vLLM workers (`engine = "vllm"`). vLLM's
-    bf16 kernels round differently from the validator's prefill, and more than the built-in
-    engine does: its honest groups' typical chunk sits above the built-in engine's (measured:
-    docs/engines.md, "Proving vLLM workers"), so under 0.6 some would be refused as fraud. The
-    cost: a cheat with int8 weights that declares vLLM passes this check more often (int4 still
-    fails every group); float32 runs are unaffected."""
+    group's typical chunk cannot: honest at most 0.44 on the Xeon kind; int4-quantised weights at
+    least 2.8 (every group fails); int8-quantised weights 0.4-0.94. The same limit for every
+    engine a worker declares (no declaration buys a looser one). Measured on the built-in 4-layer
+    model only, and not safe on every CPU kind: on an AMD EPYC with AVX-512 (Zen 4) honest groups
+    of the built-in engine reach 0.86-0.93 (docs/validation.md, "Calibrating a run"). A run with
+    `limits_file` replaces all the bf16_* fields by the limits measured for its model there."""
     bf16_sampling_margin: float = Field(0.25, ge=0.0)
     """sampling_margin in bf16 runs: logits are rounded to bf16, so decode and prefill can flip
     near-ties by a few of their ulps (honest: at most 0.08)."""
@@ -298,6 +293,14 @@ class ValidatorConfig(Section):
     """logprob_tol in bf16 runs (honest: at most 0.12). A policy one version older stays within
     this (and within TOPLOC's limits): in bf16 runs a worker can pass off work of the previous
     version as the current one."""
+
+    limits_file: str | None = None
+    """A limits file written by `swarmrl calibrate` for this run's model and `sampling.dtype`:
+    hard limits per engine, the evidence model that bans a key by a sequential test over all its
+    groups (proofs/evidence.py) and the engines the calibration refuses. Replaces the
+    thresholds above for the engines it names; a group declaring another engine is refused (not
+    as fraud). Required for a bfloat16 run on a model other than the built-in one: the run refuses
+    to start without it, and with a file made for another model or dtype."""
 
     def trusted_logprob_limit(self, run_dtype: str, declared: str | None) -> float:
         """The logprob tolerance for a trusted server's group: `trusted_logprob_tol`, else the
@@ -307,17 +310,16 @@ class ValidatorConfig(Section):
         wide = "bfloat16" in (run_dtype, declared) or declared == "float16"
         return self.limits("bfloat16" if wide else "float32")["logprob_tol"]
 
-    def limits(self, dtype: str, engine: str = "builtin") -> dict:
-        """The thresholds a validator applies to the work of a run sampling in `dtype`, by the
-        names of the float32 fields (and `group_mant_err_max`); `engine` is what the group's
-        worker declared (a proving vLLM worker's bf16 groups have their own group limit)."""
+    def limits(self, dtype: str) -> dict:
+        """The thresholds a validator applies to the work of a run sampling in `dtype` without a
+        limits file, by the names of the float32 fields (and `group_mant_err_max`). The same for
+        every engine: what a worker declares selects nothing."""
         if dtype == "bfloat16":
-            group = self.vllm_bf16_group_mant_err_max if engine == "vllm" else self.bf16_group_mant_err_max
             return {
                 "exp_mismatches_max": self.bf16_exp_mismatches_max,
                 "mant_err_mean_max": self.bf16_mant_err_mean_max,
                 "mant_err_median_max": self.bf16_mant_err_median_max,
-                "group_mant_err_max": group,
+                "group_mant_err_max": self.bf16_group_mant_err_max,
                 "sampling_margin": self.bf16_sampling_margin,
                 "logprob_tol": self.bf16_logprob_tol,
             }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from swarmrl.entrypoints import (
     assets,
+    calibrate,
     orchestrator,
     relay,
     rl,
@@ -45,6 +46,7 @@ MODULES = {
     "worker": worker,
     "status": status,
     "validator": validator,
+    "calibrate": calibrate,
     "relay": relay,
     "assets": assets,
 }

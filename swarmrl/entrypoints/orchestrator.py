@@ -33,6 +33,7 @@ class Settings(RoleSettings):
 
 def main(settings: Settings, cfg: None) -> None:
     from swarmrl.orchestrator.server import serve
+    from swarmrl.proofs.limits import LimitsError
     from swarmrl.sandbox.runner import SandboxUnavailable
     from swarmrl.validator.runner import start_in_process
 
@@ -46,5 +47,5 @@ def main(settings: Settings, cfg: None) -> None:
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
         )
-    except (FileNotFoundError, OSError, SandboxUnavailable) as e:
+    except (FileNotFoundError, OSError, SandboxUnavailable, LimitsError) as e:
         fail(str(e))

@@ -27,6 +27,7 @@ from swarmrl.launch import fatal, torchrun
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
+from swarmrl.proofs.limits import run_limits
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.protocol.tls import make_loopback_certificates, trust_ca_file
 from swarmrl.rewards.registry import open_graders
@@ -508,6 +509,17 @@ def prepared_next_steps(cfg: Config, root: Path) -> str:
     return "\n".join(lines)
 
 
+def _base_with_limits(cfg: Config, log) -> Path:
+    """The run's base model, once its validator limits are known to fit it: a bf16 run on its own
+    model without a limits file stops before anything is built (LimitsError naming `swarmrl
+    calibrate`), a limits file for another model or dtype as soon as the base is at hand."""
+    if cfg.sampling.dtype == "bfloat16" and cfg.model.path and not cfg.validator.limits_file:
+        run_limits(cfg, None)
+    base = ensure_base_model(cfg, log=log)
+    run_limits(cfg, cfg.model.path or base)
+    return base
+
+
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     if torchrun.world_size(cfg) > 1 and not prepare_only:
@@ -543,7 +555,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 update={"broadcast": cfg.broadcast.model_copy(update={"tls_cert": str(cert), "tls_key": str(key)})}
             )
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-        base = ensure_base_model(cfg, log=log)
+        base = _base_with_limits(cfg, log)
         _check_packing_budget(cfg, train, base)
         _install_base(rd, base)
     if prepare_only:

@@ -9,6 +9,15 @@ from rich.table import Table
 from rich.text import Text
 
 
+def _evidence(rows: list[dict]) -> str:
+    """The key's closest test to a ban: "score/bound statistic (groups)"; "-" without any."""
+    rows = [r for r in rows if r.get("bound")]
+    if not rows:
+        return "-"
+    r = max(rows, key=lambda r: r["score"] / r["bound"])
+    return f"{r['score']:.1f}/{r['bound']:.1f} {r['statistic']} ({r['groups']})"
+
+
 def _ago(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s ago"
@@ -51,7 +60,8 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     console.print(progress)
 
     board = Table(title=f"workers ({doc['workers_total']}; most accepted groups first)", title_justify="left")
-    for name in ("fingerprint", "name", "accepted", "validated", "rejected", "fraud", "status", "last seen"):
+    columns = ("fingerprint", "name", "accepted", "validated", "rejected", "fraud", "evidence", "status", "last seen")
+    for name in columns:
         board.add_column(name, justify="right" if name in ("accepted", "validated", "rejected", "fraud") else "left")
     for w in doc["workers"][:workers]:
         status = "BANNED" if w["banned"] else ("trusted" if w["trusted"] else "ok")
@@ -64,6 +74,7 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
             str(w["validated"]),
             f"{w['rejected']}" + (f" ({why})" if why else ""),
             str(w["fraud"]),
+            _evidence(w.get("evidence") or []),
             Text(status, style="bold red" if w["banned"] else ""),
             _ago(w["last_seen_s"]),
         )

@@ -84,6 +84,7 @@ def build(orch, *, now: float | None = None) -> dict:
             "SELECT version, manifest, published FROM policies ORDER BY version DESC LIMIT 20"
         ).fetchall()
         trainer_metrics = store.get_meta(db, "trainer_metrics", {})
+        evidence = store.evidence(db)
     # One point per step as metrics.jsonl counts them: batch n's figures at step n + 1 (the
     # version trained on it), the trainer's held-out figures at the version they evaluated (0:
     # before any training).
@@ -124,6 +125,11 @@ def build(orch, *, now: float | None = None) -> dict:
                 "banned": bool(w["banned"]),
                 "trusted": orch.is_trusted(w["key"]),
                 "rejections": by_worker.get(w["key"], {}),
+                # The sequential test per engine and statistic (calibrated runs): score against its bound.
+                "evidence": [
+                    {**e, "bound": orch.validation.bound(e["engine"], e["statistic"])}
+                    for e in evidence.get(w["key"], [])
+                ],
                 "last_seen_s": max(0.0, now - w["last_seen"]),
                 "registered": w["registered"],
             }

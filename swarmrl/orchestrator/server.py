@@ -41,6 +41,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
 
     from swarmrl.config import load_config
     from swarmrl.orchestrator.service import Orchestrator
+    from swarmrl.proofs.limits import run_limits
     from swarmrl.rewards import registry
 
     run_dir = Path(run_dir)
@@ -53,6 +54,15 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     registry.load(cfg.tasks.types)  # the run's own task types, before any row is checked
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
+    # A bf16 run on its own model judges by its calibration, or does not start (LimitsError).
+    limits = run_limits(cfg, cfg.model.path or base)
+    if limits is not None:
+        log(
+            f"validator limits: {cfg.validator.limits_file} ({limits['dtype']}, measured on CPU kind "
+            f"{limits['cpu']['kind']}; engines accepted: "
+            + ", ".join(n for n, e in limits["engines"].items() if not e.get("refused"))
+            + ")"
+        )
     return Orchestrator(
         cfg,
         run_dir,
@@ -62,6 +72,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
         trainer_token=trainer_token(run_dir),
         validator_token=trainer_token(run_dir, "validator"),
         log=log,
+        limits=limits,
     )
 
 

@@ -74,6 +74,7 @@ class Orchestrator:
         validator_token: str | None = None,
         pool: VerifierPool | None = None,
         log=print,
+        limits: dict | None = None,
     ):
         self.cfg, self.rd = cfg, Path(run_dir)
         self.trainer_token, self.validator_token = trainer_token, validator_token
@@ -113,7 +114,7 @@ class Orchestrator:
                 "without proofs"
             )
         self.leasing = Leasing(self.store, cfg, self.rows, tokenizer, self.counters, self.gate)
-        self.validation = ValidationQueue(self.store, cfg, self.counters, self.leasing, log)
+        self.validation = ValidationQueue(self.store, cfg, self.counters, self.leasing, log, limits)
         self.submissions = Submissions(
             self.store,
             cfg,

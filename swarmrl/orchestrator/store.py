@@ -74,6 +74,13 @@ CREATE TABLE IF NOT EXISTS policies (version INTEGER PRIMARY KEY, url TEXT NOT N
 CREATE TABLE IF NOT EXISTS penalties (worker TEXT NOT NULL, slots INTEGER NOT NULL, at REAL NOT NULL,
     source TEXT);                               -- set when an unproven key's lease ran out: counts against its address
 CREATE INDEX IF NOT EXISTS penalties_worker ON penalties (worker, at);
+-- The sequential test per key and declared engine (proofs/evidence.py), in calibrated runs.
+CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, engine TEXT NOT NULL, statistic TEXT NOT NULL,
+    groups INTEGER NOT NULL DEFAULT 0,          -- fully checked groups that passed the hard limits
+    score REAL NOT NULL DEFAULT 0,              -- the CUSUM now
+    peak REAL NOT NULL DEFAULT 0,               -- its highest so far
+    stat_sum REAL NOT NULL DEFAULT 0, stat_max REAL NOT NULL DEFAULT 0,  -- the statistic it reads
+    PRIMARY KEY (worker, engine, statistic)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL,
     lease_id TEXT, slot INTEGER, reason TEXT NOT NULL, detail TEXT NOT NULL, at REAL NOT NULL);
 """
@@ -363,6 +370,10 @@ class Store:
         ).fetchone()[0]
         return leased + waiting
 
+    def is_banned(self, db: Db, key: str) -> bool:
+        row = db.execute("SELECT banned FROM workers WHERE key = ?", (key,)).fetchone()
+        return bool(row and row["banned"])
+
     def ban(self, db: Db, key: str) -> bool:
         """Mark the worker banned; False if it already was (or is unknown)."""
         return db.execute("UPDATE workers SET banned = 1 WHERE key = ? AND banned = 0", (key,)).rowcount > 0
@@ -548,6 +559,47 @@ class Store:
             (worker,),
         ).rowcount
 
+    def reject_worker_groups(self, db: Db, worker: str, verdict: str) -> int:
+        """Refuse every group of the worker not yet trained or counted in a batch's metrics (an
+        evidence ban: none of them may be trained on). Returns how many."""
+        return db.execute(
+            "UPDATE groups SET state = 'rejected', claimed = NULL, verdict = COALESCE(verdict, ?) WHERE worker = ? "
+            "AND (state IN ('pending', 'validating', 'queued') OR (state = 'uninformative' AND resolved_step IS NULL))",
+            (verdict, worker),
+        ).rowcount
+
+    def add_evidence(self, db: Db, worker: str, engine: str, statistic: str, llr: float, value: float) -> float:
+        """One more group's evidence for (worker, engine, statistic): returns the CUSUM after it."""
+        row = db.execute(
+            "SELECT score FROM evidence WHERE worker = ? AND engine = ? AND statistic = ?", (worker, engine, statistic)
+        ).fetchone()
+        score = max(0.0, (row["score"] if row else 0.0) + llr)
+        db.execute(
+            "INSERT INTO evidence (worker, engine, statistic, groups, score, peak, stat_sum, stat_max) "
+            "VALUES (?, ?, ?, 1, ?, ?, ?, ?) ON CONFLICT (worker, engine, statistic) DO UPDATE SET "
+            "groups = groups + 1, score = excluded.score, peak = MAX(peak, excluded.score), "
+            "stat_sum = stat_sum + excluded.stat_sum, stat_max = MAX(stat_max, excluded.stat_max)",
+            (worker, engine, statistic, score, score, value, value),
+        )
+        return score
+
+    def evidence(self, db: Db) -> dict[str, list[dict]]:
+        """Every key's evidence rows, by key."""
+        out: dict[str, list[dict]] = {}
+        for r in db.execute("SELECT * FROM evidence ORDER BY worker, engine, statistic"):
+            out.setdefault(r["worker"], []).append(
+                {
+                    "engine": r["engine"],
+                    "statistic": r["statistic"],
+                    "groups": r["groups"],
+                    "score": r["score"],
+                    "peak": r["peak"],
+                    "mean": r["stat_sum"] / r["groups"] if r["groups"] else 0.0,
+                    "max": r["stat_max"],
+                }
+            )
+        return out
+
     def drop_older(self, db: Db, states: Sequence[str], version: int, step: int) -> int:
         """Groups in `states` sampled with a policy older than `version` become stale, counted in
         batch `step`'s metrics; returns how many."""
@@ -597,9 +649,12 @@ class Store:
         return rows
 
     def group_for_verdict(self, db: Db, group_id: int) -> sqlite3.Row | None:
-        """(worker, lease_id, slot, informative, state) of a group."""
+        """(worker, lease_id, slot, informative, state, engine) of a group (engine: what its worker
+        declared, "builtin" when the payload names none)."""
         return db.execute(
-            "SELECT worker, lease_id, slot, informative, state FROM groups WHERE id = ?", (group_id,)
+            "SELECT worker, lease_id, slot, informative, state, "
+            "COALESCE(json_extract(payload, '$.engine'), 'builtin') AS engine FROM groups WHERE id = ?",
+            (group_id,),
         ).fetchone()
 
     def set_verdict(self, db: Db, group_id: int, state: str, verdict: str) -> None:

@@ -186,6 +186,9 @@ class Submissions:
             v = self.cfg.validator
             if proofless:
                 continue
+            refusal = self.validation.engine_refusal(g.engine)
+            if refusal:
+                return SlotCheck(g.slot, reason="engine_refused", detail=refusal)
             if not smp.proofs:
                 detail = f"completion {i} has no TOPLOC proofs"
                 if g.engine != "builtin":

@@ -11,6 +11,7 @@ from swarmrl.config import Config
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
+from swarmrl.proofs.evidence import EvidenceModel, group_llr
 
 
 class ValidationQueue:
@@ -22,8 +23,38 @@ class ValidationQueue:
     run inside their caller's transaction (submissions settle and reject through them, batches
     read `metrics`). Calls leasing (`expire`) when it bans a key."""
 
-    def __init__(self, store: Store, cfg: Config, counters: Counters, leasing: Leasing, log: Callable[[str], None]):
+    def __init__(
+        self,
+        store: Store,
+        cfg: Config,
+        counters: Counters,
+        leasing: Leasing,
+        log: Callable[[str], None],
+        limits: dict | None = None,
+    ):
         self.store, self.cfg, self.counters, self.leasing, self.log = store, cfg, counters, leasing, log
+        # The run's limits file (proofs/limits.py, loaded and checked by the service):
+        # the hard limits validators apply per engine, and the evidence models applied here.
+        self.limits = limits
+        engines = (limits or {}).get("engines", {})
+        self.accepted = {name: e for name, e in engines.items() if not e.get("refused")}
+        self.evidence = {
+            name: [EvidenceModel.from_dict(d) for d in e.get("evidence") or []] for name, e in self.accepted.items()
+        }
+
+    def engine_refusal(self, engine: str) -> str | None:
+        """Why this run refuses proofs from `engine` (None: it accepts them). Only runs with a limits
+        file refuse any: they accept the engines their calibration measured and did not refuse."""
+        if self.limits is None or engine in self.accepted:
+            return None
+        entry = self.limits["engines"].get(engine)
+        if entry is not None:
+            return entry["refused"]
+        names = ", ".join(sorted(self.accepted)) or "none"
+        return (
+            f"this run's calibration (validator.limits_file) did not measure the {engine!r} engine; it accepts "
+            f"{names}: run the worker with one of those"
+        )
 
     def settled(self, db, key: str, informative: bool, *, validated: bool) -> None:
         """A group passed every check it was given: it counts for its worker (as validated when
@@ -73,6 +104,48 @@ class ValidationQueue:
             f"banned: worker {self._name(db, key)} after {fraud} fraudulent groups; "
             f"{recheck} of its queued groups go back to the validator"
         )
+        return True
+
+    def bound(self, engine: str, statistic: str) -> float | None:
+        """The ban bound of an engine's evidence on `statistic` (None: no such test in this run)."""
+        for m in self.evidence.get(engine) or []:
+            if m.statistic == statistic:
+                return m.bound
+        return None
+
+    def _weigh(self, db, row, stats: dict, verdict: str) -> bool:
+        """Add a passed group's evidence to its key's sequential test; when the score reaches the
+        bound, ban the key and refuse every group of it not yet trained on (this one included).
+        True when it banned."""
+        models = self.evidence.get(row["engine"]) or []
+        if not models or self.store.is_banned(db, row["worker"]):
+            return False
+        crossed = None
+        for model in models:  # one CUSUM per statistic, each updated by every group
+            value = float(stats.get(model.statistic, 0.0))
+            score = self.store.add_evidence(
+                db, row["worker"], row["engine"], model.statistic, group_llr(value, model), value
+            )
+            if score >= model.bound and crossed is None:
+                crossed = (model, score)
+        if crossed is None:
+            return False
+        model, score = crossed
+        self.store.ban(db, row["worker"])
+        self.store.end_worker_leases(db, row["worker"])
+        self.leasing.expire(db, time.time())
+        # Its groups that counted as accepted stop counting; then none of its untrained ones stays.
+        self.store.add_accepted(db, row["worker"], -self.store.recheck_worker_groups(db, row["worker"]))
+        refused = self.store.reject_worker_groups(db, row["worker"], verdict)
+        rate, horizon = self.limits["false_ban_rate"], self.limits["horizon"]
+        detail = (
+            f"the sequential test over its {row['engine']} groups reached {score:.1f} (bound {model.bound:.1f}: an "
+            f"honest key reaches it with probability at most {rate:g} in {horizon} groups) on {model.statistic}"
+        )
+        self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], "evidence", detail, fraud=True)
+        self.counters.count("rejected/evidence")
+        self.counters.count("workers_banned")
+        self.log(f"banned: worker {self._name(db, row['worker'])}: {detail}; {refused} of its untrained groups refused")
         return True
 
     def metrics(self, db) -> dict[str, float]:
@@ -141,6 +214,7 @@ class ValidationQueue:
             "min_version": lo,
             "config": cfg.validator.model_dump(),
             "dtype": cfg.sampling.dtype,
+            "calibrated": {name: e["limits"] for name, e in self.accepted.items()} if self.limits else None,
         }
 
     def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:
@@ -155,6 +229,8 @@ class ValidationQueue:
                     continue  # a verdict for a group already settled (e.g. a second validator's)
                 recorded += 1
                 verdict = json.dumps({"ok": v["ok"], "reason": v.get("reason"), "stats": v.get("stats", {})})
+                if v["ok"] and self._weigh(db, row, v.get("stats") or {}, verdict):
+                    continue  # its key was banned by the evidence: the group was refused with its others
                 if v["ok"]:
                     state = "queued" if row["informative"] else "uninformative"
                     self.store.set_verdict(db, v["id"], state, verdict)

@@ -318,8 +318,8 @@ class ClaimedGroup(_Out):
     engine_dtype: str | None = Field(None, description="the precision its engine declared (logprobs checks)")
     engine: str = Field(
         "builtin",
-        description="what the worker declared generated it (builtin, vllm, openai): a proving vLLM worker's "
-        "bfloat16 groups are held to the run's validator.vllm_bf16_group_mant_err_max",
+        description="what the worker declared generated it (builtin, vllm, openai): it selects the engine's "
+        "calibrated limits (Claim.calibrated) only where the run's limits file accepts that engine",
     )
 
 
@@ -331,6 +331,11 @@ class Claim(_Out):
     min_version: int
     config: dict = Field(description="the run's validator section (thresholds, chunk size, ...)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="the run's inference precision: prefill in it")
+    calibrated: dict[str, dict] | None = Field(
+        None,
+        description="the run's limits file's hard limits by engine (the names of ValidatorConfig.limits()); "
+        "null: the run has no limits file and `config`'s thresholds apply",
+    )
 
 
 class Recorded(_Out):

@@ -17,6 +17,8 @@ REASONS: dict[str, tuple[bool, str]] = {
     "lease_expired": (False, "the lease expired before the submission; its problems went to other workers"),
     # Proves nothing about the key (a lease id can be fed to an honest worker); never counted.
     "foreign_lease": (False, "the submission uses another worker's lease"),
+    # A run with a limits file accepts proofs only from the engines its calibration measured.
+    "engine_refused": (False, "the group declares an engine this run's calibration does not accept"),
     # Cheap checks at submission: an honest sampler never produces these.
     "bad_slot": (True, "the group names a slot its lease does not have"),
     "version_not_in_lease": (True, "the group claims a policy version outside the lease's [min_version, max_version]"),
@@ -40,6 +42,8 @@ REASONS: dict[str, tuple[bool, str]] = {
     "toploc": (True, "the proofs do not match the hidden states of the claimed policy"),
     "sampling": (True, "a token is not the seeded Gumbel-max choice for its seed under the claimed policy"),
     "logprobs": (True, "the reported logprobs are not the claimed policy's"),
+    # The sequential test over all of a key's groups (proofs/evidence.py).
+    "evidence": (True, "the key's groups together are further from honest work than rounding explains: banned"),
 }
 
 FRAUD_REASONS = frozenset(code for code, (fraud, _) in REASONS.items() if fraud)

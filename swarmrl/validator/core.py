@@ -51,6 +51,9 @@ class SampleReport:
     margin_max: float
     logprob_err_max: float
     proof_error: str | None = None
+    tokens: int = 0
+    logprob_err_sum: float = 0.0  # sum over tokens of |reported - recomputed|
+    logprob_diff_sum: float = 0.0  # sum over tokens of reported - recomputed (a cheat's bias)
 
 
 class WrongPrecision(Exception):
@@ -72,6 +75,15 @@ class Verdict:
 def _finite_max(values) -> float:
     values = [v for v in values if not math.isnan(v)]
     return max(values) if values else 0.0
+
+
+def _token_means(reports: list[SampleReport]) -> dict[str, float]:
+    """The group's mean |logprob error| and |mean signed logprob error| per token."""
+    n = max(1, sum(r.tokens for r in reports))
+    return {
+        "logprob_err_mean": sum(r.logprob_err_sum for r in reports) / n,
+        "logprob_bias": abs(sum(r.logprob_diff_sum for r in reports)) / n,
+    }
 
 
 def _median(sorted_values: list[float]) -> float:
@@ -215,6 +227,9 @@ class Validator:
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
         self._warned_bf16 = False
+        # The run's calibrated hard limits per engine (a limits file's, sent with every claim by
+        # the orchestrator), None when the run has no limits file.
+        self.calibrated: dict[str, dict] | None = None
 
     # ---- policies ----------------------------------------------------------------------------
     def model(self, version: int, policy: dict, dtype: str = "float32"):
@@ -246,7 +261,7 @@ class Validator:
         )
         model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype), base=base)
         self.models[(version, dtype)] = (digest, model.eval())
-        if dtype == "bfloat16" and not self._warned_bf16:
+        if dtype == "bfloat16" and not self._warned_bf16 and self.calibrated is None:
             self._warned_bf16 = True
             warning = bf16_limits_warning(int(getattr(model.config, "num_hidden_layers", 0)), self.cfg)
             if warning:
@@ -277,7 +292,8 @@ class Validator:
         temps = torch.tensor([t for t, n in zip(temperatures, lengths) for _ in range(n)])[:, None]
         margins = sampling_margins(logits, tokens, seeds, steps, temps)
         reported = torch.tensor([x for s in samples for x in s["logprobs"]])
-        errs = (token_logprobs(logits, tokens, temps) - reported).abs()
+        diffs = reported - token_logprobs(logits, tokens, temps)
+        errs = diffs.abs()
         items = []
         decoded = []
         for s, (h, _) in zip(samples, outs):
@@ -298,10 +314,26 @@ class Validator:
                     float(margins[pos : pos + n].max()),
                     float(errs[pos : pos + n].max()),
                     problem,
+                    n,
+                    float(errs[pos : pos + n].sum()),
+                    float(diffs[pos : pos + n].sum()),
                 )
             )
             pos += n
         return out
+
+    def limits_for(self, dtype: str, engine: str) -> dict:
+        """The hard limits a group declaring `engine` is held to: the calibration's for that engine;
+        for an engine it does not name (the orchestrator refuses those groups at submission; this
+        is the fallback) the tightest of every calibrated engine's; without a calibration the
+        config's, the same for every engine."""
+        base = self.cfg.limits(dtype)
+        if not self.calibrated:
+            return base
+        entry = self.calibrated.get(engine)
+        if entry is None:
+            entry = {k: min(e[k] for e in self.calibrated.values()) for k in next(iter(self.calibrated.values()))}
+        return {**base, **entry}
 
     def judge_logprobs(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
         """A proofless trusted group's verdict: its reported logprobs against the prefill's."""
@@ -329,7 +361,7 @@ class Validator:
         """The group's verdict under the thresholds for a run sampling in `dtype`."""
         if item.get("checks") == "logprobs":
             return self.judge_logprobs(item, reports, dtype)
-        lim = self.cfg.limits(dtype, item.get("engine") or "builtin")
+        lim = self.limits_for(dtype, item.get("engine") or "builtin")
         chunks = [c for r in reports for c in r.chunks]
         means = sorted(c.mant_err_mean for c in chunks if not math.isnan(c.mant_err_mean))
         stats = {
@@ -340,6 +372,9 @@ class Validator:
             "mant_err_group": _median(means),
             "sampling_margin_max": max(r.margin_max for r in reports),
             "logprob_err_max": max(r.logprob_err_max for r in reports),
+            # Over every token of the group: honest rounding averages out, a cheaper model's
+            # difference (or an edit of the logprobs) does not.
+            **_token_means(reports),
             "chunks": len(chunks),
         }
         for i, r in enumerate(reports):
@@ -399,6 +434,16 @@ class Validator:
                     f"{r.logprob_err_max:.3g} (tolerance {lim['logprob_tol']})",
                     stats,
                 )
+        bias_max = lim.get("logprob_bias_max")  # calibrated runs only (proofs/limits.py)
+        if bias_max is not None and stats["logprob_bias"] > bias_max:
+            return Verdict(
+                item["id"],
+                False,
+                "logprobs",
+                f"the group's reported logprobs are off by {stats['logprob_bias']:.3g} per token on average, one "
+                f"way (at most {bias_max}): they are not what policy v{item['policy_version']} gives",
+                stats,
+            )
         return Verdict(item["id"], True, stats=stats)
 
     def check(
@@ -497,4 +542,7 @@ def merge_reports(reports: list[SampleReport]) -> SampleReport:
         max(r.margin_max for r in reports),
         max(r.logprob_err_max for r in reports),
         problems[0] if problems else None,
+        sum(r.tokens for r in reports),
+        sum(r.logprob_err_sum for r in reports),
+        sum(r.logprob_diff_sum for r in reports),
     )

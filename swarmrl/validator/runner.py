@@ -82,6 +82,7 @@ def validate_once(source, validator: Validator, max_groups: int) -> Round:
     work = source.claim(max_groups)
     # The run's thresholds, whoever runs the validator.
     validator.cfg = ValidatorConfig(**work["config"])
+    validator.calibrated = work.get("calibrated")
     items = work["items"]
     done = Round()
     if items:

@@ -116,32 +116,18 @@ def test_thresholds_follow_the_run_dtype():
     assert cfg.limits("float32")["logprob_tol"] == cfg.logprob_tol
     assert cfg.limits("bfloat16")["logprob_tol"] == cfg.bf16_logprob_tol > cfg.logprob_tol
     assert cfg.limits("bfloat16")["group_mant_err_max"] == cfg.bf16_group_mant_err_max
-    # A proving vLLM worker's bf16 groups have their own group limit; nothing else moves.
-    vllm = cfg.limits("bfloat16", "vllm")
-    assert vllm["group_mant_err_max"] == cfg.vllm_bf16_group_mant_err_max > cfg.bf16_group_mant_err_max
-    assert {k: v for k, v in vllm.items() if k != "group_mant_err_max"} == {
-        k: v for k, v in cfg.limits("bfloat16").items() if k != "group_mant_err_max"
-    }
-    assert cfg.limits("float32", "vllm") == cfg.limits("float32")
 
 
-def test_what_a_quantised_policy_declaring_vllm_gets_in_a_bf16_run(policy):
-    """The price of vLLM's own bf16 group limit (0.8 against 0.6): int4 weights are still refused in
-    every group; int8 weights' group medians (0.92-1.04 on an AMD EPYC here) still cross it, while
-    the honest vLLM groups of this model measured at most 0.61 (docs/engines.md)."""
+def test_a_declared_engine_selects_no_looser_limit_without_a_calibration(policy):
+    """Issue 49: a worker's declaration buys nothing. int8 weights declaring vllm get exactly the
+    verdicts they get declaring builtin (they once got vLLM's looser 0.8 group limit)."""
     model, tok = policy
     bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
-    for bits in (4, 8):
-        items = [
-            {**it, "engine": "vllm"} for it in sampled_groups(quantised(model, bits).to(torch.bfloat16), tok, 4, seed=2)
-        ]
-        judged = verdicts(bf16, items, "bfloat16")
-        groups = [round(v.stats["mant_err_group"], 3) for v in judged]
-        print(f"int{bits} declaring vllm: group medians {groups}, refused {sum(not v.ok for v in judged)} of 4")
-        if bits == 4:
-            assert [v.reason for v in judged] == ["toploc"] * 4, groups
-        else:  # a margin of ~0.1 over the limit: one group may fall under it on another CPU
-            assert sum(v.reason == "toploc" for v in judged) >= 3, groups
+    cheat = sampled_groups(quantised(model, 8).to(torch.bfloat16), tok, 4, seed=2)
+    as_builtin = verdicts(bf16, cheat, "bfloat16")
+    as_vllm = verdicts(bf16, [{**it, "engine": "vllm"} for it in cheat], "bfloat16")
+    assert [(v.ok, v.reason, v.detail) for v in as_vllm] == [(v.ok, v.reason, v.detail) for v in as_builtin]
+    assert not any(v.ok for v in as_vllm), [v.stats["mant_err_group"] for v in as_vllm]
 
 
 # ---- a real bf16 run ---------------------------------------------------------------------------------

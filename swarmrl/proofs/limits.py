@@ -1,0 +1,315 @@
+"""Limits files: the validator's thresholds and evidence models for one model, dtype and CPU kind.
+
+`swarmrl calibrate` measures honest groups through each engine a run will accept and the cheat
+catalogue against the validator's own prefill, then `choose_limits` (pure, below) turns those
+statistics into what a run judges with:
+
+  * hard limits per group, for what is unambiguous (far beyond any honest group: honest worst
+    times a margin): a group beyond them is refused and counts as fraud (`validator.ban_after`);
+  * one evidence model per engine (proofs/evidence.py): the statistic that separates honest
+    work from the nearest cheat best, binned, summed per key in a CUSUM that bans at the bound
+    chosen for `false_ban_rate` over `horizon` groups;
+  * the engines it refuses: an engine whose honest groups leave some cheat of the catalogue
+    neither refused by the hard limits nor banned by evidence within `max_groups_to_ban` groups
+    is refused, with the figures. No declared engine buys limits the calibration did not show
+    to be safe against every cheat: a cheat declaring that engine is judged by them too.
+
+The file is stamped with the model's content digest (`model_digest`), the dtype, the engines
+and the CPU kind (`cpu_kind`); `load_limits` refuses a file for another model or dtype, and the
+validator says so when it runs on another CPU kind than the one measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from swarmrl.proofs.evidence import EvidenceModel, ban_bound, bin_of, fit, groups_to_ban, simulate_ban
+
+FORMAT = "swarmrl-limits/1"
+
+# The verdict statistics an evidence model may read (validator/core.py, Validator.judge).
+EVIDENCE_STATS = (
+    "mant_err_group",
+    "logprob_err_mean",
+    "logprob_bias",
+    "logprob_err_max",
+    "sampling_margin_max",
+    "mant_err_mean_max",
+)
+
+# Hard limit = max(honest worst x FACTOR, honest worst + FLOOR), per verdict statistic, and the
+# limit name it sets (the names of ValidatorConfig.limits()). The floors keep a limit above zero
+# when every honest group measured 0 (float32's mantissa median).
+HARD = {
+    "exp_mismatches_max": ("exp_mismatches_max", 2.0, 4.0),
+    "mant_err_mean_max": ("mant_err_mean_max", 1.5, 0.25),
+    "mant_err_median_max": ("mant_err_median_max", 1.5, 0.25),
+    "mant_err_group": ("group_mant_err_max", 1.5, 0.1),
+    "sampling_margin_max": ("sampling_margin", 2.0, 0.05),
+    "logprob_err_max": ("logprob_tol", 2.0, 0.005),
+    "logprob_bias": ("logprob_bias_max", 2.0, 0.005),
+}
+
+
+class LimitsError(ValueError):
+    """A limits file that cannot be used for this run (another model, dtype, or not a limits file)."""
+
+
+def model_digest(folder: str | Path) -> str:
+    """sha256 over a model folder's weights and config (name and sha256 of each `*.safetensors`,
+    `*.bin` and `config.json`, in name order): the same weights give the same digest wherever they are."""
+    root = Path(folder)
+    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    if not files:
+        raise LimitsError(f"{root} holds no model weights (*.safetensors or *.bin): not a model folder")
+    outer = hashlib.sha256()
+    for p in files:
+        inner = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                inner.update(block)
+        outer.update(f"{p.name}\0{inner.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+def cpu_kind() -> str:
+    """The CPU kind the kernels ran on, as this project names them: "amx" (Intel with AMX),
+    "avx512", "avx2" or "default", from torch's dispatch (which follows ATEN_CPU_CAPABILITY, so
+    forced AVX2 kernels read as "avx2") and the CPU's flags."""
+    import torch
+
+    cap = str(torch.backends.cpu.get_cpu_capability()).lower()
+    if cap.startswith("avx512"):
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            flags = ""
+        forced = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        if " amx_tile" in flags and (not forced or "AMX" in forced):
+            return "amx"
+        return "avx512"
+    return cap if cap in ("avx2",) else "default"
+
+
+def hard_limits(honest: list[dict]) -> dict[str, float]:
+    """Per-group limits from honest verdict statistics: beyond each, no honest group came close."""
+    out: dict[str, float] = {}
+    for stat, (name, factor, floor) in HARD.items():
+        worst = max(float(s.get(stat, 0.0)) for s in honest)
+        value = max(worst * factor, worst + floor)
+        out[name] = int(math.ceil(value)) if name == "exp_mismatches_max" else round(value, 6)
+    return out
+
+
+def refused_by_hard(stats: dict, limits: dict[str, float]) -> bool:
+    """Whether a group with these verdict statistics fails a hard limit."""
+    return any(float(stats.get(stat, 0.0)) > limits[name] for stat, (name, _, _) in HARD.items())
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def _values(groups: list[dict], stat: str) -> list[float]:
+    return [float(s.get(stat, 0.0)) for s in groups]
+
+
+def _evidence_models(hon: list[dict], passing: dict[str, list[dict]], confidence: float) -> list[EvidenceModel]:
+    """One evidence model per statistic that some cheat is best told apart by: for each cheat
+    whose groups pass the hard limits, the statistic that bans it soonest; a statistic chosen by
+    several cheats is fitted to the hardest of them (the most groups to ban)."""
+    choice: dict[str, tuple[float, str]] = {}  # statistic -> (groups to ban, cheat) of its hardest cheat
+    for name, groups in passing.items():
+        if not groups:
+            continue
+        best: tuple[float, str] | None = None
+        for stat in EVIDENCE_STATS:
+            m = fit(stat, _values(hon, stat), _values(groups, stat), bound=1.0, confidence=confidence)
+            g = groups_to_ban(m, _values(groups, stat))
+            if best is None or g < best[0]:
+                best = (g, stat)
+        assert best is not None
+        if math.isinf(best[0]):
+            continue  # nothing tells this cheat apart: no statistic is worth a test (and its bound)
+        if best[1] not in choice or best[0] > choice[best[1]][0]:
+            choice[best[1]] = (best[0], name)
+    return [
+        fit(stat, _values(hon, stat), _values(passing[name], stat), bound=1.0, confidence=confidence)
+        for stat, (_, name) in sorted(choice.items())
+    ]
+
+
+def choose_limits(
+    honest: dict[str, list[dict]],
+    cheats: dict[str, list[dict]],
+    *,
+    false_ban_rate: float = 1e-6,
+    horizon: int = 100_000,
+    max_groups_to_ban: float = 64.0,
+    confidence: float = 0.99,
+) -> dict:
+    """Limits, evidence models and refusals per engine from verdict statistics: `honest` maps an
+    engine to its honest groups' stats, `cheats` a cheat's name to its groups' stats (measured
+    against the validator's prefill, so the same for every engine)."""
+    engines: dict[str, dict] = {}
+    for engine, hon in honest.items():
+        if not hon:
+            raise ValueError(f"engine {engine}: no honest groups measured")
+        hard = hard_limits(hon)
+        # What evidence must catch: each cheat's groups that the hard limits let through.
+        passing = {name: [s for s in groups if not refused_by_hard(s, hard)] for name, groups in cheats.items()}
+        models = _evidence_models(hon, passing, confidence)
+        bound = ban_bound(false_ban_rate, horizon, max(1, len(models)))
+        models = [replace(m, bound=bound) for m in models]
+        per_cheat, unsafe = {}, []
+        for name, groups in cheats.items():
+            row: dict = {"groups": len(groups), "refused_by_limits": len(groups) - len(passing[name])}
+            if passing[name]:
+                row["groups_to_ban"] = min(
+                    (groups_to_ban(m, _values(passing[name], m.statistic)) for m in models), default=math.inf
+                )
+                if row["groups_to_ban"] > max_groups_to_ban:
+                    unsafe.append(name)
+            per_cheat[name] = row
+        entry: dict = {
+            "limits": hard,
+            "evidence": [m.to_dict() for m in models],
+            "honest_groups": len(hon),
+            "honest_peak_score": max((_peak(m, hon) for m in models), default=0.0),
+            "cheats": per_cheat,
+        }
+        if unsafe:
+            figures = "; ".join(
+                f"{n}: {per_cheat[n]['groups'] - per_cheat[n]['refused_by_limits']} of {per_cheat[n]['groups']} "
+                f"groups pass the limits, about {_fmt(per_cheat[n]['groups_to_ban'])} groups to ban"
+                for n in unsafe
+            )
+            entry["refused"] = (
+                f"engine {engine}: its honest groups overlap the cheats' ({figures}; at most "
+                f"{max_groups_to_ban:g} allowed): measure more honest groups, or run without this engine"
+            )
+        engines[engine] = entry
+    return {
+        "false_ban_rate": false_ban_rate,
+        "horizon": horizon,
+        "max_groups_to_ban": max_groups_to_ban,
+        "engines": engines,
+    }
+
+
+def _peak(model: EvidenceModel, groups: list[dict]) -> float:
+    """The highest CUSUM score a key sending these groups, in order, reaches."""
+    score = peak = 0.0
+    for s in groups:
+        score = max(0.0, score + model.llr[bin_of(float(s.get(model.statistic, 0.0)), model.edges)])
+        peak = max(peak, score)
+    return peak
+
+
+def separation(honest: dict[str, list[dict]], cheats: dict[str, list[dict]]) -> list[dict]:
+    """Per engine and statistic: the honest worst against each cheat's best (lowest) and median."""
+    rows = []
+    for engine, hon in honest.items():
+        for stat in ("exp_mismatches_max", *EVIDENCE_STATS):
+            worst = max(float(s.get(stat, 0.0)) for s in hon)
+            row = {"engine": engine, "statistic": stat, "honest_worst": worst, "cheats": {}}
+            for name, groups in cheats.items():
+                vals = sorted(float(s.get(stat, 0.0)) for s in groups)
+                if vals:
+                    row["cheats"][name] = {"best": vals[0], "median": vals[len(vals) // 2]}
+            rows.append(row)
+    return rows
+
+
+def replay_bans(chosen: dict, engine: str, cheats: dict[str, list[dict]], ban_after: int = 3) -> dict[str, int | None]:
+    """The group at which each cheat, sending its measured groups in order, is banned under an
+    engine's limits: by `ban_after` hard refusals or by any evidence score (None: not within them)."""
+    entry = chosen["engines"][engine]
+    models = [EvidenceModel.from_dict(d) for d in entry["evidence"]]
+    out: dict[str, int | None] = {}
+    for name, groups in cheats.items():
+        frauds, at, passed = 0, None, []
+        for i, s in enumerate(groups, 1):
+            if refused_by_hard(s, entry["limits"]):
+                frauds += 1
+                if frauds >= ban_after:
+                    at = i
+                    break
+                continue
+            passed.append(s)
+            if simulate_ban(models, passed) is not None:
+                at = i
+                break
+        out[name] = at
+    return out
+
+
+def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:
+    """A limits file for a run sampling in `dtype` on the model of content digest `digest` (None:
+    not checked, e.g. the built-in model, whose folder is made by the run). Raises LimitsError
+    naming what differs and the command that makes the right one."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise LimitsError(
+            f"validator.limits_file {p}: cannot be read as JSON ({e}); make one with swarmrl calibrate"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise LimitsError(f"validator.limits_file {p}: not a limits file ({FORMAT}); make one with swarmrl calibrate")
+    if data.get("dtype") != dtype:
+        raise LimitsError(
+            f"validator.limits_file {p} was calibrated for {data.get('dtype')} but this run samples in {dtype} "
+            f"(sampling.dtype): run swarmrl calibrate --dtype {dtype} for this model"
+        )
+    have = (data.get("model") or {}).get("digest")
+    if digest is not None and have != digest:
+        raise LimitsError(
+            f"validator.limits_file {p} was calibrated on another model (content digest {str(have)[:12]}…, "
+            f"this run's model is {digest[:12]}…): limits do not carry over between models; run swarmrl "
+            "calibrate on this model"
+        )
+    for engine, entry in (data.get("engines") or {}).items():
+        try:
+            for d in entry.get("evidence") or []:
+                EvidenceModel.from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise LimitsError(f"validator.limits_file {p}: engine {engine}'s evidence is malformed ({e})") from None
+        if not isinstance(entry.get("limits"), dict):
+            raise LimitsError(f"validator.limits_file {p}: engine {engine} has no limits")
+    return data
+
+
+# What a bf16 run on a model without a calibration is told (docs/validation.md, "Calibrating a run").
+NO_CALIBRATION = (
+    "this run samples in bfloat16 (sampling.dtype) on {model}, and validator.limits_file is not set: the shipped "
+    "bfloat16 limits were measured on the built-in 4-layer model, and on a deeper model they refuse honest work "
+    "or pass quantised work (docs/validation.md, 'Calibrating a run'). Measure this model first: swarmrl "
+    "calibrate --model {model} --dtype bfloat16 --engines builtin --out limits.json (about 45 minutes for "
+    "SmolLM2-135M on 2 cores; add vllm to --engines, from .venv-vllm, if vLLM workers will join), then set "
+    'validator.limits_file = "limits.json"; or run in float32'
+)
+
+
+def run_limits(cfg, model_folder: str | Path | None) -> dict | None:
+    """The limits file a run validates with, checked against its model and dtype (None: the run
+    has none and may go without: float32, or the built-in model whose limits ship in the config).
+    `model_folder` is the run's starting model (None: not at hand, its digest is not checked).
+    Raises LimitsError with the command to run."""
+    v = cfg.validator
+    if v.limits_file:
+        digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
+        return load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest)
+    if cfg.sampling.dtype == "bfloat16" and cfg.model.path:
+        raise LimitsError(NO_CALIBRATION.format(model=cfg.model.path))
+    return None
+
+
+def limits_digest(data: dict) -> str:
+    """sha256 of a limits file's canonical JSON: what a validator and the orchestrator agree on."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
