@@ -31,14 +31,15 @@ from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import Lease
 from swarmrl.validator.checks import token_logprobs
 
-WEIGHT_CHEATS = ("other_model", "int8_weights", "int4_weights")  # sample with altered weights
+# sample with altered weights
+WEIGHT_CHEATS = ("other_model", "int8_weights", "int4_weights", "int8_declaring_vllm")
 EPISODE_CHEATS = ("edit_observation", "truncate_episode", "self_observation")  # edit finished episodes
 
 
 def _altered(kind: str, model):
     if kind == "other_model":
         return reinitialised(model)
-    return quantised(model, 8 if kind == "int8_weights" else 4)
+    return quantised(model, 4 if kind == "int4_weights" else 8)
 
 
 def _prefill(model, prompt: list[int], completions: list[list[int]]):
@@ -73,6 +74,10 @@ class AdversarialWorker(Worker):
         elif self.kind in WEIGHT_CHEATS and fresh and self.vllm is None:
             self.sampler.model = _altered(self.kind, self.sampler.model)
         return True
+
+    def _engine(self) -> str:
+        # int8_declaring_vllm: whatever it runs, it claims vLLM (whose bf16 limit was once looser).
+        return "vllm" if self.kind == "int8_declaring_vllm" else super()._engine()
 
     def _load_vllm(self, folder: Path, tok) -> str:
         """vLLM: the weight cheats write the altered version beside the real one and load that."""

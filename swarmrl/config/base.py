@@ -11,6 +11,7 @@ ADVERSARY_KINDS = {
     "old_version": "keeps sampling with the first policy version it loaded, claiming each newer one",
     "int8_weights": "samples with each version's weights quantised to int8 (a scale per 32 inputs), claiming it",
     "int4_weights": "samples with each version's weights quantised to int4 (a scale per 32 inputs), claiming it",
+    "int8_declaring_vllm": "int8_weights, declaring the vLLM engine on its groups (to be judged by vLLM's limits)",
     "edit_tokens": "changes one token of every completion; proofs and logprobs rebuilt for the edit",
     "edit_logprobs": "reports every logprob as more confident than it was",
     "cherry_pick": "best of 4 samples with its own seeds (by total logprob), proofs and logprobs honest",

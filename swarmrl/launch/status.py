@@ -10,12 +10,12 @@ from rich.text import Text
 
 
 def _evidence(rows: list[dict]) -> str:
-    """The key's closest test to a ban: "score/bound statistic (groups)"; "-" without any."""
+    """The key's closest test to a ban: "score/bound test (groups)"; "-" without any."""
     rows = [r for r in rows if r.get("bound")]
     if not rows:
         return "-"
     r = max(rows, key=lambda r: r["score"] / r["bound"])
-    return f"{r['score']:.1f}/{r['bound']:.1f} {r['statistic']} ({r['groups']})"
+    return f"{r['score']:.1f}/{r['bound']:.1f} {r['test']} ({r['groups']})"
 
 
 def _ago(seconds: float) -> str:

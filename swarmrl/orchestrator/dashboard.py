@@ -127,8 +127,7 @@ def build(orch, *, now: float | None = None) -> dict:
                 "rejections": by_worker.get(w["key"], {}),
                 # The sequential test per engine and statistic (calibrated runs): score against its bound.
                 "evidence": [
-                    {**e, "bound": orch.validation.bound(e["engine"], e["statistic"])}
-                    for e in evidence.get(w["key"], [])
+                    {**e, "bound": orch.validation.bound(e["engine"], e["test"])} for e in evidence.get(w["key"], [])
                 ],
                 "last_seen_s": max(0.0, now - w["last_seen"]),
                 "registered": w["registered"],

@@ -75,12 +75,13 @@ CREATE TABLE IF NOT EXISTS penalties (worker TEXT NOT NULL, slots INTEGER NOT NU
     source TEXT);                               -- set when an unproven key's lease ran out: counts against its address
 CREATE INDEX IF NOT EXISTS penalties_worker ON penalties (worker, at);
 -- The sequential test per key and declared engine (proofs/evidence.py), in calibrated runs.
-CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, engine TEXT NOT NULL, statistic TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS evidence (worker TEXT NOT NULL, engine TEXT NOT NULL,
+    test TEXT NOT NULL,                         -- EvidenceModel.name: its statistic and the cheat it aims at
     groups INTEGER NOT NULL DEFAULT 0,          -- fully checked groups that passed the hard limits
     score REAL NOT NULL DEFAULT 0,              -- the CUSUM now
     peak REAL NOT NULL DEFAULT 0,               -- its highest so far
     stat_sum REAL NOT NULL DEFAULT 0, stat_max REAL NOT NULL DEFAULT 0,  -- the statistic it reads
-    PRIMARY KEY (worker, engine, statistic)) WITHOUT ROWID;
+    PRIMARY KEY (worker, engine, test)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS rejections (id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL,
     lease_id TEXT, slot INTEGER, reason TEXT NOT NULL, detail TEXT NOT NULL, at REAL NOT NULL);
 """
@@ -568,29 +569,33 @@ class Store:
             (verdict, worker),
         ).rowcount
 
-    def add_evidence(self, db: Db, worker: str, engine: str, statistic: str, llr: float, value: float) -> float:
-        """One more group's evidence for (worker, engine, statistic): returns the CUSUM after it."""
+    def add_evidence(self, db: Db, worker: str, engine: str, test: str, llr: float, value: float) -> float:
+        """One more group's evidence for (worker, engine, test): returns the CUSUM after it."""
         row = db.execute(
-            "SELECT score FROM evidence WHERE worker = ? AND engine = ? AND statistic = ?", (worker, engine, statistic)
+            "SELECT score FROM evidence WHERE worker = ? AND engine = ? AND test = ?", (worker, engine, test)
         ).fetchone()
         score = max(0.0, (row["score"] if row else 0.0) + llr)
         db.execute(
-            "INSERT INTO evidence (worker, engine, statistic, groups, score, peak, stat_sum, stat_max) "
-            "VALUES (?, ?, ?, 1, ?, ?, ?, ?) ON CONFLICT (worker, engine, statistic) DO UPDATE SET "
+            "INSERT INTO evidence (worker, engine, test, groups, score, peak, stat_sum, stat_max) "
+            "VALUES (?, ?, ?, 1, ?, ?, ?, ?) ON CONFLICT (worker, engine, test) DO UPDATE SET "
             "groups = groups + 1, score = excluded.score, peak = MAX(peak, excluded.score), "
             "stat_sum = stat_sum + excluded.stat_sum, stat_max = MAX(stat_max, excluded.stat_max)",
-            (worker, engine, statistic, score, score, value, value),
+            (worker, engine, test, score, score, value, value),
         )
         return score
+
+    def evidence_scores(self, db: Db, worker: str) -> list[tuple[str, str, float]]:
+        """(engine, test, score) of each of the worker's evidence tests."""
+        return [tuple(r) for r in db.execute("SELECT engine, test, score FROM evidence WHERE worker = ?", (worker,))]
 
     def evidence(self, db: Db) -> dict[str, list[dict]]:
         """Every key's evidence rows, by key."""
         out: dict[str, list[dict]] = {}
-        for r in db.execute("SELECT * FROM evidence ORDER BY worker, engine, statistic"):
+        for r in db.execute("SELECT * FROM evidence ORDER BY worker, engine, test"):
             out.setdefault(r["worker"], []).append(
                 {
                     "engine": r["engine"],
-                    "statistic": r["statistic"],
+                    "test": r["test"],
                     "groups": r["groups"],
                     "score": r["score"],
                     "peak": r["peak"],

@@ -280,11 +280,12 @@ class Submissions:
         `trusted_rate`; a key on a clean streak (its last `sample_after` full checks passed,
         no fraud since) at `sampled_rate`; every other key at `rate`. Drawn after the group is
         accepted, from the orchestrator's own generator: a worker cannot tell in advance which
-        of its groups will be checked."""
+        of its groups will be checked. A key whose evidence leans towards a cheat (validation.py,
+        `suspect`) is on no streak: its groups are what the sequential test needs."""
         v = self.cfg.validator
         if proofless:
             return v.trusted_rate
-        if self.store.clean_streak(db, key) >= v.sample_after:
+        if self.store.clean_streak(db, key) >= v.sample_after and not self.validation.suspect(db, key):
             return min(v.rate, v.sampled_rate)
         return v.rate
 

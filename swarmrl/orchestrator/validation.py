@@ -106,10 +106,18 @@ class ValidationQueue:
         )
         return True
 
-    def bound(self, engine: str, statistic: str) -> float | None:
-        """The ban bound of an engine's evidence on `statistic` (None: no such test in this run)."""
+    def suspect(self, db, key: str, share: float = 0.25) -> bool:
+        """Whether any of the key's evidence tests stands at `share` of its ban bound or more."""
+        for engine, test, score in self.store.evidence_scores(db, key):
+            bound = self.bound(engine, test)
+            if bound and score >= share * bound:
+                return True
+        return False
+
+    def bound(self, engine: str, test: str) -> float | None:
+        """The ban bound of an engine's evidence test `test` (None: no such test in this run)."""
         for m in self.evidence.get(engine) or []:
-            if m.statistic == statistic:
+            if m.name == test:
                 return m.bound
         return None
 
@@ -124,7 +132,7 @@ class ValidationQueue:
         for model in models:  # one CUSUM per statistic, each updated by every group
             value = float(stats.get(model.statistic, 0.0))
             score = self.store.add_evidence(
-                db, row["worker"], row["engine"], model.statistic, group_llr(value, model), value
+                db, row["worker"], row["engine"], model.name, group_llr(value, model), value
             )
             if score >= model.bound and crossed is None:
                 crossed = (model, score)
@@ -140,7 +148,7 @@ class ValidationQueue:
         rate, horizon = self.limits["false_ban_rate"], self.limits["horizon"]
         detail = (
             f"the sequential test over its {row['engine']} groups reached {score:.1f} (bound {model.bound:.1f}: an "
-            f"honest key reaches it with probability at most {rate:g} in {horizon} groups) on {model.statistic}"
+            f"honest key reaches it with probability at most {rate:g} in {horizon} groups) on {model.name}"
         )
         self.store.count_rejection(db, row["worker"], row["lease_id"], row["slot"], "evidence", detail, fraud=True)
         self.counters.count("rejected/evidence")

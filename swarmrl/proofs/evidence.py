@@ -6,8 +6,9 @@ together are not: an int8 worker's groups sit above the honest ones *on average*
 statistic a verdict reports (the group's typical TOPLOC chunk, its logprob error, its sampling
 gap) is binned, each bin carries a log-likelihood ratio log(q_i / u_i) of a cheat against honest
 work, and a key's ratios are summed in a CUSUM (`cusum`): S_n = max(0, S_{n-1} + llr_n). The key
-is banned when S reaches `bound`. Several statistics (each aimed at the cheat it separates
-best) run side by side, each its own CUSUM; the bound pays for the number of them.
+is banned when S reaches `bound`. Several tests (one per cheat of the calibration that needs
+one, each on the statistic that separates that cheat best) run side by side, each its own CUSUM;
+the bound pays for the number of them.
 
 Why this bound holds a stated false-ban rate (the guarantee is what `swarmrl calibrate` writes
 into a limits file, pure arithmetic here):
@@ -43,16 +44,29 @@ class EvidenceModel:
     """log(q_i / u_i) per bin (len(edges) + 1 entries): positive where cheats are more likely."""
     bound: float
     """The CUSUM level at which a key is banned (`ban_bound`)."""
+    target: str = ""
+    """The cheat it was fitted to (a limits file has one test per cheat that needs one)."""
+
+    @property
+    def name(self) -> str:
+        """The test's name: its statistic, and the cheat it aims at."""
+        return f"{self.statistic} vs {self.target}" if self.target else self.statistic
 
     def to_dict(self) -> dict:
-        return {"statistic": self.statistic, "edges": list(self.edges), "llr": list(self.llr), "bound": self.bound}
+        return {
+            "statistic": self.statistic,
+            "target": self.target,
+            "edges": list(self.edges),
+            "llr": list(self.llr),
+            "bound": self.bound,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> EvidenceModel:
         edges, llr = tuple(float(x) for x in d["edges"]), tuple(float(x) for x in d["llr"])
         if len(llr) != len(edges) + 1 or list(edges) != sorted(edges):
             raise ValueError("an evidence model needs ascending edges and one llr per bin (len(edges) + 1)")
-        return cls(str(d["statistic"]), edges, llr, float(d["bound"]))
+        return cls(str(d["statistic"]), edges, llr, float(d["bound"]), str(d.get("target", "")))
 
 
 def bin_of(value: float, edges: tuple[float, ...] | list[float]) -> int:

@@ -96,12 +96,27 @@ def cpu_kind() -> str:
     return cap if cap in ("avx2",) else "default"
 
 
-def hard_limits(honest: list[dict]) -> dict[str, float]:
-    """Per-group limits from honest verdict statistics: beyond each, no honest group came close."""
+def tail_limit(values: list[float], refusal_rate: float = 1e-6) -> float:
+    """Where honest values should fall beyond only once in 1 / `refusal_rate` groups: the
+    exponential tail fitted above the 90th percentile (peaks over a threshold), q90 + mean
+    excess x log(0.1 / rate). The maximum of a few hundred groups is no such bound: a limit at
+    twice it refused an honest group of a later version within 24 groups."""
+    xs = sorted(values)
+    q90 = xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+    excess = [x - q90 for x in xs if x > q90]
+    mean_excess = sum(excess) / len(excess) if excess else 0.0
+    return q90 + mean_excess * math.log(0.1 / refusal_rate)
+
+
+def hard_limits(honest: list[dict], refusal_rate: float = 1e-6) -> dict[str, float]:
+    """Per-group limits from honest verdict statistics, beyond which honest work should not come
+    within `refusal_rate` per group: the larger of the honest worst times a margin (plus a floor)
+    and the fitted tail's (`tail_limit`)."""
     out: dict[str, float] = {}
     for stat, (name, factor, floor) in HARD.items():
-        worst = max(float(s.get(stat, 0.0)) for s in honest)
-        value = max(worst * factor, worst + floor)
+        values = [float(s.get(stat, 0.0)) for s in honest]
+        worst = max(values)
+        value = max(worst * factor, worst + floor, tail_limit(values, refusal_rate))
         out[name] = int(math.ceil(value)) if name == "exp_mismatches_max" else round(value, 6)
     return out
 
@@ -120,28 +135,22 @@ def _values(groups: list[dict], stat: str) -> list[float]:
 
 
 def _evidence_models(hon: list[dict], passing: dict[str, list[dict]], confidence: float) -> list[EvidenceModel]:
-    """One evidence model per statistic that some cheat is best told apart by: for each cheat
-    whose groups pass the hard limits, the statistic that bans it soonest; a statistic chosen by
-    several cheats is fitted to the hardest of them (the most groups to ban)."""
-    choice: dict[str, tuple[float, str]] = {}  # statistic -> (groups to ban, cheat) of its hardest cheat
-    for name, groups in passing.items():
+    """One test per cheat whose groups pass the hard limits: fitted to that cheat alone, on the
+    statistic that bans it soonest (a test per cheat costs only log(cheats) on the bound, where
+    one test fitted to several cheats pooled loses power on each of them)."""
+    models = []
+    for name, groups in sorted(passing.items()):
         if not groups:
             continue
-        best: tuple[float, str] | None = None
+        best: tuple[float, EvidenceModel] | None = None
         for stat in EVIDENCE_STATS:
             m = fit(stat, _values(hon, stat), _values(groups, stat), bound=1.0, confidence=confidence)
             g = groups_to_ban(m, _values(groups, stat))
             if best is None or g < best[0]:
-                best = (g, stat)
-        assert best is not None
-        if math.isinf(best[0]):
-            continue  # nothing tells this cheat apart: no statistic is worth a test (and its bound)
-        if best[1] not in choice or best[0] > choice[best[1]][0]:
-            choice[best[1]] = (best[0], name)
-    return [
-        fit(stat, _values(hon, stat), _values(passing[name], stat), bound=1.0, confidence=confidence)
-        for stat, (_, name) in sorted(choice.items())
-    ]
+                best = (g, replace(m, target=name))
+        if best is not None and not math.isinf(best[0]):  # a test that bans nothing is not worth its bound
+            models.append(best[1])
+    return models
 
 
 def choose_limits(

@@ -33,7 +33,6 @@ from swarmrl.model.altered import quantised
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.limits import FORMAT, choose_limits, cpu_kind, model_digest, replay_bans, separation
 from swarmrl.proofs.toploc import build_proofs_many, encode
-from swarmrl.tasks.source import model_input
 from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator, prefill
 
@@ -111,6 +110,14 @@ def edited_logprobs(items):
     return out
 
 
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """A prompt as the orchestrator leases it without a length target (`tasks.source.model_input`,
+    which a unit test holds this to): not imported, because it pulls in the reward packages that
+    vLLM's environment, where `--engines vllm` runs, does not have."""
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def read_prompts(path: Path) -> list[str]:
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -157,7 +164,7 @@ class Calibration:
     def prompts_for(self, n_groups: int) -> tuple[list[list[int]], list[int]]:
         rows = [self.order[(self.taken + i) % len(self.order)] for i in range(n_groups)]
         self.taken += n_groups
-        ps = [model_input(self.tok, self.texts[r], None)[1] for r in rows]
+        ps = [prompt_ids(self.tok, self.texts[r]) for r in rows]
         prompts = [p for p in ps for _ in range(self.g)]
         return prompts, [self.rng.getrandbits(63) for _ in prompts]
 
@@ -329,7 +336,7 @@ def report(data: dict) -> str:
             + ", ".join(f"{k} {v:g}" for k, v in e["limits"].items())
         )
         for ev in e["evidence"]:
-            lines.append(f"  evidence on {ev['statistic']}: ban at {ev['bound']:.1f}")
+            lines.append(f"  evidence on {ev['statistic']} (aimed at {ev['target']}): ban at {ev['bound']:.1f}")
         lines.append(f"  honest peak score {e['honest_peak_score']:.2f}")
         for name, row in e["cheats"].items():
             bans = e.get("bans", {}).get(name)

@@ -14,7 +14,7 @@ from pathlib import Path
 from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
-from swarmrl.protocol.client import TrainerClient
+from swarmrl.protocol.client import TrainerClient, Unavailable
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import ShardServer
 
@@ -31,9 +31,10 @@ def train_a_little(src: Path, dst: Path, steps: int = 10, lr: float = 3e-3) -> N
 
 
 class World:
-    def __init__(self, root: Path, *overrides: str, model: Path | None = None):
+    def __init__(self, root: Path, *overrides: str, model: Path | None = None, before_start=None):
         """`model`: another v0 than the tiny policy (a Hugging Face folder), whose v1 is then the
-        same weights (no training step on it)."""
+        same weights (no training step on it). `before_start(v0_folder)`: called once the
+        versions exist, before the orchestrator starts (to calibrate the run's limits on v0)."""
         self.root = root
         self.run = make_run_dir(root / "run", *SHARED, *overrides)
         policies = self.run / "policies"
@@ -45,6 +46,8 @@ class World:
             shutil.copytree(model, policies / "v000000")
             folders = {0: policies / "v000000", 1: policies / "v000000"}
         manifests = {v: signed_version(self.run, v, folder) for v, folder in folders.items()}
+        if before_start is not None:
+            before_start(folders[0])
         self.server = ShardServer(self.run / "broadcast").start()
         self.orch = OrchestratorProcess(self.run).start()
         self.trainer = TrainerClient(self.orch.url, (self.run / "trainer.token").read_text().strip())
@@ -89,7 +92,12 @@ def settled(w: Worker, timeout_s: float = 90.0) -> dict:
     """The worker's record once the validator has judged everything it submitted."""
     deadline = time.monotonic() + timeout_s
     while True:
-        me = w.client.me()
+        try:
+            me = w.client.me()
+        except Unavailable as e:  # asking too often (the key's rate limit): wait as told
+            assert e.status == 429 and time.monotonic() < deadline, e
+            time.sleep(e.retry_after or 0.1)
+            continue
         if me["awaiting_validation"] == 0:
             return me
         assert time.monotonic() < deadline, f"validation did not finish: {me}"

@@ -1,0 +1,190 @@
+"""The sequential test per key (proofs/evidence.py) and the limits it is chosen with (proofs/limits.py),
+with hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from swarmrl.config import Config
+from swarmrl.proofs.evidence import (
+    EvidenceModel,
+    ban_bound,
+    bin_of,
+    cusum,
+    fit,
+    group_llr,
+    groups_to_ban,
+    simulate_ban,
+    upper_bound,
+)
+from swarmrl.proofs.limits import (
+    FORMAT,
+    LimitsError,
+    choose_limits,
+    hard_limits,
+    load_limits,
+    model_digest,
+    refused_by_hard,
+    replay_bans,
+    run_limits,
+)
+
+
+def test_bins_put_a_value_on_an_edge_in_the_bin_below():
+    edges = (0.5, 1.0)
+    assert [bin_of(v, edges) for v in (0.1, 0.5, 0.7, 1.0, 1.01)] == [0, 0, 1, 1, 2]
+
+
+def test_cusum_never_goes_below_zero_and_bans_at_the_bound():
+    m = EvidenceModel("x", (1.0,), (-1.0, 2.0), bound=5.0)
+    assert group_llr(0.5, m) == -1.0 and group_llr(3.0, m) == 2.0 and group_llr(math.nan, m) == 0.0
+    assert cusum(0.5, -1.0) == 0.0 and cusum(1.0, 2.0) == 3.0
+    # Scores 2, 1, 3, 5: banned at the fourth group.
+    groups = [{"x": v} for v in (3.0, 0.5, 3.0, 3.0)]
+    assert simulate_ban([m], groups) == 4
+    assert simulate_ban([m], [{"x": 0.1}] * 100) is None
+    assert groups_to_ban(m, [3.0, 3.0, 0.5, 0.5]) == pytest.approx(5.0 / 0.5)
+    assert math.isinf(groups_to_ban(m, [0.5, 3.0, 0.5]))
+
+
+def test_the_bound_pays_for_the_horizon_the_rate_and_the_number_of_tests():
+    assert ban_bound(1e-6, 100_000) == pytest.approx(math.log(1e11))
+    assert ban_bound(1e-6, 100_000, tests=3) == pytest.approx(math.log(3e11))
+    with pytest.raises(ValueError):
+        ban_bound(0.0, 10)
+
+
+def test_upper_bounds_are_clopper_pearson():
+    # None seen in n: 1 - delta^(1/n) (the "rule of three" at 95 %: about 3/n).
+    assert upper_bound(0, 100, 0.95) == pytest.approx(1 - 0.05 ** (1 / 100))
+    assert upper_bound(0, 100, 0.95) == pytest.approx(0.0295, abs=2e-4)
+    # 5 of 100 at 95 %, one-sided: 0.1023, where the binomial tail P(X <= 5 | p) is 0.05.
+    p = upper_bound(5, 100, 0.95)
+    assert p == pytest.approx(0.1023, abs=2e-4)
+    assert sum(math.comb(100, k) * p**k * (1 - p) ** (100 - k) for k in range(6)) == pytest.approx(0.05, abs=1e-6)
+    assert upper_bound(100, 100, 0.95) == 1.0 and upper_bound(0, 0, 0.95) == 1.0
+
+
+def test_a_fitted_model_keeps_honest_work_a_supermartingale():
+    """E_honest[exp(llr)] <= 1 under the honest sample itself (q sums to 1, u bounds p), so no
+    honest key can expect to climb; a shifted cheat gains on average."""
+    rng = random.Random(0)
+    honest = [rng.gauss(1.0, 0.1) for _ in range(500)]
+    cheat = [rng.gauss(1.25, 0.1) for _ in range(100)]
+    m = fit("s", honest, cheat, bound=25.0)
+    assert len(m.llr) == len(m.edges) + 1
+    assert sum(math.exp(group_llr(v, m)) for v in honest) / len(honest) <= 1.0
+    assert groups_to_ban(m, cheat) < 25
+    fresh = [rng.gauss(1.0, 0.1) for _ in range(100_000)]
+    assert simulate_ban([m], [{"s": v} for v in fresh]) is None
+
+
+def _stats(group: float, logprob: float = 0.01, bias: float = 0.001) -> dict:
+    return {
+        "exp_mismatches_max": 4,
+        "mant_err_mean_max": group + 0.3,
+        "mant_err_median_max": 1.0,
+        "mant_err_group": group,
+        "sampling_margin_max": 0.0,
+        "logprob_err_max": logprob,
+        "logprob_err_mean": logprob / 10,
+        "logprob_bias": bias,
+    }
+
+
+def test_hard_limits_sit_beyond_the_honest_worst():
+    honest = [_stats(0.5), _stats(0.8, logprob=0.2)]
+    lim = hard_limits(honest)
+    assert lim["group_mant_err_max"] == pytest.approx(max(0.8 * 1.5, 0.8 + 0.1))
+    assert lim["logprob_tol"] == pytest.approx(0.4)
+    assert lim["sampling_margin"] == pytest.approx(0.05)  # all honest gaps 0: the floor
+    assert lim["exp_mismatches_max"] == 8
+    assert not any(refused_by_hard(s, lim) for s in honest)
+    assert refused_by_hard(_stats(1.3), lim) and refused_by_hard(_stats(0.5, logprob=0.5), lim)
+
+
+def _calibration(n_honest: int, shift: float, seed: int = 0):
+    rng = random.Random(seed)
+    honest = {"builtin": [_stats(rng.gauss(0.6, 0.08)) for _ in range(n_honest)]}
+    cheats = {
+        "int8": [_stats(rng.gauss(0.6 + shift, 0.08)) for _ in range(64)],
+        "int4": [_stats(4.0 + rng.random()) for _ in range(16)],
+    }
+    return honest, cheats
+
+
+def test_limits_refuse_the_obvious_and_ban_the_subtle_by_evidence():
+    honest, cheats = _calibration(400, 0.25)
+    chosen = choose_limits(honest, cheats)
+    e = chosen["engines"]["builtin"]
+    assert "refused" not in e
+    assert e["cheats"]["int4"]["refused_by_limits"] == 16  # every group beyond the hard limits
+    assert e["cheats"]["int8"]["refused_by_limits"] < 64 and e["cheats"]["int8"]["groups_to_ban"] < 64
+    assert [(m["statistic"], m["target"]) for m in e["evidence"]] == [("mant_err_group", "int8")]
+    assert e["honest_peak_score"] < e["evidence"][0]["bound"] / 3
+    bans = replay_bans(chosen, "builtin", cheats)
+    assert bans["int4"] == 3  # ban_after hard refusals
+    assert bans["int8"] is not None and bans["int8"] <= 64
+
+
+def test_an_engine_whose_honest_work_overlaps_a_cheat_is_refused_with_figures():
+    honest, cheats = _calibration(400, 0.02)
+    e = choose_limits(honest, cheats)["engines"]["builtin"]
+    assert "int8" in e["refused"] and "groups to ban" in e["refused"] and "run without this engine" in e["refused"]
+
+
+def _write(path, **over) -> None:
+    honest, cheats = _calibration(200, 0.3)
+    data = {"format": FORMAT, "dtype": "bfloat16", "model": {"digest": "a" * 64}, **choose_limits(honest, cheats)}
+    data.update(over)
+    path.write_text(json.dumps(data))
+
+
+def test_a_limits_file_for_another_model_or_dtype_is_refused(tmp_path):
+    f = tmp_path / "limits.json"
+    _write(f)
+    assert load_limits(f, dtype="bfloat16", digest="a" * 64)["engines"]["builtin"]["limits"]
+    with pytest.raises(LimitsError, match="calibrated on another model.*run swarmrl calibrate"):
+        load_limits(f, dtype="bfloat16", digest="b" * 64)
+    with pytest.raises(LimitsError, match="calibrated for bfloat16 but this run samples in float32"):
+        load_limits(f, dtype="float32", digest="a" * 64)
+    f.write_text("{}")
+    with pytest.raises(LimitsError, match="not a limits file"):
+        load_limits(f, dtype="bfloat16", digest=None)
+
+
+def test_a_bf16_run_on_its_own_model_needs_a_calibration(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    cfg = Config.model_validate({"model": {"path": str(model)}, "sampling": {"dtype": "bfloat16"}})
+    with pytest.raises(LimitsError, match="swarmrl calibrate --model .* --dtype bfloat16"):
+        run_limits(cfg, model)
+    # float32, and the built-in model (its limits ship in the config), go without one.
+    assert run_limits(cfg.model_copy(update={"sampling": Config().sampling}), model) is None
+    assert run_limits(Config.model_validate({"sampling": {"dtype": "bfloat16"}}), None) is None
+    # With a limits file, the model's content decides: same weights elsewhere pass, others do not.
+    f = tmp_path / "limits.json"
+    _write(f, model={"digest": model_digest(model)})
+    cfg = Config.model_validate(
+        {"model": {"path": str(model)}, "sampling": {"dtype": "bfloat16"}, "validator": {"limits_file": str(f)}}
+    )
+    assert run_limits(cfg, model)["dtype"] == "bfloat16"
+    (model / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(LimitsError, match="another model"):
+        run_limits(cfg, model)
+
+
+def test_calibration_prompts_are_what_the_orchestrator_leases():
+    from swarmrl.model.checkpoint import build_tiny_policy
+    from swarmrl.tasks.source import model_input
+    from swarmrl.validator.calibrate import prompt_ids
+
+    _, tok = build_tiny_policy(seed=0)
+    for text in ("What is 12+7?", "Write a haiku about rain."):
+        assert prompt_ids(tok, text) == model_input(tok, text, None)[1]
