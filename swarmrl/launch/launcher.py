@@ -509,12 +509,17 @@ def prepared_next_steps(cfg: Config, root: Path) -> str:
     return "\n".join(lines)
 
 
-def _base_with_limits(cfg: Config, log) -> Path:
-    """The run's base model, once its validator limits are known to fit it: a bf16 run on its own
-    model without a limits file stops before anything is built (LimitsError naming `swarmrl
-    calibrate`), a limits file for another model or dtype as soon as the base is at hand."""
+def _preflight(cfg: Config) -> None:
+    """Checks of the config alone, before anything is written: LoRA targets the model lacks, and
+    a bf16 run on its own model without a limits file (LimitsError naming `swarmrl calibrate`)."""
+    check_lora_config(cfg)
     if cfg.sampling.dtype == "bfloat16" and cfg.model.path and not cfg.validator.limits_file:
         run_limits(cfg, None)
+
+
+def _base_with_limits(cfg: Config, log) -> Path:
+    """The run's base model, once its validator limits are known to fit it (a limits file for
+    another model or dtype is a LimitsError as soon as the base is at hand)."""
     base = ensure_base_model(cfg, log=log)
     run_limits(cfg, cfg.model.path or base)
     return base
@@ -530,7 +535,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
             raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
         cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
         # Fail here, with the config's own words, rather than in a child process later.
-        check_lora_config(cfg)  # LoRA targets the model lacks: before the base is even built
+        _preflight(cfg)  # LoRA targets the model lacks, a bf16 run without limits: before the base is even built
         train, held_out = task_rows(cfg, log=log)
         with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
             for name, grader in graders.items():

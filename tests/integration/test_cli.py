@@ -56,10 +56,39 @@ def test_help_lists_every_command(tmp_path):
         "eval",
         "status",
         "assets",
+        "calibrate",
     }
     for name, text in COMMANDS.items():
         assert re.search(rf"^\s+{name}\s", proc.stdout, re.M), f"{name} missing from --help:\n{proc.stdout}"
         assert " ".join(text.split()[:3]) in " ".join(proc.stdout.split())
+
+
+def _model_folder(path: Path) -> Path:
+    from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+
+    model, tok = build_tiny_policy(seed=0)
+    save_policy(model, tok, path)
+    return path
+
+
+def test_a_bf16_run_on_its_own_model_without_a_calibration_refuses_to_start(tmp_path):
+    model = _model_folder(tmp_path / "model")
+    proc = swarmrl("rl", "--model.path", str(model), "--sampling.dtype", "bfloat16", "--run-dir", "run", cwd=tmp_path)
+    assert_clean_failure(
+        proc, "validator.limits_file is not set", f"swarmrl calibrate --model {model} --dtype bfloat16"
+    )
+    assert not (tmp_path / "run" / "config.toml").exists()  # refused before anything was written
+
+
+def test_a_limits_file_for_another_model_or_dtype_is_refused_at_start(tmp_path):
+    model = _model_folder(tmp_path / "model")
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"format": "swarmrl-limits/1", "dtype": "bfloat16", "model": {"digest": "0" * 64}}))
+    common = ("rl", "--model.path", str(model), "--validator.limits_file", str(limits))
+    proc = swarmrl(*common, "--sampling.dtype", "bfloat16", "--run-dir", "a", cwd=tmp_path)
+    assert_clean_failure(proc, "calibrated on another model", "run swarmrl calibrate on this model")
+    proc = swarmrl(*common, "--run-dir", "b", cwd=tmp_path)
+    assert_clean_failure(proc, "calibrated for bfloat16 but this run samples in float32")
 
 
 def test_no_command_is_an_error(tmp_path):
