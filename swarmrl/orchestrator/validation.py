@@ -223,6 +223,7 @@ class ValidationQueue:
             "config": cfg.validator.model_dump(),
             "dtype": cfg.sampling.dtype,
             "calibrated": {name: e["limits"] for name, e in self.accepted.items()} if self.limits else None,
+            "calibrated_cpu": (self.limits.get("cpu") or {}).get("kind") if self.limits else None,
         }
 
     def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:

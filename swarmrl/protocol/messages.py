@@ -336,6 +336,7 @@ class Claim(_Out):
         description="the run's limits file's hard limits by engine (the names of ValidatorConfig.limits()); "
         "null: the run has no limits file and `config`'s thresholds apply",
     )
+    calibrated_cpu: str | None = Field(None, description="the CPU kind the limits file was measured on")
 
 
 class Recorded(_Out):

@@ -230,6 +230,7 @@ class Validator:
         # The run's calibrated hard limits per engine (a limits file's, sent with every claim by
         # the orchestrator), None when the run has no limits file.
         self.calibrated: dict[str, dict] | None = None
+        self._cpu_noted = False
 
     # ---- policies ----------------------------------------------------------------------------
     def model(self, version: int, policy: dict, dtype: str = "float32"):
@@ -321,6 +322,22 @@ class Validator:
             )
             pos += n
         return out
+
+    def note_calibration_cpu(self, kind: str | None) -> None:
+        """Say once, before judging anyone, when this validator's CPU kind is not the one the run's
+        limits were measured on: honest work's statistics move with the kernels (docs/validation.md)."""
+        if kind is None or self._cpu_noted:
+            return
+        self._cpu_noted = True
+        from swarmrl.proofs.limits import cpu_kind
+
+        mine = cpu_kind()
+        if mine != kind:
+            self.log(
+                f"validator: the run's limits were measured on CPU kind {kind} and this validator runs on {mine}: "
+                "its prefill rounds differently, and the limits' false-ban rate was not measured here. Run swarmrl "
+                f"calibrate on this kind of machine, or validate on a {kind} one"
+            )
 
     def limits_for(self, dtype: str, engine: str) -> dict:
         """The hard limits a group declaring `engine` is held to: the calibration's for that engine;

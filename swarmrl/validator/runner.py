@@ -83,6 +83,7 @@ def validate_once(source, validator: Validator, max_groups: int) -> Round:
     # The run's thresholds, whoever runs the validator.
     validator.cfg = ValidatorConfig(**work["config"])
     validator.calibrated = work.get("calibrated")
+    validator.note_calibration_cpu(work.get("calibrated_cpu"))
     items = work["items"]
     done = Round()
     if items:

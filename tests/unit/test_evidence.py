@@ -188,3 +188,18 @@ def test_calibration_prompts_are_what_the_orchestrator_leases():
     _, tok = build_tiny_policy(seed=0)
     for text in ("What is 12+7?", "Write a haiku about rain."):
         assert prompt_ids(tok, text) == model_input(tok, text, None)[1]
+
+
+def test_a_validator_on_another_cpu_kind_says_so_once_before_judging(tmp_path):
+    from swarmrl.config import ValidatorConfig
+    from swarmrl.proofs.limits import cpu_kind
+    from swarmrl.validator.core import Validator
+
+    said: list[str] = []
+    v = Validator(ValidatorConfig(), tmp_path, log=said.append)
+    v.note_calibration_cpu(cpu_kind())
+    assert said == []
+    other = Validator(ValidatorConfig(), tmp_path, log=said.append)
+    other.note_calibration_cpu("some-other-kind")
+    other.note_calibration_cpu("some-other-kind")
+    assert len(said) == 1 and "measured on CPU kind some-other-kind" in said[0] and "swarmrl calibrate" in said[0]
