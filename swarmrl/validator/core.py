@@ -196,8 +196,8 @@ def bf16_limits_warning(num_layers: int, cfg: ValidatorConfig) -> str | None:
         f"validator: the bfloat16 TOPLOC limits were calibrated on the built-in {BF16_CALIBRATED_LAYERS}-layer "
         f"model and this policy has {num_layers} layers; on the 30-layer SmolLM2-135M every honest bfloat16 "
         f"group exceeded validator.bf16_group_mant_err_max = {default} (docs/validation.md, 'bfloat16 on a real "
-        "model'). Measure this model with benchmarks/calibrate_validator.py --model FOLDER --dtype bfloat16 and "
-        "set validator.bf16_* from it, or run in float32 (sampling.dtype), before trusting bans"
+        "model'). Measure this model with swarmrl calibrate --model FOLDER --dtype bfloat16 and set "
+        "validator.limits_file to the file it writes, or run in float32 (sampling.dtype), before trusting bans"
     )
 
 

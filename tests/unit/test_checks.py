@@ -112,5 +112,5 @@ def test_a_bf16_policy_deeper_than_the_calibrated_model_is_flagged_until_its_lim
     cfg = ValidatorConfig()
     assert bf16_limits_warning(4, cfg) is None  # the built-in model the limits came from
     said = bf16_limits_warning(30, cfg)
-    assert said is not None and "30 layers" in said and "calibrate_validator.py" in said
+    assert said is not None and "30 layers" in said and "swarmrl calibrate" in said
     assert bf16_limits_warning(30, ValidatorConfig(bf16_group_mant_err_max=2.5)) is None  # measured and set
