@@ -54,14 +54,14 @@ from pathlib import Path
 
 import torch
 
-from swarmrl.adversary.workers import _prefill, quantised, reinitialised
+from swarmrl.adversary.workers import quantised, reinitialised
 from swarmrl.config import ValidatorConfig, load_config
 from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import ENGINES, build_engine
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.tasks.source import model_input, task_rows
-from swarmrl.validator.checks import token_logprobs
+from swarmrl.validator.calibrate import edited_tokens, lora_copy, read_prompts
 from swarmrl.validator.core import Validator
 
 ENGINE = "builtin"  # --engine: which rollout engine honest workers (and cheats) sample with
@@ -313,43 +313,6 @@ def lora_step(full, grads_of, lr: float, rank: int = 16, alpha: float = 32.0, se
     return new.eval()
 
 
-def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
-    """Another model of the same vocabulary: every target projection W plus a random rank-`rank`
-    update B A of Frobenius norm `relative` x |W| (what a differently fine-tuned adapter gives)."""
-    new = copy.deepcopy(full).float()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in _targets(new):
-            out_f, in_f = m.weight.shape
-            delta = torch.randn((out_f, rank), generator=gen) @ torch.randn((rank, in_f), generator=gen)
-            m.weight.add_(delta * (relative * m.weight.norm() / delta.norm()))
-    return new.eval()
-
-
-def edited(items, model, tok, vcfg, temperature):
-    """The adversary `edit_tokens`: the middle token of each completion changed to the next
-    non-stop id, then honest proofs and logprobs rebuilt for the edited text (AdversarialWorker._rebuild)."""
-    stop, vocab = {tok.eos_token_id}, model.config.vocab_size
-    out = copy.deepcopy(items)
-    for it in out:
-        for smp in it["samples"]:
-            ids = list(smp["token_ids"])
-            if len(ids) >= 2:
-                t = (len(ids) - 1) // 2
-                new = (ids[t] + 1) % vocab
-                while new in stop:
-                    new = (new + 1) % vocab
-                ids[t] = new
-            smp["token_ids"] = ids
-        outs = _prefill(model, it["prompt_ids"], [smp["token_ids"] for smp in it["samples"]])
-        proofs = build_proofs_many([h for h, _ in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
-        for smp, (_, logits), pr in zip(it["samples"], outs, proofs):
-            tokens = torch.tensor(smp["token_ids"])
-            smp["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), temperature)).tolist()
-            smp["proofs"] = encode(pr)
-    return out
-
-
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -357,21 +320,6 @@ def cpu_name() -> str:
         return "unknown"
     names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
     return names[0] if names else "unknown"
-
-
-def read_prompts(path: Path) -> list[str]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise SystemExit(
-                    f"{path}:{n}: a row needs a 'prompt' string (the task schema: prompt, verification_info)"
-                )
-            rows.append(row["prompt"])
-    if not rows:
-        raise SystemExit(f"{path} holds no rows")
-    return rows
 
 
 def calibrate_model(args) -> None:
@@ -531,7 +479,7 @@ def calibrate_model(args) -> None:
         # Edited tokens: honest groups, one token changed per completion, proofs and logprobs rebuilt.
         torch.set_num_threads(args.threads)
         t0 = time.time()
-        bad = edited(honest_items[:n], model, tok, vcfg, temp)
+        bad = edited_tokens(honest_items[:n], model, tok.eos_token_id, vcfg, temp)
         vs, val_s = judged(bad)
         results["cheats"]["edited_tokens"] = {
             **verdict_summary(vs, limits),

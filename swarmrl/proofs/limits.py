@@ -313,7 +313,14 @@ def run_limits(cfg, model_folder: str | Path | None) -> dict | None:
     v = cfg.validator
     if v.limits_file:
         digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
-        return load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest)
+        data = load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest)
+        if all(e.get("refused") for e in data["engines"].values()):
+            # No worker could submit a proven group: say why now, not as every group's refusal.
+            raise LimitsError(
+                f"validator.limits_file {v.limits_file} accepts no engine: "
+                + "; ".join(e["refused"] for e in data["engines"].values())
+            )
+        return data
     if cfg.sampling.dtype == "bfloat16" and cfg.model.path:
         raise LimitsError(NO_CALIBRATION.format(model=cfg.model.path))
     return None

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from swarmrl.config import ValidatorConfig
+from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.altered import quantised
 from swarmrl.model.checkpoint import load_policy
@@ -40,13 +41,14 @@ CHEATS = ("int8_per_row", "int8_per_32", "int4_per_32", "other_model", "edited_t
 
 
 def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
-    """Another model of the same vocabulary: every linear weight of the decoder plus a random
-    rank-`rank` update of Frobenius norm `relative` x its own (a differently fine-tuned adapter)."""
+    """Another model of the same vocabulary: every projection trainer.lora adapts by default plus
+    a random rank-`rank` update of Frobenius norm `relative` x its own (a differently fine-tuned
+    adapter)."""
     new = copy.deepcopy(full).float()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, m in new.named_modules():
-            if isinstance(m, torch.nn.Linear) and "lm_head" not in name:
+            if name.split(".")[-1] in LORA_TARGETS_DEFAULT:
                 out_f, in_f = m.weight.shape
                 delta = torch.randn((out_f, rank), generator=gen) @ torch.randn((rank, in_f), generator=gen)
                 m.weight.add_(delta * (relative * m.weight.norm() / delta.norm()))

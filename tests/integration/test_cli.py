@@ -368,3 +368,35 @@ def test_prepare_says_what_to_start_next():
     inline = prepared_next_steps(load_config(None, []), Path("runs/x"))
     assert "swarmrl validator --orchestrator" not in inline and "--validator.mode external" in inline
     assert "swarmrl status" in inline
+
+
+def test_calibrate_writes_a_limits_file_a_run_accepts(tmp_path):
+    model = _model_folder(tmp_path / "model")
+    tasks = swarmrl("tasks", "--output", "tasks.jsonl", "--n", "50", cwd=tmp_path)
+    assert tasks.returncode == 0, tasks.stderr
+    args = ("--model", str(model), "--prompts", "tasks.jsonl", "--groups", "8", "--cheat-groups", "2")
+    proc = swarmrl("calibrate", *args, "--group-size", "2", "--max-new-tokens", "8", "--out", "l.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine builtin: 8 honest groups" in proc.stdout and "set validator.limits_file" in proc.stdout
+    data = json.loads((tmp_path / "l.json").read_text())
+    assert data["dtype"] == "bfloat16" and set(data["engines"]) == {"builtin"}
+    assert set(data["measured"]["cheats"]) == {
+        "int8_per_row",
+        "int8_per_32",
+        "int4_per_32",
+        "other_model",
+        "edited_tokens",
+        "edited_logprobs",
+    }
+    # A run on this model takes it (the preparation checks it); from 8 honest groups the engine may
+    # well be refused (too few to bound honest work's tail), and then the run says so and stops.
+    prep = swarmrl(
+        "rl", "--prepare", "--model.path", str(model), "--sampling.dtype", "bfloat16",
+        "--validator.limits_file", "l.json", "--run-dir", "run", cwd=tmp_path,
+    )  # fmt: skip
+    if data["engines"]["builtin"].get("refused"):
+        assert_clean_failure(prep, "accepts no engine", "its honest groups overlap the cheats'")
+    else:
+        assert prep.returncode == 0, prep.stderr
+    bad = swarmrl("calibrate", "--model", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert_clean_failure(bad, "--model", "no such folder")

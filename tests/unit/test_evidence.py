@@ -203,3 +203,18 @@ def test_a_validator_on_another_cpu_kind_says_so_once_before_judging(tmp_path):
     other.note_calibration_cpu("some-other-kind")
     other.note_calibration_cpu("some-other-kind")
     assert len(said) == 1 and "measured on CPU kind some-other-kind" in said[0] and "swarmrl calibrate" in said[0]
+
+
+def test_a_limits_file_that_accepts_no_engine_stops_the_run(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    f = tmp_path / "limits.json"
+    honest, cheats = _calibration(400, 0.02)  # overlapping: the engine is refused
+    f.write_text(json.dumps({"format": FORMAT, "dtype": "bfloat16", "model": {"digest": model_digest(model)},
+                             **choose_limits(honest, cheats)}))  # fmt: skip
+    cfg = Config.model_validate(
+        {"model": {"path": str(model)}, "sampling": {"dtype": "bfloat16"}, "validator": {"limits_file": str(f)}}
+    )
+    with pytest.raises(LimitsError, match="accepts no engine: engine builtin: its honest groups overlap"):
+        run_limits(cfg, model)
