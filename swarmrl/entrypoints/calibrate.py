@@ -56,6 +56,9 @@ class Settings(RoleSettings):
     """an engine is refused when some cheat would need more groups than this, on average, to be banned"""
     seed: int = 0
     """prompt order and sampling seeds"""
+    measured: str | None = None
+    """an earlier limits file: choose its limits again from the statistics it measured (with this command's
+    --false-ban-rate, --horizon, --max-groups-to-ban), sampling nothing"""
     out: str = "limits.json"
     """the limits file to write"""
 
@@ -83,9 +86,22 @@ def main(settings: Settings, cfg: None) -> None:
 
     import torch
 
-    from swarmrl.validator.calibrate import calibrate, read_prompts, report
+    from swarmrl.validator.calibrate import calibrate, read_prompts, rechosen
 
     torch.set_num_threads(settings.threads)
+    if settings.measured:
+        try:
+            data = json.loads(Path(settings.measured).read_text())
+            data = rechosen(
+                data,
+                false_ban_rate=settings.false_ban_rate,
+                horizon=settings.horizon,
+                max_groups_to_ban=settings.max_groups_to_ban,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"--measured {settings.measured}: not a limits file with its measurements ({e})")
+        _write(data, settings)
+        return
     folder = settings.model
     if folder is None:
         from swarmrl.config import Config
@@ -128,6 +144,15 @@ def main(settings: Settings, cfg: None) -> None:
     data["command"] = "swarmrl calibrate " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in settings.model_dump().items() if v is not None
     )
+    _write(data, settings)
+
+
+def _write(data: dict, settings: Settings) -> None:
+    import json
+    from pathlib import Path
+
+    from swarmrl.validator.calibrate import report
+
     out = Path(settings.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))

@@ -27,7 +27,7 @@ from swarmrl.launch import fatal, torchrun
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
-from swarmrl.proofs.limits import run_limits
+from swarmrl.proofs.limits import LimitsError, cpu_kind, run_limits
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.protocol.tls import make_loopback_certificates, trust_ca_file
 from swarmrl.rewards.registry import open_graders
@@ -517,12 +517,65 @@ def _preflight(cfg: Config) -> None:
         run_limits(cfg, None)
 
 
-def _base_with_limits(cfg: Config, log) -> Path:
+def _base_with_limits(rd: RunDir, cfg: Config, train: list[dict], log) -> tuple[Config, Path]:
     """The run's base model, once its validator limits are known to fit it (a limits file for
-    another model or dtype is a LimitsError as soon as the base is at hand)."""
+    another model or dtype is a LimitsError as soon as the base is at hand). A bf16 run of the
+    built-in model without a limits file gets one measured here, as its base is built here: the
+    shipped bf16 limits were measured on one CPU kind and refuse most honest groups on others
+    (docs/validation.md, "Calibrating a run")."""
     base = ensure_base_model(cfg, log=log)
+    if cfg.sampling.dtype == "bfloat16" and not cfg.model.path and not cfg.validator.limits_file:
+        limits = _builtin_limits(cfg, base, train, log)
+        cfg = cfg.model_copy(update={"validator": cfg.validator.model_copy(update={"limits_file": str(limits)})})
+        atomic_write_text(rd.root / "config.toml", cfg.to_toml())
     run_limits(cfg, cfg.model.path or base)
-    return base
+    return cfg, base
+
+
+# The built-in model's own calibration (`_builtin_limits`): enough honest groups that an int8
+# cheat is banned within `--max-groups-to-ban` on the machines measured (docs/validation.md).
+BUILTIN_CALIBRATION_GROUPS, BUILTIN_CHEAT_GROUPS = 1024, 64
+
+
+def _builtin_limits(cfg: Config, base: Path, train: list[dict], log) -> Path:
+    """The built-in base's limits file for this run's sampling on this CPU kind, measured once
+    (about 2 minutes on 2 cores) and kept beside the base."""
+    s = cfg.sampling
+    if cfg.async_.vllm_workers or (cfg.async_.adversaries and cfg.async_.adversary_engine == "vllm"):
+        raise LimitsError(
+            "a bfloat16 run with vLLM workers needs a limits file that measured vLLM: run .venv-vllm/bin/swarmrl "
+            f"calibrate --model {base} --dtype bfloat16 --engines builtin,vllm --group-size {s.group_size} "
+            f"--max-new-tokens {s.max_new_tokens} --temperature {s.temperature} --out limits.json, then set "
+            "validator.limits_file"
+        )
+    path = base.parent / (
+        f"{base.name}.limits-bf16-g{s.group_size}-t{s.max_new_tokens}-T{s.temperature:g}-{cpu_kind()}.json"
+    )
+    if path.exists():
+        return path
+    import tempfile
+
+    from swarmrl.validator.calibrate import calibrate, report
+
+    log(f"calibrating the built-in model for bfloat16 on this machine, once (about 2 minutes): {path}")
+    with tempfile.TemporaryDirectory(prefix="swarmrl-calibrate-") as work:
+        data = calibrate(
+            str(base),
+            [row["prompt"] for row in train],
+            dtype="bfloat16",
+            engines=["builtin"],
+            groups=BUILTIN_CALIBRATION_GROUPS,
+            cheat_groups=BUILTIN_CHEAT_GROUPS,
+            group_size=s.group_size,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            seed=cfg.seed,
+            work_dir=Path(work),
+            log=log,
+        )
+    atomic_write_text(path, json.dumps(data))
+    log(report(data))
+    return path
 
 
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
@@ -560,7 +613,7 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
                 update={"broadcast": cfg.broadcast.model_copy(update={"tls_cert": str(cert), "tls_key": str(key)})}
             )
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-        base = _base_with_limits(cfg, log)
+        cfg, base = _base_with_limits(rd, cfg, train, log)
         _check_packing_budget(cfg, train, base)
         _install_base(rd, base)
     if prepare_only:

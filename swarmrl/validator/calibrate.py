@@ -294,11 +294,7 @@ def calibrate(
             f"calibrate: cheat {name}: {len(measured[name])} groups, lowest group statistic {best:.3g} "
             f"({time.perf_counter() - t0:.0f} s)"
         )
-    chosen = choose_limits(
-        honest, measured, false_ban_rate=false_ban_rate, horizon=horizon, max_groups_to_ban=max_groups_to_ban
-    )
-    for name, entry in chosen["engines"].items():
-        entry["bans"] = replay_bans(chosen, name, measured)
+    chosen = limits_from(honest, measured, false_ban_rate, horizon, max_groups_to_ban)
     return {
         "format": FORMAT,
         "model": {
@@ -322,6 +318,27 @@ def calibrate(
         "timing": timing,
         "seconds": time.time() - t_start,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def limits_from(
+    honest: dict[str, list[dict]], cheats: dict[str, list[dict]], false_ban_rate: float, horizon: int, max_groups: float
+) -> dict:
+    """The limits, evidence tests and refusals of measured statistics, with each cheat's ban replayed."""
+    chosen = choose_limits(honest, cheats, false_ban_rate=false_ban_rate, horizon=horizon, max_groups_to_ban=max_groups)
+    for name, entry in chosen["engines"].items():
+        entry["bans"] = replay_bans(chosen, name, cheats)
+    return chosen
+
+
+def rechosen(data: dict, *, false_ban_rate: float, horizon: int, max_groups_to_ban: float) -> dict:
+    """An earlier limits file with its limits chosen again from the statistics it measured (another
+    false-ban rate or horizon, or this version's choice), without sampling anything."""
+    m = data["measured"]
+    return {
+        **data,
+        **limits_from(m["honest"], m["cheats"], false_ban_rate, horizon, max_groups_to_ban),
+        "separation": separation(m["honest"], m["cheats"]),
     }
 
 
