@@ -72,6 +72,10 @@ class WrongPrecision(Exception):
     """The run samples in another dtype than the one this worker was told to use."""
 
 
+class RefusedEngine(Exception):
+    """The run's limits file does not accept the engine this worker runs (`engine_refused`)."""
+
+
 class UnknownEnvironment(Exception):
     """The run's episodes need an environment this worker's installation does not register."""
 
@@ -450,6 +454,10 @@ class Worker:
             path.unlink(missing_ok=True)
             for r in result["rejected"]:
                 self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
+            refused = [r for r in result["rejected"] if r["reason"] == "engine_refused"]
+            if refused:
+                # Every further group would be refused the same way: stop and say which engine to run.
+                raise RefusedEngine(f"the orchestrator refuses this worker's engine: {refused[0]['detail']}")
             if self.server is not None and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
                 # Taken off the trusted keys meanwhile: every further group would be more fraud.
                 raise EndpointError(
@@ -561,7 +569,15 @@ def run_worker(
     )
     try:
         worker.run()
-    except (Unavailable, Refused, WrongPrecision, EndpointError, VllmUnavailable, UnknownEnvironment) as e:
+    except (
+        Unavailable,
+        Refused,
+        WrongPrecision,
+        RefusedEngine,
+        EndpointError,
+        VllmUnavailable,
+        UnknownEnvironment,
+    ) as e:
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

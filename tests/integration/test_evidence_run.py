@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from swarmrl.inference.worker import RefusedEngine
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.protocol.client import Refused, retrying
 from swarmrl.tasks import arithmetic
@@ -129,3 +130,9 @@ def test_a_cheat_declaring_an_engine_the_calibration_did_not_measure_is_refused_
     assert "did not measure the 'vllm' engine" in result["rejected"][0]["detail"]
     me = adv.client.me()
     assert me["fraud"] == 0 and not me["banned"]
+    # A worker running that engine stops with the orchestrator's reason rather than send more.
+    lease = lease_of(adv)
+    entry = adv.outbox / "refused.json"
+    entry.write_text(json.dumps({"expires_at": lease["expires_at"], "submission": adv.generate(lease)}))
+    with pytest.raises(RefusedEngine, match="refuses this worker's engine: .*it accepts builtin"):
+        adv.deliver(entry)
