@@ -129,7 +129,7 @@ class ValidationQueue:
         if not models or self.store.is_banned(db, row["worker"]):
             return False
         crossed = None
-        for model in models:  # one CUSUM per statistic, each updated by every group
+        for model in models:  # one CUSUM per test, each updated by every group
             value = float(stats.get(model.statistic, 0.0))
             score = self.store.add_evidence(
                 db, row["worker"], row["engine"], model.name, group_llr(value, model), value
