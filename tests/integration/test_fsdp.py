@@ -65,11 +65,18 @@ def test_fsdp2_matches_single_process(tmp_path):
     # relative; checked through grad_norm below). AdamW's first steps are ~lr * g / |g|, which
     # passes that on as ~1e-7 * lr, except on a coordinate whose gradient is a near-cancelling
     # sum (|g| near Adam's eps), where the division amplifies rounding. Observed: 3.7e-7 at
-    # worst (a k_proj bias). atol 1e-5 is 1% of one step (lr = 1e-3, every weight moves by
-    # ~2e-3 over the 2x2 optimizer steps here): a wrong shard, a wrong loss normaliser or a
-    # dropped or duplicated sample moves weights by a sizeable fraction of a step.
+    # worst (a k_proj bias) on machine E; 1.1e-5 on one up_proj entry of 8192 on machine Z (AMD
+    # EPYC Zen 4). Such a coordinate can move by up to a whole step either way, so no elementwise
+    # tolerance below a step is safe on every CPU. What a bug does instead is move many weights: a
+    # wrong shard, a wrong loss normaliser or a dropped or duplicated sample moves most of a
+    # tensor by a sizeable fraction of a step (lr = 1e-3, every weight moves by ~2e-3 over the
+    # 2x2 optimizer steps here). So: at most 0.1 % of a tensor's entries (and at most 2) beyond 1 %
+    # of a step (1e-5), none beyond the whole movement (4e-3).
     for k in a["state"]:
-        torch.testing.assert_close(b["state"][k], a["state"][k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+        d = (b["state"][k].float() - a["state"][k].float()).abs()
+        off = int((d > 1e-5).sum())
+        assert off <= max(2, d.numel() // 1000), f"{k}: {off} of {d.numel()} entries differ by more than 1e-5"
+        assert float(d.max()) <= 4e-3, f"{k}: an entry differs by {float(d.max()):.3g}, more than four steps"
 
     # The gradient itself (not only Adam's scale-free step) must match: catches a gradient
     # averaged over ranks instead of summed (the loss normaliser is already the whole batch's).

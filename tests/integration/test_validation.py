@@ -201,9 +201,21 @@ def test_an_oversized_payload_is_refused_before_parsing(world):
 
 
 def test_every_rejection_reason_is_a_metric(world):
-    text = httpx.get(world.orch.url + "/metrics").text
-    for reason in ("toploc", "sampling", "logprobs", "claimed_reward", "proofs_malformed", "group_size"):
-        assert f'swarmrl_total{{what="rejected/{reason}"}}' in text, reason
+    # The cheats of this module may have run in another pytest-xdist worker (another world): any
+    # reason this world has not seen yet is produced here first.
+    causes = {
+        "toploc": "int4_weights",
+        "sampling": "edit_tokens",
+        "logprobs": "edit_logprobs",
+        "claimed_reward": "claim_reward",
+        "proofs_malformed": "truncated_proofs",
+        "group_size": "wrong_group_size",
+    }
+    for reason, kind in causes.items():
+        metric = f'swarmrl_total{{what="rejected/{reason}"}}'
+        if metric not in httpx.get(world.orch.url + "/metrics").text:
+            attack(world, kind)
+        assert metric in httpx.get(world.orch.url + "/metrics").text, reason
 
 
 # ---- bans --------------------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ FLAGS = {
     "--tls-cert --tls-key --ca-file",
     "assets": "--cache --wheels --force --gguf --output --dtype",
     "calibrate": "--model --dtype --engines --prompts --groups --cheat-groups --group-size --max-new-tokens "
-    "--temperature --max-batch --batch-groups --threads --false-ban-rate --horizon --max-groups-to-ban --seed --measured "
-    "--out",
+    "--temperature --max-batch --batch-groups --threads --false-ban-rate --horizon --max-groups-to-ban --seed "
+    "--measured --out",
 }
 
 # The least each command needs to resolve its settings.
