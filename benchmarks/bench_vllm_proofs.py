@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             verdicts = judge_groups(model, prompts, seeds, done, 1.0, args.group, dtype, name)
             from swarmrl.config import ValidatorConfig
 
-            cfg_limits = ValidatorConfig().limits(dtype, name)
+            cfg_limits = ValidatorConfig().limits(dtype)  # the same for every engine (issue 49)
             figures = {s: [float(v.stats[s]) for v in verdicts] for s in STATS}
             ok = sum(v.ok for v in verdicts)
             reasons = sorted({v.reason for v in verdicts if not v.ok})
