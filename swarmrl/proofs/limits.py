@@ -25,10 +25,11 @@ import hashlib
 import json
 import math
 import os
+import random
 from dataclasses import replace
 from pathlib import Path
 
-from swarmrl.proofs.evidence import EvidenceModel, ban_bound, bin_of, fit, groups_to_ban, simulate_ban
+from swarmrl.proofs.evidence import EvidenceModel, ban_bound, bin_of, fit, groups_to_ban
 
 FORMAT = "swarmrl-limits/1"
 
@@ -235,27 +236,86 @@ def separation(honest: dict[str, list[dict]], cheats: dict[str, list[dict]]) -> 
     return rows
 
 
+def _ban_at(entry: dict, models: list[EvidenceModel], groups, ban_after: int) -> int | None:
+    """The group (1-based) at which a key sending `groups` in order is banned under an engine's
+    `entry`: its `ban_after`-th hard refusal, or any test's score reaching its bound."""
+    frauds, scores = 0, [0.0] * len(models)
+    for i, s in enumerate(groups, 1):
+        if refused_by_hard(s, entry["limits"]):
+            frauds += 1
+            if frauds >= ban_after:
+                return i
+            continue
+        for j, m in enumerate(models):
+            scores[j] = max(0.0, scores[j] + m.llr[bin_of(float(s.get(m.statistic, 0.0)), m.edges)])
+            if scores[j] >= m.bound:
+                return i
+    return None
+
+
 def replay_bans(chosen: dict, engine: str, cheats: dict[str, list[dict]], ban_after: int = 3) -> dict[str, int | None]:
     """The group at which each cheat, sending its measured groups in order, is banned under an
     engine's limits: by `ban_after` hard refusals or by any evidence score (None: not within them)."""
     entry = chosen["engines"][engine]
     models = [EvidenceModel.from_dict(d) for d in entry["evidence"]]
-    out: dict[str, int | None] = {}
+    return {name: _ban_at(entry, models, groups, ban_after) for name, groups in cheats.items()}
+
+
+def ban_times(
+    chosen: dict,
+    engine: str,
+    cheats: dict[str, list[dict]],
+    *,
+    runs: int = 1000,
+    max_groups: int = 1000,
+    ban_after: int = 3,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """How many groups each cheat needs before its ban, over `runs` sequences drawn with
+    replacement from its measured groups (a bootstrap): median, worst, and how many sequences of
+    `max_groups` groups were never banned."""
+    entry = chosen["engines"][engine]
+    models = [EvidenceModel.from_dict(d) for d in entry["evidence"]]
+    rng = random.Random(seed)
+    out = {}
     for name, groups in cheats.items():
-        frauds, at, passed = 0, None, []
-        for i, s in enumerate(groups, 1):
-            if refused_by_hard(s, entry["limits"]):
-                frauds += 1
-                if frauds >= ban_after:
-                    at = i
-                    break
-                continue
-            passed.append(s)
-            if simulate_ban(models, passed) is not None:
-                at = i
-                break
-        out[name] = at
+        times = [
+            _ban_at(entry, models, (rng.choice(groups) for _ in range(max_groups)), ban_after) for _ in range(runs)
+        ]
+        banned = sorted(t for t in times if t is not None)
+        out[name] = {
+            "median": banned[len(banned) // 2] if banned else None,
+            "worst": banned[-1] if banned else None,
+            "never": len(times) - len(banned),
+            "runs": runs,
+            "max_groups": max_groups,
+        }
     return out
+
+
+def honest_peaks(chosen: dict, engine: str, honest: list[dict], *, runs: int = 20, length: int = 10_000, seed: int = 0):
+    """The highest share of its bound any test reaches for an honest key sending `length` groups
+    drawn with replacement from the measured honest ones, over `runs` keys, and how many of them
+    would have been refused or banned (each should be 0)."""
+    entry = chosen["engines"][engine]
+    models = [EvidenceModel.from_dict(d) for d in entry["evidence"]]
+    rng = random.Random(seed)
+    peak, refused, banned = 0.0, 0, 0
+    for _ in range(runs):
+        scores = [0.0] * len(models)
+        for _ in range(length):
+            s = rng.choice(honest)
+            if refused_by_hard(s, entry["limits"]):
+                refused += 1
+                continue
+            for j, m in enumerate(models):
+                scores[j] = max(0.0, scores[j] + m.llr[bin_of(float(s.get(m.statistic, 0.0)), m.edges)])
+                peak = max(peak, scores[j] / m.bound)
+                if scores[j] >= m.bound:
+                    banned += 1
+                    scores = [0.0] * len(models)
+                    break
+    return {"runs": runs, "length": length, "peak_share": peak, "refused": refused, "banned": banned}
 
 
 def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:

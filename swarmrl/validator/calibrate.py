@@ -32,7 +32,16 @@ from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.altered import quantised
 from swarmrl.model.checkpoint import load_policy
-from swarmrl.proofs.limits import FORMAT, choose_limits, cpu_kind, model_digest, replay_bans, separation
+from swarmrl.proofs.limits import (
+    FORMAT,
+    ban_times,
+    choose_limits,
+    cpu_kind,
+    honest_peaks,
+    model_digest,
+    replay_bans,
+    separation,
+)
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator, prefill
@@ -328,6 +337,8 @@ def limits_from(
     chosen = choose_limits(honest, cheats, false_ban_rate=false_ban_rate, horizon=horizon, max_groups_to_ban=max_groups)
     for name, entry in chosen["engines"].items():
         entry["bans"] = replay_bans(chosen, name, cheats)
+        entry["ban_times"] = ban_times(chosen, name, cheats)
+        entry["honest_bootstrap"] = honest_peaks(chosen, name, honest[name])
     return chosen
 
 
@@ -357,12 +368,25 @@ def report(data: dict) -> str:
         for ev in e["evidence"]:
             lines.append(f"  evidence on {ev['statistic']} (aimed at {ev['target']}): ban at {ev['bound']:.1f}")
         lines.append(f"  honest peak score {e['honest_peak_score']:.2f}")
+        boot = e.get("honest_bootstrap")
+        if boot:
+            lines.append(
+                f"  honest keys of {boot['length']} groups drawn from those ({boot['runs']}): highest score "
+                f"{boot['peak_share']:.0%} of the bound, {boot['refused']} groups refused, {boot['banned']} bans"
+            )
         for name, row in e["cheats"].items():
             bans = e.get("bans", {}).get(name)
+            t = e.get("ban_times", {}).get(name)
             lines.append(
                 f"  {name:16s} refused by limits {row['refused_by_limits']}/{row['groups']}"
                 + (f", about {row['groups_to_ban']:.3g} groups to ban by evidence" if "groups_to_ban" in row else "")
                 + (f"; banned at group {bans}" if bans else "; not banned within its groups")
+                + (
+                    f"; groups to ban over {t['runs']} draws: median {t['median']}, worst {t['worst']}"
+                    + (f", {t['never']} never within {t['max_groups']}" if t["never"] else "")
+                    if t
+                    else ""
+                )
             )
         if e.get("refused"):
             lines.append("  REFUSED: " + e["refused"])

@@ -218,3 +218,18 @@ def test_a_limits_file_that_accepts_no_engine_stops_the_run(tmp_path):
     )
     with pytest.raises(LimitsError, match="accepts no engine: engine builtin: its honest groups overlap"):
         run_limits(cfg, model)
+
+
+def test_ban_times_over_drawn_sequences_and_honest_keys_that_never_climb():
+    from swarmrl.proofs.limits import ban_times, honest_peaks
+
+    honest, cheats = _calibration(400, 0.25)
+    chosen = choose_limits(honest, cheats)
+    t = ban_times(chosen, "builtin", cheats, runs=200, max_groups=400)
+    assert t["int4"] == {"median": 3, "worst": 3, "never": 0, "runs": 200, "max_groups": 400}  # 3 hard refusals
+    assert t["int8"]["never"] == 0 and 3 <= t["int8"]["median"] <= t["int8"]["worst"] <= 400
+    assert t["int8"]["median"] == pytest.approx(
+        e_groups := chosen["engines"]["builtin"]["cheats"]["int8"]["groups_to_ban"], rel=0.6
+    ), e_groups
+    h = honest_peaks(chosen, "builtin", honest["builtin"], runs=5, length=5000)
+    assert h["refused"] == 0 and h["banned"] == 0 and h["peak_share"] < 1
