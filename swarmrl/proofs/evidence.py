@@ -47,6 +47,10 @@ class EvidenceModel:
     target: str = ""
     """The cheat it was fitted to (a limits file has one test per cheat that needs one)."""
 
+    def step(self, score: float, stats: dict) -> float:
+        """A key's score after one more group with these verdict statistics (`cusum`)."""
+        return cusum(score, group_llr(float(stats.get(self.statistic, 0.0)), self))
+
     @property
     def name(self) -> str:
         """The test's name: its statistic, and the cheat it aims at."""
@@ -176,7 +180,7 @@ def simulate_ban(models: list[EvidenceModel], groups: list[dict]) -> int | None:
     scores = [0.0] * len(models)
     for i, stats in enumerate(groups, 1):
         for j, m in enumerate(models):
-            scores[j] = cusum(scores[j], group_llr(float(stats.get(m.statistic, 0.0)), m))
+            scores[j] = m.step(scores[j], stats)
             if scores[j] >= m.bound:
                 return i
     return None

@@ -29,7 +29,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from swarmrl.proofs.evidence import EvidenceModel, ban_bound, bin_of, fit, groups_to_ban
+from swarmrl.proofs.evidence import EvidenceModel, ban_bound, fit, groups_to_ban
 
 FORMAT = "swarmrl-limits/1"
 
@@ -216,7 +216,7 @@ def _peak(model: EvidenceModel, groups: list[dict]) -> float:
     """The highest CUSUM score a key sending these groups, in order, reaches."""
     score = peak = 0.0
     for s in groups:
-        score = max(0.0, score + model.llr[bin_of(float(s.get(model.statistic, 0.0)), model.edges)])
+        score = model.step(score, s)
         peak = max(peak, score)
     return peak
 
@@ -247,7 +247,7 @@ def _ban_at(entry: dict, models: list[EvidenceModel], groups, ban_after: int) ->
                 return i
             continue
         for j, m in enumerate(models):
-            scores[j] = max(0.0, scores[j] + m.llr[bin_of(float(s.get(m.statistic, 0.0)), m.edges)])
+            scores[j] = m.step(scores[j], s)
             if scores[j] >= m.bound:
                 return i
     return None
@@ -309,7 +309,7 @@ def honest_peaks(chosen: dict, engine: str, honest: list[dict], *, runs: int = 2
                 refused += 1
                 continue
             for j, m in enumerate(models):
-                scores[j] = max(0.0, scores[j] + m.llr[bin_of(float(s.get(m.statistic, 0.0)), m.edges)])
+                scores[j] = m.step(scores[j], s)
                 peak = max(peak, scores[j] / m.bound)
                 if scores[j] >= m.bound:
                     banned += 1
