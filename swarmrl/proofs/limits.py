@@ -374,6 +374,7 @@ def run_limits(cfg, model_folder: str | Path | None) -> dict | None:
     if v.limits_file:
         digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
         data = load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest)
+        _check_sampling(v.limits_file, data.get("sampling"), cfg.sampling)
         if all(e.get("refused") for e in data["engines"].values()):
             # No worker could submit a proven group: say why now, not as every group's refusal.
             raise LimitsError(
@@ -384,6 +385,26 @@ def run_limits(cfg, model_folder: str | Path | None) -> dict | None:
     if cfg.sampling.dtype == "bfloat16" and cfg.model.path:
         raise LimitsError(NO_CALIBRATION.format(model=cfg.model.path))
     return None
+
+
+def _check_sampling(path, measured: dict | None, sampling) -> None:
+    """A group's statistics depend on its size, its completions' length and the temperature: limits
+    measured with others than the run's do not hold for it (a file without them is not checked)."""
+    if not measured:
+        return
+    run = {
+        "group_size": sampling.group_size,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+    }
+    differ = {k: (measured.get(k), v) for k, v in run.items() if measured.get(k) != v}
+    if differ:
+        said = ", ".join(f"{k} {a} (this run: {b})" for k, (a, b) in differ.items())
+        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in run.items())
+        raise LimitsError(
+            f"validator.limits_file {path} was measured with {said}: statistics of other groups do not follow "
+            f"its limits. Run swarmrl calibrate again with {flags}"
+        )
 
 
 def limits_digest(data: dict) -> str:

@@ -390,10 +390,11 @@ def test_calibrate_writes_a_limits_file_a_run_accepts(tmp_path):
     }
     # A run on this model takes it (the preparation checks it); from 8 honest groups the engine may
     # well be refused (too few to bound honest work's tail), and then the run says so and stops.
-    prep = swarmrl(
-        "rl", "--prepare", "--model.path", str(model), "--sampling.dtype", "bfloat16",
-        "--validator.limits_file", "l.json", "--run-dir", "run", cwd=tmp_path,
-    )  # fmt: skip
+    common = ("rl", "--prepare", "--model.path", str(model), "--sampling.dtype", "bfloat16",
+              "--validator.limits_file", "l.json", "--sampling.group_size", "2")  # fmt: skip
+    other = swarmrl(*common, "--run-dir", "other", cwd=tmp_path)  # 64 tokens: not what was measured
+    assert_clean_failure(other, "max_new_tokens 8 (this run: 64)", "--max-new-tokens 64")
+    prep = swarmrl(*common, "--sampling.max_new_tokens", "8", "--run-dir", "run", cwd=tmp_path)
     if data["engines"]["builtin"].get("refused"):
         assert_clean_failure(prep, "accepts no engine", "its honest groups overlap the cheats'")
     else:

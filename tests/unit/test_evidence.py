@@ -175,6 +175,14 @@ def test_a_bf16_run_on_its_own_model_needs_a_calibration(tmp_path):
         {"model": {"path": str(model)}, "sampling": {"dtype": "bfloat16"}, "validator": {"limits_file": str(f)}}
     )
     assert run_limits(cfg, model)["dtype"] == "bfloat16"
+    # ... and so do the groups it measured: their size, length and temperature must be the run's.
+    _write(
+        f, model={"digest": model_digest(model)}, sampling={"group_size": 8, "max_new_tokens": 64, "temperature": 1.0}
+    )
+    assert run_limits(cfg, model)
+    hotter = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"temperature": 0.7})})
+    with pytest.raises(LimitsError, match=r"temperature 1.0 \(this run: 0.7\).*--temperature 0.7"):
+        run_limits(hotter, model)
     (model / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(LimitsError, match="another model"):
         run_limits(cfg, model)
