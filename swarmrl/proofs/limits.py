@@ -405,8 +405,3 @@ def _check_sampling(path, measured: dict | None, sampling) -> None:
             f"validator.limits_file {path} was measured with {said}: statistics of other groups do not follow "
             f"its limits. Run swarmrl calibrate again with {flags}"
         )
-
-
-def limits_digest(data: dict) -> str:
-    """sha256 of a limits file's canonical JSON: what a validator and the orchestrator agree on."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -159,9 +159,8 @@ class Calibration:
         batch_groups: int,
         seed: int,
         work_dir: Path,
-        log=print,
     ):
-        self.folder, self.dtype, self.log = model_folder, dtype, log
+        self.folder, self.dtype = model_folder, dtype
         self.g, self.max_new, self.temp = group_size, max_new_tokens, temperature
         self.full, self.tok = load_policy(model_folder, dtype=torch.float32)
         self.full.eval()
@@ -280,7 +279,6 @@ def calibrate(
         batch_groups=batch_groups,
         seed=seed,
         work_dir=work_dir,
-        log=log,
     )
     honest: dict[str, list[dict]] = {}
     timing: dict[str, dict] = {}
