@@ -148,8 +148,8 @@ def _backend(settings: Settings):
 def main(settings: Settings, cfg: Config) -> None:
     """Load the benchmark, pick the backend, run, write results.jsonl and summary.json."""
     from swarmrl.eval.runner import EvalSettings, evaluate_rows, progress_bar
-    from swarmrl.rewards.pool import VerifierPool
-    from swarmrl.rewards.registry import open_graders
+    from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
+    from swarmrl.rewards.registry import open_graders, preload_for
     from swarmrl.sandbox.runner import SandboxUnavailable
 
     rows = _rows(settings, cfg)
@@ -171,7 +171,7 @@ def main(settings: Settings, cfg: Config) -> None:
     out = Path(settings.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with VerifierPool(settings.workers, 5.0) as pool:
+        with VerifierPool(settings.workers, 5.0, preload=(*DEFAULT_PRELOAD, *preload_for(rows))) as pool:
             results, summary = evaluate_rows(
                 rows, backend, sampling, pool=pool, graders=graders, progress=progress_bar(len(rows), "eval")
             )

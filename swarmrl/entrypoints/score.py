@@ -72,8 +72,9 @@ def _token_counter(tokenizer: str | None):
 
 
 def main(settings: Settings, cfg: Config) -> None:
-    from swarmrl.rewards.pool import VerifierPool
-    from swarmrl.rewards.registry import open_graders
+    from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING
+    from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
+    from swarmrl.rewards.registry import open_graders, preload_for
     from swarmrl.rewards.scoring import score_file
     from swarmrl.sandbox.runner import SandboxUnavailable
 
@@ -82,7 +83,10 @@ def main(settings: Settings, cfg: Config) -> None:
     if _is_instruction_file(settings.input):
         from swarmrl.rewards.scoring import score_instruction_file
 
-        with VerifierPool(settings.workers, settings.timeout) as pool:
+        # The checkers' language and sentence models load once per process at start, not inside
+        # the first answer's timeout (rewards/instructions/preload.py).
+        preload = (*DEFAULT_PRELOAD, *preload_for([{"task_type": INSTRUCTION_FOLLOWING}]))
+        with VerifierPool(settings.workers, settings.timeout, preload=preload) as pool:
             counts = score_instruction_file(settings.input, settings.output, pool=pool)
         _report(counts, settings)
         return
@@ -92,7 +96,8 @@ def main(settings: Settings, cfg: Config) -> None:
     except SandboxUnavailable as e:
         fail(str(e))
     try:
-        with VerifierPool(settings.workers, settings.timeout) as pool:
+        preload = (*DEFAULT_PRELOAD, *preload_for(_peek_task_types(settings.input)))
+        with VerifierPool(settings.workers, settings.timeout, preload=preload) as pool:
             counts = score_file(
                 settings.input,
                 settings.output,

@@ -21,10 +21,41 @@ import re
 
 from swarmrl.envs.base import Environment, Reply
 
-_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
-_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?\d+")  # one pass, no backtracking: a digit run is matched once
 MAX_EXPRESSION_CHARS = 64
 MAX_MAGNITUDE = 10**12  # larger operands or results are a tool error: no 10**10**10 by multiplication
+MAX_DIGITS = 40
+"""A number written with more digits than this is read as +-10**MAX_DIGITS: no task's answer is that
+long, and `int()` of worker-written text must not be asked for 4,301 digits (Python refuses, and the
+conversion is quadratic below that limit)."""
+
+
+def calls(text: str) -> list[str]:
+    """The expressions of the complete `<calc>EXPR</calc>` calls in `text`, in order (an opening tag
+    runs to the first closing tag after it). Two `str.find` scans that only move forward: linear in
+    the text, however many unclosed tags a worker writes (a lazy regular expression restarts its
+    search at each one: quadratic, 13 s for a 32k-token turn)."""
+    out, at = [], 0
+    while True:
+        start = text.find("<calc>", at)
+        if start < 0:
+            return out
+        end = text.find("</calc>", start + 6)
+        if end < 0:
+            return out  # no closing tag after this one: none after any later opening tag either
+        out.append(text[start + 6 : end])
+        at = end + 7
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in `text`, None when there is none; one longer than MAX_DIGITS is
+    read as +-10**MAX_DIGITS (larger than any answer, so a guess gets "lower", a final answer is wrong)."""
+    found = _INTEGER.findall(text)
+    if not found:
+        return None
+    digits = found[-1].lstrip("-")
+    value = int(digits) if len(digits) <= MAX_DIGITS else 10**MAX_DIGITS
+    return -value if found[-1].startswith("-") else value
 
 
 def evaluate(expression: str) -> int:
@@ -67,23 +98,23 @@ def _check_calculator(task: dict) -> str | None:
 
 
 def _calculator_respond(task: dict, turns: list[str], seed: int) -> Reply:
-    calls = _CALL.findall(turns[-1])
-    if not calls:
+    found = calls(turns[-1])
+    if not found:
         return Reply("", done=True)
     try:
-        return Reply(f"<result>{evaluate(calls[-1])}</result>", done=False)
+        return Reply(f"<result>{evaluate(found[-1])}</result>", done=False)
     except ValueError as e:
         return Reply(f"<result>error: {e}</result>", done=False, tool_error=True)
 
 
 def _calculator_reward(task: dict, turns: list[str], seed: int) -> tuple[float, str | None]:
     final = turns[-1]
-    if _CALL.search(final):
+    if calls(final):
         return 0.0, "the episode ended on a tool call, before a final answer"
-    numbers = _INTEGER.findall(final)
-    if not numbers:
+    number = last_integer(final)
+    if number is None:
         return 0.0, "no number in the final answer"
-    return (1.0, None) if int(numbers[-1]) == int(str(task["answer"])) else (0.0, "wrong answer")
+    return (1.0, None) if number == int(str(task["answer"])) else (0.0, "wrong answer")
 
 
 CALCULATOR = Environment(
@@ -117,18 +148,17 @@ def _check_guess(task: dict) -> str | None:
 
 
 def _guess_respond(task: dict, turns: list[str], seed: int) -> Reply:
-    numbers = _INTEGER.findall(turns[-1])
-    if not numbers:
+    n = last_integer(turns[-1])
+    if n is None:
         return Reply(f"Say a number from {task['low']} to {task['high']}.", done=False)
-    n, hidden = int(numbers[-1]), secret(task, seed)
+    hidden = secret(task, seed)
     if n == hidden:
         return Reply("", done=True)
     return Reply("higher" if n < hidden else "lower", done=False)
 
 
 def _guess_reward(task: dict, turns: list[str], seed: int) -> tuple[float, str | None]:
-    numbers = _INTEGER.findall(turns[-1])
-    found = bool(numbers) and int(numbers[-1]) == secret(task, seed)
+    found = last_integer(turns[-1]) == secret(task, seed)
     if not found:
         return 0.0, "not found within the turns"
     # Found on turn t: 1 - cost * (t - 1). Without a cost a number found on the last turn pays as

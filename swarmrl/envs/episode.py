@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from swarmrl.envs.base import Environment
+from swarmrl.envs.base import Environment, Reply
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class Episode:
     """The environment ended it (False: the turn or token budget did)."""
     tool_errors: int = 0
     """Observations that reported a failed tool call."""
+    env_error: str | None = None
+    """The environment raised on the last turn's text (its `respond` failed): the episode ended
+    there. The trusted side's replay meets the same failure and refuses the group
+    (`environment_error`, not fraud); the worker's loop goes on with its other episodes."""
 
     @property
     def observation_tokens(self) -> int:
@@ -117,7 +121,11 @@ def run_episodes(
             masks[i] += [True] * len(turn)
             said[i].append(decode(turn))
             task, seed, _ = jobs[i]
-            reply = env.respond(task, said[i], seed)
+            try:
+                reply = env.respond(task, said[i], seed)
+            except Exception as e:  # worker-written text the environment cannot take: end this episode only
+                out[i] = Episode(tokens[i], masks[i], len(said[i]), False, errors[i], failure(env, e))
+                continue
             if reply.done or len(said[i]) >= max_turns:
                 out[i] = Episode(tokens[i], masks[i], len(said[i]), reply.done, errors[i])
                 continue
@@ -219,6 +227,37 @@ class Replayed:
     tool_errors: int
 
 
+def failure(env: Environment, e: BaseException) -> str:
+    """What an environment's exception says, short enough for a refusal's detail (no traceback)."""
+    return f"environment {env.name!r} raised {type(e).__name__}: {e}"[:300]
+
+
+Responses = Callable[[list[list[str]]], list[Reply]]
+"""Answers for prefixes of an episode's model turns: `respond(task, prefix, seed)` of each, in
+order, raising EpisodeRejected when one cannot be had (the environment failed, the time ran out)."""
+
+
+def respond_here(
+    env: Environment, task: dict, seed: int, out_of_time: Callable[[], str | None] | None = None
+) -> Responses:
+    """`Responses` computed in this process, one call after another; before each, `out_of_time()`
+    (None: go on; a text: why not) lets a caller stop between turns when its time is spent."""
+
+    def responses(prefixes: list[list[str]]) -> list[Reply]:
+        out = []
+        for prefix in prefixes:
+            why = out_of_time() if out_of_time is not None else None
+            if why:
+                raise EpisodeRejected("not_graded", why)
+            try:
+                out.append(env.respond(task, prefix, seed))
+            except Exception as e:
+                raise EpisodeRejected("environment_error", f"turn {len(prefix)}: {failure(env, e)}") from None
+        return out
+
+    return responses
+
+
 class EpisodeRejected(ValueError):
     """The submitted episode is not what the environment would have produced. `reason` is the
     rejection's short name (counted as fraud: only an edited episode can fail a replay)."""
@@ -239,13 +278,18 @@ def replay(
     stop_ids: Collection[int],
     max_turns: int,
     max_tokens: int,
+    responses: Responses | None = None,
 ) -> Replayed:
     """Run the environment again on a submitted episode's model turns; raise `EpisodeRejected`
     where an observation differs from the environment's (edited or forged tool output, an
     observation the model sampled itself), where the episode goes on after it should have ended,
     or stops before it had to, or where a turn that was answered did not end with a stop token
     (a turn cut short to change what the environment reads). Whether each model token is the
-    policy's is the proof and sampling checks' job, over the model positions of `model_mask`."""
+    policy's is the proof and sampling checks' job, over the model positions of `model_mask`.
+
+    The shape is checked first (cheap, in this process); the environment is then asked once for
+    all turns (`responses`: in this process by default, or in a grading pool with a timeout), so
+    what its code costs on worker-written text can be run where it is bounded and charged."""
     tokens, mask = episode.tokens, episode.model_mask
     if len(tokens) != len(mask):
         raise EpisodeRejected("malformed_episode", f"{len(tokens)} tokens but {len(mask)} mask entries")
@@ -253,8 +297,11 @@ def replay(
         raise EpisodeRejected("malformed_episode", "an episode starts with a model turn")
     if len(tokens) > max_tokens:
         raise EpisodeRejected("over_budget", f"{len(tokens)} tokens, the budget is {max_tokens}")
-    spans, said, errors = runs(mask), [], 0
-    for k in range(0, len(spans), 2):  # model runs at even places, observations at odd ones
+    spans = runs(mask)  # model runs at even places, observations at odd ones
+    if (len(spans) + 1) // 2 > max_turns:  # before any decoding: a mask flipping at every token is cheap to send
+        raise EpisodeRejected("continued_after_end", f"{(len(spans) + 1) // 2} model turns; at most {max_turns}")
+    said = []
+    for k in range(0, len(spans), 2):
         start, end, _ = spans[k]
         # A turn ends at its first stop token, or runs to the episode's budget: a turn cut short
         # would change what the environment reads, two turns run together would skip a reply.
@@ -266,27 +313,28 @@ def replay(
                 "turn_not_stopped", f"turn {len(said) + 1} ends without a stop token before the budget ({max_tokens})"
             )
         said.append(decode(tokens[start:end]))
-        reply = env.respond(task, said, seed)
+    replies = (responses or respond_here(env, task, seed))([said[: t + 1] for t in range(len(said))])
+    errors = 0
+    for t, k in enumerate(range(0, len(spans), 2)):
+        end, reply, turn = spans[k][1], replies[t], t + 1
         last = k + 1 >= len(spans)
-        if reply.done or len(said) >= max_turns:
+        if reply.done or turn >= max_turns:
             if not last:
-                raise EpisodeRejected("continued_after_end", f"tokens follow turn {len(said)}, where the episode ended")
+                raise EpisodeRejected("continued_after_end", f"tokens follow turn {turn}, where the episode ended")
             return Replayed(said, reply.done, errors)
         if end == max_tokens:  # this turn used the budget up: nothing may follow
             return Replayed(said, False, errors)
         expected = encode(reply.observation)
         if end + len(expected) >= max_tokens:
             if not last:
-                raise EpisodeRejected("continued_after_end", f"no room for turn {len(said)}'s observation")
+                raise EpisodeRejected("continued_after_end", f"no room for turn {turn}'s observation")
             return Replayed(said, False, errors)
         if last:
-            raise EpisodeRejected("stopped_early", f"the episode stops after turn {len(said)} with budget left")
+            raise EpisodeRejected("stopped_early", f"the episode stops after turn {turn} with budget left")
         o_start, o_end, _ = spans[k + 1]
         if tokens[o_start:o_end] != expected:
-            raise EpisodeRejected(
-                "observation_mismatch", f"the observation after turn {len(said)} is not the environment's"
-            )
+            raise EpisodeRejected("observation_mismatch", f"the observation after turn {turn} is not the environment's")
         if k + 2 >= len(spans):
-            raise EpisodeRejected("stopped_early", f"no model turn answers observation {len(said)}")
+            raise EpisodeRejected("stopped_early", f"no model turn answers observation {turn}")
         errors += reply.tool_error
     raise AssertionError("unreachable: the loop returns or raises at the last run")

@@ -11,7 +11,7 @@ from swarmrl.envs.episode import runs
 from swarmrl.model.tokenizer import decode_completion
 from swarmrl.protocol.rollouts import Group
 from swarmrl.rewards.length import length_reward
-from swarmrl.rewards.pool import VerifierPool
+from swarmrl.rewards.pool import VerifierPool, sendable
 from swarmrl.rewards.registry import Graders
 from swarmrl.rewards.scoring import Score, score_rows
 
@@ -23,29 +23,44 @@ def score_groups(
     Task types whose grader owns a resource (code: the sandbox) are graded by `graders`; episodes
     by their environment's `reward` (`score_episodes`)."""
     episodic = {i: g for i, g in enumerate(groups) if envs.for_task_type(g.task_type) is not None}
-    done = {i: score_episodes(g, tokenizer=tokenizer, cfg=cfg) for i, g in episodic.items()}
+    done = {i: score_episodes(g, tokenizer=tokenizer, cfg=cfg, pool=pool) for i, g in episodic.items()}
     single = [g for i, g in enumerate(groups) if i not in episodic]
     scored = iter(_score_single(single, tokenizer=tokenizer, pool=pool, cfg=cfg, graders=graders) if single else [])
     return [done[i] if i in done else next(scored) for i in range(len(groups))]
 
 
-def score_episodes(g: Group, *, tokenizer, cfg: Config) -> list[Score]:
+def score_episodes(g: Group, *, tokenizer, cfg: Config, pool=None) -> list[Score]:
     """An episode group's rewards: the environment's grade of each episode's model turns (the
     replay at submission made sure the observations between them are the environment's), shaped
-    by length control on the model's tokens (observations are not the model's to shorten)."""
+    by length control on the model's tokens (observations are not the model's to shorten).
+
+    With `pool` (a grading lane) and an environment whose `reward` is a module-level function, the
+    grades run there, under the pool's per-call timeout and memory limit and, for an unproven key,
+    its metered seconds: worker-written text must not cost the orchestrator's process unbounded
+    time. A closure (a verifiers environment) is graded here."""
     env = envs.for_task_type(g.task_type)
+    assert env is not None, g.task_type
     task = json.loads(g.verification_info)
     stop = [tokenizer.eos_token_id]
+    turns = [
+        [decode_completion(tokenizer, smp.token_ids[a:b], stop) for a, b, model in runs(smp.model_mask) if model]
+        for smp in g.samples
+    ]
+    if pool is not None and sendable(env.reward):
+        graded = [o.value if o.ok else o.error for o in pool.map(env.reward, [(task, t, g.env_seed) for t in turns])]
+    else:
+        graded = []
+        for t in turns:
+            try:
+                graded.append(env.reward(task, t, g.env_seed))
+            except Exception as e:  # a registered environment's bug: this episode is not graded
+                graded.append(repr(e))
     out = []
-    for smp in g.samples:
-        turns = [
-            decode_completion(tokenizer, smp.token_ids[a:b], stop) for a, b, model in runs(smp.model_mask) if model
-        ]
-        try:
-            task_reward, reason = env.reward(task, turns, g.env_seed)
-        except Exception as e:  # a registered environment's bug: this episode is not graded
-            out.append(Score(0.0, 0.0, 0.0, f"environment {env.name!r} could not grade: {e!r}"[:300]))
+    for smp, result in zip(g.samples, graded):
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], int | float)):
+            out.append(Score(0.0, 0.0, 0.0, f"environment {env.name!r} could not grade: {result}"[:300]))
             continue
+        task_reward, reason = float(result[0]), result[1]
         reward = task_reward
         if g.target_length is not None:
             made = sum(smp.model_mask)

@@ -20,7 +20,8 @@ import torch
 from swarmrl.algorithm.advantages import is_informative
 from swarmrl.config import Config
 from swarmrl.envs import registry as envs
-from swarmrl.envs.episode import Episode, EpisodeRejected, Replayed, chat_framing, replay, runs
+from swarmrl.envs.base import Environment, Reply
+from swarmrl.envs.episode import Episode, EpisodeRejected, Responses, chat_framing, replay, respond_here, runs
 from swarmrl.model.tokenizer import decode_completion
 from swarmrl.orchestrator.admission import Busy, GradingLanes, Metered, Spent, extended_expiry, is_proven
 from swarmrl.orchestrator.counters import Counters
@@ -33,6 +34,7 @@ from swarmrl.proofs.toploc import check_format
 from swarmrl.protocol.reasons import FRAUD_REASONS
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.protocol.rules import termination_problem
+from swarmrl.rewards.pool import sendable
 from swarmrl.rewards.registry import Graders
 from swarmrl.tasks.source import episode_spec, model_input
 
@@ -60,6 +62,17 @@ def check_turn_proofs(smp, hidden_size: int, *, chunk_size: int, topk: int) -> s
 
 
 @dataclass
+class EpisodeCheck:
+    """What replaying an episode group needs (done in the grading lane, not in the cheap checks)."""
+
+    env: Environment
+    task: dict
+    seed: int
+    max_turns: int
+    max_tokens: int
+
+
+@dataclass
 class SlotCheck:
     slot: int
     group: Group | None = None
@@ -67,6 +80,11 @@ class SlotCheck:
     detail: str = ""
     proofs: list | None = None  # per completion, its TOPLOC proofs (base64), kept for the validator
     proofless: bool = False  # a trusted key's group without proofs (logprob checks only)
+    episodes: EpisodeCheck | None = None  # an episode group, to replay before it is graded
+    claimed: bool = False  # its slot was marked "scoring" (so a refusal after the cheap checks frees it)
+
+    def refuse(self, reason: str, detail: str) -> None:
+        self.group, self.reason, self.detail = None, reason, detail
 
 
 class Submissions:
@@ -139,7 +157,6 @@ class Submissions:
         row = self.rows[slot_rows[g.slot]["problem"]]
         seeds = json.loads(slot_rows[g.slot]["seeds"])
         env = envs.for_task_type(row["task_type"])
-        replayed: list[Replayed | None] = [None] * len(g.samples)
         for i, smp in enumerate(g.samples):
             n = len(smp.token_ids)
             if not 1 <= n <= s.max_new_tokens:
@@ -169,10 +186,9 @@ class Submissions:
                     "orchestrator, a worker never sends one",
                 )
             if env is not None:
-                result = self._check_episode(i, smp, env, row, seeds[0])
-                if isinstance(result, tuple):
-                    return SlotCheck(g.slot, reason=result[0], detail=result[1])
-                replayed[i] = result
+                problem = self._check_episode_shape(i, smp)
+                if problem:
+                    return SlotCheck(g.slot, reason=problem[0], detail=problem[1])
             elif smp.model_mask is not None:
                 return SlotCheck(
                     g.slot,
@@ -215,10 +231,8 @@ class Submissions:
                 x.finish_reason,
                 seed,
                 None if x.model_mask is None else list(x.model_mask),
-                None if r is None else r.done,
-                0 if r is None else r.tool_errors,
             )
-            for x, seed, r in zip(g.samples, seeds, replayed)
+            for x, seed in zip(g.samples, seeds)
         ]
         group = Group(
             row["problem_id"],
@@ -235,12 +249,18 @@ class Submissions:
             engine_dtype=g.dtype,
             env_seed=seeds[0] if env is not None else None,
         )
-        return SlotCheck(g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless)
+        episodes = None
+        if env is not None:
+            spec = episode_spec(self.cfg, row, [seeds[0]])
+            episodes = EpisodeCheck(env, spec["task"], seeds[0], spec["max_turns"], spec["max_tokens"])
+        return SlotCheck(
+            g.slot, group=group, proofs=[list(x.proofs) for x in g.samples], proofless=proofless, episodes=episodes
+        )
 
-    def _check_episode(self, i: int, smp, env, row: dict, env_seed: int) -> tuple[str, str] | Replayed:
-        """An episode's mask, and the environment replayed on its model turns: (reason, detail)
-        for the first thing wrong, the replay when it is what the environment would have produced. Runs
-        the environment's code here (pure and cheap by its contract), before any grading."""
+    def _check_episode_shape(self, i: int, smp) -> tuple[str, str] | None:
+        """An episode's mask and termination, cheap enough for the store's transaction: (reason,
+        detail) for the first thing wrong. The environment's replay comes later, in the grading
+        lane (`_replay`), where its time is bounded and charged."""
         n, mask = len(smp.token_ids), smp.model_mask
         if mask is None:
             return "malformed_episode", f"completion {i}: an episode needs model_mask (protocol v3)"
@@ -248,25 +268,62 @@ class Submissions:
             return "malformed_episode", f"completion {i}: {len(mask)} model_mask entries for {n} tokens"
         if any(lp != 0.0 for lp, m in zip(smp.logprobs, mask) if not m):
             return "malformed_episode", f"completion {i}: an observation token has a logprob (they are 0)"
-        spec = episode_spec(self.cfg, row, [env_seed])
-        try:
-            replayed = replay(
-                env,
-                spec["task"],
-                env_seed,
-                Episode(list(smp.token_ids), list(mask), 0, False),
-                self._framing(env),
-                lambda ids: decode_completion(self.tokenizer, ids, self.stop_ids),
-                stop_ids=self.stop_ids,
-                max_turns=spec["max_turns"],
-                max_tokens=spec["max_tokens"],
-            )
-        except EpisodeRejected as e:
-            return e.reason, f"completion {i}: {e}"
         want = "stop" if smp.token_ids[-1] in self.stop_ids else "length"
         if smp.finish_reason != want:
             return "termination", f"completion {i}: its last turn ends {want!r}, finish_reason is {smp.finish_reason!r}"
-        return replayed
+        return None
+
+    def _replay(self, c: SlotCheck, pool) -> None:
+        """Replay an episode group's environment on its model turns, in the grading lane: the
+        environment's calls run in the lane's pool (its per-call timeout, its memory limit, and for
+        an unproven key its metered seconds, checked between calls) when the environment's
+        functions can be sent there, else here between checks of the same meter. Any failure
+        refuses the group (`c.refuse`); a clean replay fills in each sample's ending."""
+        assert c.group is not None and c.episodes is not None
+        e = c.episodes
+        decode = lambda ids: decode_completion(self.tokenizer, ids, self.stop_ids)  # noqa: E731
+        for i, smp in enumerate(c.group.samples):
+            assert smp.model_mask is not None
+            try:
+                done = replay(
+                    e.env,
+                    e.task,
+                    e.seed,
+                    Episode(smp.token_ids, smp.model_mask, 0, False),
+                    self._framing(e.env),
+                    decode,
+                    stop_ids=self.stop_ids,
+                    max_turns=e.max_turns,
+                    max_tokens=e.max_tokens,
+                    responses=self._responses(e, pool),
+                )
+            except EpisodeRejected as err:
+                c.refuse(err.reason, f"completion {i}: {err}")
+                return
+            smp.ended_by_env, smp.tool_errors = done.done, done.tool_errors
+
+    def _responses(self, e: EpisodeCheck, pool) -> Responses:
+        """The environment's answers for an episode's turns, from the grading lane's pool when its
+        `respond` can be sent there by reference (a module-level function), else in this process."""
+        if not sendable(e.env.respond):
+            return respond_here(e.env, e.task, e.seed, out_of_time=lambda: _out_of_time(pool))
+
+        def responses(prefixes: list[list[str]]) -> list[Reply]:
+            outcomes = pool.map(e.env.respond, [(e.task, p, e.seed) for p in prefixes])
+            out = []
+            for prefix, o in zip(prefixes, outcomes):
+                if o.ok and isinstance(o.value, Reply):
+                    out.append(o.value)
+                elif o.error is not None and o.error == getattr(pool, "reason", None):
+                    raise EpisodeRejected("not_graded", o.error)
+                else:
+                    what = o.error if not o.ok else f"returned {type(o.value).__name__}, not a Reply"
+                    raise EpisodeRejected(
+                        "environment_error", f"turn {len(prefix)}: environment {e.env.name!r}: {what}"[:300]
+                    )
+            return out
+
+        return responses
 
     def _framing(self, env):
         """The observation encoder for `env`'s role, made once (chat_framing renders a template)."""
@@ -293,15 +350,22 @@ class Submissions:
         validated = (self.store.worker(key) or {}).get("validated", 0)
         return is_proven(validated, self.cfg.orchestrator) or self.gate.is_trusted(key)
 
-    def _grade(self, key: str, groups: list[Group], proven: bool, source: str) -> None:
-        """Score `groups` in a grading lane (admission.py: one submission per key at a time, new
-        keys share one lane, and their time in it is charged to them and their address); Busy
-        when no lane comes free in time, Spent when an unproven key's grading time is used up."""
+    def _grade(self, key: str, checks: list[SlotCheck], proven: bool, source: str) -> None:
+        """Replay the episode groups among `checks` and score every group still accepted, in a
+        grading lane (admission.py: one submission per key at a time, new keys share one lane, and
+        their time in it is charged to them and their address); Busy when no lane comes free in
+        time, Spent when an unproven key's grading time is used up."""
         with self.lanes.lane(key, proven, source) as pool:
             started = time.monotonic()
+            for c in checks:
+                if c.group is not None and c.episodes is not None:
+                    self._replay(c, pool)
+            groups = [c.group for c in checks if c.group is not None]
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
             # submissions that need it wait for it, and no longer than for a lane.
             shared = any(self.graders.get(g.task_type) is not None for g in groups)
+            if not groups:
+                return
             if shared and not self._resource_lock.acquire(timeout=self.cfg.orchestrator.grading_wait_s):
                 raise Busy("the code sandbox is busy grading another submission")
             try:
@@ -361,13 +425,13 @@ class Submissions:
                 for c in checks:
                     if c.group is not None:
                         self.store.mark_slot(db, lease_id, c.slot, "scoring")
+                        c.claimed = True
                 if any(c.group is not None for c in checks):
                     # It arrived in time: waiting for a lane must not let the lease run out.
                     self._keep_lease(db, lease, now + self.cfg.orchestrator.grading_wait_s)
-        good = [c.group for c in checks if c.group is not None]
         try:
-            if good:
-                self._grade(key, good, proven, source)
+            if any(c.claimed for c in checks):
+                self._grade(key, checks, proven, source)
         except BaseException as e:
             with self.store.tx() as db:  # give the slots back: the worker may retry
                 if isinstance(e, Busy):
@@ -375,7 +439,7 @@ class Submissions:
                 current = self.store.lease_row(db, lease_id)
                 live = current is not None and current["state"] == "open" and current["expires"] >= time.time()
                 for c in checks:
-                    if c.group is None:
+                    if not c.claimed:
                         continue
                     if live:
                         self.store.mark_slot(db, lease_id, c.slot, "open", only_if="scoring")
@@ -405,7 +469,8 @@ class Submissions:
                 if c.group is None and c.reason not in ("duplicate", "in_progress"):
                     # A refused slot is closed and its problem goes back to the pool: it must not
                     # hold back-pressure capacity until the lease expires.
-                    if self.store.mark_slot(db, lease_id, c.slot, "rejected", only_if="open"):
+                    only_if = "scoring" if c.claimed else "open"  # refused in the lane, after the cheap checks
+                    if self.store.mark_slot(db, lease_id, c.slot, "rejected", only_if=only_if):
                         self.store.reissue_slot(db, lease_id, c.slot)
                 if c.reason == "duplicate" and slot_rows[c.slot]["state"] == "submitted":
                     # A resubmission after a lost reply (the lease is this worker's): answer with
@@ -432,6 +497,7 @@ class Submissions:
                     continue
                 self.store.mark_slot(db, lease_id, c.slot, "submitted")
                 g = c.group
+                assert g is not None  # every check without a reason holds its group
                 g.created, g.gen_seconds = now, turnaround
                 informative = bool(is_informative(torch.tensor([g.rewards]))[0])
                 full = self._rng.random() < self._check_rate(db, key, c.proofless)
@@ -463,3 +529,10 @@ class Submissions:
             self.store.close_lease_if_settled(db, lease_id)
         self.counters.count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}
+
+
+def _out_of_time(pool) -> str | None:
+    """The metered lane's reason once its seconds are spent (an unproven key's), None otherwise."""
+    if isinstance(pool, Metered) and pool.clock() >= pool.deadline:
+        return pool.reason
+    return None

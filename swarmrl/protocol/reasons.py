@@ -19,6 +19,12 @@ REASONS: dict[str, tuple[bool, str]] = {
     "foreign_lease": (False, "the submission uses another worker's lease"),
     # A run with a limits file accepts proofs only from the engines its calibration measured.
     "engine_refused": (False, "the group declares an engine this run's calibration does not accept"),
+    # An episode the grading lane could not replay: the environment raised on the worker's text, or
+    # ran past its per-call timeout (an environment's bug as often as a worker's doing: not fraud,
+    # but refused, counted for the key, and its problem goes to another lease), or an unproven
+    # key's grading seconds ran out before the replay finished.
+    "environment_error": (False, "the environment failed on an episode's turns (raised, or ran out of its time)"),
+    "not_graded": (False, "the key's grading seconds ran out before the episode could be replayed"),
     # Cheap checks at submission: an honest sampler never produces these.
     "bad_slot": (True, "the group names a slot its lease does not have"),
     "version_not_in_lease": (True, "the group claims a policy version outside the lease's [min_version, max_version]"),

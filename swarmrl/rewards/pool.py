@@ -54,6 +54,21 @@ DEFAULT_MEMORY_BYTES = 1 << 30
 CPU_MARGIN_S = 1
 
 
+_SENDABLE: dict[Any, bool] = {}
+
+
+def sendable(fn: Callable) -> bool:
+    """Whether `fn` pickles by reference (a module-level function), so `VerifierPool.map` can run it
+    in a worker; a closure or a lambda cannot be sent and must run in the caller's process."""
+    if fn not in _SENDABLE:
+        try:
+            pickle.dumps(fn)
+            _SENDABLE[fn] = True
+        except Exception:  # noqa: BLE001 - any pickling failure means the same: not sendable
+            _SENDABLE[fn] = False
+    return _SENDABLE[fn]
+
+
 @dataclass(frozen=True)
 class Outcome:
     """Result of one call: ``value`` when it succeeded, otherwise ``error``.

@@ -30,10 +30,17 @@ TOKENIZER = build_char_tokenizer()
 
 
 class InlinePool:
-    """A verifier pool that grades in this process."""
+    """A verifier pool that grades in this process (a call that raises is its error, as in the real pool)."""
 
     def map(self, fn, calls):
-        return [Outcome(fn(*args), None, 0.0) for args in calls]
+        return [self._call(fn, args) for args in calls]
+
+    @staticmethod
+    def _call(fn, args) -> Outcome:
+        try:
+            return Outcome(fn(*args), None, 0.0)
+        except Exception as e:
+            return Outcome(None, f"{type(e).__name__}: {e}", 0.0)
 
     def close(self) -> None:
         pass
