@@ -7,7 +7,9 @@ input the calculator's old lazy pattern took quadratic time on) with well-formed
 activations, and another client (127.0.0.2) polling `/v1/status` and `/healthz` before and while
 the hostile submission is judged.
 
-    python benchmarks/bench_episode_flood.py [--tokens 8192,32768] [--before REF]
+    python benchmarks/bench_episode_flood.py [--tokens 8192,32768] [--env calculator|guess] [--before REF]
+
+`--env guess`: each completion is one number of N digits instead (int() refuses more than 4,300).
 
 With `--before REF` the same probe runs first on a `git worktree` of REF (the orchestrator process
 imports that tree), then on this tree, in one sitting. Printed per (code, N): the hostile
@@ -79,9 +81,12 @@ def stats(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.0f}/{max(values) * 1e3:.0f}"
 
 
-def hostile_submission(lease: dict, tok, hidden: int) -> dict:
+UNITS = {"calculator": "<calc>1+", "guess": "9"}  # unclosed tool calls; one number of N digits
+
+
+def hostile_submission(lease: dict, tok, hidden: int, env: str) -> dict:
     n = lease["max_new_tokens"]
-    unit = tok("<calc>1+", add_special_tokens=False)["input_ids"]
+    unit = tok(UNITS[env], add_special_tokens=False)["input_ids"]
     ids = (unit * (n // len(unit) + 1))[:n]  # one turn that uses the whole budget: no stop token needed
     groups = []
     for p in lease["prompts"]:
@@ -112,13 +117,13 @@ def grading_seconds(url: str) -> float:
     return 0.0
 
 
-def probe(code: Path, tokens: int, root: Path) -> dict:
+def probe(code: Path, tokens: int, root: Path, env: str) -> dict:
     from transformers import AutoTokenizer
 
     run = make_run_dir(
-        root / f"run-{tokens}",
+        root / f"run-{env}-{tokens}",
         "--tasks.source",
-        "calculator",
+        env,
         "--sampling.max_new_tokens",
         str(tokens),
         "--sampling.group_size",
@@ -130,12 +135,12 @@ def probe(code: Path, tokens: int, root: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
     hidden = json.loads((policy / "config.json").read_text())["hidden_size"]
     manifest = signed_version(run, 0)
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(code)  # the orchestrator process imports this tree's swarmrl
+    here = os.getcwd()
+    os.chdir(code)  # `python -m` puts the working folder first on sys.path: the process imports that tree's swarmrl
     try:
         orch = OrchestratorProcess(run).start()
     finally:
-        os.environ.pop("PYTHONPATH") if old_path is None else os.environ.__setitem__("PYTHONPATH", old_path)
+        os.chdir(here)
     try:
         trainer = TrainerClient(orch.url, (run / "trainer.token").read_text().strip())
         trainer.publish(0, "http://127.0.0.1:9", manifest)
@@ -146,7 +151,7 @@ def probe(code: Path, tokens: int, root: Path) -> dict:
         attacker = WorkerClient(orch.url, Ed25519PrivateKey.generate(), timeout_s=600, local_address="127.0.0.3")
         attacker.register("flood")
         lease = attacker.lease(0)["lease"]
-        sub = hostile_submission(lease, tok, hidden)
+        sub = hostile_submission(lease, tok, hidden, env)
         before = grading_seconds(orch.url)
         t0 = time.monotonic()
         try:
@@ -155,8 +160,8 @@ def probe(code: Path, tokens: int, root: Path) -> dict:
                 "accepted": len(reply["accepted"]),
                 "rejected": sorted({r["reason"] for r in reply["rejected"]}),
             }
-        except (Refused, Unavailable) as e:
-            answer = {"refused": str(e)[:120]}
+        except (Refused, Unavailable, httpx.HTTPError) as e:
+            answer = {"refused": f"{type(e).__name__}: {str(e)[:80]}"}
         t1 = time.monotonic()
         time.sleep(0.5)
         status.close()
@@ -179,6 +184,7 @@ def probe(code: Path, tokens: int, root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768", help="completion lengths to probe, comma-separated")
+    ap.add_argument("--env", default="calculator", choices=sorted(UNITS), help="whose episodes to flood")
     ap.add_argument("--before", default=None, help="a git ref to probe first (a worktree of it), e.g. HEAD~1")
     args = ap.parse_args()
     random.seed(0)
@@ -200,7 +206,7 @@ def main() -> None:
             )
             for name, code in codes:
                 for n in (int(x) for x in args.tokens.split(",")):
-                    r = probe(code, n, Path(tmp) / name.split()[0])
+                    r = probe(code, n, Path(tmp) / name.split()[0], args.env)
                     print(
                         f"{name} | {n} | {r['episodes']} | {r['submit_s']:.1f} | {r['answer']} | "
                         f"{r['charged_s']:.1f} | "
