@@ -97,8 +97,11 @@ class Relay:
         )
         self.scores = SourceScores()
         self._stop = threading.Event()
-        self.mirroring: set[int] = set()  # versions being mirrored now, listed as "incoming"
-        self.server.incoming = lambda: set(self.mirroring)
+        # Versions being mirrored now -> bytes of them written so far, listed by GET /versions as
+        # "incoming" with their "progress": workers wait for a copy only while its bytes grow.
+        self.mirroring: dict[int, int] = {}
+        self._mirroring_lock = threading.Lock()  # the download threads add to it
+        self.server.incoming = self._incoming
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None  # the latest problem: an outage, or a version skipped
         # (upstream, version) -> (failures so far, monotonic time before which it is not asked again)
@@ -108,6 +111,18 @@ class Relay:
     @property
     def url(self) -> str:
         return self.server.url
+
+    def _incoming(self) -> dict[int, int]:
+        with self._mirroring_lock:
+            return dict(self.mirroring)
+
+    def _progress(self, v: int):
+        def add(n: int) -> None:
+            with self._mirroring_lock:
+                if v in self.mirroring:
+                    self.mirroring[v] += n
+
+        return add
 
     def advertised(self) -> dict[str, set[int]]:
         """The versions each answering upstream lists; BroadcastError naming every upstream if none answers."""
@@ -176,7 +191,8 @@ class Relay:
         if not sources:
             return False
         t0 = time.monotonic()
-        self.mirroring.add(v)
+        with self._mirroring_lock:
+            self.mirroring[v] = 0
         try:
             mirror_version(
                 v,
@@ -187,6 +203,7 @@ class Relay:
                 parallel=self.parallel,
                 timeout_s=self.timeout_s,
                 log=self.log,
+                progress=self._progress(v),
             )
         except BroadcastError as e:
             for u in sources:
@@ -197,7 +214,8 @@ class Relay:
             self._skip(v, sources, str(e))
             return False
         finally:
-            self.mirroring.discard(v)
+            with self._mirroring_lock:
+                self.mirroring.pop(v, None)
         self.log(f"relay: mirrored {version_name(v)} in {time.monotonic() - t0:.2f} s")
         self.skipped.pop(v, None)
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -375,3 +377,147 @@ def test_workers_wait_briefly_for_a_relay_instead_of_going_to_the_origin(tmp_pat
         )
         assert same_files(folder, model) and 1.0 <= time.monotonic() - t0 < 20
         assert scores.snapshot()[origin.url.rstrip("/")]["successes"] > 0
+
+
+# ---- relays that lie about what they are bringing ------------------------------------------------
+
+
+class LyingHandler(ShardRequestHandler):
+    """A relay that lists versions up to `upto` as incoming (with a progress figure that never
+    grows when `figure` is set) and answers 404 to every manifest, shard and patch of them;
+    versions up to `serves` (inclusive) it serves honestly, from its root."""
+
+    upto, serves, figure = 0, -1, None
+
+    def do_GET(self):
+        if self.path == "/versions":
+            listing = {
+                "versions": list(range(self.serves + 1)),
+                "incoming": list(range(self.serves + 1, self.upto + 1)),
+            }
+            if self.figure is not None:
+                listing["progress"] = {str(v): self.figure for v in listing["incoming"]}
+            return self._send_small(200, json.dumps(listing).encode(), "application/json", True)
+        m = re.match(r"/v([0-9]{6})/", self.path)
+        if m is None or int(m.group(1)) > self.serves:
+            return self._not_found(True)
+        return super().do_GET()
+
+
+def lying_relay(root: Path, *, upto: int, serves: int = -1, figure: int | None = None) -> ShardServer:
+    handler = type("Liar", (LyingHandler,), {"upto": upto, "serves": serves, "figure": figure})
+    root.mkdir(parents=True, exist_ok=True)
+    server = ShardServer(root)
+    server.handler_class = handler
+    return server
+
+
+def test_a_relay_listing_a_version_as_incoming_and_serving_nothing_does_not_hold_a_worker(tmp_path):
+    """The hostile review: a relay that answers 404 to everything but lists the version as
+    incoming held a worker for relay_wait_max_s (120 s by default) before it asked the origin.
+    It gives no progress figure and never delivered to this worker: not waited for beyond
+    relay_wait_s. (Fails on the code before the fix: it waits the whole relay_wait_max_s.)"""
+    model = fake_model(tmp_path / "model")
+    publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+    wait_s, max_wait_s = 0.3, 30.0
+    with ShardServer(tmp_path / "origin") as origin, lying_relay(tmp_path / "liar", upto=1) as liar:
+        assert json.loads(urlopen(liar.url + "/versions").read()) == {"versions": [], "incoming": [0, 1]}
+        scores = SourceScores()
+        t0 = time.monotonic()
+        folder = fetch_version(
+            1,
+            [liar.url, origin.url],
+            tmp_path / "client",
+            public_key=PUB,
+            scores=scores,
+            relay_wait_s=wait_s,
+            relay_wait_max_s=max_wait_s,
+        )
+        took = time.monotonic() - t0
+        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
+    assert same_files(folder, model)
+    assert from_origin > 0
+    # Not believed at all: relay_wait_s and the download, far below even one stall window (10 s).
+    assert took < wait_s + 5.0, took
+
+
+@pytest.mark.parametrize("kind", ["figure-never-grows", "delivered-before-no-figure"])
+def test_a_relay_whose_incoming_copy_makes_no_progress_is_dropped_after_the_stall_window(tmp_path, kind):
+    """A relay that gives a progress figure, or has delivered to this worker before, is believed
+    for one stall window; its copy never growing, it is dropped then and the origin serves: the
+    worker's wait is relay_wait_s + relay_stall_s, not relay_wait_max_s."""
+    model = fake_model(tmp_path / "model")
+    for v in (0, 1):
+        publish_version(model, tmp_path / "origin", v, key=KEY, shard_size=64 << 10)
+    shutil.copytree(tmp_path / "origin", tmp_path / "liar")  # it holds v0 (and v1, which it hides)
+    wait_s, stall_s, max_wait_s = 0.3, 1.0, 30.0
+    liar = lying_relay(tmp_path / "liar", upto=1, serves=0, figure=4096 if kind == "figure-never-grows" else None)
+    scores = SourceScores()
+    with ShardServer(tmp_path / "origin") as origin, liar:
+        if kind == "delivered-before-no-figure":
+            fetch_version(0, [liar.url], tmp_path / "client", public_key=PUB, scores=scores)
+            assert scores.delivered(liar.url)
+        t0 = time.monotonic()
+        folder = fetch_version(
+            1,
+            [liar.url, origin.url],
+            tmp_path / "client",
+            public_key=PUB,
+            scores=scores,
+            relay_wait_s=wait_s,
+            relay_wait_max_s=max_wait_s,
+            relay_stall_s=stall_s,
+            patches=False,
+        )
+        took = time.monotonic() - t0
+        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
+    assert same_files(folder, model)
+    assert from_origin > 0
+    assert wait_s + stall_s - 0.1 <= took < wait_s + stall_s + 4.0, took
+
+
+def test_a_relay_mirroring_over_a_slow_link_reports_growing_progress_and_is_waited_for(tmp_path):
+    """The honest case the wait is for: a relay mirroring a version over a capped link takes
+    longer than relay_wait_s + relay_stall_s, but its /versions shows the bytes it holds growing,
+    so the worker waits for it and takes the version from it, not from the origin."""
+    model = fake_model(tmp_path / "model", kib=1536)
+    (tmp_path / "origin").mkdir()
+    figures: list[int] = []
+    with ShardServer(tmp_path / "origin", max_bytes_per_s=512 << 10) as origin:
+        with Relay([origin.url], tmp_path / "relay", public_key=PUB, poll_s=0.1, log=lambda *_: None) as relay:
+            stop = threading.Event()
+
+            def watch():
+                while not stop.is_set():
+                    listing = json.loads(urlopen(relay.url + "/versions").read())
+                    if 1 in listing["incoming"]:
+                        figures.append(listing["progress"]["1"])
+                    time.sleep(0.1)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+            scores = SourceScores()
+            t0 = time.monotonic()
+            try:
+                folder = fetch_version(
+                    1,
+                    [relay.url, origin.url],
+                    tmp_path / "client",
+                    public_key=PUB,
+                    scores=scores,
+                    relay_wait_s=0.3,
+                    relay_stall_s=1.0,
+                    relay_wait_max_s=60,
+                )
+            finally:
+                stop.set()
+                watcher.join()
+            took = time.monotonic() - t0
+            relay_url, origin_url = relay.url.rstrip("/"), origin.url.rstrip("/")
+    assert same_files(folder, model)
+    assert took > 0.3 + 1.0, took  # the mirror outlasted one stall window: progress kept the worker waiting
+    snap = scores.snapshot()
+    assert snap[relay_url]["successes"] > 0, snap
+    assert origin_url not in snap or snap[origin_url]["successes"] == 0, snap
+    assert len(set(figures)) >= 3 and figures == sorted(figures), figures

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zlib
@@ -13,10 +14,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import save
 
 from swarmrl.protocol.patch import (
+    CHUNK,
     MAGIC,
     PatchError,
     apply_patch,
     encode_patch,
+    patch_chunks,
     patch_files,
     sign_descriptor,
     verify_descriptor,
@@ -198,3 +201,105 @@ def test_the_descriptor_is_signed_and_names_the_content():
         verify_descriptor(d, pub, other)
     with pytest.raises(PatchError, match="names version"):
         verify_descriptor(d, pub, {**manifest, "version": 6})
+
+
+# ---- streaming (patch_chunks): what an install runs -----------------------------------------------
+
+
+def stream(blob: bytes, old: dict[str, bytes], want: dict[str, tuple[int, str | None]], chunk: int = CHUNK, reads=None):
+    """patch_chunks over in-memory bytes: the files rebuilt, and the largest piece seen."""
+    reads = [] if reads is None else reads
+
+    def read_patch(offset: int, n: int) -> bytes:
+        reads.append((offset, n))
+        return blob[offset : offset + n]
+
+    out: dict[str, bytearray] = {}
+    largest = 0
+    for name, piece in patch_chunks(
+        read_patch,
+        len(blob),
+        want,
+        lambda name: len(old[name]) if name in old else None,
+        lambda name, offset, n: old[name][offset : offset + n],
+        chunk=chunk,
+    ):
+        out.setdefault(name, bytearray())
+        if piece is not None:
+            out[name] += piece
+            largest = max(largest, len(piece))
+    return {k: bytes(v) for k, v in out.items()}, largest
+
+
+def signed(files: dict[str, bytes]) -> dict[str, tuple[int, str | None]]:
+    return {k: (len(v), hashlib.sha256(v).hexdigest()) for k, v in files.items()}
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 4096, CHUNK])
+def test_streaming_rebuilds_every_op_bit_exactly_in_pieces_of_at_most_a_chunk(chunk):
+    """Sparse, XOR, same and full, over windows and position batches of every size: small chunks
+    cut the spans, the changed positions and the compressed sections at many places."""
+    w0, f32 = weights(), weights(dtype=torch.float32)
+    old = {"config.json": b'{"a": 1}', "model.safetensors": save(w0), "f32.safetensors": save(f32)}
+    new = {
+        "config.json": b'{"a": 1}',
+        "model.safetensors": save(step(w0, lr=1e-5)),  # sparse
+        "f32.safetensors": save(step(f32, lr=1e-5)),  # xor
+        "tokenizer.json": b'{"vocab": {}}' * 50,  # full
+    }
+    blob = encode_patch(new, new.__getitem__, old.get)
+    assert {f["op"] for f in patch_files(blob)} == {"same", "spans", "full"}
+    assert {s[2] for f in patch_files(blob) if f["op"] == "spans" for s in f["spans"]} == {"same", "sparse", "xor"}
+    got, largest = stream(blob, old, signed(new), chunk=chunk)
+    assert got == new and largest <= chunk
+
+
+def test_a_declared_size_other_than_the_manifests_is_refused_before_any_section_is_read():
+    old, new, blob = sparse_patch()
+    files = signed(new)
+    (n,) = struct.unpack("<I", blob[8:12])
+    for edit, match in [
+        (lambda fs: fs[0].update(op="full", size=64 << 20, z=len(blob) - 12 - n), "the signed manifest says"),
+        (lambda fs: fs[0].update(op="full", size=2**63, z=len(blob) - 12 - n), "the signed manifest says"),
+        (lambda fs: fs[0].update(size=fs[0]["size"] + 2), "the base's has"),
+    ]:
+        forged = with_header(blob, edit)
+        (m,) = struct.unpack("<I", forged[8:12])
+        reads: list[tuple[int, int]] = []
+        with pytest.raises(PatchError, match=match):
+            stream(forged, old, files, reads=reads)
+        assert all(offset + k <= 12 + m for offset, k in reads), reads  # the header only
+    with pytest.raises(PatchError, match="does not list"):
+        stream(blob, old, {"other.bin": (1, None)})
+    with pytest.raises(PatchError, match="does not match the signed manifest"):
+        stream(blob, old, {"model.safetensors": (files["model.safetensors"][0], "0" * 64)})
+
+
+HOSTILE = [2**63, 2**64 + 1, -1, 0, 1.5, 1e308, True, None, "x", [], [[1]], {}, {"a": 1}]
+
+
+def test_any_hostile_value_anywhere_in_the_header_is_a_patch_error():
+    """Every field of every file and span, set to every hostile value: PatchError, and nothing else
+    (an OverflowError, TypeError or struct.error escaped the fall-back to the shards before)."""
+    old, new, blob = sparse_patch()
+    files = signed(new)
+    spans = patch_files(blob)[0]["spans"]
+    tried = 0
+    for key in ["op", "size", "spans", "name"]:
+        for value in HOSTILE:
+            forged = with_header(blob, lambda fs, k=key, v=value: fs[0].__setitem__(k, v))
+            with pytest.raises(PatchError):
+                stream(forged, old, files)
+            tried += 1
+    for i, span in enumerate(spans):
+        for j in range(len(span) + 1):
+            for value in HOSTILE:
+
+                def edit(fs, i=i, j=j, v=value):
+                    s = fs[0]["spans"][i]
+                    s[j:] = [v, *s[j + 1 :]]
+
+                with pytest.raises(PatchError):
+                    stream(with_header(blob, edit), old, files)
+                tried += 1
+    assert tried > 100

@@ -84,6 +84,12 @@ class SourceScores:
             e["last_error"] = reason
             e["penalized_until"] = time.monotonic() + self.penalty_s * min(2 ** (e["strikes"] - 1), 32)
 
+    def delivered(self, url: str) -> bool:
+        """Whether `url` has served this process a verified shard or patch."""
+        with self._lock:
+            e = self._s.get(url.rstrip("/"))
+            return e is not None and e["successes"] > 0
+
     def _score(self, e: dict | None, now: float) -> float:
         if e is None:
             return math.inf
@@ -119,8 +125,9 @@ def _connect(source: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
     return cls(u.hostname, u.port, timeout=timeout_s), u.path.rstrip("/")
 
 
-def get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
-    """GET source+path, 200 only, body at most `limit` bytes; SourceFailure otherwise."""
+def _get(source: str, path: str, timeout_s: float, limit: int, sink) -> int:
+    """GET source+path, 200 only, body at most `limit` bytes passed to `sink` a chunk at a time;
+    the body's length. SourceFailure for anything the source did wrong."""
     conn, prefix = _connect(source, timeout_s)
     try:
         t0 = time.monotonic()
@@ -137,24 +144,51 @@ def get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
         if announced is not None and announced > limit:
             raise SourceFailure(f"answer of {announced} bytes is larger than the {limit} allowed")
         deadline = t0 + timeout_s + (announced or limit) / MIN_RATE
-        body = bytearray()
+        got = 0
         while True:
             try:
-                chunk = resp.read(min(CHUNK, limit + 1 - len(body)))
+                chunk = resp.read(min(CHUNK, limit + 1 - got))
             except (OSError, http.client.HTTPException) as e:
-                raise SourceFailure(f"connection lost after {len(body)} bytes ({e!r})") from e
+                raise SourceFailure(f"connection lost after {got} bytes ({e!r})") from e
             if not chunk:
                 break
-            body += chunk
-            if len(body) > limit:
+            got += len(chunk)
+            if got > limit:
                 raise SourceFailure(f"answer larger than the {limit} bytes allowed")
+            sink(chunk)
             if time.monotonic() > deadline:
-                raise SourceFailure(f"too slow: {len(body)} bytes in {time.monotonic() - t0:.1f} s")
-        if announced is not None and len(body) != announced:
-            raise SourceFailure(f"transfer ended after {len(body)} of {announced} bytes")
-        return bytes(body)
+                raise SourceFailure(f"too slow: {got} bytes in {time.monotonic() - t0:.1f} s")
+        if announced is not None and got != announced:
+            raise SourceFailure(f"transfer ended after {got} of {announced} bytes")
+        return got
     finally:
         conn.close()
+
+
+def get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
+    """GET source+path, 200 only, body at most `limit` bytes; SourceFailure otherwise."""
+    body = bytearray()
+    _get(source, path, timeout_s, limit, body.extend)
+    return bytes(body)
+
+
+def get_file(source: str, path: str, timeout_s: float, size: int, dest: Path, progress=None) -> str:
+    """GET source+path into the file `dest` (replaced), a chunk at a time: exactly `size` bytes
+    (SourceFailure, corrupt, for fewer), 200 only. The body's sha256 hex, computed on the way.
+    `progress(n)` is called with each chunk's length; OSError when `dest` cannot be written."""
+    h = hashlib.sha256()
+    with open(dest, "wb") as f:
+
+        def sink(chunk: bytes) -> None:
+            f.write(chunk)
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+
+        got = _get(source, path, timeout_s, size, sink)
+    if got != size:
+        raise SourceFailure(f"{path}: {got} bytes, the signed size is {size}", corrupt=True)
+    return h.hexdigest()
 
 
 def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
@@ -184,15 +218,27 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     return sorted({v for v in versions if is_int(v) and 0 <= v <= 999_999})
 
 
-def incoming(source: str, timeout_s: float = 10.0) -> set[int]:
-    """The versions `source` says it is mirroring now (GET /versions, "incoming"; empty for a
-    source that does not say, or does not answer)."""
+def incoming(source: str, timeout_s: float = 10.0) -> dict[int, int | None]:
+    """The versions `source` says it is mirroring now (GET /versions, "incoming"), each with the
+    bytes of it the source says it holds so far ("progress", by version as a string; None where
+    it gives no figure, as relays before this one did). Empty for a source that does not say, or
+    does not answer. Claims only: a worker waits for them while the figures grow
+    (install._prefer_relays)."""
     try:
         data = json.loads(get_small(source, "/versions", timeout_s, 16 << 20))
     except (SourceFailure, ValueError):
-        return set()
+        return {}
     listed = data.get("incoming") if isinstance(data, dict) else None
-    return {v for v in listed if is_int(v) and 0 <= v <= 999_999} if isinstance(listed, list) else set()
+    if not isinstance(listed, list):
+        return {}
+    figures = data.get("progress")
+    figures = figures if isinstance(figures, dict) else {}
+    out: dict[int, int | None] = {}
+    for v in listed:
+        if is_int(v) and 0 <= v <= 999_999:
+            n = figures.get(str(v))
+            out[v] = n if is_int(n) and n >= 0 else None
+    return out
 
 
 def fetch_manifest(
@@ -243,10 +289,11 @@ def fetch_manifest(
 
 
 def _download_shard(
-    src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path, timeout_s: float
+    src: str, vname: str, index: int, size: int, digest: str, part: Path, final: Path, timeout_s: float, progress=None
 ) -> int:
     """One attempt at one shard from one source, resuming `part` with a Range request.
-    Returns the bytes transferred; SourceFailure (source's fault) or BroadcastError (local)."""
+    Returns the bytes transferred; SourceFailure (source's fault) or BroadcastError (local).
+    `progress(n)`, if given, is called with each chunk's length as it is written."""
     have, h = 0, hashlib.sha256()
     if part.exists():
         try:
@@ -321,6 +368,8 @@ def _download_shard(
                     raise BroadcastError(f"fetching {vname} {what}: cannot write {part}: {e}; check free space") from e
                 h.update(chunk)
                 got += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
                 if time.monotonic() > deadline:
                     raise SourceFailure(
                         f"{what}: too slow ({have + got} of {size} bytes after {time.monotonic() - t0:.1f} s)"
@@ -352,9 +401,12 @@ def download_shards(
     timeout_s: float = 10.0,
     tries_per_shard: int | None = None,
     log=lambda msg: None,
+    progress=None,
 ) -> None:
     """Fetch every shard of `manifest` (verified by the caller) into shard_dir/NNNNN, each checked
-    against its sha256; see the module doc. BroadcastError after `tries_per_shard` failures of one shard."""
+    against its sha256; see the module doc. BroadcastError after `tries_per_shard` failures of one
+    shard. `progress(n)` is called (from the download threads) with the length of each chunk
+    written: a relay reports the sum to its clients as it mirrors."""
     where = describe_manifest(manifest, None)
     check_manifest_shape(manifest, where)
     vname = version_name(manifest["version"])
@@ -407,7 +459,7 @@ def download_shards(
             src = min(ranked, key=lambda u: (failed.get(u, 0), ranked.index(u)))
             t0 = time.monotonic()
             try:
-                n = _download_shard(src, vname, i, s["size"], s["sha256"], part, final, timeout_s)
+                n = _download_shard(src, vname, i, s["size"], s["sha256"], part, final, timeout_s, progress)
             except SourceFailure as e:
                 failed[src] = failed.get(src, 0) + 1
                 last_error[src] = str(e)

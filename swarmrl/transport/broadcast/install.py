@@ -87,9 +87,11 @@ def _mirror(
     log,
     tries_per_shard: int | None = None,
     build=None,
+    progress=None,
 ) -> dict:
     """Download `manifest`'s shards into root/vNNNNNN (resuming a partial copy), or, with `build`,
-    call build(tmp) to write them and anything else the folder should hold, then rename it in."""
+    call build(tmp) to write them and anything else the folder should hold, then rename it in.
+    `progress(n)`: see download_shards."""
     vname = version_name(version)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
@@ -108,6 +110,7 @@ def _mirror(
                 timeout_s=timeout_s,
                 log=log,
                 tries_per_shard=tries_per_shard,
+                progress=progress,
             )
         else:
             build(tmp)
@@ -157,6 +160,7 @@ def mirror_version(
     log=lambda msg: None,
     expected_digest: str | None = None,
     patches: bool = True,
+    progress=None,
 ) -> dict:
     """Mirror `version` from `sources` into root/vNNNNNN (the origin's layout, so a ShardServer on
     `root` serves it: relays chain). The manifest must verify against `public_key` (the trainer's;
@@ -164,7 +168,10 @@ def mirror_version(
     next call to resume. Returns the manifest; a complete copy already there is returned at once
     if it still verifies (unless `expected_digest` is given and it differs: then it is replaced).
     With `patches`, a version published with a patch is rebuilt from the version before it when
-    that is held here (patches.py), and its patch is kept to be served on either way."""
+    that is held here (patches.py), and its patch is kept to be served on either way.
+    `progress(n)` is called, from the download threads too, with the length of every chunk of
+    the version written here (shards, patch, rebuilt shards): a relay lists the sum in GET
+    /versions so that its clients can tell a copy coming in from a claim (_prefer_relays)."""
     check_version(version)
     vname = version_name(version)
     # A mirror of an unsigned version would be served on to clients that then refuse it (or,
@@ -192,11 +199,16 @@ def mirror_version(
         version, scores.order(sources), public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
     )
     kw = dict(scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
-    if patches:
-        # Holding the version before it, a relay fetches the patch and rebuilds the shards;
-        # otherwise the shards, and then the patch anyway, to serve it on to its clients.
-        base = held_base(root, version, "manifest.json")
-        got = fetch_patch(
+    if not patches:
+        return _mirror(version, manifest, sources, root, progress=progress, **kw)
+    # Holding the version before it, a relay fetches the patch and rebuilds the shards; otherwise
+    # the shards, and then the patch anyway, to serve it on to its clients. All of it inside the
+    # temp folder that becomes the version's, so the patch goes to disk as it arrives.
+    base = held_base(root, version, "manifest.json")
+
+    def build(tmp: Path) -> None:
+        shards = tmp / "shards"
+        d = fetch_patch(
             manifest,
             base[1] if base else None,
             scores.order(sources),
@@ -204,39 +216,31 @@ def mirror_version(
             public_key=public_key,
             timeout_s=timeout_s,
             log=log,
+            dest=tmp / PATCH_BIN,
+            progress=progress,
         )
-        if got is not None and base is not None:
+        if d is not None and base is not None:
+            _clear(shards)  # a partial download of this version: not needed now
             try:
-                return _mirror(version, manifest, sources, root, build=_patched_shards(got, base, manifest), **kw)
-            except BroadcastError as e:  # PatchError, or the disk (_mirror says which)
-                log(f"{vname}: the patch did not rebuild it ({e}); fetching its shards")
-        elif got is not None:
-            return _mirror(version, manifest, sources, root, build=_with_patch(got, manifest, sources, kw), **kw)
-    return _mirror(version, manifest, sources, root, **kw)
+                rebuild_shards(tmp / PATCH_BIN, base[0], base[1], manifest, shards, progress)
+                (tmp / PATCH_JSON).write_bytes(json.dumps(d, sort_keys=True).encode())
+                return
+            except Exception as e:  # noqa: BLE001 - a patch is only a shortcut: any failure means the shards
+                log(f"{vname}: the patch did not rebuild it ({type(e).__name__}: {e}); fetching its shards")
+                _clear(shards)
+                d = None  # not served on either: it did not rebuild here
+        download_shards(manifest, sources, shards, progress=progress, **kw)
+        if d is None:
+            (tmp / PATCH_BIN).unlink(missing_ok=True)  # none, or a partial one of an earlier try
+        else:
+            (tmp / PATCH_JSON).write_bytes(json.dumps(d, sort_keys=True).encode())
+
+    return _mirror(version, manifest, sources, root, build=build, **kw)
 
 
-def _write_patch(folder: Path, got: tuple[dict, bytes]) -> None:
-    (folder / PATCH_BIN).write_bytes(got[1])
-    (folder / PATCH_JSON).write_bytes(json.dumps(got[0], sort_keys=True).encode())
-
-
-def _patched_shards(got: tuple[dict, bytes], base: tuple[Path, dict], manifest: dict):
-    def build(tmp: Path) -> None:
-        shards = tmp / "shards"
-        for p in shards.iterdir():  # a partial download of this version: not needed now
-            p.unlink()
-        rebuild_shards(got[1], base[0], base[1], manifest, shards)
-        _write_patch(tmp, got)
-
-    return build
-
-
-def _with_patch(got: tuple[dict, bytes], manifest: dict, sources: list[str], kw: dict):
-    def build(tmp: Path) -> None:
-        download_shards(manifest, sources, tmp / "shards", **kw)
-        _write_patch(tmp, got)
-
-    return build
+def _clear(folder: Path) -> None:
+    for p in folder.iterdir():
+        p.unlink()
 
 
 def _listing(folder: Path) -> list[Path]:
@@ -309,6 +313,45 @@ def _copy_range(src, dst, offset: int, n: int) -> None:
         n -= len(chunk)
 
 
+RELAY_STALL_S = 10.0  # see fetch_version's relay_stall_s
+
+
+def relay_window(
+    seen: dict[int, int] | None,
+    until: float,
+    listed: dict[int, int | None],
+    *,
+    version: int,
+    now: float,
+    stall_s: float,
+    delivered: bool,
+) -> tuple[dict[int, int], float] | None:
+    """One poll of a relay's "incoming" list while a worker waits for `version`: the relay's new
+    (figures seen, time until which it is waited for), or None while it has listed no copy of
+    `version` or older.
+
+    `seen` (None before such a listing) holds the largest progress figure seen per version, and
+    `until` when the relay stops being waited for unless its copy shows progress. Relays are
+    untrusted and "incoming" costs them nothing to say, so it is believed only while it shows
+    progress: each poll on which a figure grows moves `until` to now + stall_s. The first listing
+    opens a window of stall_s if the relay gives a figure (a relay of this release) or has
+    delivered to this worker before (relays of older releases give none); otherwise the relay is
+    not waited for at all. A relay past its window stays dropped for the rest of the wait (the
+    caller stops polling it), so listing, unlisting and relisting does not restart its clock."""
+    mine = {v: n for v, n in listed.items() if v <= version}
+    if seen is None:
+        if not mine:
+            return None
+        figures = {v: n for v, n in mine.items() if n is not None}
+        return figures, now + stall_s if figures or delivered else now
+    grew = False
+    figures = dict(seen)
+    for v, n in mine.items():
+        if n is not None and n > figures.get(v, 0):
+            figures[v], grew = n, True
+    return figures, (now + stall_s if grew else until)
+
+
 def _prefer_relays(
     version: int,
     sources: list[str],
@@ -319,24 +362,28 @@ def _prefer_relays(
     expected_digest: str | None,
     wait_s: float,
     max_wait_s: float,
+    stall_s: float,
 ) -> tuple[dict, list[str]]:
     """(the manifest, the sources to download its shards from), relays first.
 
     `sources` is [relays..., origin]. A worker learns of a version from its lease as soon as the
     trainer publishes it, usually before the relays have mirrored it (they poll every 0.5 s), and
     went straight to the origin: in hand-started runs 36 of 37 downloads came from it (issue 18).
-    So the relays are asked again for up to `wait_s` before the origin is, and for up to
-    `max_wait_s` while a relay lists this version or an older one as incoming (it is mirroring
-    them: over a narrow link that takes longer than `wait_s`, and fetching from the origin too
-    would load that link twice). When a relay has the version, its shards come from the relays, the
-    origin only if they all fail."""
+    So the relays are asked again for up to `wait_s` before the origin is, and then, up to
+    `max_wait_s` in all, while a relay lists this version or an older one as incoming and its copy
+    grows (it is mirroring them: over a narrow link that takes longer than `wait_s`, and fetching
+    from the origin too would load that link twice). Each relay is waited for only while its
+    progress figures grow within `stall_s` (relay_window): a relay that lists versions as
+    incoming and never brings them costs a worker `wait_s` (+ `stall_s` if it gives a figure or
+    delivered before), not `max_wait_s`. When a relay has the version, its shards come from the
+    relays, the origin only if they all fail."""
     if len(sources) < 2:
         return fetch_manifest(
             version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
         ), sources
     relays = sources[:-1]
     start = time.monotonic()
-    deadline = start + wait_s
+    windows: dict[str, tuple[dict[int, int], float]] = {}
     while True:
         try:
             manifest = fetch_manifest(
@@ -350,16 +397,30 @@ def _prefer_relays(
         except BroadcastError as e:
             # Wait only while every relay says "not here yet" (404); a relay that is down, slow or
             # lying is no reason to wait: the others and the origin are tried at once.
-            not_yet = str(e).count("HTTP 404") >= len(relays)
-            now = time.monotonic()
-            if not_yet and deadline <= now < start + max_wait_s:
-                # A relay bringing this version, or an older one first, over its link: the same link a
-                # fetch from the origin would load, so waiting for it is the faster way.
-                if any(v <= version for r in relays for v in incoming(r, timeout_s)):
-                    deadline = min(now + wait_s, start + max_wait_s)
-            if not not_yet or time.monotonic() >= deadline:
+            if str(e).count("HTTP 404") < len(relays):
                 break
-            time.sleep(0.25)
+        now = time.monotonic()
+        if now >= start + max_wait_s:
+            break
+        if now >= start + wait_s:
+            for r in relays:
+                if r in windows and windows[r][1] <= now:
+                    continue  # dropped: its copy showed no progress for stall_s
+                seen, until = windows.get(r, (None, 0.0))
+                w = relay_window(
+                    seen,
+                    until,
+                    incoming(r, timeout_s),
+                    version=version,
+                    now=now,
+                    stall_s=stall_s,
+                    delivered=scores.delivered(r),
+                )
+                if w is not None:
+                    windows[r] = w
+            if not any(until > now for _, until in windows.values()):
+                break
+        time.sleep(0.25)
     return fetch_manifest(
         version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
     ), sources
@@ -379,6 +440,7 @@ def fetch_version(
     expected_digest: str | None = None,
     relay_wait_s: float = 5.0,
     relay_wait_max_s: float = 120.0,
+    relay_stall_s: float = RELAY_STALL_S,
     patches: bool = True,
 ) -> Path:
     """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
@@ -391,8 +453,10 @@ def fetch_version(
     A folder already there with the manifest's file hashes is returned without downloading.
     `expected_digest` (manifest_digest of the manifest the orchestrator announced) skips sources
     holding another publication of the same version number. The last source is the origin: it
-    is used only when no relay has the version after `relay_wait_s`, or `relay_wait_max_s` while a
-    relay says it is mirroring it (`_prefer_relays`). With
+    is used only when no relay has the version after `relay_wait_s`, or, up to `relay_wait_max_s`
+    in all, while a relay lists it (or an older one) as incoming and the bytes it reports for them
+    grow at least once every `relay_stall_s` (`_prefer_relays`; 10 s by default, above the 8 s a
+    256 KiB chunk takes at the slowest rate a source is allowed, MIN_RATE). With
     `patches`, a version published with a patch is rebuilt from the version before it when that
     is held here, the full download being the fallback for every failure (patches.py)."""
     check_version(version)
@@ -442,6 +506,7 @@ def fetch_version(
         expected_digest=expected_digest,
         wait_s=relay_wait_s,
         max_wait_s=relay_wait_max_s,
+        stall_s=relay_stall_s,
     )
     if dest.is_dir() and _folder_matches(dest, manifest):
         try:
@@ -547,31 +612,34 @@ def _from_patch(
     base = held_base(dest_root, version, INSTALLED_MANIFEST)
     if base is None:
         return False
-    got = fetch_patch(
-        manifest,
-        base[1],
-        sources,
-        scores,
-        public_key=public_key,
-        timeout_s=timeout_s,
-        log=log,
-        last_resort=last_resort,
-    )
-    if got is None:
-        return False
     tmp = dest_root / temp_name("tmp", vname)
+    patch = tmp / ".patch.bin"  # a dotfile: not one of the version's files (flat, plain names)
     try:
         tmp.mkdir()
-        rebuild_folder(got[1], base[0], base[1], manifest, tmp)
+        d = fetch_patch(
+            manifest,
+            base[1],
+            sources,
+            scores,
+            public_key=public_key,
+            timeout_s=timeout_s,
+            log=log,
+            dest=patch,
+            last_resort=last_resort,
+        )
+        if d is None:
+            return False
+        rebuild_folder(patch, base[0], base[1], manifest, tmp)
+        patch.unlink()
         _put_in_place(tmp, dest_root / vname, manifest)
-    except (BroadcastError, OSError) as e:
-        log(f"{vname}: the patch did not rebuild it ({e}); fetching its shards")
+    except Exception as e:  # noqa: BLE001 - a patch is only a shortcut: any failure means the shards
+        log(f"{vname}: the patch did not rebuild it ({type(e).__name__}: {e}); fetching its shards")
         return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(
-        f"{vname}: installed from {version_name(base[1]['version'])} and a patch of {len(got[1])} bytes "
-        f"({len(got[1]) / max(manifest['total_size'], 1):.1%} of the version)"
+        f"{vname}: installed from {version_name(base[1]['version'])} and a patch of {d['size']} bytes "
+        f"({d['size'] / max(manifest['total_size'], 1):.1%} of the version)"
     )
     return True
 

@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -77,8 +78,10 @@ class ShardRequestHandler(BaseHTTPRequestHandler):
         try:
             path = self.path
             if path == "/versions":
-                owner = self.server.owner
-                listing = {"versions": read_versions(self.server.root), "incoming": sorted(owner.incoming())}
+                incoming = self.server.owner.incoming()
+                listing: dict = {"versions": read_versions(self.server.root), "incoming": sorted(incoming)}
+                if isinstance(incoming, Mapping):  # a relay: how much of each it holds so far
+                    listing["progress"] = {str(v): int(n) for v, n in sorted(incoming.items())}
                 body = json.dumps(listing).encode()
                 return self._send_small(200, body, "application/json", send_body)
             if m := PATH_MANIFEST.fullmatch(path):
@@ -316,8 +319,10 @@ class ShardServer:
         self.max_bytes_per_s = max_bytes_per_s
         # The versions this server's owner is fetching now (a relay mirroring them), listed by GET
         # /versions as "incoming", so that clients wait for them rather than fetch them from
-        # further up over the same link. The origin has none.
-        self.incoming = lambda: ()
+        # further up over the same link. The origin has none. A callable returning the versions,
+        # or a mapping version -> bytes of it written so far, listed as "progress" ({"3": 1048576}:
+        # a key older clients ignore), without which clients do not wait long (_prefer_relays).
+        self.incoming: Callable[[], Iterable[int] | Mapping[int, int]] = lambda: ()
         self._lock = threading.Lock()
         self._active: dict[int, int] = {}
         self._last: dict[int, float] = {}

@@ -1,21 +1,24 @@
 """Patches on the wire and on disk: the origin writes root/vNNNNNN/patch.bin and its signed
 patch.json beside the shards (`publish_patch`); relays and clients holding the version before it
-fetch those two instead of the shards (`fetch_patch`), rebuild the files and check them against
-the signed manifest (`rebuild_folder` for a worker's HF folder, `rebuild_shards` for a relay's
-shard layout). Every failure here is a reason to download the full version, never a stop: the
-callers (install.py) fall back and log why."""
+fetch those two instead of the shards (`fetch_patch`, the patch written to disk as it arrives),
+rebuild the files and check them against the signed manifest (`rebuild_folder` for a worker's HF
+folder, `rebuild_shards` for a relay's shard layout), streamed a chunk at a time, so memory
+does not grow with the model. Every failure here is a reason to download the full version, never
+a stop: the callers (install.py) fall back and log why."""
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 from swarmrl.protocol.manifest import BroadcastError, content_digest, version_name
-from swarmrl.protocol.patch import PatchError, apply_patch, encode_patch, sign_descriptor, verify_descriptor
+from swarmrl.protocol.patch import PatchError, encode_patch, patch_chunks, sign_descriptor, verify_descriptor
 from swarmrl.transport.broadcast.common import ShardWriter, SourceFailure, atomic_write, load_manifest_file
-from swarmrl.transport.broadcast.download import get_small
+from swarmrl.transport.broadcast.download import get_file, get_small
 
 PATCH_BIN, PATCH_JSON = "patch.bin", "patch.json"
 MAX_DESCRIPTOR_BYTES = 64 << 10
@@ -63,14 +66,18 @@ def fetch_patch(
     public_key: str,
     timeout_s: float,
     log,
+    dest: Path,
     last_resort: str | None = None,
-) -> tuple[dict, bytes] | None:
-    """(descriptor, patch) from the first source, in the order given, whose descriptor is signed,
-    for `manifest` and (unless None: a relay that only passes it on) based on `base_manifest`'s
-    content, and whose patch has the descriptor's size and sha256. None when no source has one
+    progress=None,
+) -> dict | None:
+    """The descriptor of the patch now in the file `dest`, from the first source, in the order
+    given, whose descriptor is signed, for `manifest` and (unless None: a relay that only passes
+    it on) based on `base_manifest`'s content, and whose patch has the descriptor's size and
+    sha256 (written to disk as it arrives, never held in memory). None when no source has one
     (the version was published without a patch, or against another base). `last_resort` (the
     origin, for a worker whose relays hold the version) is asked only when a source failed
-    otherwise than by not having a patch: the relays mirror a version's patch with it."""
+    otherwise than by not having a patch: the relays mirror a version's patch with it.
+    `progress(n)` is called with each chunk's length (a relay's mirroring progress)."""
     vname = version_name(manifest["version"])
     failed = False
     for src in [*sources, last_resort]:
@@ -87,11 +94,10 @@ def fetch_patch(
             ):
                 return None  # a patch against another base: nothing to gain from other sources
             t0 = time.monotonic()
-            blob = get_small(src, f"/{vname}/{PATCH_BIN}", timeout_s, d["size"])
-            if len(blob) != d["size"] or hashlib.sha256(blob).hexdigest() != d["sha256"]:
+            if get_file(src, f"/{vname}/{PATCH_BIN}", timeout_s, d["size"], dest, progress) != d["sha256"]:
                 raise SourceFailure("patch.bin does not match its signed size and sha256", corrupt=True)
-            scores.good(src, len(blob), time.monotonic() - t0)
-            return d, blob
+            scores.good(src, d["size"], time.monotonic() - t0)
+            return d
         except PatchError as e:
             failed = True
             scores.bad(src, str(e), corrupt=True)
@@ -105,32 +111,48 @@ def fetch_patch(
     return None
 
 
-def _check(name: str, data: bytes, want: dict) -> None:
-    if name not in want:
-        raise PatchError(f"the patch writes {name!r}, which the signed manifest does not list")
-    if len(data) != want[name]["size"] or hashlib.sha256(data).hexdigest() != want[name]["sha256"]:
-        raise PatchError(f"{name!r} rebuilt from the patch does not match the signed manifest")
+def _want(manifest: dict) -> dict[str, tuple[int, str | None]]:
+    return {f["name"]: (f["size"], f["sha256"]) for f in manifest["files"]}
 
 
-def rebuild_folder(blob: bytes, base_dir: Path, base_manifest: dict, manifest: dict, out: Path) -> None:
-    """The new version's HF folder in `out`, from the base's folder and the patch, each file checked
-    against `manifest`'s size and sha256; PatchError otherwise."""
-    want = {f["name"]: f for f in manifest["files"]}
-    sizes = {f["name"]: f["size"] for f in base_manifest["files"]}
-    written = []
+def _reader(f) -> Callable[[int, int], bytes]:
+    fd = f.fileno()
+    return lambda offset, n: os.pread(fd, n, offset)
 
-    def read_base(name: str) -> bytes | None:
-        p = base_dir / name
-        return p.read_bytes() if name in sizes and p.is_file() else None
 
-    def write(name: str, data: bytes) -> None:
-        _check(name, data, want)
-        (out / name).write_bytes(data)
-        written.append(name)
+def rebuild_folder(patch: Path, base_dir: Path, base_manifest: dict, manifest: dict, out: Path) -> None:
+    """The new version's HF folder in `out`, from the base's folder and the patch file, streamed
+    (patch_chunks: every file written as it is rebuilt, its size and sha256 checked against
+    `manifest` on the way); PatchError otherwise, OSError for the disk."""
+    listed = {f["name"] for f in base_manifest["files"]}
+    with ExitStack() as stack:
+        bases: dict[str, Callable[[int, int], bytes] | None] = {}
 
-    apply_patch(blob, read_base, write)
-    if sorted(written) != sorted(want):
-        raise PatchError("the patch does not rebuild every file the signed manifest lists")
+        def base(name: str):
+            if name not in bases:
+                p = base_dir / name
+                bases[name] = _reader(stack.enter_context(open(p, "rb"))) if name in listed and p.is_file() else None
+            return bases[name]
+
+        def base_size(name: str) -> int | None:
+            return None if base(name) is None else (base_dir / name).stat().st_size
+
+        pf = stack.enter_context(open(patch, "rb"))
+        dst = None
+        try:
+            for name, piece in patch_chunks(
+                _reader(pf), os.fstat(pf.fileno()).st_size, _want(manifest), base_size, lambda n, o, k: base(n)(o, k)
+            ):
+                if dst is None:
+                    dst = open(out / name, "wb")
+                if piece is None:
+                    dst.close()
+                    dst = None
+                else:
+                    dst.write(piece)
+        finally:
+            if dst is not None:
+                dst.close()
 
 
 def read_span(shard_dir: Path, shard_size: int, offset: int, size: int) -> bytes:
@@ -150,29 +172,37 @@ def read_span(shard_dir: Path, shard_size: int, offset: int, size: int) -> bytes
     return bytes(out)
 
 
-def rebuild_shards(blob: bytes, base_vdir: Path, base_manifest: dict, manifest: dict, shard_dir: Path) -> None:
-    """A relay's copy: the new version's shards in `shard_dir`, from the base's shards and the patch,
-    each file and each shard checked against `manifest`; PatchError otherwise."""
-    want = {f["name"]: f for f in manifest["files"]}
-    spans = {f["name"]: (f["offset"], f["size"]) for f in base_manifest["files"]}
+def rebuild_shards(
+    patch: Path, base_vdir: Path, base_manifest: dict, manifest: dict, shard_dir: Path, progress=None
+) -> None:
+    """A relay's copy: the new version's shards in `shard_dir`, from the base's shards and the patch
+    file, streamed (each file checked against `manifest` as it is cut into shards, each shard at
+    the end); PatchError otherwise, OSError for the disk. `progress(n)` with each piece written."""
     order = [f["name"] for f in manifest["files"]]
+    spans = {f["name"]: (f["offset"], f["size"]) for f in base_manifest["files"]}
+    shards, shard_size = base_vdir / "shards", base_manifest["shard_size"]
     writer = ShardWriter(shard_dir, manifest["shard_size"])
     written: list[str] = []
 
-    def read_base(name: str) -> bytes | None:
-        if name not in spans:
-            return None
-        return read_span(base_vdir / "shards", base_manifest["shard_size"], *spans[name])
-
-    def write(name: str, data: bytes) -> None:
-        _check(name, data, want)
-        if len(written) >= len(order) or order[len(written)] != name:
-            raise PatchError("the patch does not write the files in the manifest's order")
-        writer.write(data)
-        written.append(name)
+    def read_base(name: str, offset: int, n: int) -> bytes:
+        start, size = spans[name]
+        return read_span(shards, shard_size, start + offset, max(0, min(n, size - offset)))
 
     try:
-        apply_patch(blob, read_base, write)
+        with open(patch, "rb") as pf:
+            for name, piece in patch_chunks(
+                _reader(pf),
+                os.fstat(pf.fileno()).st_size,
+                _want(manifest),
+                lambda name: spans[name][1] if name in spans else None,
+                read_base,
+            ):
+                if piece is None:
+                    written.append(name)
+                else:
+                    writer.write(piece)
+                    if progress is not None:
+                        progress(len(piece))
     finally:
         writer.close()
     if written != order or writer.shards != manifest["shards"]:
