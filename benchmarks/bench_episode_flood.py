@@ -121,7 +121,7 @@ def probe(code: Path, tokens: int, root: Path, env: str) -> dict:
     from transformers import AutoTokenizer
 
     run = make_run_dir(
-        root / f"run-{env}-{tokens}",
+        Path(tempfile.mkdtemp(prefix=f"run-{env}-{tokens}-", dir=root)),
         "--tasks.source",
         env,
         "--sampling.max_new_tokens",
@@ -206,10 +206,11 @@ def main() -> None:
             )
             for name, code in codes:
                 for n in (int(x) for x in args.tokens.split(",")):
+                    (Path(tmp) / name.split()[0]).mkdir(exist_ok=True)
                     r = probe(code, n, Path(tmp) / name.split()[0], args.env)
                     print(
-                        f"{name} | {n} | {r['episodes']} | {r['submit_s']:.1f} | {r['answer']} | "
-                        f"{r['charged_s']:.1f} | "
+                        f"{name} | {n} | {r['episodes']} | {r['submit_s']:.3f} | {r['answer']} | "
+                        f"{r['charged_s']:.2f} | "
                         f"{r['status_calm']} -> {r['status_during']} | {r['healthz_calm']} -> {r['healthz_during']} | "
                         f"{r['internal_errors']}",
                         flush=True,
