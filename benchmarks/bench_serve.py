@@ -10,6 +10,17 @@ one in its batch, with continuous batching it leaves as soon as it is done and a
 takes its slot at the next token step.
 
     python benchmarks/bench_serve.py [--requests 12] [--lengths 16 64 128] [--threads 2] [--engines builtin hf]
+
+`--flood` measures instead, side by side in one run on one server (docs/security.md, "`swarmrl
+serve` under a disconnecting flood"): calm figures (an honest 8-token request's latency with the
+server idle, and tokens/s of 8 clients), then the same honest client, from 127.0.0.2, while
+127.0.0.1 sends `--flood-requests` completions (n = 16, 256 tokens) keeping at most 32 sockets
+open and closing each 1 s after sending it, and how many tokens the server generated for those
+departed clients; then `/health` from 127.0.0.2 while 127.0.0.1 sends eight 1 MB `/tokenize`
+requests. It only uses what every version of the server has (`/stats`, `/tokenize`), so the
+same script measures the server before and after a change.
+
+    python benchmarks/bench_serve.py --flood [--flood-requests 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -88,6 +99,155 @@ def client_run(url: str, model: str, requests: list[tuple[int, int]]) -> tuple[i
     return tokens, latencies
 
 
+HONEST = "127.0.0.2"  # the honest client's own address (all of 127/8 is loopback on Linux)
+
+
+def honest_request(url: str, model: str, timeout_s: float) -> float:
+    """One 8-token completion from HONEST; its latency in seconds (timeout_s when it timed out)."""
+    t0 = time.perf_counter()
+    transport = httpx.HTTPTransport(local_address=HONEST)
+    try:
+        with httpx.Client(transport=transport, timeout=timeout_s) as client:
+            reply = client.post(
+                f"{url}/v1/completions",
+                json={"model": model, "prompt": "12+7=", "max_tokens": 8, "temperature": 0},
+            )
+        reply.raise_for_status()
+    except httpx.TimeoutException:
+        return timeout_s
+    return time.perf_counter() - t0
+
+
+def departing_flood(url: str, model: str, requests: int, open_max: int = 32, linger_s: float = 1.0) -> int:
+    """Send `requests` completions (n = 16, 256 tokens) from 127.0.0.1, at most `open_max` sockets
+    open, each closed `linger_s` after its request was sent, whatever came back; the number of
+    requests answered before their socket closed with a 429."""
+    import socket
+    import threading
+
+    host, port = url.split("//", 1)[1].split(":")
+    body = json.dumps(
+        {"model": model, "prompt": "What is 123 + 456? Show your work.", "max_tokens": 256, "n": 16, "seed": 1}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    gate = threading.Semaphore(open_max)
+    refused = [0]
+
+    def one() -> None:
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(head + body)
+                sock.settimeout(linger_s)
+                try:
+                    first = sock.recv(64)
+                    if first.startswith(b"HTTP/1.1 429"):
+                        refused[0] += 1
+                        time.sleep(linger_s)  # the flood's pace is the same whatever comes back
+                except TimeoutError:
+                    pass
+        except OSError:
+            pass
+        finally:
+            gate.release()
+
+    threads = []
+    for _ in range(requests):
+        gate.acquire()
+        t = threading.Thread(target=one, daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return refused[0]
+
+
+def flood_run(args) -> dict:
+    """The --flood measurements (module doc), on one builtin server."""
+    from concurrent.futures import Future
+
+    out: dict = {"threads": args.threads, "flood_requests": args.flood_requests}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model = workdir / "tiny"
+        save_policy(*build_tiny_policy(seed=0), model)
+        proc, url, name = start_server(model, workdir, args.threads, "builtin")
+        try:
+            honest_request(url, name, 60)  # warm up
+            idle = sorted(honest_request(url, name, 60) for _ in range(5))
+            out["honest_idle_s"] = idle[len(idle) // 2]
+            plan = [[(1000 * i + r, 64) for r in range(4)] for i in range(8)]
+            started = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(partial(client_run, url, name), plan))
+            out["calm_tokens_per_s"] = sum(t for t, _ in runs) / (time.perf_counter() - started)
+            print(
+                f"calm: honest 8-token request {out['honest_idle_s']:.2f} s (median of 5); "
+                f"8 clients x 4 x 64 tokens: {out['calm_tokens_per_s']:.0f} tokens/s",
+                flush=True,
+            )
+
+            before = httpx.get(f"{url}/stats", timeout=30).json()["generated_tokens"]
+            with ThreadPoolExecutor(1) as pool:
+                flood: Future = pool.submit(departing_flood, url, name, args.flood_requests)
+                time.sleep(0.5)  # the flood's first sockets are open and their work queued
+                lat = []
+                while not flood.done() or not lat:
+                    lat.append(honest_request(url, name, args.honest_timeout_s))
+                refused = flood.result()
+            honest_tokens = 8 * len(lat)
+            time.sleep(2.0)  # what is still being generated for the departed clients goes on counting
+            after = httpx.get(f"{url}/stats", timeout=60).json()["generated_tokens"]
+            out.update(
+                honest_flood_median_s=sorted(lat)[len(lat) // 2],
+                honest_flood_max_s=max(lat),
+                honest_flood_requests=len(lat),
+                flood_refused_429=refused,
+                departed_tokens=max(0, after - before - honest_tokens),
+            )
+            print(
+                f"disconnecting flood ({args.flood_requests} x n=16 x 256 tokens, <= 32 open, each closed after 1 s; "
+                f"{refused} got 429): honest 8-token request median {out['honest_flood_median_s']:.2f} s, "
+                f"max {out['honest_flood_max_s']:.2f} s over {len(lat)} requests (timeout "
+                f"{args.honest_timeout_s:g} s); ~{out['departed_tokens']} tokens generated for departed "
+                "clients by 2 s after the flood",
+                flush=True,
+            )
+
+            big = json.dumps({"model": name, "prompt": "1+2=" * 250_000})  # ~1 MB, under the 1 MiB limit
+            health = []
+            with ThreadPoolExecutor(8) as pool:
+                posts = [
+                    pool.submit(
+                        httpx.post,
+                        f"{url}/tokenize",
+                        content=big,
+                        timeout=120,
+                        headers={"content-type": "application/json"},
+                    )
+                    for _ in range(8)
+                ]
+                with httpx.Client(transport=httpx.HTTPTransport(local_address=HONEST), timeout=120) as client:
+                    while not all(p.done() for p in posts):
+                        t0 = time.perf_counter()
+                        client.get(f"{url}/health")
+                        health.append(time.perf_counter() - t0)
+                        time.sleep(0.05)
+                codes = [p.result().status_code for p in posts]
+            out.update(health_during_tokenize_max_s=max(health, default=0.0), tokenize_codes=codes)
+            print(
+                f"8 x 1 MB /tokenize (status {sorted(set(codes))}): /health from another address took at most "
+                f"{out['health_during_tokenize_max_s']:.3f} s over {len(health)} polls",
+                flush=True,
+            )
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+    return out
+
+
 def percentile(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
@@ -101,7 +261,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     parser.add_argument("--engines", nargs="+", default=["builtin", "hf"], choices=["builtin", "hf"])
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--flood", action="store_true", help="measure a disconnecting flood instead (module doc)")
+    parser.add_argument("--flood-requests", type=int, default=64, help="--flood: completions the flood sends")
+    parser.add_argument("--honest-timeout-s", type=float, default=60.0, help="--flood: an honest request's limit")
     args = parser.parse_args()
+    if args.flood:
+        figures = flood_run(args)
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=1))
+        return
     rng = random.Random(0)
     plan = {
         c: [[(1000 * i + r, rng.choice(args.lengths)) for r in range(args.requests)] for i in range(c)]

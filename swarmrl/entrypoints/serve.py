@@ -61,6 +61,14 @@ class Settings(RoleSettings):
     """a request's line and headers must arrive within this many seconds (else 408 and closed)"""
     body_timeout_s: float = Field(30.0, gt=0)
     """a request's body must arrive within this many seconds of its headers (else 408)"""
+    max_queued_per_client: int = Field(256, ge=1)
+    """completions (n counts each) one client address (IPv6: one /64) may have queued or generating; more get
+    429 with Retry-After. At least --max-n. An endpoint worker keeps 16 in flight, `swarmrl eval --endpoint`
+    8 x k; raise it when clients come through one proxy or NAT address"""
+    max_queued_total: int = Field(1024, ge=1)
+    """completions queued or generating, all clients together; more get 429 with Retry-After"""
+    tokenizer_threads: int = Field(2, ge=1)
+    """threads that tokenise prompts and detokenise replies, off the event loop that answers every request"""
     reload_token_file: str | None = None
     """enable POST /v1/reload {"model_path": FOLDER} (load another checkpoint in place) for callers sending
     'Authorization: Bearer' + this file's content; how an endpoint worker loads each new policy version
@@ -69,6 +77,12 @@ class Settings(RoleSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         check_tls_pair(self.tls_cert, self.tls_key)
+        if not self.max_n <= self.max_queued_per_client <= self.max_queued_total:
+            raise ValueError(
+                f"--max-queued-per-client ({self.max_queued_per_client}) must be at least --max-n ({self.max_n}), "
+                f"so that a request of n = {self.max_n} can run, and at most --max-queued-total "
+                f"({self.max_queued_total})"
+            )
         return self
 
 
@@ -101,6 +115,9 @@ def main(settings: Settings, cfg: None) -> None:
             max_connections_per_source=s.max_connections_per_source,
             header_timeout_s=s.header_timeout_s,
             body_timeout_s=s.body_timeout_s,
+            max_queued_per_client=s.max_queued_per_client,
+            max_queued_total=s.max_queued_total,
+            tokenizer_threads=s.tokenizer_threads,
         )
     except (OSError, ValueError) as e:
         fail(str(e))

@@ -22,6 +22,12 @@ What is supported, and how it differs from OpenAI's API (docs/eval.md has the ta
 - Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
   status: a request is validated and measured (body size, prompt + max_tokens against the
   model's context, n) before anything runs.
+- Work is bounded per client address (docs/security.md): the completions one address has queued
+  or generating (``--max-queued-per-client``) and all addresses together
+  (``--max-queued-total``); past either, a 429 with ``Retry-After`` (code
+  ``queue_full_per_client`` or ``queue_full``). A request whose client disconnects is dropped
+  before it runs, or stopped at the next token step (streamed or not). Tokenising and
+  detokenising run on a small thread pool, never on the event loop that answers ``/health``.
 """
 
 from __future__ import annotations
@@ -32,37 +38,17 @@ import json
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmrl.protocol.messages import BodyError, loads
 from swarmrl.serve.engine import Choice, Engine, GenRequest
+from swarmrl.serve.limits import ApiError, ClientGone, Queued, client_gone, error_handlers
 from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-
-def _error(
-    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 class Settings:
@@ -79,9 +65,15 @@ class Settings:
         vocab_size: int | None = None,
         model_path: str | None = None,
         body_timeout_s: float = 30.0,
+        max_queued_per_client: int = 256,
+        max_queued_total: int = 1024,
+        tokenizer_threads: int = 2,
     ):
         self.model_name, self.context, self.max_n = model_name, context, max_n
         self.body_timeout_s = body_timeout_s
+        # Completions queued or generating: one client address's, and everyone's (`Queued`).
+        self.max_queued_per_client, self.max_queued_total = max_queued_per_client, max_queued_total
+        self.tokenizer_threads = tokenizer_threads
         self.max_request_bytes, self.default_max_tokens = max_request_bytes, default_max_tokens
         self.vocab_size, self.model_path = vocab_size, model_path
 
@@ -133,30 +125,6 @@ class Reloader:
         self.load, self.token = load, token
 
 
-def _error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape; a bug of ours as a 500 without a traceback."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError):
-        return _error(exc.status, exc.message, exc.param, exc.kind, exc.code)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException):
-        return _error(
-            exc.status_code,
-            str(exc.detail),
-            kind="not_found_error" if exc.status_code == 404 else "invalid_request_error",
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError):
-        return _error(400, f"invalid request: {exc.errors()[0].get('msg', 'bad value')}")
-
-    @app.exception_handler(Exception)
-    async def _internal(_request: Request, exc: Exception):  # a bug of ours: no traceback to the client
-        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
-
-
 class _Routes:
     """The request handling of one server: parsing and checking a request against the server's
     limits, running it on the engine, and shaping OpenAI's reply (plain or streamed)."""
@@ -165,6 +133,15 @@ class _Routes:
         self.engine, self.settings, self.tokenizer = engine, settings, engine.tokenizer
         self.reloader = reloader
         self.reloading = asyncio.Lock()
+        self.queued = Queued(settings.max_queued_per_client, settings.max_queued_total)
+        # Tokenising a 1 MB prompt takes seconds of CPU: on the event loop it held every other
+        # client's requests, /health included. A small pool keeps the loop free; the fast
+        # tokenizer releases the GIL while it encodes, and is only read, never reconfigured, here.
+        self.text_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="swarmrl-tokenize")
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer pool: tokenising, detokenising, shaping a long reply."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
 
     async def read_body(self, request: Request, model):
         """The request parsed into `model` (CompletionRequest or ChatRequest), after the body's size
@@ -289,26 +266,61 @@ class _Routes:
         prompt = len(request.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def run(self, request: GenRequest) -> list[Choice]:
-        return await asyncio.wrap_future(self.engine.submit(request))
+    async def run(self, http: Request, request: GenRequest) -> list[Choice]:
+        """The request's choices; if its client disconnects first, the request is cancelled (dropped
+        if it has not started, stopped at the next token step if it has) and ClientGone raised."""
+        self.queued.admit(http, request)
+        answer = asyncio.wrap_future(self.engine.submit(request))
+        gone = asyncio.ensure_future(client_gone(http))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            request.cancel()
+            answer.cancel()
+            raise ClientGone()
+        return answer.result()
 
-    def stream(self, request: GenRequest, make_chunk, finish_chunk, include_usage: bool):
+    def stream(self, http: Request, request: GenRequest, make_chunk, finish_chunk, include_usage: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request.on_delta = lambda index, text, _tok: loop.call_soon_threadsafe(events.put_nowait, (index, text))
+
+        def on_delta(index: int, text: str | None, _tok: int | None) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(events.put_nowait, (index, text))
+
+        request.on_delta = on_delta
+        self.queued.admit(http, request)
         future = self.engine.submit(request)
 
+        async def watch() -> None:
+            await client_gone(http)
+            request.cancel()
+            events.put_nowait((-1, None))  # wake the body, which then ends
+
         async def body():
-            for chunk in make_chunk(None):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            open_choices = request.n
-            while open_choices:
-                index, text = await events.get()
-                if text is None:
-                    open_choices -= 1
-                    continue
-                for chunk in make_chunk((index, text)):
+            # The request is cancelled however the body ends early: the client's disconnect seen
+            # by `watch` (or by the server, which then stops iterating the body), or a failed send.
+            watcher = asyncio.ensure_future(watch())
+            try:
+                for chunk in make_chunk(None):
                     yield f"data: {json.dumps(chunk)}\n\n"
+                open_choices = request.n
+                while open_choices:
+                    index, text = await events.get()
+                    if request.cancelled:
+                        return
+                    if text is None:
+                        open_choices -= 1
+                        continue
+                    for chunk in make_chunk((index, text)):
+                        yield f"data: {json.dumps(chunk)}\n\n"
+            except BaseException:
+                request.cancel()
+                raise
+            finally:
+                watcher.cancel()
             try:
                 choices = await asyncio.wrap_future(future)
             except Exception as exc:  # noqa: BLE001 - the batch failed: end the stream with an error
@@ -359,7 +371,7 @@ class _Routes:
                 "return_token_ids",
             )
         top = req.logprobs
-        ids = self.prompt_ids(req.prompt)
+        ids = await self.off_loop(self.prompt_ids, req.prompt)
         gen = self.gen_request(req, ids, top_logprobs=-1 if top is None else top)
         cid, model = f"cmpl-{secrets.token_hex(12)}", self.settings.model_name
         # vLLM's spelling of a token that must be read back exactly: its id, not its text.
@@ -400,6 +412,7 @@ class _Routes:
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream(
+                request,
                 gen,
                 lambda ev: (
                     []
@@ -411,47 +424,68 @@ class _Routes:
                 ),
                 include,
             )
-        choices = await self.run(gen)
-        return {
-            **base(
-                [
-                    {
-                        "index": i,
-                        "text": c.text,
-                        "logprobs": logprobs_of(c),
-                        "finish_reason": c.finish_reason,
-                        **ids_of(c),
-                    }
-                    for i, c in enumerate(choices)
-                ]
-            ),
-            "usage": self.usage(gen, choices),
-        }
+        choices = await self.run(request, gen)
+
+        # Detokenising every logprob token and encoding the JSON take long for n = 16 with
+        # logprobs: both off the event loop (a JSONResponse is encoded when it is made).
+        def reply() -> JSONResponse:
+            return JSONResponse(
+                {
+                    **base(
+                        [
+                            {
+                                "index": i,
+                                "text": c.text,
+                                "logprobs": logprobs_of(c),
+                                "finish_reason": c.finish_reason,
+                                **ids_of(c),
+                            }
+                            for i, c in enumerate(choices)
+                        ]
+                    ),
+                    "usage": self.usage(gen, choices),
+                }
+            )
+
+        return await self.off_loop(reply)
 
     async def tokenize(self, request: Request):
         req = await self.read_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        if req.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-            )
-        else:
-            text = req.prompt
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"count": len(ids), "max_model_len": self.settings.context, "tokens": ids}
+
+        def tokens() -> list[int]:
+            if req.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in req.messages],
+                    tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt,
+                )
+            else:
+                text = req.prompt
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        def reply() -> JSONResponse:  # a million ids take a second to encode: off the loop too
+            ids = tokens()
+            return JSONResponse({"count": len(ids), "max_model_len": self.settings.context, "tokens": ids})
+
+        return await self.off_loop(reply)
 
     async def chat(self, request: Request):
         req = await self.read_body(request, ChatRequest)
         logprobs, top = req.logprobs, req.top_logprobs
         if top is not None and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in req.messages], tokenize=False, add_generation_prompt=True
-        )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        def tokens() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        ids = await self.off_loop(tokens)
         gen = self.gen_request(req, ids, top_logprobs=(top or 0) if logprobs else -1)
         cid, model = f"chatcmpl-{secrets.token_hex(12)}", self.settings.model_name
 
@@ -505,22 +539,30 @@ class _Routes:
                     "chat.completion.chunk",
                 )
 
-            return self.stream(gen, make_chunk, finish_chunk, include)
-        choices = await self.run(gen)
-        return {
-            **base(
-                [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs_of(c),
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in enumerate(choices)
-                ]
-            ),
-            "usage": self.usage(gen, choices),
-        }
+            return self.stream(request, gen, make_chunk, finish_chunk, include)
+        choices = await self.run(request, gen)
+
+        # Detokenising every logprob token and encoding the JSON take long for n = 16 with
+        # logprobs: both off the event loop (a JSONResponse is encoded when it is made).
+        def reply() -> JSONResponse:
+            return JSONResponse(
+                {
+                    **base(
+                        [
+                            {
+                                "index": i,
+                                "message": {"role": "assistant", "content": c.text},
+                                "logprobs": logprobs_of(c),
+                                "finish_reason": c.finish_reason,
+                            }
+                            for i, c in enumerate(choices)
+                        ]
+                    ),
+                    "usage": self.usage(gen, choices),
+                }
+            )
+
+        return await self.off_loop(reply)
 
     async def reload(self, request: Request):
         """POST /v1/reload {"model_path": FOLDER}: serve another checkpoint from now on.
@@ -575,7 +617,7 @@ class _Routes:
 def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = None) -> FastAPI:
     app = FastAPI(title="swarmrl serve", docs_url=None, redoc_url=None)
     created = int(time.time())
-    _error_handlers(app)
+    error_handlers(app)
     routes = _Routes(engine, settings, reloader)
 
     @app.get("/v1/models")
@@ -603,7 +645,9 @@ def build_app(engine: Engine, settings: Settings, reloader: Reloader | None = No
 
     @app.get("/stats")
     async def stats():
-        return dict(routes.engine.stats)
+        # The engine's counters (generated_tokens, cancelled_waiting, cancelled_running: requests
+        # dropped or stopped because their client left), and the completions admitted now.
+        return {**routes.engine.stats, "queued_completions": routes.queued.all}
 
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
@@ -637,6 +681,9 @@ def serve(
     header_timeout_s: float = 10.0,
     keep_alive_s: float = 5.0,
     body_timeout_s: float = 30.0,
+    max_queued_per_client: int = 256,
+    max_queued_total: int = 1024,
+    tokenizer_threads: int = 2,
 ) -> None:
     """Load the checkpoint, start the engine and serve until interrupted. With
     `reload_token_file`, POST /v1/reload (bearer: the file's content) swaps in another folder.
@@ -654,6 +701,11 @@ def serve(
 
     from swarmrl.transport.connlimit import SourceSlots, guarded_h11
 
+    if not max_n <= max_queued_per_client <= max_queued_total:
+        raise ValueError(
+            f"--max-queued-per-client ({max_queued_per_client}) must be between --max-n ({max_n}), so that a "
+            f"request of n = {max_n} can run, and --max-queued-total ({max_queued_total})"
+        )
     if not 1 <= max_connections_per_source <= max_connections:
         raise ValueError(
             f"--max-connections-per-source ({max_connections_per_source}) must be between 1 and "
@@ -691,6 +743,9 @@ def serve(
             vocab_size=vocab,
             model_path=str(Path(model_path).resolve()),
             body_timeout_s=body_timeout_s,
+            max_queued_per_client=max_queued_per_client,
+            max_queued_total=max_queued_total,
+            tokenizer_threads=tokenizer_threads,
         ),
         reloader,
     )

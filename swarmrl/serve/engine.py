@@ -11,6 +11,12 @@ with ``seed`` s is sampled with seed s + j, exactly as `swarmrl eval --model` sa
 Models the built-in decoder cannot run fall back to the generic sampler (`inference/sampler.py`),
 which runs the waiting jobs in static batches: same results, no joining mid-batch.
 
+Requests wait in the engine's own queue, one line per client address, and are handed to the
+sampler round-robin between addresses only when it has a free row for them: a client that
+queued many requests delays another's next one by at most one request of its own, and a request
+whose client went away (`GenRequest.cancel`) is dropped there before any of it runs. A cancelled
+request already generating stops at the next token step (see `_start`).
+
 Text is the completion's tokens decoded with special tokens kept (``</think>`` decides where
 an answer may be), without the final end-of-turn token, and cut before a stop string.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -54,10 +61,21 @@ class GenRequest:
     # None) as text becomes final, and (choice index, None, None) when a choice ends.
     on_delta: Callable[[int, str | None, int | None], None] | None = None
     future: Future = field(default_factory=Future)
+    # The client address it counts against (`transport.connlimit.source_of`): waiting requests
+    # are taken round-robin between addresses.
+    client: str = ""
+    # Set (from any thread) when the client went away: see `cancel`.
+    cancelled: bool = False
 
     @property
     def n(self) -> int:
         return len(self.seeds)
+
+    def cancel(self) -> None:
+        """The client went away: drop the request if it has not started, else stop its completions
+        at the next token step. Its future then ends (cancelled, or with the partial choices)."""
+        self.cancelled = True
+        self.future.cancel()  # succeeds only while it waits; a running request ends in `_start`'s hook
 
 
 class _Row:
@@ -94,8 +112,15 @@ class Engine:
             "max_batch_rows": 0,
             "generated_tokens": 0,
             "continuous_batching": self.continuous,
+            # Requests whose client went away: dropped before they ran, and stopped while running
+            # (their tokens so far count in generated_tokens).
+            "cancelled_waiting": 0,
+            "cancelled_running": 0,
         }
         self._queue: queue.Queue[GenRequest | None] = queue.Queue()
+        # Requests taken from `_queue` but not started, per client address in round-robin order
+        # (engine thread only).
+        self._waiting: OrderedDict[str, deque[GenRequest]] = OrderedDict()
         self._thread = threading.Thread(target=self._loop, name="swarmrl-engine", daemon=True)
         self._thread.start()
 
@@ -117,17 +142,18 @@ class Engine:
             # Take every request that has arrived; block only when there is nothing to run.
             while True:
                 try:
-                    item = self._queue.get(block=not jobs and not closing)
+                    item = self._queue.get(block=not jobs and not self._waiting and not closing)
                 except queue.Empty:
                     break
                 if item is None:
                     closing = True
                     continue
-                jobs += self._start(item)
-                if not self.continuous:  # static batches: let a few more requests join first
-                    self._gather(jobs)
+                self._wait(item)
+            jobs += self._feed(len(jobs))
+            if not self.continuous and jobs:  # static batches: let a few more requests join first
+                jobs += self._gather(len(jobs))
             if not jobs:
-                if closing:
+                if closing and not self._waiting:
                     return
                 continue
             try:
@@ -151,11 +177,37 @@ class Engine:
                 continue
             jobs = [job for job in jobs if job.finish_reason is None]
 
+    def _wait(self, request: GenRequest) -> None:
+        line = self._waiting.get(request.client)
+        if line is None:
+            line = self._waiting[request.client] = deque()
+        line.append(request)
+
+    def _feed(self, busy: int) -> list[Job]:
+        """Start waiting requests while the sampler has rows free (`busy` are taken), one per
+        client address in turn. Requests are held here rather than in the sampler's own queue so
+        that one whose client left is dropped before it costs a prefill, and so that a newcomer's
+        request is next in line rather than behind every request already queued."""
+        jobs: list[Job] = []
+        while self._waiting and busy + len(jobs) < self.max_batch_rows:
+            client, line = next(iter(self._waiting.items()))
+            request = line.popleft()
+            if line:
+                self._waiting.move_to_end(client)  # its next request waits for the others' turns
+            else:
+                del self._waiting[client]
+            jobs += self._start(request)
+        return jobs
+
     def _start(self, request: GenRequest) -> list[Job]:
         """The request's completions as engine jobs (none if its client already went away)."""
         # A request whose client went away (its future cancelled) is dropped; the others are
-        # marked running, so a disconnect from now on cannot cancel them under us.
-        if not request.future.set_running_or_notify_cancel():
+        # marked running, so a disconnect from now on cannot cancel the future under us: the
+        # token hook below ends its rows instead.
+        if request.cancelled or not request.future.set_running_or_notify_cancel():
+            self.stats["cancelled_waiting"] += 1
+            if not request.future.done():  # cancelled between the two checks: end it all the same
+                request.future.cancel()
             return []
         self.stats["requests"] += 1
         rows = [_Row(request, j) for j in range(request.n)]
@@ -165,6 +217,17 @@ class Engine:
         def on_token(row: _Row) -> Callable[[int, int], bool]:
             def hook(_t: int, tok: int) -> bool:
                 row.ids.append(tok)
+                if request.cancelled and row.finish is None:
+                    # The client went away. This hook runs between token steps: one step is a
+                    # single forward pass over every row in the batch, which cannot be interrupted
+                    # for one row without losing the others' work, so a row leaves here, at the
+                    # first step boundary after the disconnect (returning True retires it). A
+                    # static batch (--engine hf) drops the row the same way, and its other rows
+                    # go on.
+                    if not any(r.finish == "cancelled" for r in rows):
+                        self.stats["cancelled_running"] += 1
+                    row.finish = "cancelled"
+                    return True
                 if tok in self.stop_token_ids:
                     row.finish = "stop"
                 elif len(row.ids) >= request.max_tokens:
@@ -202,6 +265,11 @@ class Engine:
         return jobs
 
     def _finish(self, request: GenRequest, rows: list[_Row], needs_text: bool) -> None:
+        if request.cancelled:  # nobody is waiting for the text: count the tokens, decode nothing
+            self.stats["generated_tokens"] += sum(len(row.ids) for row in rows)
+            if not request.future.done():
+                request.future.set_result([])
+            return
         choices = []
         for row in rows:
             n = len(row.ids)
@@ -223,18 +291,22 @@ class Engine:
 
     # -- static fallback (models the built-in decoder does not run) -------------------------
 
-    def _gather(self, jobs: list[Job]) -> None:
+    def _gather(self, busy: int) -> list[Job]:
+        """Static batches: wait up to the batch window for more requests to join."""
+        jobs: list[Job] = []
         deadline = time.monotonic() + self.batch_window_s
-        while len(jobs) < self.max_batch_rows:
+        while busy + len(jobs) < self.max_batch_rows:
             left = deadline - time.monotonic()
             try:
                 item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
             except queue.Empty:
-                return
+                return jobs
             if item is None:
                 self._queue.put(None)
-                return
-            jobs += self._start(item)
+                return jobs
+            self._wait(item)
+            jobs += self._feed(busy + len(jobs))
+        return jobs
 
     def _run_static(self, jobs: list[Job]) -> None:
         """Run waiting jobs through the generic sampler, one static batch per temperature."""
