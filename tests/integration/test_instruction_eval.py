@@ -95,3 +95,21 @@ def test_score_writes_strict_and_loose_per_instruction_and_row(tmp_path):
     assert graded[2]["follow_instruction_list_loose"] == [True]  # without its first line
     assert "instruction_id_list[0]" in graded[3]["error"] and graded[3]["follow_instruction_list_strict"] is None
     assert counts["prompt_strict"] == pytest.approx(1 / 3) and counts["prompt_loose"] == pytest.approx(2 / 3)
+
+
+def test_score_loads_the_checkers_models_before_the_first_answer(tmp_path):
+    # langdetect's profiles and nltk's Punkt take ~0.4 s each to load here (more under load): inside
+    # a 0.5 s answer budget a cold grading process was killed on such a row (issue 50). Preloaded,
+    # the budget is the answer's.
+    row = {
+        "key": 1,
+        "prompt": "Answer in English.",
+        "instruction_id_list": ["language:response_language", "length_constraints:number_sentences"],
+        "kwargs": [{"language": "en"}, {"relation": "at least", "num_sentences": 1}],
+        "completion": "This is a short English sentence about the weather today.",
+    }
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(row) + "\n")
+    proc = swarmrl("score", "--input", str(source), "--output", str(out), "--workers", "1", "--timeout", "0.5")
+    graded = json.loads(out.read_text().splitlines()[0])
+    assert graded["error"] is None and graded["follow_instruction_list_strict"] == [True, True], (graded, proc.stderr)
