@@ -13,14 +13,14 @@ takes its slot at the next token step.
 
 `--flood` measures instead, side by side in one run on one server (docs/security.md, "`swarmrl
 serve` under a disconnecting flood"): calm figures (an honest 8-token request's latency with the
-server idle, and tokens/s of 8 clients), then the same honest client, from 127.0.0.2, while
+server idle, and tokens/s of 8 clients sending 8 requests of 64 tokens each), then the same honest client, from 127.0.0.2, while
 127.0.0.1 sends `--flood-requests` completions (n = 16, 256 tokens) keeping at most 32 sockets
 open and closing each 1 s after sending it, and how many tokens the server generated for those
 departed clients; then `/health` from 127.0.0.2 while 127.0.0.1 sends eight 1 MB `/tokenize`
 requests. It only uses what every version of the server has (`/stats`, `/tokenize`), so the
 same script measures the server before and after a change.
 
-    python benchmarks/bench_serve.py --flood [--flood-requests 64] [--threads 2]
+    python benchmarks/bench_serve.py --flood [--flood-requests 128] [--threads 2]
 """
 
 from __future__ import annotations
@@ -178,14 +178,14 @@ def flood_run(args) -> dict:
             honest_request(url, name, 60)  # warm up
             idle = sorted(honest_request(url, name, 60) for _ in range(5))
             out["honest_idle_s"] = idle[len(idle) // 2]
-            plan = [[(1000 * i + r, 64) for r in range(4)] for i in range(8)]
+            plan = [[(1000 * i + r, 64) for r in range(8)] for i in range(8)]
             started = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
                 runs = list(pool.map(partial(client_run, url, name), plan))
             out["calm_tokens_per_s"] = sum(t for t, _ in runs) / (time.perf_counter() - started)
             print(
                 f"calm: honest 8-token request {out['honest_idle_s']:.2f} s (median of 5); "
-                f"8 clients x 4 x 64 tokens: {out['calm_tokens_per_s']:.0f} tokens/s",
+                f"8 clients x 8 x 64 tokens: {out['calm_tokens_per_s']:.0f} tokens/s",
                 flush=True,
             )
 
@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["builtin", "hf"], choices=["builtin", "hf"])
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     parser.add_argument("--flood", action="store_true", help="measure a disconnecting flood instead (module doc)")
-    parser.add_argument("--flood-requests", type=int, default=64, help="--flood: completions the flood sends")
+    parser.add_argument("--flood-requests", type=int, default=128, help="--flood: completions the flood sends")
     parser.add_argument("--honest-timeout-s", type=float, default=60.0, help="--flood: an honest request's limit")
     args = parser.parse_args()
     if args.flood:
