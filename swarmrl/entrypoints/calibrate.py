@@ -11,7 +11,8 @@ HELP = "Measure a model's honest work and the cheat catalogue; write the limits 
 DESCRIPTION = (
     HELP + " Honest groups are sampled through each engine the run will accept and judged by the validator's own "
     "prefill; int8 (per row, per 32 inputs), int4, another model, edited tokens and edited logprobs each claim the "
-    "model. The file holds per engine the hard limits, the evidence model that bans a key at the stated false-ban "
+    "model, and the previous version (one optimizer step away) is measured for the record. The file holds per "
+    "engine the hard limits, the evidence model that bans a key at the stated false-ban "
     "rate, how each cheat is caught, and the engines it refuses; set validator.limits_file to it. Stamped with the "
     "model's content digest, the dtype and the CPU kind (docs/validation.md, 'Calibrating a run')."
 )
@@ -56,6 +57,9 @@ class Settings(RoleSettings):
     """an engine is refused when some cheat would need more groups than this, on average, to be banned"""
     seed: int = 0
     """prompt order and sampling seeds"""
+    previous_lr: float = 1e-4
+    """the previous_version cheat's step: every weight moved by this much (the run's trainer.lr: Adam's first
+    step is about lr per weight); measured and reported, never used to refuse an engine"""
     measured: str | None = None
     """an earlier limits file: choose its limits again from the statistics it measured (with this command's
     --false-ban-rate, --horizon, --max-groups-to-ban), sampling nothing"""
@@ -137,6 +141,7 @@ def main(settings: Settings, cfg: None) -> None:
                 horizon=settings.horizon,
                 max_groups_to_ban=settings.max_groups_to_ban,
                 seed=settings.seed,
+                previous_lr=settings.previous_lr,
                 work_dir=Path(work),
             )
         except (RuntimeError, ValueError) as e:

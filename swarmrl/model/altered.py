@@ -27,6 +27,19 @@ def quantised(model, bits: int, group: int | None = 32):
     return out.eval()
 
 
+def stepped(model, lr: float, seed: int = 7):
+    """A copy of `model` one optimizer step away: every weight moved by `lr` with a random sign,
+    the size of Adam's first step (its update is about lr * sign(gradient)). What a worker that
+    samples with the previous version and claims the current one runs, one trainer step behind."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            sign = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype) * 2 - 1
+            p.add_(sign, alpha=lr)
+    return out.eval()
+
+
 def reinitialised(model):
     """A copy of `model` with every layer's weights drawn afresh (a fixed seed): another model of
     the same architecture and vocabulary."""

@@ -154,6 +154,15 @@ def _evidence_models(hon: list[dict], passing: dict[str, list[dict]], confidence
     return models
 
 
+INFORMATIONAL = frozenset({"previous_version"})
+"""Cheats measured and reported (how many groups their key needs to be banned), never fitted a test
+nor used to refuse an engine: the previous version is the policy one step behind, work the async
+bound accepts when declared as such. A worker that claims the current version for it gains a step of
+staleness the trainer's corrections do not see; when one step moves the weights by less than the
+dtype's rounding (a real model's learning rate in bf16), nothing can tell the two apart, and nothing
+needs to: the tokens are the same model's."""
+
+
 def choose_limits(
     honest: dict[str, list[dict]],
     cheats: dict[str, list[dict]],
@@ -173,7 +182,7 @@ def choose_limits(
         hard = hard_limits(hon)
         # What evidence must catch: each cheat's groups that the hard limits let through.
         passing = {name: [s for s in groups if not refused_by_hard(s, hard)] for name, groups in cheats.items()}
-        models = _evidence_models(hon, passing, confidence)
+        models = _evidence_models(hon, {n: g for n, g in passing.items() if n not in INFORMATIONAL}, confidence)
         bound = ban_bound(false_ban_rate, horizon, max(1, len(models)))
         models = [replace(m, bound=bound) for m in models]
         per_cheat, unsafe = {}, []
@@ -183,7 +192,9 @@ def choose_limits(
                 row["groups_to_ban"] = min(
                     (groups_to_ban(m, _values(passing[name], m.statistic)) for m in models), default=math.inf
                 )
-                if row["groups_to_ban"] > max_groups_to_ban:
+                if name in INFORMATIONAL:
+                    row["informational"] = True
+                elif row["groups_to_ban"] > max_groups_to_ban:
                     unsafe.append(name)
             per_cheat[name] = row
         entry: dict = {

@@ -11,6 +11,10 @@ under its chat template, and judged by the validator's own prefill and checks
   edited_tokens                            honest groups with one token per completion changed,
                                            proofs and logprobs rebuilt for the edit
   edited_logprobs                          honest groups reporting every logprob at half its value
+  previous_version                         the model one optimizer step away (every weight moved by
+                                           `previous_lr`, Adam's first-step size), sampled by the
+                                           built-in engine: measured and reported, never used to
+                                           refuse an engine (limits.INFORMATIONAL says why)
 
 Cheats are measured once: the validator's prefill does not depend on what a worker declares, so
 the same cheat groups are what a cheat declaring any engine sends. `calibration.choose_limits`
@@ -30,7 +34,7 @@ import torch
 from swarmrl.config import ValidatorConfig
 from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import build_engine
-from swarmrl.model.altered import quantised
+from swarmrl.model.altered import quantised, stepped
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.limits import (
     FORMAT,
@@ -46,7 +50,15 @@ from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator, prefill
 
-CHEATS = ("int8_per_row", "int8_per_32", "int4_per_32", "other_model", "edited_tokens", "edited_logprobs")
+CHEATS = (
+    "int8_per_row",
+    "int8_per_32",
+    "int4_per_32",
+    "other_model",
+    "edited_tokens",
+    "edited_logprobs",
+    "previous_version",
+)
 
 
 def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
@@ -159,6 +171,7 @@ class Calibration:
         batch_groups: int,
         seed: int,
         work_dir: Path,
+        previous_lr: float = 1e-4,
     ):
         self.folder, self.dtype = model_folder, dtype
         self.g, self.max_new, self.temp = group_size, max_new_tokens, temperature
@@ -170,6 +183,7 @@ class Calibration:
         self.texts, self.rng = prompts, random.Random(seed)
         self.order = self.rng.sample(range(len(prompts)), len(prompts))
         self.taken = 0
+        self.previous_lr = previous_lr
 
     def prompts_for(self, n_groups: int) -> tuple[list[list[int]], list[int]]:
         rows = [self.order[(self.taken + i) % len(self.order)] for i in range(n_groups)]
@@ -236,6 +250,8 @@ class Calibration:
             return self.judge(edited_logprobs(honest_items[:groups]))
         if name == "other_model":
             altered = lora_copy(self.full, 0.01)
+        elif name == "previous_version":
+            altered = stepped(self.full, self.previous_lr)
         else:
             bits = 4 if name.startswith("int4") else 8
             altered = quantised(self.full, bits, None if name.endswith("per_row") else 32)
@@ -259,6 +275,7 @@ def calibrate(
     max_batch: int = 16,
     batch_groups: int = 4,
     cheats: tuple[str, ...] = CHEATS,
+    previous_lr: float = 1e-4,
     false_ban_rate: float = 1e-6,
     horizon: int = 100_000,
     max_groups_to_ban: float = 64.0,
@@ -279,6 +296,7 @@ def calibrate(
         batch_groups=batch_groups,
         seed=seed,
         work_dir=work_dir,
+        previous_lr=previous_lr,
     )
     honest: dict[str, list[dict]] = {}
     timing: dict[str, dict] = {}
@@ -318,6 +336,7 @@ def calibrate(
             "temperature": temperature,
             "max_batch": max_batch,
             "seed": seed,
+            "previous_lr": previous_lr,
         },
         **chosen,
         "separation": separation(honest, measured),
@@ -377,6 +396,7 @@ def report(data: dict) -> str:
             t = e.get("ban_times", {}).get(name)
             lines.append(
                 f"  {name:16s} refused by limits {row['refused_by_limits']}/{row['groups']}"
+                + (" (measured for the record: never refuses an engine)" if row.get("informational") else "")
                 + (f", about {row['groups_to_ban']:.3g} groups to ban by evidence" if "groups_to_ban" in row else "")
                 + (f"; banned at group {bans}" if bans else "; not banned within its groups")
                 + (

@@ -387,7 +387,11 @@ def test_calibrate_writes_a_limits_file_a_run_accepts(tmp_path):
         "other_model",
         "edited_tokens",
         "edited_logprobs",
+        "previous_version",
     }
+    assert data["engines"]["builtin"]["cheats"]["previous_version"].get("informational") or (
+        data["engines"]["builtin"]["cheats"]["previous_version"]["refused_by_limits"] == 2
+    )
     # A run on this model takes it (the preparation checks it); from 8 honest groups the engine may
     # well be refused (too few to bound honest work's tail), and then the run says so and stops.
     common = ("rl", "--prepare", "--model.path", str(model), "--sampling.dtype", "bfloat16",

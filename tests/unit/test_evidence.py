@@ -137,6 +137,16 @@ def test_an_engine_whose_honest_work_overlaps_a_cheat_is_refused_with_figures():
     assert "int8" in e["refused"] and "groups to ban" in e["refused"] and "run without this engine" in e["refused"]
 
 
+def test_the_previous_version_is_measured_but_never_refuses_an_engine():
+    # The same overlapping groups that refuse the engine as "int8" are reported, with their groups to
+    # ban, as the previous version, and get no test of their own (no share of the bound).
+    honest, cheats = _calibration(400, 0.02)
+    e = choose_limits(honest, {"previous_version": cheats["int8"]})["engines"]["builtin"]
+    row = e["cheats"]["previous_version"]
+    assert "refused" not in e and row["informational"] and row["groups_to_ban"] > 64
+    assert all(m["target"] != "previous_version" for m in e["evidence"])
+
+
 def _write(path, **over) -> None:
     honest, cheats = _calibration(200, 0.3)
     data = {"format": FORMAT, "dtype": "bfloat16", "model": {"digest": "a" * 64}, **choose_limits(honest, cheats)}
