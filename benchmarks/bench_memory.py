@@ -105,11 +105,22 @@ def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int, prompt_len: i
         samples = []
         for s in range(4):
             c = rng.randint(max(1, seq_len // 4), max(1, seq_len - prompt_len))
-            samples.append(Sample([rng.randrange(5, vocab) for _ in range(c)], [-1.0] * c, "stop", 4 * g + s))
+            ids = [rng.randrange(5, vocab) for _ in range(c)]
+            samples.append(Sample(token_ids=ids, logprobs=[-1.0] * c, finish_reason="stop", seed=4 * g + s))
         rewards = [1.0, 0.0, float(g % 2), 0.0]  # informative: non-zero advantages
         groups.append(
             Group(
-                f"p{g}", "synthetic", "", "{}", prompt, samples, 0, "bench", 1.0, rewards=rewards, task_rewards=rewards
+                problem_id=f"p{g}",
+                task_type="synthetic",
+                prompt="",
+                verification_info="{}",
+                prompt_ids=prompt,
+                samples=samples,
+                policy_version=0,
+                worker="bench",
+                temperature=1.0,
+                rewards=rewards,
+                task_rewards=rewards,
             )
         )
     return groups

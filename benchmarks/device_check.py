@@ -172,20 +172,23 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
     groups = []
     for g in range(8):
         block = range(g * 8, g * 8 + 8)
-        samples = [Sample(outs[i].token_ids, outs[i].logprobs, outs[i].finish_reason, i) for i in block]
+        samples = [
+            Sample(token_ids=outs[i].token_ids, logprobs=outs[i].logprobs, finish_reason=outs[i].finish_reason, seed=i)
+            for i in block
+        ]
         rewards = [float(rng.random() < 0.5) for _ in block]
         rewards[0], rewards[1] = 1.0, 0.0  # informative
         groups.append(
             Group(
-                f"p{g}",
-                "synthetic",
-                "",
-                "{}",
-                prompts[g * 8],
-                samples,
-                0,
-                "dev",
-                1.0,
+                problem_id=f"p{g}",
+                task_type="synthetic",
+                prompt="",
+                verification_info="{}",
+                prompt_ids=prompts[g * 8],
+                samples=samples,
+                policy_version=0,
+                worker="dev",
+                temperature=1.0,
                 rewards=rewards,
                 task_rewards=rewards,
             )
@@ -249,11 +252,24 @@ def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, max_comple
         samples = []
         for s in range(group_size):
             n = rng.randint(max_completion // 4, max_completion)
-            samples.append(Sample([rng.randrange(5, vocab) for _ in range(n)], [-1.0] * n, "stop", g * group_size + s))
+            ids = [rng.randrange(5, vocab) for _ in range(n)]
+            samples.append(Sample(token_ids=ids, logprobs=[-1.0] * n, finish_reason="stop", seed=g * group_size + s))
         rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
         rewards[0], rewards[1] = 1.0, 0.0
         groups.append(
-            Group(f"p{g}", "synthetic", "", "{}", prompt, samples, 0, "dev", 1.0, rewards=rewards, task_rewards=rewards)
+            Group(
+                problem_id=f"p{g}",
+                task_type="synthetic",
+                prompt="",
+                verification_info="{}",
+                prompt_ids=prompt,
+                samples=samples,
+                policy_version=0,
+                worker="dev",
+                temperature=1.0,
+                rewards=rewards,
+                task_rewards=rewards,
+            )
         )
     return groups
 

@@ -226,25 +226,25 @@ class Submissions:
         prompt, ids = model_input(self.tokenizer, row["prompt"], slot_rows[g.slot]["target_length"])
         samples = [
             Sample(
-                list(x.token_ids),
-                [float(v) for v in x.logprobs],
-                x.finish_reason,
-                seed,
-                None if x.model_mask is None else list(x.model_mask),
+                token_ids=list(x.token_ids),
+                logprobs=[float(v) for v in x.logprobs],
+                finish_reason=x.finish_reason,
+                seed=seed,
+                model_mask=None if x.model_mask is None else list(x.model_mask),
             )
             for x, seed in zip(g.samples, seeds)
         ]
         group = Group(
-            row["problem_id"],
-            row["task_type"],
-            prompt,
-            row["verification_info"],
-            ids,
-            samples,
-            g.policy_version,
-            lease["worker"],
-            self.cfg.sampling.temperature,
-            slot_rows[g.slot]["target_length"],
+            problem_id=row["problem_id"],
+            task_type=row["task_type"],
+            prompt=prompt,
+            verification_info=row["verification_info"],
+            prompt_ids=ids,
+            samples=samples,
+            policy_version=g.policy_version,
+            worker=lease["worker"],
+            temperature=self.cfg.sampling.temperature,
+            target_length=slot_rows[g.slot]["target_length"],
             engine=g.engine,
             engine_dtype=g.dtype,
             env_seed=seeds[0] if env is not None else None,

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sample:
     token_ids: list[int]
     logprobs: list[float]  # inference logprobs under the sampling temperature
@@ -25,7 +25,7 @@ class Sample:
     tool_errors: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Group:
     problem_id: str
     task_type: str

@@ -113,18 +113,24 @@ def test_task_types_name_their_environment():
         registry.for_task_type("env:nope")
 
 
+def _sample(token_ids, logprobs, seed, model_mask, **replayed) -> Sample:
+    return Sample(
+        token_ids=token_ids, logprobs=logprobs, finish_reason="stop", seed=seed, model_mask=model_mask, **replayed
+    )
+
+
 def _group(samples, *, env_seed=3, task_type="env:guess", info=None, target=None):
     return Group(
-        "p",
-        task_type,
-        "prompt",
-        json.dumps(info or {"low": 1, "high": 8}),
-        [1, 2, 3],
-        samples,
-        0,
-        "w",
-        1.0,
-        target,
+        problem_id="p",
+        task_type=task_type,
+        prompt="prompt",
+        verification_info=json.dumps(info or {"low": 1, "high": 8}),
+        prompt_ids=[1, 2, 3],
+        samples=samples,
+        policy_version=0,
+        worker="w",
+        temperature=1.0,
+        target_length=target,
         env_seed=env_seed,
     )
 
@@ -132,8 +138,8 @@ def _group(samples, *, env_seed=3, task_type="env:guess", info=None, target=None
 def test_the_train_batch_masks_observations_and_gives_each_episode_one_advantage():
     # Prompt [1, 2, 3]; episode: model 10 11, observation 20 21, model 12. Predicted positions
     # (column t predicts token t+1): the episode's tokens sit at 3..7, predicted from 2..6.
-    a = Sample([10, 11, 20, 21, 12], [-0.1, -0.2, 0.0, 0.0, -0.3], "stop", 0, [True, True, False, False, True])
-    b = Sample([13], [-0.4], "stop", 1, [True])
+    a = _sample([10, 11, 20, 21, 12], [-0.1, -0.2, 0.0, 0.0, -0.3], 0, [True, True, False, False, True])
+    b = _sample([13], [-0.4], 1, [True])
     g = _group([a, b])
     g.rewards = [1.0, 0.0]
     batch = build_train_batch([g], pad_token_id=0, normalize_std=True, adv_eps=0.0)
@@ -187,14 +193,13 @@ def test_episode_rewards_come_from_the_environment_and_length_shapes_model_token
     framed = chat_framing(tok)("lower")
     wrong = tok(str(8 if h != 8 else 7), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     right = tok(str(h), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    found = Sample(
+    found = _sample(
         wrong + framed + right,
         [-0.1] * len(wrong + framed + right),
-        "stop",
         1,
         [True] * len(wrong) + [False] * len(framed) + [True] * len(right),
     )
-    missed = Sample(wrong, [-0.1] * len(wrong), "stop", 2, [True] * len(wrong))
+    missed = _sample(wrong, [-0.1] * len(wrong), 2, [True] * len(wrong))
     cfg = Config()
     scores = score_episodes(_group([found, missed]), tokenizer=tok, cfg=cfg)
     assert [s.task_reward for s in scores] == [1.0, 0.0] and scores[1].reason == "not found within the turns"
@@ -225,8 +230,8 @@ def test_calculator_and_guess_rows_are_valid_tasks_and_the_lease_hides_the_answe
 
 
 def test_batch_metrics_show_turns_tool_calls_and_the_observation_share():
-    a = Sample([1, 2, 9, 3], [-0.1, -0.1, 0.0, -0.1], "stop", 0, [True, True, False, True], True, 1)
-    b = Sample([4], [-0.1], "stop", 1, [True], False, 0)
+    a = _sample([1, 2, 9, 3], [-0.1, -0.1, 0.0, -0.1], 0, [True, True, False, True], ended_by_env=True, tool_errors=1)
+    b = _sample([4], [-0.1], 1, [True], ended_by_env=False)
     g = _group([a, b])
     g.rewards = g.task_rewards = [1.0, 0.0]
     m = batch_metrics(1, [g], [g], 0, Config())
