@@ -68,7 +68,8 @@ class Settings(RoleSettings):
     max_queued_total: int = Field(1024, ge=1)
     """completions queued or generating, all clients together; more get 429 with Retry-After"""
     tokenizer_threads: int = Field(2, ge=1)
-    """threads that tokenise prompts and detokenise replies, off the event loop that answers every request"""
+    """threads that tokenise prompts and detokenise replies, off the event loop that answers every request; one
+    client address may use all but one of them (at least one)"""
     reload_token_file: str | None = None
     """enable POST /v1/reload {"model_path": FOLDER} (load another checkpoint in place) for callers sending
     'Authorization: Bearer' + this file's content; how an endpoint worker loads each new policy version

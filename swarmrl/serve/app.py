@@ -22,12 +22,9 @@ What is supported, and how it differs from OpenAI's API (docs/eval.md has the ta
 - Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
   status: a request is validated and measured (body size, prompt + max_tokens against the
   model's context, n) before anything runs.
-- Work is bounded per client address (docs/security.md): the completions one address has queued
-  or generating (``--max-queued-per-client``) and all addresses together
-  (``--max-queued-total``); past either, a 429 with ``Retry-After`` (code
-  ``queue_full_per_client`` or ``queue_full``). A request whose client disconnects is dropped
-  before it runs, or stopped at the next token step (streamed or not). Tokenising and
-  detokenising run on a small thread pool, never on the event loop that answers ``/health``.
+- Completions queued or generating are capped per client address and in all (429 with
+  ``Retry-After``, `limits.Queued`); a request whose client disconnects is dropped, or stopped at
+  the next token step; (de)tokenising runs on a thread pool, off the event loop (docs/security.md).
 """
 
 from __future__ import annotations
@@ -49,6 +46,7 @@ from swarmrl.protocol.messages import BodyError, loads
 from swarmrl.serve.engine import Choice, Engine, GenRequest
 from swarmrl.serve.limits import ApiError, ClientGone, Queued, client_gone, error_handlers
 from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
+from swarmrl.transport.connlimit import source_of
 
 
 class Settings:
@@ -138,10 +136,24 @@ class _Routes:
         # client's requests, /health included. A small pool keeps the loop free; the fast
         # tokenizer releases the GIL while it encodes, and is only read, never reconfigured, here.
         self.text_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="swarmrl-tokenize")
+        # One address may use all but one of the pool's threads (at least one), so that another
+        # address's prompt never queues behind a flood of megabyte prompts: [gate, users].
+        self.per_source_threads = max(1, settings.tokenizer_threads - 1)
+        self.text_gates: dict[str, list] = {}
 
-    async def off_loop(self, fn: Callable, *args):
-        """fn(*args) on the tokenizer pool: tokenising, detokenising, shaping a long reply."""
-        return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
+    async def off_loop(self, http: Request, fn: Callable, *args):
+        """fn(*args) on the tokenizer pool (tokenising, detokenising, shaping a long reply), at most
+        `per_source_threads` at a time for the client's address; the others wait on the loop."""
+        source = source_of(http.client.host if http.client else None)
+        gate = self.text_gates.setdefault(source, [asyncio.Semaphore(self.per_source_threads), 0])
+        gate[1] += 1
+        try:
+            async with gate[0]:
+                return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
+        finally:
+            gate[1] -= 1
+            if not gate[1]:
+                del self.text_gates[source]
 
     async def read_body(self, request: Request, model):
         """The request parsed into `model` (CompletionRequest or ChatRequest), after the body's size
@@ -371,7 +383,7 @@ class _Routes:
                 "return_token_ids",
             )
         top = req.logprobs
-        ids = await self.off_loop(self.prompt_ids, req.prompt)
+        ids = await self.off_loop(request, self.prompt_ids, req.prompt)
         gen = self.gen_request(req, ids, top_logprobs=-1 if top is None else top)
         cid, model = f"cmpl-{secrets.token_hex(12)}", self.settings.model_name
         # vLLM's spelling of a token that must be read back exactly: its id, not its text.
@@ -447,7 +459,7 @@ class _Routes:
                 }
             )
 
-        return await self.off_loop(reply)
+        return await self.off_loop(request, reply)
 
     async def tokenize(self, request: Request):
         req = await self.read_body(request, TokenizeRequest)
@@ -469,7 +481,7 @@ class _Routes:
             ids = tokens()
             return JSONResponse({"count": len(ids), "max_model_len": self.settings.context, "tokens": ids})
 
-        return await self.off_loop(reply)
+        return await self.off_loop(request, reply)
 
     async def chat(self, request: Request):
         req = await self.read_body(request, ChatRequest)
@@ -485,7 +497,7 @@ class _Routes:
             )
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-        ids = await self.off_loop(tokens)
+        ids = await self.off_loop(request, tokens)
         gen = self.gen_request(req, ids, top_logprobs=(top or 0) if logprobs else -1)
         cid, model = f"chatcmpl-{secrets.token_hex(12)}", self.settings.model_name
 
@@ -562,7 +574,7 @@ class _Routes:
                 }
             )
 
-        return await self.off_loop(reply)
+        return await self.off_loop(request, reply)
 
     async def reload(self, request: Request):
         """POST /v1/reload {"model_path": FOLDER}: serve another checkpoint from now on.
