@@ -286,6 +286,39 @@ def test_a_request_cancelled_before_its_batch_runs_is_dropped_and_the_rest_serve
         engine.close()
 
 
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_a_running_request_cancelled_stops_and_waiting_requests_take_turns_by_address(model_dir, kind):
+    from swarmrl.serve.engine import Engine, GenRequest
+
+    model, tokenizer = load_policy(model_dir)
+    engine = Engine(model.eval(), tokenizer, max_batch_rows=4, batch_window_s=0.01, kind=kind)
+    ids = chat_ids(tokenizer, "a")
+    try:
+        running = GenRequest(ids, [1, 2, 3, 4], 400, 1.0, client="a")
+        engine.submit(running)
+        deadline = time.monotonic() + 60
+        while engine.stats["requests"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running.cancel()  # its client left while it generates
+        assert running.future.result(timeout=60) == []
+        assert engine.stats["cancelled_running"] == 1 and engine.stats["generated_tokens"] < 4 * 400 // 2
+        # One address queues three requests that each fill the batch, then another address one: it
+        # starts second, before the first address's third (first come, first served: last).
+        first = [GenRequest(ids, [10 * i + j for j in range(4)], 32, 1.0, client="a") for i in range(3)]
+        other = GenRequest(ids, [99], 32, 1.0, client="b")
+        starts: list[str] = []
+        for name, request in [("a0", first[0]), ("a1", first[1]), ("a2", first[2]), ("b", other)]:
+            # Called from the engine thread at each piece of text: the first call is its first token.
+            request.on_delta = lambda _i, _text, _tok, name=name: None if name in starts else starts.append(name)
+            engine.submit(request)
+        for request in [*first, other]:
+            request.future.result(timeout=120)
+        assert starts.index("b") < starts.index("a2"), starts
+    finally:
+        engine.close()
+
+
 # -- clients that leave, clients that flood (docs/security.md, "`swarmrl serve` under a disconnecting flood")
 
 FLOOD = {"model": "tiny", "prompt": "What is 2 + 3?", "n": 8, "max_tokens": 384, "temperature": 1.0, "seed": 1}
