@@ -232,9 +232,12 @@ def failure(env: Environment, e: BaseException) -> str:
     return f"environment {env.name!r} raised {type(e).__name__}: {e}"[:300]
 
 
-Responses = Callable[[list[list[str]]], list[Reply]]
+Responses = Callable[[list[list[str]]], list["Reply | EpisodeRejected"]]
 """Answers for prefixes of an episode's model turns: `respond(task, prefix, seed)` of each, in
-order, raising EpisodeRejected when one cannot be had (the environment failed, the time ran out)."""
+order, or the EpisodeRejected that stands for a turn's answer that could not be had (the environment
+failed, the time ran out). `replay` raises it only when its checks reach that turn, so a failure on
+a later turn never hides what an earlier one shows (an edited observation is fraud, a failing
+environment is not)."""
 
 
 def respond_here(
@@ -243,16 +246,20 @@ def respond_here(
     """`Responses` computed in this process, one call after another; before each, `out_of_time()`
     (None: go on; a text: why not) lets a caller stop between turns when its time is spent."""
 
-    def responses(prefixes: list[list[str]]) -> list[Reply]:
-        out = []
+    def responses(prefixes: list[list[str]]) -> list[Reply | EpisodeRejected]:
+        out: list[Reply | EpisodeRejected] = []
         for prefix in prefixes:
             why = out_of_time() if out_of_time is not None else None
-            if why:
-                raise EpisodeRejected("not_graded", why)
+            if why:  # this turn and every later one go unanswered
+                return out + [EpisodeRejected("not_graded", why)] * (len(prefixes) - len(out))
             try:
-                out.append(env.respond(task, prefix, seed))
+                reply = env.respond(task, prefix, seed)
             except Exception as e:
-                raise EpisodeRejected("environment_error", f"turn {len(prefix)}: {failure(env, e)}") from None
+                out.append(EpisodeRejected("environment_error", f"turn {len(prefix)}: {failure(env, e)}"))
+                continue
+            out.append(reply)
+            if reply.done:  # the episode ends here: a later turn is refused before its answer is read
+                return out + [reply] * (len(prefixes) - len(out))
         return out
 
     return responses
@@ -317,6 +324,8 @@ def replay(
     errors = 0
     for t, k in enumerate(range(0, len(spans), 2)):
         end, reply, turn = spans[k][1], replies[t], t + 1
+        if not isinstance(reply, Reply):
+            raise reply
         last = k + 1 >= len(spans)
         if reply.done or turn >= max_turns:
             if not last:

@@ -216,6 +216,14 @@ class Metered:
         return out
 
 
+def out_of_time(pool) -> str | None:
+    """A metered lane's reason once its seconds are spent (an unproven key's), None otherwise (a
+    proven key's lane, or time left): checked between calls that run in the caller's process."""
+    if isinstance(pool, Metered) and pool.clock() >= pool.deadline:
+        return pool.reason
+    return None
+
+
 class GradingLanes:
     """`lanes` objects (e.g. verifier pools) handed out one caller at a time, at most one per key
     at once, and at most one at a time to unproven keys, whose time in it `meter` charges (to the

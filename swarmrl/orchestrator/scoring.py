@@ -9,6 +9,7 @@ from swarmrl.config import Config
 from swarmrl.envs import registry as envs
 from swarmrl.envs.episode import runs
 from swarmrl.model.tokenizer import decode_completion
+from swarmrl.orchestrator.admission import out_of_time
 from swarmrl.protocol.rollouts import Group
 from swarmrl.rewards.length import length_reward
 from swarmrl.rewards.pool import VerifierPool, sendable
@@ -51,6 +52,10 @@ def score_episodes(g: Group, *, tokenizer, cfg: Config, pool=None) -> list[Score
     else:
         graded = []
         for t in turns:
+            spent = out_of_time(pool)
+            if spent:  # an unproven key's seconds ran out: the rest score 0, as in the pool
+                graded.append(spent)
+                continue
             try:
                 graded.append(env.reward(task, t, g.env_seed))
             except Exception as e:  # a registered environment's bug: this episode is not graded

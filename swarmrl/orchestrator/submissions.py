@@ -23,7 +23,15 @@ from swarmrl.envs import registry as envs
 from swarmrl.envs.base import Environment, Reply
 from swarmrl.envs.episode import Episode, EpisodeRejected, Responses, chat_framing, replay, respond_here, runs
 from swarmrl.model.tokenizer import decode_completion
-from swarmrl.orchestrator.admission import Busy, GradingLanes, Metered, Spent, extended_expiry, is_proven
+from swarmrl.orchestrator.admission import (
+    Busy,
+    GradingLanes,
+    Metered,
+    Spent,
+    extended_expiry,
+    is_proven,
+    out_of_time,
+)
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.gate import Gate
@@ -306,21 +314,20 @@ class Submissions:
         """The environment's answers for an episode's turns, from the grading lane's pool when its
         `respond` can be sent there by reference (a module-level function), else in this process."""
         if not sendable(e.env.respond):
-            return respond_here(e.env, e.task, e.seed, out_of_time=lambda: _out_of_time(pool))
+            return respond_here(e.env, e.task, e.seed, out_of_time=lambda: out_of_time(pool))
 
-        def responses(prefixes: list[list[str]]) -> list[Reply]:
+        def responses(prefixes: list[list[str]]) -> list[Reply | EpisodeRejected]:
             outcomes = pool.map(e.env.respond, [(e.task, p, e.seed) for p in prefixes])
-            out = []
+            out: list[Reply | EpisodeRejected] = []
             for prefix, o in zip(prefixes, outcomes):
                 if o.ok and isinstance(o.value, Reply):
                     out.append(o.value)
                 elif o.error is not None and o.error == getattr(pool, "reason", None):
-                    raise EpisodeRejected("not_graded", o.error)
+                    out.append(EpisodeRejected("not_graded", o.error))
                 else:
                     what = o.error if not o.ok else f"returned {type(o.value).__name__}, not a Reply"
-                    raise EpisodeRejected(
-                        "environment_error", f"turn {len(prefix)}: environment {e.env.name!r}: {what}"[:300]
-                    )
+                    detail = f"turn {len(prefix)}: environment {e.env.name!r}: {what}"[:300]
+                    out.append(EpisodeRejected("environment_error", detail))
             return out
 
         return responses
@@ -357,19 +364,19 @@ class Submissions:
         time, Spent when an unproven key's grading time is used up."""
         with self.lanes.lane(key, proven, source) as pool:
             started = time.monotonic()
-            for c in checks:
-                if c.group is not None and c.episodes is not None:
-                    self._replay(c, pool)
-            groups = [c.group for c in checks if c.group is not None]
             # A resource grader (the code sandbox) is one object the lanes take turns on; only
-            # submissions that need it wait for it, and no longer than for a lane.
-            shared = any(self.graders.get(g.task_type) is not None for g in groups)
-            if not groups:
-                return
+            # submissions that need it wait for it, and no longer than for a lane. Taken before the
+            # replay: a Busy after it would give back slots whose refusals the replay had decided.
+            shared = any(c.group is not None and self.graders.get(c.group.task_type) is not None for c in checks)
             if shared and not self._resource_lock.acquire(timeout=self.cfg.orchestrator.grading_wait_s):
                 raise Busy("the code sandbox is busy grading another submission")
             try:
-                score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
+                for c in checks:
+                    if c.group is not None and c.episodes is not None:
+                        self._replay(c, pool)
+                groups = [c.group for c in checks if c.group is not None]
+                if groups:
+                    score_groups(groups, tokenizer=self.tokenizer, pool=pool, cfg=self.cfg, graders=self.graders)
             finally:
                 if shared:
                     self._resource_lock.release()
@@ -529,10 +536,3 @@ class Submissions:
             self.store.close_lease_if_settled(db, lease_id)
         self.counters.count("groups_accepted", len(fresh))
         return {"accepted": accepted, "rejected": rejected}
-
-
-def _out_of_time(pool) -> str | None:
-    """The metered lane's reason once its seconds are spent (an unproven key's), None otherwise."""
-    if isinstance(pool, Metered) and pool.clock() >= pool.deadline:
-        return pool.reason
-    return None

@@ -13,14 +13,13 @@ import threading
 import time
 
 import pytest
+from test_orchestrator_components import TOKENIZER, TRUSTED, make_orchestrator
 
 from swarmrl.envs import registry
 from swarmrl.envs.base import Environment, Reply
 from swarmrl.envs.builtin import GUESS, MAX_DIGITS, _guess_respond, _guess_reward, calls, last_integer
-from swarmrl.envs.episode import EpisodeRejected, Turn, respond_here, run_episodes
+from swarmrl.envs.episode import EpisodeRejected, respond_here, run_episodes
 from swarmrl.protocol.messages import GroupIn
-
-from test_orchestrator_components import TRUSTED, TOKENIZER, make_orchestrator
 
 OLD_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)  # what the calculator used before
 
@@ -74,14 +73,17 @@ def test_an_environment_that_raises_ends_only_that_episode_on_the_worker():
     assert episodes[1].env_error is None and episodes[1].done
 
 
-def test_respond_here_refuses_on_failure_and_when_the_time_is_spent():
+def test_respond_here_stands_in_for_answers_it_cannot_have_and_stops_at_the_end():
     env = Environment("boom", _boom, GUESS.reward)
-    with pytest.raises(EpisodeRejected) as e:
-        respond_here(env, {}, 0)([["a"]])
-    assert e.value.reason == "environment_error" and "ValueError" in str(e.value)
-    with pytest.raises(EpisodeRejected) as e:
-        respond_here(GUESS, {"low": 1, "high": 8}, 0, out_of_time=lambda: "spent")([["1"], ["1", "2"]])
-    assert e.value.reason == "not_graded"
+    (failed,) = respond_here(env, {}, 0)([["a"]])
+    assert isinstance(failed, EpisodeRejected) and failed.reason == "environment_error" and "ValueError" in str(failed)
+    task = {"low": 1, "high": 8}
+    spent = respond_here(GUESS, task, 0, out_of_time=lambda: "spent")([["1"], ["1", "2"]])
+    assert [r.reason for r in spent] == ["not_graded", "not_graded"]
+    calls = []
+    counting = Environment("count", lambda t, turns, s: calls.append(1) or Reply("", done=True), GUESS.reward)
+    replies = respond_here(counting, task, 0)([["1"], ["1", "2"], ["1", "2", "3"]])
+    assert len(calls) == 1 and all(r.done for r in replies)  # nothing asked after the episode ended
 
 
 # --- through the orchestrator ----------------------------------------------------------------
@@ -104,6 +106,32 @@ def guess_orch(tmp_path):
     yield o
     o.close()
     registry.register(GUESS)  # the tests below replace it
+
+
+def _boom_on_turn_2(task: dict, turns: list[str], seed: int) -> Reply:
+    if len(turns) > 1:
+        raise ValueError("cannot read turn 2")
+    return GUESS.respond(task, turns, seed)
+
+
+def test_a_failure_on_a_later_turn_does_not_hide_an_edited_observation(guess_orch):
+    # Turn 1 guesses 0 (below any hidden number: "higher"), the observation after it is forged,
+    # and the environment fails on turn 2: the forgery is what the key is refused for (fraud).
+    registry.register(Environment("guess", _boom_on_turn_2, GUESS.reward, check=GUESS.check, max_turns=GUESS.max_turns))
+    lease = guess_orch.lease(TRUSTED, 0, protocol_version=3)["lease"]
+    eos = TOKENIZER.eos_token_id
+    ids = lambda text: TOKENIZER(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turn1, forged, turn2 = ids("0") + [eos], ids("lower"), ids("BOOM") + [eos]
+    tokens = turn1 + forged + turn2
+    mask = [True] * len(turn1) + [False] * len(forged) + [True] * len(turn2)
+    logprobs = [-0.5 if m else 0.0 for m in mask]
+    sample = {"token_ids": tokens, "logprobs": logprobs, "finish_reason": "stop", "model_mask": mask}
+    groups = [
+        GroupIn(slot=p["slot"], policy_version=0, engine="openai", samples=[sample, sample]) for p in lease["prompts"]
+    ]
+    reply = guess_orch.submit(TRUSTED, lease["lease_id"], groups)
+    assert {r["reason"] for r in reply["rejected"]} == {"observation_mismatch"}, reply
+    assert guess_orch.worker_record(TRUSTED)["fraud"] >= 1
 
 
 def _one_turn_groups(lease: dict, text: str) -> list[GroupIn]:
