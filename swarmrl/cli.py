@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from swarmrl.config import Config
 from swarmrl.entrypoints import MODULES
-from swarmrl.entrypoints.common import fail, run_config, run_dir_config
+from swarmrl.entrypoints.common import CaFileSettings, fail, run_config, run_dir_config
 from swarmrl.entrypoints.flags import (
     add_settings_flags,
     comment_out,
@@ -27,6 +27,7 @@ from swarmrl.entrypoints.flags import (
     read_settings_file,
     settings_toml,
 )
+from swarmrl.errors import SwarmrlError
 
 COMMANDS = {name: module.HELP for name, module in MODULES.items()}
 
@@ -147,10 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     from swarmrl.protocol.tls import TLSError, trust_ca_file
 
     try:
-        if getattr(settings, "ca_file", None):
+        if isinstance(settings, CaFileSettings) and settings.ca_file:
             trust_ca_file(settings.ca_file)
         MODULES[args.command].main(settings, cfg)
-    except TLSError as e:
+    except (SwarmrlError, TLSError) as e:  # meant for the user: one line, no traceback
         fail(str(e))
 
 

@@ -39,6 +39,7 @@ from swarmrl.assets.sources import (
     sha256_bytes,
     sha256_of,
 )
+from swarmrl.errors import SwarmrlError
 
 MODEL_NAME = "smollm2-135m-q4"
 # Keys of transformers' GGUF table that are not causal LMs: sections of the table, encoder-decoders.
@@ -51,7 +52,7 @@ def default_cache() -> Path:
     return Path(os.environ.get("SWARMRL_ASSETS") or Path.home() / ".cache" / "swarmrl" / "real")
 
 
-class AssetError(ValueError):
+class AssetError(SwarmrlError, ValueError):
     """An input that cannot become an asset; the message names the file and the fix."""
 
 

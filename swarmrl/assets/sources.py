@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmrl.errors import SwarmrlError
+
 
 @dataclass(frozen=True)
 class Source:
@@ -89,7 +91,7 @@ IFBENCH = Source(
 SOURCES = (SMOLLM2, BENCH_DATA, HUMAN_EVAL, IFBENCH)
 
 
-class SourceError(ValueError):
+class SourceError(SwarmrlError, ValueError):
     """A source is missing or is not the pinned file; the message says what to run."""
 
 

@@ -35,6 +35,7 @@ from swarmrl.config.training import (
     SFTConfig,
     TrainerConfig,
 )
+from swarmrl.errors import SwarmrlError
 
 
 class Config(Section):
@@ -186,7 +187,7 @@ class Config(Section):
         return text
 
 
-class ConfigError(ValueError):
+class ConfigError(SwarmrlError, ValueError):
     """A config problem, phrased for the person who wrote the config."""
 
 

@@ -7,7 +7,6 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from swarmrl.entrypoints.common import fail
 from swarmrl.entrypoints.flags import RoleSettings
 
 HELP = "Prepare the real assets (a pretrained checkpoint and benchmark files) in a cache, checked by sha256."
@@ -45,15 +44,12 @@ class Settings(RoleSettings):
 def main(settings: Settings, cfg: None) -> None:
     from pathlib import Path
 
-    from swarmrl.assets.prepare import AssetError, convert_gguf, default_cache, prepare
-    from swarmrl.assets.sources import SourceError
+    from swarmrl.assets.prepare import convert_gguf, default_cache, prepare
 
-    try:
-        if settings.gguf:
-            out = convert_gguf(Path(settings.gguf), Path(settings.output), dtype=settings.dtype)
-            print(f"wrote {out} (de-quantised to {settings.dtype}); use it as --model.path {out}")
-            return
-        cache = Path(settings.cache) if settings.cache else default_cache()
-        prepare(cache, Path(settings.wheels) if settings.wheels else None, force=settings.force)
-    except (AssetError, SourceError) as e:
-        fail(str(e))
+    # An AssetError or SourceError (a SwarmrlError) is printed by cli.main as one line.
+    if settings.gguf:
+        out = convert_gguf(Path(settings.gguf), Path(settings.output), dtype=settings.dtype)
+        print(f"wrote {out} (de-quantised to {settings.dtype}); use it as --model.path {out}")
+        return
+    cache = Path(settings.cache) if settings.cache else default_cache()
+    prepare(cache, Path(settings.wheels) if settings.wheels else None, force=settings.force)

@@ -1,12 +1,17 @@
-"""What several commands share: the error exit, the run config, service URLs and key arguments."""
+"""What several commands share: the error exit, the run config, service URLs, key arguments, and
+the settings several roles take (`CaFileSettings`, `TlsServeSettings`, `OrchestratorUrlSettings`:
+each field, its help text and its check written once)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Self
+
+from pydantic import field_validator, model_validator
 
 from swarmrl.config import Config
+from swarmrl.entrypoints.flags import RoleSettings
 
 OVERRIDES_EPILOG = (
     "Any config field can be overridden with its dotted name, e.g. --trainer.lr 3e-7 "
@@ -74,6 +79,43 @@ def key_arg(value: str | None) -> str | None:
     return value
 
 
-def check_tls_pair(cert: str | None, key: str | None) -> None:
-    if bool(cert) != bool(key):
-        raise ValueError("--tls-cert and --tls-key go together: give both")
+# The settings several roles share. A role's `Settings` inherits them; pydantic lists the fields of
+# its bases first, those of the last base first (`Settings(CaFileSettings, OrchestratorUrlSettings)`
+# lists --orchestrator, then --ca-file, then the role's own flags).
+
+
+class CaFileSettings(RoleSettings):
+    """--ca-file: the roles that reach services over https (`swarmrl.cli.main` trusts the file
+    before the role starts)."""
+
+    ca_file: str | None = None
+    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
+    (https is always verified)"""
+
+
+class TlsServeSettings(RoleSettings):
+    """--tls-cert and --tls-key: the services that can serve https themselves."""
+
+    tls_cert: str | None = None
+    """PEM certificate (chain): serve https (with --tls-key)"""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert"""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Self:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both")
+        return self
+
+
+class OrchestratorUrlSettings(RoleSettings):
+    """--orchestrator (required): the roles that join a running orchestrator; its URL is checked
+    before anything starts (`service_url`)."""
+
+    orchestrator: str
+    """orchestrator URL, e.g. http://127.0.0.1:8000"""
+
+    @field_validator("orchestrator")
+    @classmethod
+    def _orchestrator_url(cls, value: str) -> str:
+        return service_url(value, "--orchestrator")

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from swarmrl.entrypoints.common import check_tls_pair, key_arg, service_urls, url_list
-from swarmrl.entrypoints.flags import RoleSettings
+from swarmrl.entrypoints.common import CaFileSettings, TlsServeSettings, key_arg, service_urls, url_list
 
 HELP = "An untrusted HTTP relay: mirrors signed, sharded policy versions from upstream and serves them."
 DESCRIPTION = HELP + (
@@ -19,7 +18,7 @@ DESCRIPTION = HELP + (
 RUN_CONFIG = None
 
 
-class Settings(RoleSettings):
+class Settings(CaFileSettings, TlsServeSettings):
     upstream: str
     """comma-separated URLs of the origin (the trainer's broadcast server) or other relays"""
     cache_dir: str
@@ -47,23 +46,11 @@ class Settings(RoleSettings):
     client_timeout_s: float = Field(20.0, gt=0)
     """a connection making no progress this long is closed, and a request's line and headers must arrive within
     it (a slow client cannot hold a slot)"""
-    tls_cert: str | None = None
-    """PEM certificate (chain): serve https (with --tls-key)"""
-    tls_key: str | None = None
-    """PEM private key of --tls-cert"""
-    ca_file: str | None = None
-    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
-    (https is always verified)"""
 
     @field_validator("upstream")
     @classmethod
     def _upstream_urls(cls, value: str) -> str:
         return service_urls(value, "--upstream")
-
-    @model_validator(mode="after")
-    def _check(self) -> Settings:
-        check_tls_pair(self.tls_cert, self.tls_key)
-        return self
 
 
 def main(settings: Settings, cfg: None) -> None:

@@ -28,7 +28,6 @@ def main(settings: Settings, cfg: Config) -> None:
     if settings.resume and not settings.run_dir:
         fail("--resume needs --run-dir: the run to continue")
     from swarmrl.launch.launcher import ChildDied, run_rl
-    from swarmrl.sandbox.runner import SandboxUnavailable
 
     # Ctrl-C must reach the launcher even when it was started from a shell that ignores
     # SIGINT for background jobs (Python keeps an inherited SIG_IGN otherwise).
@@ -39,6 +38,6 @@ def main(settings: Settings, cfg: Config) -> None:
         )
     try:
         summary = run_rl(cfg, resume=settings.resume, prepare_only=settings.prepare)
-    except (ChildDied, FileExistsError, ValueError, FileNotFoundError, SandboxUnavailable) as e:
+    except (ChildDied, FileExistsError, ValueError, FileNotFoundError) as e:
         fail(str(e))
     print(json.dumps(summary, indent=1))

@@ -76,7 +76,6 @@ def main(settings: Settings, cfg: Config) -> None:
     from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
     from swarmrl.rewards.registry import open_graders, preload_for
     from swarmrl.rewards.scoring import score_file
-    from swarmrl.sandbox.runner import SandboxUnavailable
 
     if not os.path.exists(settings.input):
         fail(f"--input {settings.input} does not exist")
@@ -91,10 +90,7 @@ def main(settings: Settings, cfg: Config) -> None:
         _report(counts, settings)
         return
     count_tokens = _token_counter(settings.tokenizer)
-    try:
-        graders = open_graders(_peek_task_types(settings.input), cfg.sandbox)
-    except SandboxUnavailable as e:
-        fail(str(e))
+    graders = open_graders(_peek_task_types(settings.input), cfg.sandbox)  # SandboxUnavailable: cli.main says it
     try:
         preload = (*DEFAULT_PRELOAD, *preload_for(_peek_task_types(settings.input)))
         with VerifierPool(settings.workers, settings.timeout, preload=preload) as pool:

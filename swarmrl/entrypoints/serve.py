@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from swarmrl.entrypoints.common import check_tls_pair, fail
-from swarmrl.entrypoints.flags import RoleSettings, flag
+from swarmrl.entrypoints.common import TlsServeSettings, fail
+from swarmrl.entrypoints.flags import flag
 
 HELP = "An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a local checkpoint."
 DESCRIPTION = (
@@ -18,7 +18,7 @@ DESCRIPTION = (
 RUN_CONFIG = None
 
 
-class Settings(RoleSettings):
+class Settings(TlsServeSettings):
     model: str
     """local HF checkpoint folder (a swarmrl policy or any causal LM)"""
     host: str = "127.0.0.1"
@@ -31,10 +31,6 @@ class Settings(RoleSettings):
     """cpu or cuda"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the precision the model computes in"""
-    tls_cert: str | None = None
-    """PEM certificate (chain): serve https (with --tls-key)"""
-    tls_key: str | None = None
-    """PEM private key of --tls-cert"""
     engine: Literal["builtin", "hf"] = "builtin"
     """builtin: continuous batching (Qwen2/2.5, Qwen3 and Llama/SmolLM models; others fall back to hf, saying why);
     hf: the generic engine over the model's own forward, in static batches"""
@@ -77,7 +73,6 @@ class Settings(RoleSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        check_tls_pair(self.tls_cert, self.tls_key)
         if not self.max_n <= self.max_queued_per_client <= self.max_queued_total:
             raise ValueError(
                 f"--max-queued-per-client ({self.max_queued_per_client}) must be at least --max-n ({self.max_n}), "

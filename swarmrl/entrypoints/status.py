@@ -3,19 +3,15 @@
 
 from __future__ import annotations
 
-from pydantic import field_validator
-
-from swarmrl.entrypoints.common import fail, service_url
-from swarmrl.entrypoints.flags import RoleSettings, flag
+from swarmrl.entrypoints.common import CaFileSettings, OrchestratorUrlSettings, fail
+from swarmrl.entrypoints.flags import flag
 
 HELP = "A run at a glance from its orchestrator: progress, every worker's record, validation, versions."
 DESCRIPTION = HELP + " It reads GET /v1/dashboard, which is public: no token needed."
 RUN_CONFIG = None
 
 
-class Settings(RoleSettings):
-    orchestrator: str
-    """orchestrator URL, e.g. http://127.0.0.1:8000"""
+class Settings(CaFileSettings, OrchestratorUrlSettings):
     as_json: bool = flag(False, spelled="--json")
     """print the dashboard document as JSON instead of tables"""
     steps: int = 10
@@ -24,14 +20,6 @@ class Settings(RoleSettings):
     """leaderboard rows to show"""
     watch: float = 0.0
     """refresh every this many seconds (0: print once)"""
-    ca_file: str | None = None
-    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
-    (https is always verified)"""
-
-    @field_validator("orchestrator")
-    @classmethod
-    def _orchestrator_url(cls, value: str) -> str:
-        return service_url(value, "--orchestrator")
 
 
 def main(settings: Settings, cfg: None) -> None:

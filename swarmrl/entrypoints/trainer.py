@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from swarmrl.entrypoints.common import fail, run_dir_config
-from swarmrl.entrypoints.flags import RoleSettings, flag
+from swarmrl.entrypoints.common import CaFileSettings, fail, run_dir_config
+from swarmrl.entrypoints.flags import flag
 
 HELP = "The trainer role: pulls batches from the orchestrator, publishes policy versions (torchrun-able)."
 DESCRIPTION = HELP + (
@@ -19,16 +19,13 @@ DESCRIPTION = HELP + (
 RUN_CONFIG = "run-dir"
 
 
-class Settings(RoleSettings):
+class Settings(CaFileSettings):
     run_dir: str
     """the run directory (config.toml, policies/, checkpoints/)"""
     resume: bool = False
     """continue from the newest checkpoint (with several nodes, every node needs it)"""
     orchestrator: str | None = None
     """orchestrator URL (default: from <run-dir>/orchestrator.json)"""
-    ca_file: str | None = None
-    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
-    (https is always verified)"""
     token_file: str | None = None
     """trainer bearer token (default: <run-dir>/trainer.token)"""
     node_rank: int = 0

@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from swarmrl.entrypoints.common import fail, key_arg, service_url, service_urls, url_list
-from swarmrl.entrypoints.flags import RoleSettings
+from swarmrl.entrypoints.common import CaFileSettings, OrchestratorUrlSettings, fail, key_arg, service_urls, url_list
 
 HELP = "A trusted validator: re-runs prefills to check workers' TOPLOC proofs, seeded sampling, logprobs."
 DESCRIPTION = HELP + (
@@ -18,9 +17,7 @@ DESCRIPTION = HELP + (
 RUN_CONFIG = None
 
 
-class Settings(RoleSettings):
-    orchestrator: str
-    """orchestrator URL"""
+class Settings(CaFileSettings, OrchestratorUrlSettings):
     token_file: str
     """validator bearer token (<run-dir>/validator.token)"""
     cache_dir: str = ".cache/swarmrl/validator"
@@ -34,17 +31,9 @@ class Settings(RoleSettings):
     if the run samples in another"""
     relays: str = ""
     """comma-separated relay URLs for policy versions (origin last)"""
-    ca_file: str | None = None
-    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
-    (https is always verified)"""
     trainer_key: str | None = None
     """the trainer's public key (64 hex) or a file holding it; default: the key the orchestrator's manifests
     name"""
-
-    @field_validator("orchestrator")
-    @classmethod
-    def _orchestrator_url(cls, value: str) -> str:
-        return service_url(value, "--orchestrator")
 
     @field_validator("relays")
     @classmethod

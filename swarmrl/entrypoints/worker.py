@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import field_validator, model_validator
 
 from swarmrl.config import ADVERSARY_KINDS
-from swarmrl.entrypoints.common import fail, key_arg, service_url, service_urls, url_list
-from swarmrl.entrypoints.flags import RoleSettings, flag
+from swarmrl.entrypoints.common import CaFileSettings, OrchestratorUrlSettings, fail, key_arg, service_urls, url_list
+from swarmrl.entrypoints.flags import flag
 
 HELP = (
     "An inference worker: joins an orchestrator over HTTP with its own ed25519 key (untrusted, with proofs; "
@@ -35,12 +35,7 @@ VLLM_FIELDS = ("vllm_max_model_len", "vllm_kv_cache_gib")
 ENDPOINT_FIELDS = ("endpoint", "endpoint_key_file", "served_model", "load", "server_command", "endpoint_dtype")
 
 
-class Settings(RoleSettings):
-    orchestrator: str
-    """orchestrator URL, e.g. http://127.0.0.1:8000"""
-    ca_file: str | None = None
-    """PEM CA certificate(s) to trust besides the public CAs, for services with certificates from your own CA
-    (https is always verified)"""
+class Settings(CaFileSettings, OrchestratorUrlSettings):
     insecure: bool = False
     """allow a plain-http orchestrator that is not on this machine (by default refused: on the open internet plain
     http lets anyone read the traffic or pose as the orchestrator)"""
@@ -110,11 +105,6 @@ class Settings(RoleSettings):
         description="FOR TESTING THE VALIDATOR ONLY: cheat in one way (the orchestrator "
         "bans the key). " + "; ".join(f"{k}: {v}" for k, v in ADVERSARY_KINDS.items()),
     )
-
-    @field_validator("orchestrator")
-    @classmethod
-    def _orchestrator_url(cls, value: str) -> str:
-        return service_url(value, "--orchestrator")
 
     @field_validator("relays")
     @classmethod

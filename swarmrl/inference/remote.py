@@ -45,13 +45,14 @@ from pathlib import Path
 
 import httpx
 
+from swarmrl.errors import SwarmrlError
 from swarmrl.inference.engine import Completion
 
 LOAD_MODES = ("reload", "restart", "sglang", "vllm")
 ENGINE_NAME = "openai"  # what groups made here declare (`engine` in the submission)
 
 
-class EndpointError(RuntimeError):
+class EndpointError(SwarmrlError, RuntimeError):
     """The server could not be used as asked; the message says what to change."""
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from swarmrl.errors import SwarmrlError
 from swarmrl.inference.sampler import Completion, check_rows
 from swarmrl.inference.seeded import seeded_choice
 
@@ -57,7 +58,7 @@ ENGINE_NAME = "vllm"  # what groups made here declare (`engine` in the submissio
 TAG = "swarmrl"  # the key of this engine's entry in SamplingParams.extra_args
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(SwarmrlError, RuntimeError):
     """vLLM cannot be imported or started here; the message says what to do."""
 
 

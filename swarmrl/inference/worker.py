@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from swarmrl.errors import SwarmrlError, WrongPrecision
 from swarmrl.inference.engine import RolloutEngine, build_engine
 from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
 from swarmrl.inference.streams import StreamedEngine
-from swarmrl.inference.vllm_engine import VllmUnavailable
 from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
@@ -68,15 +68,11 @@ class VllmSettings:
     kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE unless that is set
 
 
-class WrongPrecision(Exception):
-    """The run samples in another dtype than the one this worker was told to use."""
-
-
-class RefusedEngine(Exception):
+class RefusedEngine(SwarmrlError):
     """The run's limits file does not accept the engine this worker runs (`engine_refused`)."""
 
 
-class UnknownEnvironment(Exception):
+class UnknownEnvironment(SwarmrlError):
     """The run's episodes need an environment this worker's installation does not register."""
 
 
@@ -569,15 +565,7 @@ def run_worker(
     )
     try:
         worker.run()
-    except (
-        Unavailable,
-        Refused,
-        WrongPrecision,
-        RefusedEngine,
-        EndpointError,
-        VllmUnavailable,
-        UnknownEnvironment,
-    ) as e:
+    except (Unavailable, Refused, SwarmrlError) as e:  # WrongPrecision, EndpointError, VllmUnavailable, ...
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

@@ -29,6 +29,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+from swarmrl.errors import SwarmrlError
 from swarmrl.proofs.evidence import EvidenceModel, ban_bound, fit, groups_to_ban
 
 FORMAT = "swarmrl-limits/1"
@@ -57,7 +58,7 @@ HARD = {
 }
 
 
-class LimitsError(ValueError):
+class LimitsError(SwarmrlError, ValueError):
     """A limits file that cannot be used for this run (another model, dtype, or not a limits file)."""
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmrl.config import SandboxConfig
+from swarmrl.errors import SwarmrlError
 from swarmrl.sandbox.cgroups import SlotCgroup, open_slot_cgroup
 from swarmrl.sandbox.uids import UidRange, UidsUnavailable
 
@@ -64,7 +65,7 @@ FIX_IT = (
 )
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(SwarmrlError, RuntimeError):
     """Bubblewrap cannot run here; the message says why and how to fix it."""
 
 

@@ -20,13 +20,15 @@ import os
 import stat
 from pathlib import Path
 
+from swarmrl.errors import SwarmrlError
+
 # Where the lock files live: under /run (a tmpfs, root's, emptied at boot) when it is there.
 DEFAULT_LOCK_DIR = Path("/run/swarmrl/sandbox-uids") if os.path.isdir("/run") else Path("/tmp/swarmrl-sandbox-uids")
 # How far above uid_base a pool looks for free uids: room for 4096 slots in use at once.
 SCAN = 4096
 
 
-class UidsUnavailable(RuntimeError):
+class UidsUnavailable(SwarmrlError, RuntimeError):
     """No range of free uids could be claimed; the message says why and what to do."""
 
 

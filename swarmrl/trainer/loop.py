@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from swarmrl.config import load_config
+from swarmrl.errors import SwarmrlError
 from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.model.lora import save_adapter
@@ -122,7 +123,7 @@ def _orchestrator(rd: RunDir, url: str | None, token_file: str | None) -> Traine
     return TrainerClient(url, token_path.read_text().strip())
 
 
-class RunStopped(RuntimeError):
+class RunStopped(SwarmrlError, RuntimeError):
     """The run cannot go on, for a reason the user must act on (not a crash): its message says
     what is wrong and what to do, and is what the trainer prints (and `swarmrl rl` shows) on exit."""
 

@@ -38,6 +38,7 @@ from transformers import DynamicCache
 
 from swarmrl.config import ValidatorConfig
 from swarmrl.envs.episode import runs, turn_seed
+from swarmrl.errors import WrongPrecision
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
@@ -54,10 +55,6 @@ class SampleReport:
     tokens: int = 0
     logprob_err_sum: float = 0.0  # sum over tokens of |reported - recomputed|
     logprob_diff_sum: float = 0.0  # sum over tokens of reported - recomputed (a cheat's bias)
-
-
-class WrongPrecision(Exception):
-    """The run samples in another dtype than the one this validator was told to use."""
 
 
 @dataclass

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmrl.config import ValidatorConfig
+from swarmrl.errors import SwarmrlError
 from swarmrl.protocol.client import Refused, Unavailable, ValidatorClient, retrying
-from swarmrl.validator.core import Validator, WrongPrecision
+from swarmrl.validator.core import Validator
 
 
 class InProcessSource:
@@ -165,7 +166,7 @@ def run_external(
                 rate = validator.prefill_tokens / max(validator.prefill_seconds, 1e-9)
                 print(f"validator: {checked} groups checked (prefill {rate:.0f} tok/s)", flush=True)
                 last = time.monotonic()
-    except (Refused, WrongPrecision) as e:
+    except (Refused, SwarmrlError) as e:  # WrongPrecision, any error meant for the user
         print(f"swarmrl validator: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except Unavailable as e:

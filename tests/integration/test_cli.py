@@ -39,6 +39,14 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str, code:
         assert needle in proc.stderr, (needle, proc.stderr)
 
 
+def test_a_swarmrl_error_a_role_does_not_catch_is_one_line_without_a_traceback(tmp_path):
+    # An AssetError (a SwarmrlError) that `swarmrl assets` leaves to swarmrl.cli.main (issue 51).
+    proc = swarmrl("assets", "--gguf", "nope.gguf", "--output", "out", cwd=tmp_path)
+    assert_clean_failure(proc, "nope.gguf does not exist: pass the path of a .gguf file")
+    assert proc.stderr == "swarmrl: error: nope.gguf does not exist: pass the path of a .gguf file\n", proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_lists_every_command(tmp_path):
     proc = swarmrl("--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

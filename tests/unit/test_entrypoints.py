@@ -244,7 +244,8 @@ def test_a_settings_file_with_an_unknown_or_bad_key_is_refused(tmp_path, capsys)
     bad = tmp_path / "relay.toml"
     bad.write_text('upstream = "http://a:1"\ncache_dir = "c"\nkeeps = 2\n')
     code, _, err = run(["relay", "--config", str(bad), "--dry-run"], capsys)
-    assert code == 2 and "unknown setting(s) keeps; allowed: upstream, cache_dir" in err
+    # The shared settings (common.py's mixins) come first: pydantic lists a base's fields first.
+    assert code == 2 and "unknown setting(s) keeps; allowed: tls_cert, tls_key, ca_file, upstream, cache_dir" in err
     bad.write_text('upstream = "http://a:1"\ncache_dir = "c"\nkeep = "two"\n')
     code, _, err = run(["relay", "--config", str(bad), "--dry-run"], capsys)
     assert code == 2 and "--keep:" in err and "'two'" in err
@@ -294,3 +295,91 @@ def test_pin_trainer_gives_the_trainer_its_own_cpus_on_a_cpu_run_and_only_there(
     assert launcher.placement(load_config(None, ["--model.device", "cuda"])) == (None, None)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _: {0})
     assert launcher.placement(load_config(None, [])) == (None, None)  # nothing left for the others
+
+
+# ---- settings several roles share, errors meant for the user (issue 51) --------------------------
+SHARED = {  # mixin -> its fields -> the roles that take them
+    "CaFileSettings": (("ca_file",), {"relay", "status", "trainer", "validator", "worker"}),
+    "TlsServeSettings": (("tls_cert", "tls_key"), {"orchestrator", "relay", "serve"}),
+    "OrchestratorUrlSettings": (("orchestrator",), {"status", "validator", "worker"}),
+}
+
+
+def _declared_in(settings: type, field: str) -> type:
+    """The class of `settings`' MRO whose body declares `field`."""
+    return next(c for c in settings.__mro__ if field in c.__dict__.get("__annotations__", {}))
+
+
+@pytest.mark.parametrize("mixin", sorted(SHARED))
+def test_each_shared_setting_is_declared_once_in_its_mixin(mixin):
+    from swarmrl.entrypoints import common
+
+    base = getattr(common, mixin)
+    fields, roles = SHARED[mixin]
+    for name, module in MODULES.items():
+        assert issubclass(module.Settings, base) == (name in roles), (name, mixin)
+        for field in fields:
+            if name in roles:
+                assert _declared_in(module.Settings, field) is base, (name, field)
+                assert module.Settings.model_fields[field].description == base.model_fields[field].description
+            elif field in module.Settings.model_fields:  # the trainer's optional --orchestrator is its own
+                assert (name, field) == ("trainer", "orchestrator")
+
+
+def test_the_shared_checks_run_for_every_role_that_takes_them(capsys):
+    for argv in (["orchestrator", "--run-dir", "RUN"], ["serve", "--model", "m"], MINIMAL["relay"]):
+        argv = argv if argv[0] != "--upstream" else ["relay", *argv]
+        code, _, err = run([*argv, "--tls-cert", "c.pem", "--dry-run"], capsys)
+        assert code == 2 and "--tls-cert and --tls-key go together: give both" in err, argv
+    for name in ("status", "validator", "worker"):
+        argv = [name, *MINIMAL[name]]
+        argv[argv.index("--orchestrator") + 1] = "ftp://example.org"
+        code, _, err = run([*argv, "--dry-run"], capsys)
+        assert code == 2 and "--orchestrator" in err and "Traceback" not in err, (name, err)
+    settings, _ = parse(["worker", "--orchestrator", "http://127.0.0.1:8000/v1"])
+    assert settings.orchestrator == "http://127.0.0.1:8000"  # the shared check normalises too
+
+
+def test_user_facing_errors_derive_from_swarmrl_error_and_keep_their_old_base():
+    from swarmrl.assets.prepare import AssetError
+    from swarmrl.assets.sources import SourceError
+    from swarmrl.config import ConfigError
+    from swarmrl.errors import SwarmrlError, WrongPrecision
+    from swarmrl.inference import worker
+    from swarmrl.inference.remote import EndpointError
+    from swarmrl.inference.vllm_engine import VllmUnavailable
+    from swarmrl.proofs.limits import LimitsError
+    from swarmrl.sandbox.runner import SandboxUnavailable
+    from swarmrl.sandbox.uids import UidsUnavailable
+    from swarmrl.trainer.loop import RunStopped
+    from swarmrl.validator import core
+
+    old_bases = {
+        ConfigError: ValueError,
+        LimitsError: ValueError,
+        SourceError: ValueError,
+        AssetError: ValueError,
+        SandboxUnavailable: RuntimeError,
+        UidsUnavailable: RuntimeError,
+        RunStopped: RuntimeError,
+        EndpointError: RuntimeError,
+        VllmUnavailable: RuntimeError,
+        worker.RefusedEngine: Exception,
+        worker.UnknownEnvironment: Exception,
+    }
+    for cls, old in old_bases.items():
+        assert issubclass(cls, SwarmrlError) and issubclass(cls, old), cls
+    assert worker.WrongPrecision is core.WrongPrecision is WrongPrecision  # one class, both roles raise it
+    assert issubclass(WrongPrecision, SwarmrlError)
+
+
+def test_a_swarmrl_error_from_any_role_is_one_line_without_a_traceback(capsys, monkeypatch):
+    from swarmrl.errors import SwarmrlError
+
+    def raises(settings, cfg):
+        raise SwarmrlError("the thing is wrong: do this instead")
+
+    monkeypatch.setattr(MODULES["tasks"], "main", raises)
+    code, out, err = run(["tasks", "--output", "t.jsonl"], capsys)
+    assert code == 2 and err == "swarmrl: error: the thing is wrong: do this instead\n", err
+    # The command run as a user runs it: tests/integration/test_cli.py (`swarmrl assets`).
