@@ -16,5 +16,13 @@ PROTOCOL_VERSION = 3
    model's tokens, and a lease request says the worker's protocol version (a worker that does not
    is refused leases in a run with episodes, where its single-turn answers would be fraud)."""
 
+SCHEMA_DIGESTS = {
+    3: "33b68e6d1e238a4ad90435bdfd95d89d2e7ae1085fe4d4a261ef90a311f9f365",
+}
+"""`messages.schema_digest()` of each protocol version: the shape of every message, pinned. A change
+of a message fails tests/unit/test_protocol.py until it is entered here: under a new
+PROTOCOL_VERSION when an existing worker would misread it, or as this version's new digest when it
+is compatible (a reply grew a field an older client ignores), saying why in the commit."""
+
 EPISODES_SINCE = 3
 """The first protocol version whose workers can play episodes."""

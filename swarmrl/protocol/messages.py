@@ -12,10 +12,17 @@ as a number, no integer written as 2.0 (a float field does take a JSON integer).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import inspect
 import json
+import sys
+import types
+import typing
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 # Hard ceilings on request shapes, whatever the config says; the config's own limits (group
 # size, token limit) are checked by the service with a message that names them.
@@ -397,6 +404,11 @@ class DashboardWorker(_Out):
     rejections: dict[str, int] = Field(description="rejections by reason (docs/protocol.md)")
     last_seen_s: float = Field(description="seconds since its last signed request")
     registered: float
+    evidence: list[dict] = Field(
+        default_factory=list,
+        description="calibrated runs: the sequential test per engine and statistic (engine, test, groups, score, "
+        "peak, bound; docs/validation.md, 'Evidence per key')",
+    )
 
 
 class DashboardVersion(_Out):
@@ -429,3 +441,49 @@ class Dashboard(_Out):
     workers_total: int
     validation: DashboardValidation
     broadcast: DashboardBroadcast
+
+
+def _shape(t) -> object:
+    """A type annotation as plain data (its kind, arguments and constraints), spelled by this code
+    rather than by a library's repr or JSON schema, so that only a change of the messages changes it."""
+    origin = typing.get_origin(t)
+    if origin is Annotated:
+        base, *meta = typing.get_args(t)
+        return {"type": _shape(base), "meta": [_constraint(m) for m in meta]}
+    if origin is Literal:
+        return {"literal": [repr(a) for a in typing.get_args(t)]}
+    if origin is not None:
+        name = "union" if origin in (typing.Union, types.UnionType) else getattr(origin, "__name__", repr(origin))
+        return {name: [_shape(a) for a in typing.get_args(t)]}
+    return getattr(t, "__name__", repr(t))
+
+
+def _constraint(m) -> object:
+    if isinstance(m, FieldInfo):
+        return [_constraint(x) for x in m.metadata]
+    if dataclasses.is_dataclass(m) and not isinstance(m, type):
+        return {type(m).__name__: {k: repr(v) for k, v in dataclasses.asdict(m).items()}}
+    if hasattr(m, "__dict__"):
+        return {type(m).__name__: {k: repr(v) for k, v in sorted(vars(m).items()) if not k.startswith("_")}}
+    return repr(m)
+
+
+def schema_digest() -> str:
+    """sha256 of the shape of every message here: each model's fields with their types, bounds and
+    whether they are required, without any prose. `PROTOCOL_VERSION`'s entry in
+    `protocol.SCHEMA_DIGESTS` pins it, so a field changed without a version bump fails a test
+    (tests/unit/test_protocol.py) rather than a worker in the field."""
+    module = sys.modules[__name__]
+    models = {
+        name: cls
+        for name, cls in vars(module).items()
+        if inspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__ == __name__
+    }
+    shapes = {
+        name: {
+            field: {"type": _shape(info.annotation), "required": info.is_required(), "meta": _constraint(info)}
+            for field, info in cls.model_fields.items()
+        }
+        for name, cls in sorted(models.items())
+    }
+    return hashlib.sha256(json.dumps(shapes, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

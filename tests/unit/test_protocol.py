@@ -237,3 +237,51 @@ def test_retrying_signs_again_after_a_clock_skew_refusal_and_gives_up_on_a_wrong
 
     with pytest.raises(Refused, match="banned"):  # any other refusal is raised at once
         retrying(banned, what="lease", give_up_s=60, log=lambda _: None, base_s=0.0)
+
+
+def _message_models() -> dict:
+    import inspect
+
+    from pydantic import BaseModel
+
+    from swarmrl.protocol import messages
+
+    return {
+        name: cls
+        for name, cls in vars(messages).items()
+        if inspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__ == messages.__name__
+    }
+
+
+def test_every_field_of_every_message_is_in_protocol_md():
+    doc = (ROOT / "docs/protocol.md").read_text()
+    missing = [
+        f"{name}.{field}"
+        for name, cls in sorted(_message_models().items())
+        for field in cls.model_fields
+        if f"`{field}`" not in doc and f'"{field}"' not in doc
+    ]
+    assert not missing, f"docs/protocol.md does not name these message fields: {missing}"
+
+
+def test_the_messages_shape_is_pinned_to_the_protocol_version(monkeypatch):
+    from pydantic import BaseModel
+
+    from swarmrl.protocol import SCHEMA_DIGESTS, messages
+
+    assert messages.schema_digest() == SCHEMA_DIGESTS[PROTOCOL_VERSION], (
+        "a message in protocol/messages.py changed shape: if an existing worker would misread it, bump "
+        "PROTOCOL_VERSION and enter the new digest under it in protocol.SCHEMA_DIGESTS; if it is compatible "
+        "(a reply grew a field), enter it as this version's digest and say why in the commit"
+    )
+    # The digest sees a field's type and bounds, and not its prose.
+    pinned = messages.schema_digest()
+    monkeypatch.setattr(messages.SampleIn.model_fields["finish_reason"], "description", "other words", raising=False)
+    assert messages.schema_digest() == pinned
+
+    class Extra(BaseModel):
+        slot: int
+
+    Extra.__module__ = messages.__name__
+    monkeypatch.setattr(messages, "Extra", Extra, raising=False)
+    assert messages.schema_digest() != pinned
