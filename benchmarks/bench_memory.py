@@ -96,7 +96,7 @@ def _status_kb(key: str) -> int:
 
 
 def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int, prompt_len: int = PROMPT):
-    from swarmrl.protocol.rollouts import Group, Sample
+    from swarmrl.protocol.rollouts import Sample, scored_group
 
     rng = random.Random(seed)
     groups = []
@@ -108,21 +108,7 @@ def _synthetic_groups(n: int, seq_len: int, vocab: int, seed: int, prompt_len: i
             ids = [rng.randrange(5, vocab) for _ in range(c)]
             samples.append(Sample(token_ids=ids, logprobs=[-1.0] * c, finish_reason="stop", seed=4 * g + s))
         rewards = [1.0, 0.0, float(g % 2), 0.0]  # informative: non-zero advantages
-        groups.append(
-            Group(
-                problem_id=f"p{g}",
-                task_type="synthetic",
-                prompt="",
-                verification_info="{}",
-                prompt_ids=prompt,
-                samples=samples,
-                policy_version=0,
-                worker="bench",
-                temperature=1.0,
-                rewards=rewards,
-                task_rewards=rewards,
-            )
-        )
+        groups.append(scored_group(f"p{g}", prompt, samples, rewards, worker="bench"))
     return groups
 
 

@@ -45,7 +45,7 @@ from swarmrl.config import load_config
 from swarmrl.inference.sampler import Sampler
 from swarmrl.inference.seeded import seeded_choice, stream_keys, uniform_noise
 from swarmrl.model.checkpoint import build_tiny_policy
-from swarmrl.protocol.rollouts import Group, Sample
+from swarmrl.protocol.rollouts import Group, Sample, scored_group
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.trainer.grpo import GRPOTrainer, init_distributed
 
@@ -178,21 +178,7 @@ def check_mismatch_and_trainer(results, model, prompts, outs):
         ]
         rewards = [float(rng.random() < 0.5) for _ in block]
         rewards[0], rewards[1] = 1.0, 0.0  # informative
-        groups.append(
-            Group(
-                problem_id=f"p{g}",
-                task_type="synthetic",
-                prompt="",
-                verification_info="{}",
-                prompt_ids=prompts[g * 8],
-                samples=samples,
-                policy_version=0,
-                worker="dev",
-                temperature=1.0,
-                rewards=rewards,
-                task_rewards=rewards,
-            )
-        )
+        groups.append(scored_group(f"p{g}", prompts[g * 8], samples, rewards, worker="dev"))
     batch = build_train_batch(groups, pad_token_id=0, normalize_std=True, adv_eps=1e-6)
     trainer = GRPOTrainer(model, cfg)
     sync()
@@ -256,21 +242,7 @@ def synthetic_groups(n_groups: int, group_size: int, prompt_len: int, max_comple
             samples.append(Sample(token_ids=ids, logprobs=[-1.0] * n, finish_reason="stop", seed=g * group_size + s))
         rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
         rewards[0], rewards[1] = 1.0, 0.0
-        groups.append(
-            Group(
-                problem_id=f"p{g}",
-                task_type="synthetic",
-                prompt="",
-                verification_info="{}",
-                prompt_ids=prompt,
-                samples=samples,
-                policy_version=0,
-                worker="dev",
-                temperature=1.0,
-                rewards=rewards,
-                task_rewards=rewards,
-            )
-        )
+        groups.append(scored_group(f"p{g}", prompt, samples, rewards, worker="dev"))
     return groups
 
 

@@ -57,3 +57,23 @@ class Group:
     @classmethod
     def from_json(cls, text: str) -> Group:
         return cls.from_dict(json.loads(text))
+
+
+def scored_group(
+    problem_id: str, prompt_ids: list[int], samples: list[Sample], rewards: list[float], *, worker: str
+) -> Group:
+    """A group already scored (task reward = reward), of a synthetic task: what builds a trainer batch
+    without an orchestrator (benchmarks, the device check)."""
+    return Group(
+        problem_id=problem_id,
+        task_type="synthetic",
+        prompt="",
+        verification_info="{}",
+        prompt_ids=prompt_ids,
+        samples=samples,
+        policy_version=0,
+        worker=worker,
+        temperature=1.0,
+        rewards=list(rewards),
+        task_rewards=list(rewards),
+    )
