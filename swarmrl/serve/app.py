@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from swarmrl.protocol.messages import BodyError, loads
 from swarmrl.serve.engine import Choice, Engine, GenRequest
-from swarmrl.serve.limits import ApiError, ClientGone, Queued, client_gone, error_handlers
+from swarmrl.serve.limits import ClientGone, OpenAIError, Queued, client_gone, error_handlers
 from swarmrl.serve.requests import MAX_STOP, ChatRequest, CompletionRequest, TokenizeRequest, describe
 from swarmrl.transport.connlimit import source_of
 
@@ -160,7 +160,7 @@ class _Routes:
         and JSON are checked; then the checks that depend on this server."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.settings.max_request_bytes:
-            raise ApiError(
+            raise OpenAIError(
                 413,
                 f"request body of {length} bytes is over the limit of {self.settings.max_request_bytes} bytes",
                 kind="invalid_request_error",
@@ -171,27 +171,27 @@ class _Routes:
                 async for chunk in request.stream():
                     raw += chunk
                     if len(raw) > self.settings.max_request_bytes:
-                        raise ApiError(
+                        raise OpenAIError(
                             413, f"request body is over the limit of {self.settings.max_request_bytes} bytes"
                         )
         except TimeoutError:
-            raise ApiError(
+            raise OpenAIError(
                 408, f"the request body did not arrive within {self.settings.body_timeout_s:g} s; send it at once"
             ) from None
         try:  # bad JSON, bad UTF-8, integers of thousands of digits, a key sent twice (docs/protocol.md)
             body = loads(raw)
         except BodyError as exc:
-            raise ApiError(400, f"request body: {exc}") from None
+            raise OpenAIError(400, f"request body: {exc}") from None
         if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
+            raise OpenAIError(400, "request body must be a JSON object")
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
             message, param = describe(exc, body)
-            raise ApiError(400, message, param) from None
+            raise OpenAIError(400, message, param) from None
         if isinstance(req, TokenizeRequest):
             if req.model not in (None, self.settings.model_name):
-                raise ApiError(
+                raise OpenAIError(
                     404,
                     f"the model {req.model!r} does not exist; this server serves "
                     f"{self.settings.model_name!r} (GET /v1/models)",
@@ -201,7 +201,7 @@ class _Routes:
                 )
             return req
         if req.model != self.settings.model_name:
-            raise ApiError(
+            raise OpenAIError(
                 404,
                 f"the model {req.model!r} does not exist; this server serves "
                 f"{self.settings.model_name!r} (GET /v1/models)",
@@ -216,23 +216,23 @@ class _Routes:
             ("presence_penalty", (0,)),
         ):
             if getattr(req, name) not in (None, *neutral):
-                raise ApiError(
+                raise OpenAIError(
                     400,
                     f"'{name}' is not supported (only {' or '.join(map(str, neutral))}); sampling "
                     "here is plain temperature sampling, which validators replay",
                     name,
                 )
         if req.logit_bias:
-            raise ApiError(400, "'logit_bias' is not supported", "logit_bias")
+            raise OpenAIError(400, "'logit_bias' is not supported", "logit_bias")
         return req
 
     def gen_request(self, req, prompt_ids: list[int], *, top_logprobs: int) -> GenRequest:
         chat = isinstance(req, ChatRequest)
         if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
+            raise OpenAIError(400, "the prompt is empty", "prompt")
         room = self.settings.context - len(prompt_ids)
         if room < 1:
-            raise ApiError(
+            raise OpenAIError(
                 400,
                 f"the prompt is {len(prompt_ids)} tokens; this model's context is {self.settings.context} tokens",
                 "messages" if chat else "prompt",
@@ -242,7 +242,7 @@ class _Routes:
         asked = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
         max_tokens = asked if asked is not None else min(self.settings.default_max_tokens if chat else 16, room)
         if len(prompt_ids) + max_tokens > self.settings.context:
-            raise ApiError(
+            raise OpenAIError(
                 400,
                 f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) is over this "
                 f"model's context of {self.settings.context} tokens; lower {name}",
@@ -251,13 +251,13 @@ class _Routes:
             )
         n = 1 if req.n is None else req.n
         if n > self.settings.max_n:
-            raise ApiError(400, f"'n' must be an integer between 1 and {self.settings.max_n}, got {n}", "n")
+            raise OpenAIError(400, f"'n' must be an integer between 1 and {self.settings.max_n}, got {n}", "n")
         if req.best_of is not None and req.best_of != n:
-            raise ApiError(400, "'best_of' other than n is not supported", "best_of")
+            raise OpenAIError(400, "'best_of' other than n is not supported", "best_of")
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         seed = secrets.randbelow(1 << 62) if req.seed is None else req.seed
         if seed + n - 1 >= 1 << 63:  # completion j uses seed + j, a signed 64-bit integer
-            raise ApiError(
+            raise OpenAIError(
                 400,
                 f"'seed' + n - 1 must be below 2**63 (completion j is sampled with seed + j); "
                 f"got seed {seed} with n {n}",
@@ -265,9 +265,11 @@ class _Routes:
             )
         stop = req.stops()
         if not all(stop):
-            raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
+            raise OpenAIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
         if req.stream and top_logprobs >= 0:
-            raise ApiError(400, "'logprobs' together with 'stream' is not supported; ask without streaming", "logprobs")
+            raise OpenAIError(
+                400, "'logprobs' together with 'stream' is not supported; ask without streaming", "logprobs"
+            )
         return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop, max(top_logprobs, 0))
 
     def token_text(self, token_id: int) -> str:
@@ -363,21 +365,23 @@ class _Routes:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not all(isinstance(t, int) for t in prompt):
-            raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+            raise OpenAIError(
+                400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
+            )
         vocab = self.settings.vocab_size or len(self.tokenizer)
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"'prompt' has token id {bad}; this model's ids are 0..{vocab - 1}", "prompt")
+            raise OpenAIError(400, f"'prompt' has token id {bad}; this model's ids are 0..{vocab - 1}", "prompt")
         return list(prompt)
 
     async def completions(self, request: Request):
         req = await self.read_body(request, CompletionRequest)
         if req.echo:
-            raise ApiError(400, "'echo' is not supported", "echo")
+            raise OpenAIError(400, "'echo' is not supported", "echo")
         if req.suffix:
-            raise ApiError(400, "'suffix' is not supported", "suffix")
+            raise OpenAIError(400, "'suffix' is not supported", "suffix")
         if req.stream and req.return_token_ids:
-            raise ApiError(
+            raise OpenAIError(
                 400,
                 "'return_token_ids' together with 'stream' is not supported; ask without streaming",
                 "return_token_ids",
@@ -464,7 +468,7 @@ class _Routes:
     async def tokenize(self, request: Request):
         req = await self.read_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+            raise OpenAIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
 
         def tokens() -> list[int]:
             if req.messages is not None:
@@ -487,7 +491,7 @@ class _Routes:
         req = await self.read_body(request, ChatRequest)
         logprobs, top = req.logprobs, req.top_logprobs
         if top is not None and not logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
 
         def tokens() -> list[int]:
             text = self.tokenizer.apply_chat_template(
@@ -583,7 +587,7 @@ class _Routes:
         swapped in: requests submitted before the swap finish on the old engine, whose thread
         drains its queue before it stops; later ones go to the new engine. One reload at a time."""
         if self.reloader is None:
-            raise ApiError(
+            raise OpenAIError(
                 404,
                 "reloading is off on this server: start swarmrl serve with --reload-token-file",
                 kind="not_found_error",
@@ -591,7 +595,7 @@ class _Routes:
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), self.reloader.token.encode()):
-            raise ApiError(
+            raise OpenAIError(
                 401,
                 "POST /v1/reload needs 'Authorization: Bearer <the --reload-token-file's token>'",
                 kind="authentication_error",
@@ -600,18 +604,18 @@ class _Routes:
         try:
             body = loads(await request.body())
         except BodyError as exc:
-            raise ApiError(400, f"request body: {exc}") from None
+            raise OpenAIError(400, f"request body: {exc}") from None
         path = body.get("model_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
-            raise ApiError(400, 'the body must be {"model_path": "/a/checkpoint/folder"}', "model_path")
+            raise OpenAIError(400, 'the body must be {"model_path": "/a/checkpoint/folder"}', "model_path")
         if not Path(path).is_dir():
-            raise ApiError(400, f"'model_path' {path!r} is not a folder on the server's machine", "model_path")
+            raise OpenAIError(400, f"'model_path' {path!r} is not a folder on the server's machine", "model_path")
         async with self.reloading:
             t0 = time.monotonic()
             try:
                 engine, context, vocab = await asyncio.to_thread(self.reloader.load, path)
             except Exception as exc:  # noqa: BLE001 - a bad folder is the caller's problem, told without a traceback
-                raise ApiError(
+                raise OpenAIError(
                     400, f"could not load {path}: {type(exc).__name__}: {str(exc)[:300]}", "model_path"
                 ) from None
             old, self.engine, self.tokenizer = self.engine, engine, engine.tokenizer

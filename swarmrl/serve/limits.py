@@ -17,9 +17,9 @@ from swarmrl.serve.engine import GenRequest
 from swarmrl.transport.connlimit import source_of
 
 
-class ApiError(Exception):
+class OpenAIError(Exception):
     """An answer for the client: OpenAI's error JSON with this 4xx status (and headers, such as a
-    429's Retry-After)."""
+    429's Retry-After). Not the orchestrator's `ApiError`, whose body is swarmrl's {error, detail}."""
 
     def __init__(
         self,
@@ -73,7 +73,7 @@ class Queued:
         with self._lock:
             mine = self.held.get(source, 0)
             if mine + units > self.per_client:
-                raise ApiError(
+                raise OpenAIError(
                     429,
                     f"your address has {mine} completions queued or generating and this request asks for "
                     f"{units}; this server allows {self.per_client} per client address "
@@ -84,7 +84,7 @@ class Queued:
                     headers={"Retry-After": str(self.RETRY_AFTER_S)},
                 )
             if self.all + units > self.total:
-                raise ApiError(
+                raise OpenAIError(
                     429,
                     f"the server has {self.all} completions queued or generating, all clients together, of the "
                     f"{self.total} it queues (--max-queued-total); retry after Retry-After seconds",
@@ -126,8 +126,8 @@ async def client_gone(request: Request) -> None:
 def error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape; a bug of ours as a 500 without a traceback."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError):
+    @app.exception_handler(OpenAIError)
+    async def _api_error(_request: Request, exc: OpenAIError):
         return _error(exc.status, exc.message, exc.param, exc.kind, exc.code, exc.headers)
 
     @app.exception_handler(ClientGone)
