@@ -267,9 +267,7 @@ class _Routes:
         if not all(stop):
             raise OpenAIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop")
         if req.stream and top_logprobs >= 0:
-            raise OpenAIError(
-                400, "'logprobs' together with 'stream' is not supported; ask without streaming", "logprobs"
-            )
+            raise OpenAIError(400, "'logprobs' with 'stream' is not supported; ask without streaming", "logprobs")
         return GenRequest(prompt_ids, [seed + j for j in range(n)], max_tokens, temperature, stop, max(top_logprobs, 0))
 
     def token_text(self, token_id: int) -> str:
@@ -365,9 +363,7 @@ class _Routes:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not all(isinstance(t, int) for t in prompt):
-            raise OpenAIError(
-                400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
-            )
+            raise OpenAIError(400, "'prompt' must be a string or a list of token ids (one per request)", "prompt")
         vocab = self.settings.vocab_size or len(self.tokenizer)
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
