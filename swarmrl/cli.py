@@ -106,8 +106,10 @@ def resolve(
 def dry_run(name: str, settings: BaseModel, cfg: Config | None) -> str:
     """What `--dry-run` prints: a file the command takes as --config, the rest as comments."""
     kind = MODULES[name].RUN_CONFIG
+    notes = getattr(MODULES[name], "dry_run_notes", None)  # what else the command would do (rl: its processes)
     if kind == "flags":
-        return f"# swarmrl {name} settings:\n{settings_toml(settings, commented=True)}{cfg.to_toml(show_unset=True)}"
+        text = f"# swarmrl {name} settings:\n{settings_toml(settings, commented=True)}{cfg.to_toml(show_unset=True)}"
+        return text + (notes(settings, cfg) if notes else "")
     text = settings_toml(settings)
     if kind == "run-dir":
         run_dir = settings.run_dir

@@ -24,6 +24,19 @@ class Settings(RoleSettings):
     """only write the run directory (config.toml, policies/v000000) for roles started by hand"""
 
 
+def dry_run_notes(settings: Settings, cfg: Config) -> str:
+    """The processes `swarmrl rl` would start with this config, in order, as comments after it
+    (`--dry-run`): `launch.plan.children`, the list the launcher starts."""
+    from pathlib import Path
+
+    from swarmrl.launch.plan import children
+
+    root = Path(settings.run_dir or "<run-dir>")
+    tls = ["--tls-cert", "<made at start>", "--tls-key", "<made at start>"] if cfg.async_.tls else []
+    plan = children(cfg, root, resume=settings.resume, serve_tls=tls, newest=root / "policies" / "v000000")
+    return "\n# The processes it would start, in this order:\n" + "".join(f"#   {c.line()}\n" for c in plan)
+
+
 def main(settings: Settings, cfg: Config) -> None:
     if settings.resume and not settings.run_dir:
         fail("--resume needs --run-dir: the run to continue")

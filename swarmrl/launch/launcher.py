@@ -24,6 +24,8 @@ from pathlib import Path
 
 from swarmrl.config import Config, read_key_file
 from swarmrl.launch import fatal, torchrun
+from swarmrl.launch.plan import Child, endpoint_dir, placement
+from swarmrl.launch.plan import children as children_of
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
@@ -261,17 +263,13 @@ def _check_packing_budget(cfg: Config, train: list[dict], base: Path) -> None:
         )
 
 
-def _endpoint_dir(rd: RunDir, i: int) -> Path:
-    return rd.root / "workers" / f"worker-openai-{i}"
-
-
 def _trust_endpoint_workers(rd: RunDir, cfg: Config) -> Config:
     """Keys for the endpoint workers, made trusted: <run-dir>/trusted_keys.txt lists them and
     the keys of the user's orchestrator.trusted_keys_file, and the run's config points at it."""
     keys = sorted(read_key_file(cfg.orchestrator.trusted_keys_file)) if cfg.orchestrator.trusted_keys_file else []
     lines = [f"{k}  # from {cfg.orchestrator.trusted_keys_file}" for k in keys]
     for i in range(cfg.async_.endpoint_workers):
-        key = public_key_hex(load_or_create_key(_endpoint_dir(rd, i) / "key.pem"))
+        key = public_key_hex(load_or_create_key(endpoint_dir(rd.root, i) / "key.pem"))
         lines.append(f"{key}  # worker-openai-{i} (swarmrl rl, async.endpoint_workers)")
     path = rd.root / "trusted_keys.txt"
     atomic_write_text(
@@ -280,58 +278,6 @@ def _trust_endpoint_workers(rd: RunDir, cfg: Config) -> Config:
     )
     orchestrator = cfg.orchestrator.model_copy(update={"trusted_keys_file": str(path.resolve())})
     return cfg.model_copy(update={"orchestrator": orchestrator})
-
-
-def _start_endpoint_workers(children: Children, rd: RunDir, cfg: Config, start_worker) -> None:
-    """Each endpoint worker with its own `swarmrl serve` (reload endpoint on, token in its folder),
-    started on the newest policy folder; the worker loads every version into it."""
-    import secrets
-
-    newest = rd.version_path(max(rd.versions()))
-    for i in range(cfg.async_.endpoint_workers):
-        wdir = _endpoint_dir(rd, i)
-        token, url_file = wdir / "reload.token", wdir / "serve.json"
-        if not token.exists():
-            atomic_write_text(token, secrets.token_hex(16))
-            token.chmod(0o600)
-        url_file.unlink(missing_ok=True)
-        children.start(
-            f"serve-{i}",
-            [
-                "serve",
-                "--model",
-                str(newest),
-                "--port",
-                "0",
-                "--url-file",
-                str(url_file),
-                "--reload-token-file",
-                str(token),
-                "--dtype",
-                cfg.sampling.dtype,
-                "--device",
-                cfg.model.device,
-                "--served-model-name",
-                "policy",
-                "--threads",
-                str(cfg.async_.worker_threads),
-            ],
-            cfg.async_.worker_threads,
-            nice=cfg.async_.worker_nice,
-        )
-        children.wait_for_file(url_file)
-        start_worker(
-            f"worker-openai-{i}",
-            f"worker-openai-{i}",
-            "--engine",
-            "openai",
-            "--endpoint",
-            json.loads(url_file.read_text())["url"],
-            "--endpoint-key-file",
-            str(token),
-            "--load",
-            "reload",
-        )
 
 
 def _placed(nice: int, cpus: list[int] | None):
@@ -356,132 +302,73 @@ def trainer_pub(rd: RunDir) -> Path:
     return pub
 
 
-def placement(cfg: Config) -> tuple[list[int] | None, list[int] | None]:
-    """(the trainer's CPUs, everyone else's) under `async.pin_trainer`, or (None, None): the
-    scheduler places everything (GPU runs, several trainer ranks, or no CPU left over)."""
-    if not cfg.async_.pin_trainer or cfg.model.device != "cpu" or torchrun.world_size(cfg) > 1:
-        return None, None
-    if not hasattr(os, "sched_getaffinity"):
-        return None, None
-    cpus = sorted(os.sched_getaffinity(0))
-    n = cfg.async_.trainer_threads
-    if len(cpus) <= n:
-        return None, None
-    return cpus[:n], cpus[n:]
+def _endpoint_tokens(rd: RunDir, cfg: Config) -> None:
+    """Each endpoint worker's reload token, in its folder (its `swarmrl serve` and the worker read it)."""
+    import secrets
+
+    for i in range(cfg.async_.endpoint_workers):
+        token = endpoint_dir(rd.root, i) / "reload.token"
+        if not token.exists():
+            atomic_write_text(token, secrets.token_hex(16))
+            token.chmod(0o600)
 
 
-def _start_relays(
-    children: Children,
-    rd: RunDir,
-    cfg: Config,
-    url_files: list[Path],
-    origin_wait_s: float,
-    serve_tls: list[str],
-    cpus: list[int] | None,
-    log,
-) -> None:
-    """`broadcast.relays` relays of the trainer's origin, once it serves, each writing its URL
-    to its file in `url_files` (where the workers, started already, pick it up)."""
-    children.wait_for_file(rd.root / "origin.json", timeout_s=origin_wait_s)
-    origin = json.loads((rd.root / "origin.json").read_text())["url"]
-    relays = []
-    for i, url_file in enumerate(url_files):
-        children.start(
-            f"relay-{i}",
-            [
-                "relay",
-                "--upstream",
-                origin,
-                "--cache-dir",
-                str(rd.root / "relays" / f"relay-{i}"),
-                "--trainer-key",
-                str(rd.root / "trainer.pub"),
-                "--keep",
-                str(cfg.broadcast.keep),
-                "--url-file",
-                str(url_file),
-                *serve_tls,
-            ],
-            1,
-            cpus=cpus,
+def start_children(children_: Children, plan: list[Child], log) -> None:
+    """Start `plan` in order: each child once the URLs it needs are written (`Needs`), the next
+    once a child that serves has written its own (`ready`). Files from an earlier start go first:
+    a restarted orchestrator, origin, relay or server may listen elsewhere."""
+    for f in {c.ready for c in plan} | {n.file for c in plan for n in c.needs}:
+        if f is not None:
+            f.unlink(missing_ok=True)
+    urls: dict[str, str] = {}
+    for c in plan:
+        for n in c.needs:
+            if n.placeholder not in urls:
+                children_.wait_for_file(n.file, timeout_s=n.timeout_s)
+                urls[n.placeholder] = json.loads(n.file.read_text())["url"]
+        children_.start(
+            c.name,
+            [urls.get(a, a) for a in c.args],
+            c.threads,
+            c.nice,
+            command=list(c.command) if c.command else None,
+            env=c.env,
+            python=c.python,
+            cpus=list(c.cpus) if c.cpus else None,
         )
-        children.wait_for_file(url_file)
-        relays.append(json.loads(url_file.read_text())["url"])
-    if relays:
-        log(f"relays: {', '.join(relays)} (origin {origin})")
+        if c.later_cpus:
+            children_.place_later(c.name, list(c.later_cpus))
+        if c.ready is not None:
+            children_.wait_for_file(c.ready, timeout_s=c.ready_timeout_s)
+            log(f"{c.name}: {json.loads(c.ready.read_text())['url']}")
 
 
-def vllm_cpus(index: int, threads: int, cpus: list[int]) -> list[int]:
-    """The cores vLLM worker `index` pins its `threads` threads to: its own block of the CPU set,
-    wrapping around when there are more workers than blocks (they then share)."""
-    if threads >= len(cpus):
-        return list(cpus)
-    start = (index * threads) % len(cpus)
-    return [cpus[(start + k) % len(cpus)] for k in range(threads)]
-
-
-def _start_vllm_workers(cfg: Config, start_worker, log) -> None:
-    """`async.vllm_workers` untrusted workers on vLLM's environment (`swarmrl worker --engine vllm`)."""
-    n = cfg.async_.vllm_workers
-    if not n:
-        return
-    for i in range(n):
-        start_worker(f"worker-vllm-{i}", f"worker-vllm-{i}", "--engine", "vllm", **_vllm_process(cfg, i))
-    log(f"{n} proving vLLM workers on {cfg.async_.vllm_python} (swarmrl worker --engine vllm)")
-
-
-def _vllm_process(cfg: Config, index: int) -> dict:
-    """The python and environment of vLLM worker `index` (its own cores on a CPU)."""
-    from swarmrl.inference.vllm_engine import cpu_list
-
-    env = {**os.environ}
-    if cfg.model.device == "cpu":
-        cpus = placement(cfg)[1] or sorted(os.sched_getaffinity(0))  # off a pinned trainer's CPUs
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(vllm_cpus(index, cfg.async_.worker_threads, cpus))
-    return {"python": str(Path(cfg.async_.vllm_python).expanduser().absolute()), "env": env}
-
-
-def _start_adversaries(cfg: Config, start_worker, log) -> None:
-    """`async.adversaries`, on the built-in engine or as proving vLLM workers (`adversary_engine`)."""
-    kinds, vllm = cfg.async_.adversaries, cfg.async_.adversary_engine == "vllm"
-    for i, kind in enumerate(kinds):
-        if vllm:  # after the honest vLLM workers' cores
-            extra = _vllm_process(cfg, cfg.async_.vllm_workers + i)
-            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind, "--engine", "vllm", **extra)
-        else:
-            start_worker(f"adversary-{i}", f"adversary-{i}-{kind}", "--adversary", kind)
-    if kinds:
-        on = f"proving vLLM workers on {cfg.async_.vllm_python}" if vllm else "the built-in engine"
-        log(f"{len(kinds)} adversarial workers ({on}): {', '.join(kinds)}")
-
-
-def _start_torchrun(children: Children, rd: RunDir, cfg: Config, trainer_args: list[str], log) -> float:
-    """The trainer as node 0 of trainer.nnodes, trainer.nproc ranks here under torchrun; returns
-    how long to wait for it to come up (with other nodes: until they join, or the rendezvous times out)."""
+def _notes(cfg: Config, rd: RunDir, log) -> None:
+    """What the operator should know of the processes about to start."""
+    trainer_cpus, other_cpus = placement(cfg)
+    if trainer_cpus:
+        log(f"CPUs: the trainer on {trainer_cpus}, the other processes on {other_cpus} (async.pin_trainer)")
     t = cfg.trainer
-    endpoint = torchrun.rendezvous(cfg)
-    children.start(
-        "trainer",
-        [],
-        cfg.async_.trainer_threads,
-        env=torchrun.rank_env(cfg),
-        command=torchrun.torchrun_command(
-            cfg, node_rank=0, trainer_args=trainer_args, log_dir=rd.logs, endpoint=endpoint
-        ),
-    )
-    backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
-    log(
-        f"trainer: {t.nproc} ranks x {t.nnodes} nodes under torchrun ({backend}), logs "
-        f"{torchrun.rank_log(rd.logs, '<RANK>')}"
-    )
-    if t.nnodes == 1:
-        return 300.0
-    log(
-        f"trainer: waiting up to {t.dist_timeout_s:.0f} s for nodes 1..{t.nnodes - 1} to join at "
-        f"{endpoint[0]}:{endpoint[1]}; on each, with a copy of {rd.root}/config.toml and "
-        f"{rd.version_path(0)}: swarmrl trainer --run-dir <copy> --node-rank N"
-    )
-    return t.dist_timeout_s + 60.0
+    if torchrun.world_size(cfg) > 1:
+        backend = "nccl" if cfg.model.device.startswith("cuda") else "gloo"
+        log(
+            f"trainer: {t.nproc} ranks x {t.nnodes} nodes under torchrun ({backend}), logs "
+            f"{torchrun.rank_log(rd.logs, '<RANK>')}"
+        )
+        if t.nnodes > 1:
+            log(
+                f"trainer: waiting up to {t.dist_timeout_s:.0f} s for nodes 1..{t.nnodes - 1} to join; on each, "
+                f"with a copy of {rd.root}/config.toml and {rd.version_path(0)}: "
+                "swarmrl trainer --run-dir <copy> --node-rank N"
+            )
+    a = cfg.async_
+    if a.vllm_workers:
+        log(f"{a.vllm_workers} proving vLLM workers on {a.vllm_python} (swarmrl worker --engine vllm)")
+    if a.endpoint_workers:
+        log(f"{a.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve")
+    if a.adversaries:
+        on = f"proving vLLM workers on {a.vllm_python}" if a.adversary_engine == "vllm" else "the built-in engine"
+        log(f"{len(a.adversaries)} adversarial workers ({on}): {', '.join(a.adversaries)}")
 
 
 def prepared_next_steps(cfg: Config, root: Path) -> str:
@@ -578,44 +465,53 @@ def _builtin_limits(cfg: Config, base: Path, train: list[dict], log) -> Path:
     return path
 
 
+def prepare(rd: RunDir, cfg: Config, log) -> Config:
+    """The preflight and the run directory of a new run: every check that can fail fast does so here,
+    with the config's own words, before a base is built or a process starts (LoRA targets the model
+    lacks, a bf16 run without limits, a missing sandbox or vLLM environment); then config.toml, the
+    base model, its limits file and policies/v000000. Returns the config the run uses."""
+    if (rd.root / "metrics.jsonl").exists():
+        raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
+    cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
+    # Fail here, with the config's own words, rather than in a child process later.
+    _preflight(cfg)  # LoRA targets the model lacks, a bf16 run without limits: before the base is even built
+    train, held_out = task_rows(cfg, log=log)
+    with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
+        for name, grader in graders.items():
+            log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
+    if cfg.async_.endpoint_workers:
+        cfg = _trust_endpoint_workers(rd, cfg)
+    vllm_users = cfg.async_.vllm_workers or (cfg.async_.adversaries and cfg.async_.adversary_engine == "vllm")
+    if vllm_users and not Path(cfg.async_.vllm_python).expanduser().exists():
+        what = (
+            f"async.vllm_workers {cfg.async_.vllm_workers}"
+            if cfg.async_.vllm_workers
+            else 'async.adversary_engine "vllm"'
+        )
+        raise FileNotFoundError(
+            f"{what} needs vLLM's environment, and async.vllm_python "
+            f"{cfg.async_.vllm_python} does not exist: build it with `make vllm-env`, or point "
+            "async.vllm_python at the python of an environment with vLLM and swarmrl installed"
+        )
+    if cfg.async_.tls:  # the origin's certificate goes into the run's config: the trainer reads it there
+        _, cert, key = make_loopback_certificates(rd.root / "tls")
+        cfg = cfg.model_copy(
+            update={"broadcast": cfg.broadcast.model_copy(update={"tls_cert": str(cert), "tls_key": str(key)})}
+        )
+    atomic_write_text(rd.root / "config.toml", cfg.to_toml())
+    cfg, base = _base_with_limits(rd, cfg, train, log)
+    _check_packing_budget(cfg, train, base)
+    _install_base(rd, base)
+    return cfg
+
+
 def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log=print) -> dict:
     t0 = time.monotonic()
     if torchrun.world_size(cfg) > 1 and not prepare_only:
         torchrun.check_node(cfg, 0)  # e.g. GPUs this machine lacks: before a base is built or a process starts
     rd = RunDir(cfg.run_dir or new_run_dir())
     if not resume:
-        if (rd.root / "metrics.jsonl").exists():
-            raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
-        cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
-        # Fail here, with the config's own words, rather than in a child process later.
-        _preflight(cfg)  # LoRA targets the model lacks, a bf16 run without limits: before the base is even built
-        train, held_out = task_rows(cfg, log=log)
-        with open_graders(train + held_out, cfg.sandbox, log=log) as graders:  # SandboxUnavailable: the fix
-            for name, grader in graders.items():
-                log(f"{name} tasks are graded by {grader.describe() if hasattr(grader, 'describe') else grader}")
-        if cfg.async_.endpoint_workers:
-            cfg = _trust_endpoint_workers(rd, cfg)
-        vllm_users = cfg.async_.vllm_workers or (cfg.async_.adversaries and cfg.async_.adversary_engine == "vllm")
-        if vllm_users and not Path(cfg.async_.vllm_python).expanduser().exists():
-            what = (
-                f"async.vllm_workers {cfg.async_.vllm_workers}"
-                if cfg.async_.vllm_workers
-                else 'async.adversary_engine "vllm"'
-            )
-            raise FileNotFoundError(
-                f"{what} needs vLLM's environment, and async.vllm_python "
-                f"{cfg.async_.vllm_python} does not exist: build it with `make vllm-env`, or point "
-                "async.vllm_python at the python of an environment with vLLM and swarmrl installed"
-            )
-        if cfg.async_.tls:  # the origin's certificate goes into the run's config: the trainer reads it there
-            _, cert, key = make_loopback_certificates(rd.root / "tls")
-            cfg = cfg.model_copy(
-                update={"broadcast": cfg.broadcast.model_copy(update={"tls_cert": str(cert), "tls_key": str(key)})}
-            )
-        atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-        cfg, base = _base_with_limits(rd, cfg, train, log)
-        _check_packing_budget(cfg, train, base)
-        _install_base(rd, base)
+        cfg = prepare(rd, cfg, log)
     if prepare_only:
         log(prepared_next_steps(cfg, rd.root))
         return {"run_dir": str(rd.root)}
@@ -628,82 +524,13 @@ def run_rl(cfg: Config, *, resume: bool = False, prepare_only: bool = False, log
         serve_tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     interrupted = False
     try:
-        info = rd.root / "orchestrator.json"
-        info.unlink(missing_ok=True)  # from an earlier start: the new one may listen elsewhere
         (rd.root / "stop").unlink(missing_ok=True)
         fatal.clear(rd.root)
-        trainer_cpus, other_cpus = placement(cfg)
-        if trainer_cpus:
-            log(f"CPUs: the trainer on {trainer_cpus}, the other processes on {other_cpus} (async.pin_trainer)")
-        children.start(
-            "orchestrator",
-            ["orchestrator", "--run-dir", str(rd.root), *serve_tls] + (["--resume"] if resume else []),
-            1,
-            cpus=other_cpus,
-        )
-        children.wait_for_file(info)
-        url = json.loads(info.read_text())["url"]
-        log(f"orchestrator: {url}")
-        (rd.root / "origin.json").unlink(missing_ok=True)
-        trainer_args = ["--run-dir", str(rd.root)] + (["--resume"] if resume else [])
-        if torchrun.world_size(cfg) == 1:
-            children.start("trainer", ["trainer", *trainer_args], cfg.async_.trainer_threads, cpus=trainer_cpus)
-            origin_wait_s = 120.0
-        else:
-            origin_wait_s = _start_torchrun(children, rd, cfg, trainer_args, log)
-        # Weights: trainer (origin) -> relays -> workers, every version signed by the trainer. The
-        # workers start now, beside the trainer (their imports take seconds a first batch would
-        # wait for): they take each relay's URL from its file once it is written, and fetch from
-        # the origin the orchestrator names until then.
-        relay_files = [rd.root / "relays" / f"relay-{i}.json" for i in range(cfg.broadcast.relays)]
-        for f in relay_files:
-            f.unlink(missing_ok=True)  # from an earlier start: that relay listened elsewhere
-        weights = ["--relay-files", ",".join(map(str, relay_files)), "--trainer-key", str(trainer_pub(rd))]
-
-        def start_worker(
-            proc_name: str, display_name: str, *extra: str, python: str | None = None, env: dict | None = None
-        ) -> None:
-            wdir = rd.root / "workers" / proc_name  # its own key, policy cache and outbox
-            children.start(
-                proc_name,
-                [
-                    "worker",
-                    "--orchestrator",
-                    url,
-                    "--key-file",
-                    str(wdir / "key.pem"),
-                    "--cache-dir",
-                    str(wdir),
-                    "--name",
-                    display_name,
-                    "--threads",
-                    str(cfg.async_.worker_threads),
-                    "--device",
-                    cfg.model.device,
-                    "--dtype",
-                    cfg.sampling.dtype,
-                    *weights,
-                    *extra,
-                ],
-                cfg.async_.worker_threads,
-                nice=cfg.async_.worker_nice,
-                python=python,
-                env=env,
-            )
-            if other_cpus and python is None:  # vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND)
-                # once the first step is trained: see Children.place_later
-                children.place_later(proc_name, other_cpus)
-
-        for i in range(cfg.async_.workers):
-            start_worker(f"worker-{i}", f"worker-{i}")
-        _start_vllm_workers(cfg, start_worker, log)
-        _start_endpoint_workers(children, rd, cfg, start_worker)
-        if cfg.async_.endpoint_workers:
-            log(
-                f"{cfg.async_.endpoint_workers} trusted endpoint workers, each generating through its own swarmrl serve"
-            )
-        _start_adversaries(cfg, start_worker, log)
-        _start_relays(children, rd, cfg, relay_files, origin_wait_s, serve_tls, other_cpus, log)
+        trainer_pub(rd)  # relays and workers check versions against it, and may start before the trainer
+        _endpoint_tokens(rd, cfg)
+        _notes(cfg, rd, log)
+        newest = rd.version_path(max(rd.versions()))
+        start_children(children, children_of(cfg, rd.root, resume=resume, serve_tls=serve_tls, newest=newest), log)
         events = _Events(rd.logs / "orchestrator.log")
         with Progress(cfg, enabled=cfg.logging.progress) as progress:
             seen = 0

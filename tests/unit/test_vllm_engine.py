@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from swarmrl.inference.vllm_engine import checkpoint_weights, cpu_list, max_positions
-from swarmrl.launch.launcher import vllm_cpus
+from swarmrl.launch.plan import vllm_cpus
 
 
 @pytest.mark.parametrize(
@@ -89,11 +89,11 @@ def test_a_vllm_without_the_hooked_attributes_is_refused_with_the_fallback():
 
 
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])
-def test_adversaries_start_on_the_engine_the_config_names(engine, monkeypatch):
+def test_adversaries_start_on_the_engine_the_config_names(engine, monkeypatch, tmp_path):
     """`async.adversary_engine vllm`: each adversary is a proving vLLM worker on vLLM's python,
     pinned after the honest vLLM workers' cores; "builtin" starts them as before."""
     from swarmrl.config import load_config
-    from swarmrl.launch.launcher import _start_adversaries
+    from swarmrl.launch.plan import children
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3})
     cfg = load_config(
@@ -101,17 +101,18 @@ def test_adversaries_start_on_the_engine_the_config_names(engine, monkeypatch):
         ["--async.adversaries", "other_model,int8_weights", "--async.adversary_engine", engine]
         + ["--async.vllm_workers", "1", "--async.vllm_python", "/opt/v/bin/python"],
     )
-    started, said = [], []
-    _start_adversaries(cfg, lambda *args, **kw: started.append((args, kw)), said.append)
-    assert [args[:4] for args, _ in started] == [
-        ("adversary-0", "adversary-0-other_model", "--adversary", "other_model"),
-        ("adversary-1", "adversary-1-int8_weights", "--adversary", "int8_weights"),
+    plan = children(cfg, tmp_path, resume=False, serve_tls=[], newest=tmp_path / "v0")
+    started = [c for c in plan if c.name.startswith("adversary-")]
+    assert [(c.name, c.args[c.args.index("--name") + 1]) for c in started] == [
+        ("adversary-0", "adversary-0-other_model"),
+        ("adversary-1", "adversary-1-int8_weights"),
     ]
+    assert [c.args[c.args.index("--adversary") + 1] for c in started] == ["other_model", "int8_weights"]
     if engine == "vllm":
-        assert all(args[4:] == ("--engine", "vllm") and kw["python"] == "/opt/v/bin/python" for args, kw in started)
+        assert all(c.args[-2:] == ("--engine", "vllm") and c.python == "/opt/v/bin/python" for c in started)
         # CPU 0 is the trainer's (async.pin_trainer), 1 the honest vLLM worker's
-        assert [kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] for _, kw in started] == ["2", "3"]
-        assert "proving vLLM workers" in said[0]
+        assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in started] == ["2", "3"]
+        assert all(c.later_cpus is None for c in started)  # vLLM binds its own threads
     else:
-        assert all(len(args) == 4 and kw == {} for args, kw in started)
-        assert "the built-in engine" in said[0]
+        assert all("--engine" not in c.args and c.python is None and c.env is None for c in started)
+        assert all(c.later_cpus == (1, 2, 3) for c in started)
