@@ -172,31 +172,37 @@ class Worker:
         try:
             t0 = time.monotonic()
             sources = [*self._relays(), policy["url"]]
-            folder = fetch_version(
-                version,
-                sources,
-                self.cache / "policies",
-                public_key=key,
-                scores=self.scores,
-                keep=2,
-                parallel=self.parallel,
-                timeout_s=self.timeout_s,
-                expected_digest=digest,
-                log=notes.append,
-            )
-            # A LoRA run's version is an adapter: merged into the base it names (fetched once,
-            # checked against the digest the trainer signed), so the sampler sees plain weights.
-            base = fetch_base(
-                policy["manifest"],
-                sources,
-                self.cache / "policies",
-                public_key=key,
-                verified=self.bases,
-                scores=self.scores,
-                keep=2,
-                parallel=self.parallel,
-                timeout_s=self.timeout_s,
-            )
+            try:
+                folder = fetch_version(
+                    version,
+                    sources,
+                    self.cache / "policies",
+                    public_key=key,
+                    scores=self.scores,
+                    keep=2,
+                    parallel=self.parallel,
+                    timeout_s=self.timeout_s,
+                    expected_digest=digest,
+                    log=notes.append,
+                    manifest=policy["manifest"],  # the relays' copies are bounded by it; the origin's is not needed
+                )
+                # A LoRA run's version is an adapter: merged into the base it names (fetched once,
+                # checked against the digest the trainer signed), so the sampler sees plain weights.
+                base = fetch_base(
+                    policy["manifest"],
+                    sources,
+                    self.cache / "policies",
+                    public_key=key,
+                    verified=self.bases,
+                    scores=self.scores,
+                    keep=2,
+                    parallel=self.parallel,
+                    timeout_s=self.timeout_s,
+                )
+            except (BroadcastError, OSError, ValueError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the sources are untrusted: whatever a fetch raises is a failed load
+                raise BroadcastError(f"fetching it failed ({type(e).__name__}: {e})") from None
             if self.server is None and self.vllm is None:
                 model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
             else:

@@ -277,6 +277,11 @@ class Relay:
                 if not failing:
                     self.log(f"relay: {e}; serving the {len(read_versions(self.root))} versions held, retrying")
                 failing, self.last_error = True, str(e)
+            except Exception as e:  # noqa: BLE001 - the upstreams are untrusted: nothing they send ends the mirroring
+                why = f"{type(e).__name__}: {e}"
+                if not failing or why != self.last_error:
+                    self.log(f"relay: mirroring failed ({why}); serving the versions held, retrying")
+                failing, self.last_error = True, why
             self._stop.wait(self.poll_s)
 
     def start(self) -> Relay:

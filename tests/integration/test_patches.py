@@ -259,6 +259,18 @@ def test_a_worker_waits_for_a_relay_that_is_still_mirroring_the_version(versions
         assert same_files(got, m2)
 
 
+def test_a_relays_progress_figure_stays_within_the_versions_signed_size(versions, tmp_path):
+    """Workers take a relay's progress figure above the version's signed total_size for a lie (no
+    wait window: the review's F3), so a relay rebuilding a version from its patch, which counted
+    the patch's bytes and then every rebuilt shard's, reports at most total_size."""
+    relay_root, told = tmp_path / "relay", []
+    with ShardServer(versions["root"]) as o:
+        mirror_version(0, [o.url], relay_root, public_key=PUB, timeout_s=2.0)
+        mirror_version(1, [o.url], relay_root, public_key=PUB, timeout_s=2.0, progress=told.append)
+    assert (relay_root / "v000001" / "patch.bin").is_file()  # it came as a patch
+    assert sum(told) == versions["man1"]["total_size"] and len(told) > 1, (sum(told), len(told))
+
+
 # ---- malformed patches and memory (the hostile review) --------------------------------------------
 
 

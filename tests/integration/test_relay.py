@@ -521,3 +521,278 @@ def test_a_relay_mirroring_over_a_slow_link_reports_growing_progress_and_is_wait
     assert snap[relay_url]["successes"] > 0, snap
     assert origin_url not in snap or snap[origin_url]["successes"] == 0, snap
     assert len(set(figures)) >= 3 and figures == sorted(figures), figures
+
+
+# ---- relays that answer what a parser or a clock cannot take (the review of the hardening) --------
+
+NEST = b"[" * 60_000  # json.loads raises RecursionError for this, not ValueError
+
+
+class NestedHandler(ShardRequestHandler):
+    """Deeply nested JSON for the paths ending in one of `nested`; the rest served from its root."""
+
+    nested: tuple[str, ...] = ()
+
+    def do_GET(self):
+        if self.path.endswith(self.nested):
+            return self._send_small(200, NEST, "application/json", True)
+        return super().do_GET()
+
+
+def nested_server(root: Path, *paths: str) -> ShardServer:
+    root.mkdir(parents=True, exist_ok=True)
+    server = ShardServer(root)
+    server.handler_class = type("Nested", (NestedHandler,), {"nested": paths})
+    return server
+
+
+@pytest.mark.parametrize("path", ["/versions", "manifest.json"])
+def test_a_relay_answering_deeply_nested_json_is_a_failed_source_and_the_origin_serves(tmp_path, path):
+    """F1 (review, nested_json.py): RecursionError from json.loads escaped fetch_version (the
+    worker's load caught BroadcastError, OSError and ValueError only). Now a failed source."""
+    model = fake_model(tmp_path / "model")
+    publish_version(model, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+    wait_s = 0.3
+    with ShardServer(tmp_path / "origin") as origin, nested_server(tmp_path / "liar", path) as liar:
+        scores = SourceScores()
+        t0 = time.monotonic()
+        folder = fetch_version(
+            1,
+            [liar.url, origin.url],
+            tmp_path / "client",
+            public_key=PUB,
+            scores=scores,
+            timeout_s=2.0,
+            relay_wait_s=wait_s,
+            relay_wait_max_s=3.0,
+            relay_stall_s=1.0,
+            patches=False,
+        )
+        took = time.monotonic() - t0
+        liar_url, origin_url = liar.url.rstrip("/"), origin.url.rstrip("/")
+    assert same_files(folder, model)
+    assert scores.snapshot()[origin_url]["successes"] > 0
+    assert took < wait_s + 5.0, took
+    assert scores.penalized(liar_url)  # not asked first for the next version
+
+
+def test_a_relay_keeps_mirroring_past_upstreams_answering_deeply_nested_json(tmp_path):
+    """F1 (nested_json.py (3), nested_patch_json.py): an upstream whose /versions, or a version's
+    patch.json, is nested JSON raised RecursionError through Relay._loop, which caught only
+    BroadcastError: the mirror thread died and the relay never mirrored again. Now the nested
+    answers are failed sources and _loop survives anything else too (here a sync that raises)."""
+    publish_version(fake_model(tmp_path / "m0", kib=64), tmp_path / "origin", 0, key=KEY, shard_size=64 << 10)
+    logs: list[str] = []
+    with (
+        nested_server(tmp_path / "empty", "/versions") as nested_listing,
+        nested_server(tmp_path / "origin", "patch.json") as upstream,
+    ):
+        relay = Relay(
+            [nested_listing.url, upstream.url], tmp_path / "relay", public_key=PUB, poll_s=0.1, log=logs.append
+        )
+        real, calls = relay.sync_once, []
+
+        def sync_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("an error nobody foresaw")
+            return real()
+
+        relay.sync_once = sync_once  # type: ignore[method-assign]
+        with relay:
+            wait_mirrored(tmp_path / "relay", 0, timeout_s=20)
+            # and it goes on: a version published later is mirrored too
+            m1 = fake_model(tmp_path / "m1", kib=64, seed=1)
+            publish_version(m1, tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+            wait_mirrored(tmp_path / "relay", 1, timeout_s=20)
+            assert relay._thread is not None and relay._thread.is_alive()
+            got = fetch_version(1, [relay.url], tmp_path / "client", public_key=PUB, timeout_s=2.0)
+    assert same_files(got, m1)
+    assert any("RuntimeError: an error nobody foresaw" in line for line in logs), logs
+
+
+def test_a_worker_and_a_validator_take_any_error_of_a_fetch_for_a_failed_load(tmp_path, monkeypatch):
+    """F1's last line of defence: whatever else an untrusted source makes fetch_version raise is
+    a failed load, said in one line and retried later, not the end of the worker or validator."""
+    import swarmrl.inference.worker as worker_module
+    import swarmrl.validator.core as validator_module
+    from swarmrl.config import ValidatorConfig
+    from swarmrl.transport.broadcast import published_manifest
+
+    def fetch_version_raising(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+
+    monkeypatch.setattr(worker_module, "fetch_version", fetch_version_raising)
+    monkeypatch.setattr(validator_module, "fetch_version", fetch_version_raising)
+    publish_version(fake_model(tmp_path / "m1", kib=64), tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
+    policy = {"version": 1, "url": "http://127.0.0.1:9", "manifest": published_manifest(tmp_path / "origin", 1)}
+    logs: list[str] = []
+    worker = worker_module.Worker(
+        "http://127.0.0.1:9",
+        key_file=tmp_path / "worker.key",
+        cache_dir=tmp_path / "w",
+        log=logs.append,
+        trainer_key=PUB,
+    )
+    assert worker._ensure_policy(policy) is False
+    assert worker.version is None
+    assert len(logs) == 1 and "could not load policy v1" in logs[0] and "RecursionError" in logs[0], logs
+    vlogs: list[str] = []
+    validator = validator_module.Validator(ValidatorConfig(), tmp_path / "v", log=vlogs.append, trainer_key=PUB)
+    assert validator.check([{"id": 7, "policy_version": 1}], {1: policy}) == ([], [7])
+    assert len(vlogs) == 1 and "cannot load policy v1" in vlogs[0] and "RecursionError" in vlogs[0], vlogs
+
+
+class TrickleHandler(ShardRequestHandler):
+    """Answers GET of paths ending in `slow` with a Content-Length of `length` and then one byte
+    every 0.5 s (JSON whitespace) until `stop` is set; the rest from its root. Records every path."""
+
+    slow, length, head = "/versions", 16 << 20, b"{"
+    stop: threading.Event
+    hits: list[str]
+
+    def do_GET(self):
+        self.hits.append(self.path)
+        if not self.path.endswith(self.slow):
+            return super().do_GET()
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.length))
+        self.end_headers()
+        try:
+            self.wfile.write(self.head)
+            self.wfile.flush()
+            while not self.stop.wait(0.5):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+        except OSError:
+            pass
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("kind", ["versions", "manifest", "manifest-known"])
+def test_a_relay_trickling_its_answer_does_not_hold_a_worker_and_is_not_asked_first_again(tmp_path, kind):
+    """F2 (relay_trickle.py, manifest_trickle.py): a relay announcing a large answer and sending
+    it a byte at a time held a worker inside one request for timeout_s + length / MIN_RATE (514 s
+    for /versions, 2050 s for a manifest), far past relay_wait_max_s; and was asked first again
+    for the next version. Now /versions is at most 1 MiB within timeout_s, every request to a
+    relay ends by relay_wait_max_s, a manifest the worker already holds bounds the relay's copy
+    to about its size, and the relay is penalized, so the next version goes to the origin."""
+    model = fake_model(tmp_path / "model")
+    for v in (1, 2):
+        publish_version(model, tmp_path / "origin", v, key=KEY, shard_size=64 << 10)
+    from swarmrl.transport.broadcast import published_manifest
+
+    timeout_s, wait_s = 2.0, 0.5
+    slow, length, head, max_wait_s = {
+        # below the new 1 MiB cap, so it is the deadline (timeout_s) that ends it
+        "versions": ("/versions", 512 << 10, b'{"versions":[],"incoming":[1,2],"progress":{"1":1,"2":1}', 3.0),
+        "manifest": ("manifest.json", 64 << 20, b"{", 3.0),
+        # the worker holds the manifest: the relay's copy may be about that size, so it is over
+        # in timeout_s + a few KiB / MIN_RATE, whatever relay_wait_max_s is
+        "manifest-known": ("manifest.json", 4096, b"{", 30.0),
+    }[kind]
+    bound = {"versions": wait_s + timeout_s, "manifest": max_wait_s, "manifest-known": timeout_s + 1.0}[kind] + 3.0
+    stop, hits = threading.Event(), []
+    (tmp_path / "liar").mkdir()
+    liar = ShardServer(tmp_path / "liar")
+    liar.handler_class = type(
+        "Trickle", (TrickleHandler,), {"slow": slow, "length": length, "head": head, "stop": stop, "hits": hits}
+    )
+    scores = SourceScores()
+    took: dict[int, float] = {}
+    with ShardServer(tmp_path / "origin") as origin, liar:
+
+        def fetch(v: int) -> Path:
+            t0 = time.monotonic()
+            try:
+                return fetch_version(
+                    v,
+                    [liar.url, origin.url],
+                    tmp_path / "client",
+                    public_key=PUB,
+                    scores=scores,
+                    timeout_s=timeout_s,
+                    relay_wait_s=wait_s,
+                    relay_wait_max_s=max_wait_s,
+                    relay_stall_s=1.0,
+                    patches=False,
+                    **({"manifest": published_manifest(tmp_path / "origin", v)} if kind == "manifest-known" else {}),
+                )
+            finally:
+                took[v] = time.monotonic() - t0
+
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(folder=fetch(1)), daemon=True)
+        worker.start()
+        worker.join(bound + 2.0)
+        held = worker.is_alive()
+        stop.set()  # lets the code before the fix go on (the relay closes), so the test ends
+        worker.join(30)
+        assert not held, f"the worker was still waiting on the relay after {bound + 2.0:.1f} s"
+        assert same_files(result["folder"], model) and took[1] < bound, took
+        assert scores.penalized(liar.url)
+        hits.clear()
+        folder = fetch(2)
+    assert same_files(folder, model)
+    assert took[2] < 2.0 and hits == [], (took, hits)  # the relay is not asked first (nor waited for)
+
+
+def growing_liar(root: Path, *, upto: int, start: int, step: int) -> ShardServer:
+    """A relay listing versions up to `upto` as incoming, its figure growing by `step` at every
+    GET /versions (a fake: it serves nothing of them)."""
+
+    class Growing(LyingHandler):
+        figure = start
+
+        def do_GET(self):
+            if self.path == "/versions":
+                type(self).figure += step
+            return super().do_GET()
+
+    Growing.upto = upto
+    root.mkdir(parents=True, exist_ok=True)
+    server = ShardServer(root)
+    server.handler_class = Growing
+    return server
+
+
+@pytest.mark.parametrize("kind", ["growing", "above-the-signed-size"])
+def test_a_relay_faking_growing_progress_costs_a_worker_one_wait_at_most(tmp_path, kind):
+    """F3: a relay whose "progress" grows at every poll and never brings the version held a worker
+    for relay_wait_max_s on every version. Now a relay that had a window and did not deliver is
+    penalized and gets no window (nor the first ask) while penalized; and a figure above the
+    version's signed total_size (the worker holds its manifest) is a lie: no window at all."""
+    from swarmrl.transport.broadcast import published_manifest
+
+    model = fake_model(tmp_path / "model")
+    for v in (1, 2):
+        publish_version(model, tmp_path / "origin", v, key=KEY, shard_size=64 << 10)
+    wait_s, stall_s, max_wait_s = 0.3, 1.0, 3.0
+    above = kind == "above-the-signed-size"
+    liar = growing_liar(tmp_path / "liar", upto=2, start=(1 << 40) if above else 0, step=4096)
+    scores, took = SourceScores(), {}
+    with ShardServer(tmp_path / "origin") as origin, liar:
+        for v in (1, 2):
+            t0 = time.monotonic()
+            folder = fetch_version(
+                v,
+                [liar.url, origin.url],
+                tmp_path / "client",
+                public_key=PUB,
+                scores=scores,
+                timeout_s=2.0,
+                relay_wait_s=wait_s,
+                relay_wait_max_s=max_wait_s,
+                relay_stall_s=stall_s,
+                patches=False,
+                **({"manifest": published_manifest(tmp_path / "origin", v)} if above else {}),
+            )
+            took[v] = time.monotonic() - t0
+            assert same_files(folder, model)
+        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
+    assert from_origin > 0
+    if above:
+        assert took[1] < wait_s + 2.0, took  # not believed: relay_wait_s and the download
+    else:
+        assert max_wait_s - 0.1 <= took[1] < max_wait_s + 3.0, took  # believed once, up to the wait's end
+    assert took[2] < wait_s + 2.0, took  # not again

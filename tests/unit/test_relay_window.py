@@ -31,3 +31,23 @@ def test_only_growth_extends_the_window_and_only_versions_up_to_the_one_wanted_c
 def test_a_relay_listing_nothing_wanted_has_no_window():
     assert relay_window(None, 0.0, {}, now=100.0, **KW) is None
     assert relay_window(None, 0.0, {6: 1 << 20}, now=100.0, **KW) is None
+
+
+def test_a_penalized_relay_gets_no_window_and_one_that_had_one_is_closed():
+    """The review's F3: a relay that made this worker wait for nothing before (or failed it) is
+    penalized in SourceScores; it is not waited for, whatever it lists."""
+    assert relay_window(None, 0.0, {5: 0}, now=100.0, penalized=True, **KW) == ({}, 100.0)
+    assert relay_window(None, 0.0, {5: None}, now=100.0, penalized=True, **{**KW, "delivered": True})[1] == 100.0
+    assert relay_window({5: 10}, 110.0, {5: 20}, now=105.0, penalized=True, **KW) == ({5: 10}, 105.0)
+    assert relay_window(None, 0.0, {}, now=100.0, penalized=True, **KW) is None  # nothing listed
+
+
+def test_a_figure_above_the_versions_signed_size_is_a_lie_and_closes_the_window():
+    """F3: progress above the manifest's total_size cannot be a copy coming in."""
+    assert relay_window(None, 0.0, {5: 1001}, now=100.0, total_size=1000, **KW) == ({}, 100.0)
+    figures, until = relay_window(None, 0.0, {5: 10}, now=100.0, total_size=1000, **KW)
+    assert until == 110.0
+    assert relay_window(figures, until, {5: 1000}, now=105.0, total_size=1000, **KW) == ({5: 1000}, 115.0)
+    assert relay_window(figures, until, {5: 1 << 40}, now=105.0, total_size=1000, **KW) == ({5: 10}, 105.0)
+    # an older version's figure is not bounded by this version's size (a LoRA base is larger)
+    assert relay_window(figures, until, {4: 1 << 20}, now=105.0, total_size=1000, **KW)[1] == 115.0

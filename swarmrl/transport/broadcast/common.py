@@ -20,6 +20,7 @@ from swarmrl.protocol.manifest import BroadcastError, version_name
 
 CHUNK = 1 << 18  # 256 KiB: the unit of disk reads and socket writes
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~100 bytes per shard: room for ~500k shards
+MAX_LISTING_BYTES = 1 << 20  # GET /versions: a few version numbers (kept versions, incoming, progress)
 MIN_RATE = 32 << 10  # bytes/s: a source slower than this over a whole shard is treated as failing
 INSTALLED_MANIFEST = ".broadcast-manifest.json"  # kept in each folder fetch_version installs (a dotfile:
 VERSION_DIR = re.compile(r"v([0-9]{6})", re.ASCII)  # a version's folder: v000003
@@ -51,11 +52,13 @@ def active_temp_dirs() -> Iterator[set[Path]]:
 
 
 class SourceFailure(Exception):
-    """One source failed one request; `corrupt` when it served data contradicting the signed manifest."""
+    """One source failed one request; `corrupt` when it served data contradicting the signed manifest,
+    `late` when the caller's deadline cut the request before the source had its timeout_s (not
+    the source's fault: it is not marked bad for it)."""
 
-    def __init__(self, msg: str, corrupt: bool = False):
+    def __init__(self, msg: str, corrupt: bool = False, late: bool = False):
         super().__init__(msg)
-        self.corrupt = corrupt
+        self.corrupt, self.late = corrupt, late
 
 
 def check_sources(sources, who: str) -> list[str]:

@@ -9,6 +9,7 @@ import http.client
 import json
 import math
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from swarmrl.protocol.manifest import (
 from swarmrl.transport.broadcast.common import (
     CHUNK,
     CONTENT_RANGE,
+    MAX_LISTING_BYTES,
     MAX_MANIFEST_BYTES,
     MIN_RATE,
     SourceFailure,
@@ -84,6 +86,12 @@ class SourceScores:
             e["last_error"] = reason
             e["penalized_until"] = time.monotonic() + self.penalty_s * min(2 ** (e["strikes"] - 1), 32)
 
+    def penalized(self, url: str) -> bool:
+        """Whether `url` failed recently and is still being held back for it."""
+        with self._lock:
+            e = self._s.get(url.rstrip("/"))
+            return e is not None and time.monotonic() < e["penalized_until"]
+
     def delivered(self, url: str) -> bool:
         """Whether `url` has served this process a verified shard or patch."""
         with self._lock:
@@ -125,16 +133,80 @@ def _connect(source: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
     return cls(u.hostname, u.port, timeout=timeout_s), u.path.rstrip("/")
 
 
-def _get(source: str, path: str, timeout_s: float, limit: int, sink) -> int:
+class _Deadline:
+    """Shuts a connection's socket down at a monotonic time `at` (moved earlier with `move`), from
+    a thread of its own: a socket timeout bounds only the wait for each byte, so a source that
+    trickles its answer (headers or body, one byte a second) would otherwise hold a read for as
+    long as it likes. `fired` says the deadline passed; the blocked read then ends with an error
+    or an early end, which the caller reports as too slow."""
+
+    def __init__(self, conn: http.client.HTTPConnection, at: float):
+        self.conn, self.at, self.fired = conn, at, False
+        self.sock: socket.socket | None = None  # the connection's (it drops it when the answer will close it)
+        self._cond = threading.Condition()
+        self._done = False
+        threading.Thread(target=self._run, name="http-deadline", daemon=True).start()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._done:
+                left = self.at - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self.fired = True
+                sock = self.sock or self.conn.sock
+                if sock is not None:
+                    try:  # the plain socket's shutdown, under TLS too: the blocked read sees its end
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
+                self._cond.wait(0.05)  # still connecting (bounded by the socket timeout)
+
+    def connect(self) -> None:
+        """Connect now, and hold the socket to shut down."""
+        self.conn.connect()
+        with self._cond:
+            self.sock = self.conn.sock
+
+    def move(self, at: float) -> None:
+        with self._cond:
+            if at < self.at:
+                self.at = at
+                self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+
+
+def _get(
+    source: str, path: str, timeout_s: float, limit: int, sink, deadline: float | None = None, flat: bool = False
+) -> int:
     """GET source+path, 200 only, body at most `limit` bytes passed to `sink` a chunk at a time;
-    the body's length. SourceFailure for anything the source did wrong."""
+    the body's length. SourceFailure for anything the source did wrong, and when the answer is
+    not in by timeout_s + its length (or `limit`) / MIN_RATE (`flat`: by timeout_s), or by
+    `deadline` (monotonic) if that is earlier: a hard bound however the bytes trickle in (_Deadline)."""
     conn, prefix = _connect(source, timeout_s)
+    t0 = time.monotonic()
+    rate = math.inf if flat else MIN_RATE
+    dog = _Deadline(conn, min(t0 + timeout_s + limit / rate, math.inf if deadline is None else deadline))
+    got = 0
+
+    def too_slow() -> SourceFailure:
+        late = deadline is not None and deadline - t0 < timeout_s
+        return SourceFailure(f"too slow: {got} bytes in {time.monotonic() - t0:.1f} s", late=late)
+
     try:
-        t0 = time.monotonic()
         try:
+            dog.connect()
             conn.request("GET", prefix + path)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
+            if dog.fired:
+                raise too_slow() from None
             raise SourceFailure(f"no answer ({e!r})") from e
         if resp.status != 200:
             hint = " (not published there yet, or pruned)" if resp.status == 404 else ""
@@ -143,33 +215,48 @@ def _get(source: str, path: str, timeout_s: float, limit: int, sink) -> int:
         announced = int(cl) if cl and cl.isdigit() else None
         if announced is not None and announced > limit:
             raise SourceFailure(f"answer of {announced} bytes is larger than the {limit} allowed")
-        deadline = t0 + timeout_s + (announced or limit) / MIN_RATE
-        got = 0
+        dog.move(t0 + timeout_s + (announced or limit) / rate)
         while True:
             try:
                 chunk = resp.read(min(CHUNK, limit + 1 - got))
             except (OSError, http.client.HTTPException) as e:
+                if dog.fired:
+                    raise too_slow() from None
                 raise SourceFailure(f"connection lost after {got} bytes ({e!r})") from e
+            if dog.fired:
+                raise too_slow()
             if not chunk:
                 break
             got += len(chunk)
             if got > limit:
                 raise SourceFailure(f"answer larger than the {limit} bytes allowed")
             sink(chunk)
-            if time.monotonic() > deadline:
-                raise SourceFailure(f"too slow: {got} bytes in {time.monotonic() - t0:.1f} s")
         if announced is not None and got != announced:
             raise SourceFailure(f"transfer ended after {got} of {announced} bytes")
         return got
     finally:
+        dog.stop()
         conn.close()
 
 
-def get_small(source: str, path: str, timeout_s: float, limit: int) -> bytes:
-    """GET source+path, 200 only, body at most `limit` bytes; SourceFailure otherwise."""
+def get_small(
+    source: str, path: str, timeout_s: float, limit: int, deadline: float | None = None, flat: bool = False
+) -> bytes:
+    """GET source+path, 200 only, body at most `limit` bytes, in by `deadline` (monotonic) if
+    given (and by timeout_s if `flat`); SourceFailure otherwise."""
     body = bytearray()
-    _get(source, path, timeout_s, limit, body.extend)
+    _get(source, path, timeout_s, limit, body.extend, deadline, flat)
     return bytes(body)
+
+
+def parse_json(raw: bytes, what: str):
+    """A source's answer parsed as JSON; SourceFailure (corrupt) for anything else, whatever the
+    parser raises: deeply nested input ('[' * 60000) makes json.loads raise RecursionError, not
+    ValueError, and a source must not be able to raise anything but a source failure."""
+    try:
+        return json.loads(raw)
+    except Exception as e:  # noqa: BLE001 - untrusted bytes: every failure is the source's
+        raise SourceFailure(f"{what} is not JSON ({type(e).__name__})", corrupt=True) from None
 
 
 def get_file(source: str, path: str, timeout_s: float, size: int, dest: Path, progress=None) -> str:
@@ -191,6 +278,12 @@ def get_file(source: str, path: str, timeout_s: float, size: int, dest: Path, pr
     return h.hexdigest()
 
 
+def _get_listing(source: str, timeout_s: float, deadline: float | None = None) -> bytes:
+    """GET {source}/versions: a few versions, so at most MAX_LISTING_BYTES, all of it within
+    timeout_s (and by `deadline` if given), however slowly it comes."""
+    return get_small(source, "/versions", timeout_s, MAX_LISTING_BYTES, deadline, flat=True)
+
+
 def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     """GET {source}/versions: the complete versions a ShardServer says it holds, sorted.
 
@@ -199,13 +292,15 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     listed is only a claim; each version is believed once its signed manifest verifies."""
     (source,) = check_sources([source], "list_versions")
     try:
-        data = json.loads(get_small(source, "/versions", timeout_s, 16 << 20))
+        raw = _get_listing(source, timeout_s)
     except SourceFailure as e:
         raise BroadcastError(
             f"cannot list versions at {source}: {e}; is a ShardServer (origin or relay) running "
             "there and reachable from this machine?"
         ) from None
-    except ValueError:
+    try:
+        data = parse_json(raw, "the answer")
+    except SourceFailure:
         raise BroadcastError(
             f"cannot list versions at {source}: the answer is not JSON; is that URL a swarmrl broadcast server?"
         ) from None
@@ -218,15 +313,20 @@ def list_versions(source: str, timeout_s: float = 10.0) -> list[int]:
     return sorted({v for v in versions if is_int(v) and 0 <= v <= 999_999})
 
 
-def incoming(source: str, timeout_s: float = 10.0) -> dict[int, int | None]:
+def incoming(
+    source: str, timeout_s: float = 10.0, deadline: float | None = None, scores: SourceScores | None = None
+) -> dict[int, int | None]:
     """The versions `source` says it is mirroring now (GET /versions, "incoming"), each with the
     bytes of it the source says it holds so far ("progress", by version as a string; None where
     it gives no figure, as relays before this one did). Empty for a source that does not say, or
     does not answer. Claims only: a worker waits for them while the figures grow
-    (install._prefer_relays)."""
+    (install._prefer_relays). Within timeout_s, and by `deadline` (monotonic) if given; a source
+    that fails to answer is marked bad in `scores` when given."""
     try:
-        data = json.loads(get_small(source, "/versions", timeout_s, 16 << 20))
-    except (SourceFailure, ValueError):
+        data = parse_json(_get_listing(source, timeout_s, deadline), "the answer")
+    except SourceFailure as e:
+        if scores is not None and not e.late:
+            scores.bad(source, f"GET /versions: {e}", corrupt=e.corrupt)
         return {}
     listed = data.get("incoming") if isinstance(data, dict) else None
     if not isinstance(listed, list):
@@ -248,10 +348,15 @@ def fetch_manifest(
     public_key: str | None,
     timeout_s: float = 10.0,
     expected_digest: str | None = None,
+    scores: SourceScores | None = None,
+    deadline: float | None = None,
+    limit: int = MAX_MANIFEST_BYTES,
 ) -> dict:
     """The manifest of `version` from the first source (in order) whose answer verifies: signed by
     `public_key` when given, well formed and for `version` otherwise; and with manifest digest
-    `expected_digest` when given (to skip copies of a version number that was republished)."""
+    `expected_digest` when given (to skip copies of a version number that was republished).
+    Each answer at most `limit` bytes, in by `deadline` (monotonic) if given; a source that fails
+    otherwise than by not holding it (404) is marked bad in `scores` when given."""
     check_version(version)
     vname = version_name(version)
     sources = check_sources(sources, f"fetching the manifest of {vname}")
@@ -260,11 +365,7 @@ def fetch_manifest(
     errors = []
     for src in sources:
         try:
-            raw = get_small(src, f"/{vname}/manifest.json", timeout_s, MAX_MANIFEST_BYTES)
-            try:
-                manifest = json.loads(raw)
-            except ValueError:
-                raise SourceFailure("the manifest is not JSON") from None
+            manifest = parse_json(get_small(src, f"/{vname}/manifest.json", timeout_s, limit, deadline), "the manifest")
             if public_key is not None:
                 verify_manifest(manifest, public_key, version)
             else:
@@ -280,6 +381,8 @@ def fetch_manifest(
             return manifest
         except (SourceFailure, BroadcastError) as e:
             errors.append(f"{src}: {e}")
+            if scores is not None and "HTTP 404" not in str(e) and not getattr(e, "late", False):
+                scores.bad(src, f"manifest of {vname}: {e}", corrupt=isinstance(e, SourceFailure) and e.corrupt)
     raise BroadcastError(
         f"cannot get a valid manifest of policy {vname} from any source: "
         + "; ".join(errors)
@@ -313,13 +416,17 @@ def _download_shard(
     conn, prefix = _connect(src, timeout_s)
     t0 = time.monotonic()
     deadline = t0 + timeout_s + size / MIN_RATE
+    dog = _Deadline(conn, deadline)  # the bound holds however slowly the bytes trickle in
     try:
         try:
+            dog.connect()
             conn.request(
                 "GET", f"{prefix}/{vname}/shards/{index:05d}", headers={"Range": f"bytes={have}-"} if have else {}
             )
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
+            if dog.fired:
+                raise SourceFailure(f"{what}: too slow (no answer after {time.monotonic() - t0:.1f} s)") from None
             raise SourceFailure(f"no answer for {what} ({e!r})") from e
         if resp.status == 206 and have:
             cr = resp.getheader("Content-Range", "")
@@ -356,8 +463,17 @@ def _download_shard(
                 try:
                     chunk = resp.read(min(CHUNK, size - have - got + 1))
                 except (OSError, http.client.HTTPException) as e:
-                    raise SourceFailure(f"{what}: connection lost after {have + got} of {size} bytes ({e!r})") from e
+                    if dog.fired:
+                        chunk = b""
+                    else:
+                        raise SourceFailure(
+                            f"{what}: connection lost after {have + got} of {size} bytes ({e!r})"
+                        ) from e
                 if not chunk:
+                    if dog.fired:
+                        raise SourceFailure(
+                            f"{what}: too slow ({have + got} of {size} bytes after {time.monotonic() - t0:.1f} s)"
+                        )
                     break
                 if have + got + len(chunk) > size:
                     too_long = True
@@ -388,6 +504,7 @@ def _download_shard(
         os.replace(part, final)
         return got
     finally:
+        dog.stop()
         conn.close()
 
 

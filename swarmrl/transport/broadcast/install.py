@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from swarmrl.protocol.manifest import (
 from swarmrl.transport.broadcast.common import (
     CHUNK,
     INSTALLED_MANIFEST,
+    MAX_MANIFEST_BYTES,
     TEMP_DIR,
     VERSION_DIR,
     active_temp_dirs,
@@ -196,8 +198,14 @@ def mirror_version(
         remove_dir(vdir)
     scores = SourceScores() if scores is None else scores
     manifest = fetch_manifest(
-        version, scores.order(sources), public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
+        version,
+        scores.order(sources),
+        public_key=public_key,
+        timeout_s=timeout_s,
+        expected_digest=expected_digest,
+        scores=scores,
     )
+    progress = _capped(progress, manifest["total_size"])
     kw = dict(scores=scores, parallel=parallel, timeout_s=timeout_s, log=log)
     if not patches:
         return _mirror(version, manifest, sources, root, progress=progress, **kw)
@@ -236,6 +244,25 @@ def mirror_version(
             (tmp / PATCH_JSON).write_bytes(json.dumps(d, sort_keys=True).encode())
 
     return _mirror(version, manifest, sources, root, build=build, **kw)
+
+
+def _capped(progress, total: int):
+    """`progress`, told of at most `total` bytes in all: a relay's figure for a version stays within
+    the size its clients know from the signed manifest (a patch and the shards rebuilt from it, or
+    a shard fetched again, would count twice), so that they can take a figure above it for the lie
+    it is (relay_window)."""
+    if progress is None:
+        return None
+    lock, told = threading.Lock(), [0]
+
+    def add(n: int) -> None:
+        with lock:
+            n = max(0, min(n, total - told[0]))
+            told[0] += n
+        if n:
+            progress(n)
+
+    return add
 
 
 def _clear(folder: Path) -> None:
@@ -325,6 +352,8 @@ def relay_window(
     now: float,
     stall_s: float,
     delivered: bool,
+    total_size: int | None = None,
+    penalized: bool = False,
 ) -> tuple[dict[int, int], float] | None:
     """One poll of a relay's "incoming" list while a worker waits for `version`: the relay's new
     (figures seen, time until which it is waited for), or None while it has listed no copy of
@@ -337,8 +366,15 @@ def relay_window(
     opens a window of stall_s if the relay gives a figure (a relay of this release) or has
     delivered to this worker before (relays of older releases give none); otherwise the relay is
     not waited for at all. A relay past its window stays dropped for the rest of the wait (the
-    caller stops polling it), so listing, unlisting and relisting does not restart its clock."""
+    caller stops polling it), so listing, unlisting and relisting does not restart its clock.
+
+    No window at all (closed now) for a relay `penalized` in the worker's SourceScores (it failed
+    recently, or made this worker wait for nothing before), nor for one whose figure for `version`
+    is above its `total_size` (from the signed manifest, when known): a lie."""
     mine = {v: n for v, n in listed.items() if v <= version}
+    lying = total_size is not None and (mine.get(version) or 0) > total_size
+    if penalized or lying:
+        return None if seen is None and not mine else (dict(seen or {}), now)
     if seen is None:
         if not mine:
             return None
@@ -363,6 +399,7 @@ def _prefer_relays(
     wait_s: float,
     max_wait_s: float,
     stall_s: float,
+    known: dict | None = None,
 ) -> tuple[dict, list[str]]:
     """(the manifest, the sources to download its shards from), relays first.
 
@@ -376,14 +413,36 @@ def _prefer_relays(
     progress figures grow within `stall_s` (relay_window): a relay that lists versions as
     incoming and never brings them costs a worker `wait_s` (+ `stall_s` if it gives a figure or
     delivered before), not `max_wait_s`. When a relay has the version, its shards come from the
-    relays, the origin only if they all fail."""
-    if len(sources) < 2:
+    relays, the origin only if they all fail.
+
+    Relays are untrusted, so every request to them ends by start + `max_wait_s` however slowly
+    they answer; a relay that fails a request, or was waited for and did not bring the version,
+    is marked bad in `scores` and, while penalized, neither asked first nor waited for. `known`
+    (the manifest of this version, verified: the worker has it from the orchestrator) bounds a
+    relay's manifest to about its size, and is used as is when the version comes from the origin."""
+    vname = version_name(version)
+
+    def from_all() -> dict:
+        # Best first: a relay that just failed comes after the origin.
+        if known is not None:
+            return known
         return fetch_manifest(
-            version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
-        ), sources
-    relays = sources[:-1]
+            version,
+            scores.order(sources),
+            public_key=public_key,
+            timeout_s=timeout_s,
+            expected_digest=expected_digest,
+            scores=scores,
+        )
+
+    relays = [r for r in sources[:-1] if not scores.penalized(r)]
+    if not relays:
+        return from_all(), sources
     start = time.monotonic()
+    deadline = start + max_wait_s
+    limit = MAX_MANIFEST_BYTES if known is None else 2 * len(manifest_bytes(known)) + 4096
     windows: dict[str, tuple[dict[int, int], float]] = {}
+    waited: set[str] = set()  # relays that had a window: each one made this worker wait
     while True:
         try:
             manifest = fetch_manifest(
@@ -392,6 +451,9 @@ def _prefer_relays(
                 public_key=public_key,
                 timeout_s=timeout_s,
                 expected_digest=expected_digest,
+                scores=scores,
+                deadline=deadline,
+                limit=limit,
             )
             return manifest, relays
         except BroadcastError as e:
@@ -400,7 +462,7 @@ def _prefer_relays(
             if str(e).count("HTTP 404") < len(relays):
                 break
         now = time.monotonic()
-        if now >= start + max_wait_s:
+        if now >= deadline:
             break
         if now >= start + wait_s:
             for r in relays:
@@ -410,20 +472,28 @@ def _prefer_relays(
                 w = relay_window(
                     seen,
                     until,
-                    incoming(r, timeout_s),
+                    incoming(r, timeout_s, deadline, scores),
                     version=version,
                     now=now,
                     stall_s=stall_s,
                     delivered=scores.delivered(r),
+                    total_size=None if known is None else known["total_size"],
+                    penalized=scores.penalized(r),
                 )
                 if w is not None:
                     windows[r] = w
+                    if w[1] > now:
+                        waited.add(r)
             if not any(until > now for _, until in windows.values()):
                 break
         time.sleep(0.25)
-    return fetch_manifest(
-        version, sources, public_key=public_key, timeout_s=timeout_s, expected_digest=expected_digest
-    ), sources
+        if time.monotonic() >= deadline:
+            break
+    # The version comes from elsewhere: the relays that made this worker wait for it are not
+    # waited for again while penalized (one that fakes growing figures cost max_wait_s each time).
+    for r in waited:
+        scores.bad(r, f"listed {vname} as incoming and did not bring it within the wait")
+    return from_all(), sources
 
 
 def fetch_version(
@@ -442,6 +512,7 @@ def fetch_version(
     relay_wait_max_s: float = 120.0,
     relay_stall_s: float = RELAY_STALL_S,
     patches: bool = True,
+    manifest: dict | None = None,
 ) -> Path:
     """Fetch policy `version` from `sources` (relays and/or the origin) into dest_root/vNNNNNN, an
     HF folder ready for from_pretrained, and return that path.
@@ -458,7 +529,10 @@ def fetch_version(
     grow at least once every `relay_stall_s` (`_prefer_relays`; 10 s by default, above the 8 s a
     256 KiB chunk takes at the slowest rate a source is allowed, MIN_RATE). With
     `patches`, a version published with a patch is rebuilt from the version before it when that
-    is held here, the full download being the fallback for every failure (patches.py)."""
+    is held here, the full download being the fallback for every failure (patches.py).
+    `manifest`, the version's signed manifest when the caller has it (a worker has it from the
+    orchestrator), is used once it verifies (and has `expected_digest`, if given): then the
+    relays' copies are bounded by its size and the origin is not asked for it."""
     check_version(version)
     vname = version_name(version)
     if public_key is None:
@@ -473,6 +547,14 @@ def fetch_version(
     scores = SourceScores() if scores is None else scores
     dest_root = Path(dest_root)
     dest = dest_root / vname
+    known = None
+    if manifest is not None:
+        try:
+            verify_manifest(manifest, public_key, version)
+            if expected_digest is None or manifest_digest(manifest) == expected_digest:
+                known, expected_digest = manifest, manifest_digest(manifest)
+        except BroadcastError as e:
+            log(f"{vname}: the manifest given does not verify ({e}); asking the sources for it")
 
     def finish(installed: dict) -> Path:
         clean_temps(dest_root)
@@ -507,6 +589,7 @@ def fetch_version(
         wait_s=relay_wait_s,
         max_wait_s=relay_wait_max_s,
         stall_s=relay_stall_s,
+        known=known,
     )
     if dest.is_dir() and _folder_matches(dest, manifest):
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from swarmrl.protocol.manifest import BroadcastError, content_digest, version_name
 from swarmrl.protocol.patch import PatchError, encode_patch, patch_chunks, sign_descriptor, verify_descriptor
 from swarmrl.transport.broadcast.common import ShardWriter, SourceFailure, atomic_write, load_manifest_file
-from swarmrl.transport.broadcast.download import get_file, get_small
+from swarmrl.transport.broadcast.download import get_file, get_small, parse_json
 
 PATCH_BIN, PATCH_JSON = "patch.bin", "patch.json"
 MAX_DESCRIPTOR_BYTES = 64 << 10
@@ -85,10 +85,7 @@ def fetch_patch(
             continue
         try:
             raw = get_small(src, f"/{vname}/{PATCH_JSON}", timeout_s, MAX_DESCRIPTOR_BYTES)
-            try:
-                d = verify_descriptor(json.loads(raw), public_key, manifest)
-            except ValueError:
-                raise SourceFailure("patch.json is not JSON", corrupt=True) from None
+            d = verify_descriptor(parse_json(raw, PATCH_JSON), public_key, manifest)
             if base_manifest is not None and (
                 d["base"] != base_manifest["version"] or d["base_content"] != content_digest(base_manifest)
             ):
