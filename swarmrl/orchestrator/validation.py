@@ -12,6 +12,8 @@ from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 from swarmrl.proofs.evidence import EvidenceModel, group_llr
+from swarmrl.protocol.messages import ClaimedGroup
+from swarmrl.protocol.rollouts import Group
 
 
 class ValidationQueue:
@@ -187,34 +189,10 @@ class ValidationQueue:
                 prow = self.store.policy(db, v)
                 if prow is not None:
                     policies[str(v)] = {"url": prow["url"], "manifest": json.loads(prow["manifest"])}
-        items = []
-        for r in rows:
-            g = json.loads(r["payload"])
-            proofs = json.loads(r["proofs"] or "[]")
-            items.append(
-                {
-                    "id": r["id"],
-                    "worker": r["worker"],
-                    "policy_version": r["policy_version"],
-                    "temperature": g["temperature"],
-                    "prompt_ids": g["prompt_ids"],
-                    "samples": [
-                        {
-                            "token_ids": smp["token_ids"],
-                            "logprobs": smp["logprobs"],
-                            "seed": smp["seed"],
-                            "proofs": proofs[i] if i < len(proofs) else [],
-                            "model_mask": smp.get("model_mask"),
-                        }
-                        for i, smp in enumerate(g["samples"])
-                    ],
-                    # Only a trusted key's group comes without proofs (submissions.py): its
-                    # logprobs are all that can be checked.
-                    "checks": "full" if any(proofs) else "logprobs",
-                    "engine_dtype": g.get("engine_dtype"),
-                    "engine": g.get("engine") or "builtin",
-                }
-            )
+        items = [
+            ClaimedGroup.of(r["id"], Group.from_json(r["payload"]), json.loads(r["proofs"] or "[]")).model_dump()
+            for r in rows
+        ]
         self.counters.count("validator/claimed", len(items))
         return {
             "items": items,

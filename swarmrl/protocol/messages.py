@@ -24,6 +24,8 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
+from swarmrl.protocol.rollouts import Group
+
 # Hard ceilings on request shapes, whatever the config says; the config's own limits (group
 # size, token limit) are checked by the service with a message that names them.
 MAX_TOKENS = 1 << 17
@@ -328,6 +330,33 @@ class ClaimedGroup(_Out):
         description="what the worker declared generated it (builtin, vllm, openai): it selects the engine's "
         "calibrated limits (Claim.calibrated) only where the run's limits file accepts that engine",
     )
+
+    @classmethod
+    def of(cls, id: int, group: Group, proofs: list[list[str]]) -> ClaimedGroup:
+        """What a validator is sent of an accepted `group` (stored as `id`, with each completion's
+        proofs): the projection of the rollout record the checks read, nothing a worker could not
+        have seen. Only a trusted key's group comes without proofs (submissions.py): its logprobs
+        are all that can be checked."""
+        return cls(
+            id=id,
+            worker=group.worker,
+            policy_version=group.policy_version,
+            temperature=group.temperature,
+            prompt_ids=group.prompt_ids,
+            samples=[
+                ClaimedSample(
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    seed=s.seed,
+                    proofs=proofs[i] if i < len(proofs) else [],
+                    model_mask=s.model_mask,
+                )
+                for i, s in enumerate(group.samples)
+            ],
+            checks="full" if any(proofs) else "logprobs",
+            engine_dtype=group.engine_dtype,
+            engine=group.engine or "builtin",
+        )
 
 
 class Claim(_Out):
