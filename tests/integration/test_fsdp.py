@@ -4,7 +4,9 @@ offload. The runs themselves are tests/support/fsdp_runs.py."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,16 +20,38 @@ SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "fsdp_runs.py")
 pytestmark = pytest.mark.timeout(400)
 
 
-def one_and_two_ranks(tmp_path: Path, kind: str, one_args: list[str], two_args: list[str]) -> tuple[dict, dict]:
-    """The same run in one process and on 2 gloo ranks; rank 0's results of each."""
+# What each kind of run is given, in one process and on 2 gloo ranks.
+PACKING = (["0"], [str(FSDP_BUDGET)])  # padded in one process, packed on the ranks
+PRECISION = (
+    # Plain padded micro-batches in batch order: each rank's share is then one of the single
+    # process's micro-batches, and bf16 forwards of the same rows round the same way.
+    ["--trainer.precision", "mixed", "--trainer.sort_micro_batches", "false", "--trainer.shared_prompts", "false"],
+    # FSDP2's MixedPrecisionPolicy, with activation checkpointing and CPU offload on.
+    [
+        "--trainer.precision",
+        "mixed",
+        "--trainer.activation_checkpointing",
+        "true",
+        "--trainer.cpu_offload",
+        "true",
+        "--trainer.sort_micro_batches",
+        "false",
+    ],
+)
+
+
+def _run_one_and_two_ranks(out: Path) -> None:
+    """The three kinds of run in one process, then the same three on 2 gloo ranks under one
+    torchrun (fsdp_runs.py's `all`): 4 process starts for the module instead of 12."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(OMP_NUM_THREADS="1", SWARMRL_BACKEND="gloo", CUDA_VISIBLE_DEVICES="")
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    run_checked([sys.executable, SCRIPT, kind, str(one), *one_args], env)
+    (out / "one").mkdir(parents=True)
+    (out / "two").mkdir()
+    run_checked([sys.executable, SCRIPT, "all", f"{out}/one/", PACKING[0][0], *PRECISION[0]], env)
     run_checked(
         [
             sys.executable,
@@ -42,19 +66,43 @@ def one_and_two_ranks(tmp_path: Path, kind: str, one_args: list[str], two_args: 
             "--master_port",
             str(free_port()),
             SCRIPT,
-            kind,
-            str(two),
-            *two_args,
+            "all",
+            f"{out}/two/",
+            PACKING[1][0],
+            *PRECISION[1],
         ],
         env,
     )
-    a, b = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The module's runs, made once per session: under pytest-xdist the first worker to need them
+    makes them under a file lock and a worker running another of these tests waits and reads them
+    (as tests/conftest.py's easy_base does), so a split module does not pay for them twice."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder every worker's basetemp sits in
+    out, done = root / "fsdp-runs", root / "fsdp-runs.done"
+    with open(root / "fsdp-runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # runs that died half-way
+            _run_one_and_two_ranks(out)
+            done.touch()
+    return out
+
+
+def one_and_two_ranks(runs: Path, kind: str) -> tuple[dict, dict]:
+    """Rank 0's results of the same run in one process and on 2 gloo ranks."""
+    a = torch.load(runs / "one" / f"{kind}.pt", weights_only=False)
+    b = torch.load(runs / "two" / f"{kind}.pt", weights_only=False)
     assert (a["world_size"], b["world_size"]) == (1, 2)
     return a, b
 
 
-def test_fsdp2_matches_single_process(tmp_path):
-    a, b = one_and_two_ranks(tmp_path, "trainer", [], [])
+def test_fsdp2_matches_single_process(runs):
+    a, b = one_and_two_ranks(runs, "trainer")
     assert a["state"].keys() == b["state"].keys()
 
     diffs = {k: float((a["state"][k].float() - b["state"][k].float()).abs().max()) for k in a["state"]}
@@ -106,8 +154,8 @@ def test_fsdp2_matches_single_process(tmp_path):
             assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
 
 
-def test_fsdp2_packed_matches_single_process_padded(tmp_path):
-    a, b = one_and_two_ranks(tmp_path, "packing", ["0"], [str(FSDP_BUDGET)])
+def test_fsdp2_packed_matches_single_process_padded(runs):
+    a, b = one_and_two_ranks(runs, "packing")
     # Same tolerance and reasoning as the plain FSDP2 test above: atol 1e-5 is 1% of one
     # step at lr 1e-3; a dropped, duplicated or cross-attending sequence moves weights far more.
     for k in a["state"]:
@@ -117,26 +165,10 @@ def test_fsdp2_packed_matches_single_process_padded(tmp_path):
         assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
 
 
-def test_mixed_precision_one_process_matches_fsdp2(tmp_path):
+def test_mixed_precision_one_process_matches_fsdp2(runs):
     """One process (MasterWeights) against 2 gloo ranks (FSDP2's MixedPrecisionPolicy, with
-    activation checkpointing and CPU offload on): the same mixed-precision recipe."""
-    a, b = one_and_two_ranks(
-        tmp_path,
-        "precision",
-        # Plain padded micro-batches in batch order: each rank's share is then one of the single
-        # process's micro-batches, and bf16 forwards of the same rows round the same way.
-        ["--trainer.precision", "mixed", "--trainer.sort_micro_batches", "false", "--trainer.shared_prompts", "false"],
-        [
-            "--trainer.precision",
-            "mixed",
-            "--trainer.activation_checkpointing",
-            "true",
-            "--trainer.cpu_offload",
-            "true",
-            "--trainer.sort_micro_batches",
-            "false",
-        ],
-    )
+    activation checkpointing and CPU offload on): the same mixed-precision recipe (PRECISION)."""
+    a, b = one_and_two_ranks(runs, "precision")
     for run in (a, b):
         assert run["param_dtypes"] == ["torch.float32"] and run["opt_dtypes"] == ["torch.float32"]
         assert {v.dtype for v in run["masters"].values()} == {torch.float32}

@@ -4,7 +4,12 @@
     python tests/support/fsdp_runs.py packing OUT BUDGET      (BUDGET 0: padded)
     python tests/support/fsdp_runs.py precision OUT [overrides]
 
+    python tests/support/fsdp_runs.py all PREFIX BUDGET [precision overrides]
+
 plain or under torchrun; each trains 2 steps of the tiny model and writes rank 0's results to OUT.
+`all` runs the three in one process (one torchrun, one process group): PREFIX + trainer.pt,
+packing.pt and precision.pt. Each run builds its model and batch from fixed seeds, so it does
+what it would do in a process of its own; the test pays 4 process starts instead of 12.
 """
 
 from __future__ import annotations
@@ -58,8 +63,7 @@ def trainer_run(out: str) -> None:
             },
             out,
         )
-    if dist_info.world_size > 1:
-        torch.distributed.destroy_process_group()
+    _end_run(dist_info)
 
 
 def packing_run(out: str, budget: int) -> None:
@@ -77,9 +81,7 @@ def packing_run(out: str, budget: int) -> None:
     sd = trainer.full_state_dict()
     if dist_info.is_main:
         torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size}, out)
-    if dist_info.world_size > 1:
-        torch.distributed.barrier()  # no rank tears gloo down while another still talks to it
-        torch.distributed.destroy_process_group()
+    _end_run(dist_info)
 
 
 def precision_run(out: str, overrides: list[str]) -> None:
@@ -118,8 +120,15 @@ def precision_run(out: str, overrides: list[str]) -> None:
             },
             out,
         )
+    _end_run(dist_info)
+
+
+def _end_run(dist_info) -> None:
+    """Every rank is done with the run (rank 0 has written its results) before the next run or
+    the teardown: no rank tears gloo down, or starts another run's collectives, while another
+    still talks to it."""
     if dist_info.world_size > 1:
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
@@ -130,8 +139,14 @@ if __name__ == "__main__":
         packing_run(out, int(rest[0]))
     elif kind == "precision":
         precision_run(out, rest)
+    elif kind == "all":
+        trainer_run(out + "trainer.pt")
+        packing_run(out + "packing.pt", int(rest[0]))
+        precision_run(out + "precision.pt", rest[1:])
     else:
-        sys.exit(f"usage: {sys.argv[0]} trainer|packing|precision OUT [...]")
+        sys.exit(f"usage: {sys.argv[0]} trainer|packing|precision|all OUT [...]")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     # Everything is written: skip the interpreter's teardown, where gloo's threads once aborted a
     # finished rank in CI ("terminate called without an active exception").
     sys.stdout.flush()
