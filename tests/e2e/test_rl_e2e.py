@@ -116,6 +116,12 @@ def test_a_synchronous_run_refuses_a_restart_and_resumes(easy_base, tmp_path):
         "1",
         "--async.bound",
         "0",
+        # One worker, fetching from the origin (the resumed run keeps both, from config.toml):
+        # two processes fewer in each of the two runs; relays and patches are the TLS run's.
+        "--async.workers",
+        "1",
+        "--broadcast.relays",
+        "0",
         *EASY,
     )
     steps = [r for r in metrics(run) if "time/step" in r]
