@@ -23,7 +23,16 @@ def run_eval(out: Path, *args: str) -> tuple[dict, list[dict]]:
     return summary, results
 
 
-def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
+@pytest.fixture(scope="module")
+def served_base(easy_base, tmp_path_factory):
+    """The easy base behind one `swarmrl serve` for the module's endpoint tests (one server
+    start instead of one per test; nothing they do changes what it serves)."""
+    server = Server(easy_base, tmp_path_factory.mktemp("serve"))
+    yield server
+    server.stop()
+
+
+def test_model_and_endpoint_give_the_same_scores(easy_base, served_base, tmp_path):
     # The easy base was warm-started without a length instruction, so none is added here: its
     # accuracy stays above 0 and equal scores mean something.
     args = [
@@ -41,11 +50,7 @@ def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
         "0",
     ]
     local, local_rows = run_eval(tmp_path / "local", "--model", str(easy_base), *args)
-    server = Server(easy_base, tmp_path)
-    try:
-        remote, remote_rows = run_eval(tmp_path / "remote", "--endpoint", server.url, *args)
-    finally:
-        server.stop()
+    remote, remote_rows = run_eval(tmp_path / "remote", "--endpoint", served_base.url, *args)
     assert 0.0 < local["avg@4"] < 1.0  # a policy with signal: the comparison is not 0 == 0
     for key in ("problems", "avg@4", "pass@1", "pass@2", "pass@4", "length/mean", "errors"):
         assert remote[key] == local[key], key
@@ -62,38 +67,35 @@ def test_model_and_endpoint_give_the_same_scores(easy_base, tmp_path):
     assert first["pass@1"] == pytest.approx(first["correct"] / 4)
 
 
-def test_endpoint_default_max_tokens_fits_the_context(easy_base, tmp_path):
+def test_endpoint_default_max_tokens_fits_the_context(served_base, tmp_path):
     # Issue 18: with its defaults, eval against swarmrl serve asked for prompt + 512 tokens from a
     # model whose context is 512 and every request failed. Now it asks the server how long each
     # prompt is (POST /tokenize, vLLM's route) and sends what fits.
     import httpx
 
-    server = Server(easy_base, tmp_path)
-    try:
-        context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
-        chat = {"model": server.model, "messages": [{"role": "user", "content": "What is 2+2?"}]}
-        counted = httpx.post(server.url + "/tokenize", json=chat).json()
-        assert counted["max_model_len"] == context and counted["count"] == len(counted["tokens"]) > 5
-        plain = httpx.post(server.url + "/tokenize", json={"prompt": "What is 2+2?"}).json()
-        assert plain["count"] < counted["count"]  # the chat template adds its own tokens
-        both = httpx.post(server.url + "/tokenize", json={**chat, "prompt": "x"})
-        assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
-        assert httpx.post(server.url + "/tokenize", json={**chat, "model": "other"}).status_code == 404
-        summary, _ = run_eval(
-            tmp_path / "auto",
-            "--endpoint",
-            server.url,
-            "--benchmark",
-            "arithmetic",
-            "--tasks.digits",
-            "1",
-            "--tasks.eval_size",
-            "2",
-            "--k",
-            "1",
-        )
-    finally:
-        server.stop()
+    server = served_base
+    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "What is 2+2?"}]}
+    counted = httpx.post(server.url + "/tokenize", json=chat).json()
+    assert counted["max_model_len"] == context and counted["count"] == len(counted["tokens"]) > 5
+    plain = httpx.post(server.url + "/tokenize", json={"prompt": "What is 2+2?"}).json()
+    assert plain["count"] < counted["count"]  # the chat template adds its own tokens
+    both = httpx.post(server.url + "/tokenize", json={**chat, "prompt": "x"})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    assert httpx.post(server.url + "/tokenize", json={**chat, "model": "other"}).status_code == 404
+    summary, _ = run_eval(
+        tmp_path / "auto",
+        "--endpoint",
+        server.url,
+        "--benchmark",
+        "arithmetic",
+        "--tasks.digits",
+        "1",
+        "--tasks.eval_size",
+        "2",
+        "--k",
+        "1",
+    )
     assert counted["count"] + 512 > context  # the old default alone would not fit
     assert summary["problems"] == 2 and summary["errors"] == 0
     assert summary["settings"]["max_tokens"] == "auto"
