@@ -13,12 +13,12 @@ takes its slot at the next token step.
 
 `--flood` measures instead, side by side in one run on one server (docs/security.md, "`swarmrl
 serve` under a disconnecting flood"): calm figures (an honest 8-token request's latency with the
-server idle, and tokens/s of 8 clients sending 8 requests of 64 tokens each), then the same honest client, from 127.0.0.2, while
-127.0.0.1 sends `--flood-requests` completions (n = 16, 256 tokens) keeping at most 32 sockets
-open and closing each 1 s after sending it, and how many tokens the server generated for those
-departed clients; then `/health` from 127.0.0.2 while 127.0.0.1 sends eight 1 MB `/tokenize`
-requests. It only uses what every version of the server has (`/stats`, `/tokenize`), so the
-same script measures the server before and after a change.
+server idle, and tokens/s of 8 clients sending 8 requests of 64 tokens each), then the same honest
+client, from 127.0.0.2, while 127.0.0.1 sends `--flood-requests` completions (n = 16, 256 tokens)
+keeping at most 32 sockets open and closing each 1 s after sending it, and how many tokens the
+server generated for those departed clients; then `/health` from 127.0.0.2 while 127.0.0.1 sends
+eight 1 MB `/tokenize` requests. It only uses what every version of the server has (`/stats`,
+`/tokenize`), so the same script measures the server before and after a change.
 
     python benchmarks/bench_serve.py --flood [--flood-requests 128] [--threads 2]
 """
