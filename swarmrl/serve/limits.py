@@ -34,17 +34,9 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers
 
-
-def _error(
-    status: int,
-    message: str,
-    param: str | None = None,
-    kind: str = "invalid_request_error",
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -128,24 +120,26 @@ def error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _api_error(_request: Request, exc: OpenAIError):
-        return _error(exc.status, exc.message, exc.param, exc.kind, exc.code, exc.headers)
+        return exc.response()
 
     @app.exception_handler(ClientGone)
     async def _client_gone_error(_request: Request, _exc: ClientGone):  # written to nobody
-        return _error(400, "the client closed the connection before the answer was ready", code="client_gone")
+        return OpenAIError(
+            400, "the client closed the connection before the answer was ready", code="client_gone"
+        ).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
-        return _error(
+        return OpenAIError(
             exc.status_code,
             str(exc.detail),
             kind="not_found_error" if exc.status_code == 404 else "invalid_request_error",
-        )
+        ).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
-        return _error(400, f"invalid request: {exc.errors()[0].get('msg', 'bad value')}")
+        return OpenAIError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad value')}").response()
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception):  # a bug of ours: no traceback to the client
-        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
+        return OpenAIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
