@@ -115,6 +115,21 @@ class Store:
         # the previous process (an external one's late verdict is still accepted for a pending group).
         self.db.execute("UPDATE groups SET state = 'pending', claimed = NULL WHERE state = 'validating'")
 
+    @classmethod
+    def read_only(cls, path: str | Path) -> Store:
+        """A reader of a run's store beside the orchestrator that owns it (an operator's script, a
+        test): opened read-only, with no schema, migration or recovery of interrupted work (those
+        are the owner's to do, and would change a live run's state). Every writing method fails."""
+        store = cls.__new__(cls)
+        store.path = Path(path)
+        if not store.path.exists():
+            raise FileNotFoundError(f"no store at {store.path}: has the orchestrator of this run started?")
+        store.lock = threading.RLock()
+        uri = f"file:{store.path.resolve()}?mode=ro"
+        store.db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30)
+        store.db.row_factory = sqlite3.Row
+        return store
+
     def _migrate(self) -> None:
         """Columns added after a run directory may have been created (run directories of
         earlier swarmrl versions keep working)."""

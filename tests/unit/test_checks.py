@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sqlite3
 
+import pytest
 import torch
 
 from swarmrl.config import ValidatorConfig
@@ -90,6 +91,26 @@ def test_a_run_directory_from_before_validation_opens_and_gains_the_new_columns(
         assert (row["state"], row["proofs"], row["verdict"]) == ("queued", None, None)
     finally:
         store.close()
+
+
+def test_a_read_only_store_reads_beside_its_owner_and_changes_nothing(tmp_path):
+    owner = Store(tmp_path / "orchestrator.sqlite")
+    try:
+        owner.register("k", "w")
+        with owner.tx() as db:
+            owner.set_meta(db, "step", 3)
+        reader = Store.read_only(tmp_path / "orchestrator.sqlite")
+        try:
+            with reader.read() as db:
+                assert reader.worker_count(db) == 1 and reader.get_meta(db, "step") == 3
+            with pytest.raises(sqlite3.OperationalError, match="readonly"):
+                reader.register("k2", "x")
+        finally:
+            reader.close()
+    finally:
+        owner.close()
+    with pytest.raises(FileNotFoundError, match="has the orchestrator of this run started"):
+        Store.read_only(tmp_path / "nothing.sqlite")
 
 
 def test_large_vocabularies_hash_only_the_contenders_and_agree_with_the_dense_computation():
