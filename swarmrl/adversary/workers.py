@@ -28,7 +28,7 @@ from swarmrl.model.altered import quantised, reinitialised
 from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.proofs.toploc import PRIME, build_proofs_many, decode, encode, to_bytes
 from swarmrl.protocol.manifest import manifest_digest
-from swarmrl.protocol.messages import Lease
+from swarmrl.protocol.messages import GroupIn, Lease, SampleIn, SubmitIn
 from swarmrl.validator.checks import token_logprobs
 
 # sample with altered weights
@@ -56,7 +56,7 @@ class AdversarialWorker(Worker):
         super().__init__(*args, **kwargs)
         self.kind, self.kind_help = kind, KINDS[kind]
         self.frozen = None  # old_version: the sampler it keeps
-        self.previous: dict | None = None  # replay: the last submission
+        self.previous: SubmitIn | None = None  # replay: the last submission
         self.folder: Path | None = None  # vLLM: the claimed version's folder (for _rebuild's prefill)
         self._prefill_model: tuple[Path, str, object] | None = None
 
@@ -100,88 +100,88 @@ class AdversarialWorker(Worker):
             self._prefill_model = (*key, model.eval())
         return self._prefill_model[2]
 
-    def generate(self, lease: Lease | dict) -> dict:
+    def submission(self, lease: Lease | dict) -> SubmitIn:
+        """The honest submission, then this kind's cheat on it. The messages are changed by
+        assignment, which pydantic does not check: what a cheat sets is what is sent."""
         lease = Lease.model_validate(lease)
         if self.kind == "cherry_pick":
             return self._cherry_pick(lease)
         if self.kind == "replay" and self.previous is not None:
             # Old completions under the new prompts, with proofs and logprobs made for them.
-            sub = {"lease_id": lease.lease_id, "groups": []}
-            for p, g in zip(lease.prompts, self.previous["groups"]):
-                sub["groups"].append({**g, "slot": p.slot, "policy_version": self.version})
+            groups = [
+                g.model_copy(update={"slot": p.slot, "policy_version": self.version})
+                for p, g in zip(lease.prompts, self.previous.groups)
+            ]
+            sub = SubmitIn.model_construct(lease_id=lease.lease_id, groups=groups)
             self._rebuild(lease, sub)
             return sub
-        sub = super().generate(lease)
+        sub = super().submission(lease)
         if self.kind == "replay":
             self.previous = sub
         elif self.kind == "edit_tokens":
             self._edit_tokens(lease, sub)
         elif self.kind in EPISODE_CHEATS:
             self._cheat_episodes(lease, sub)
-        for g in sub["groups"]:
+        for g in sub.groups:
             if self.kind == "wrong_group_size":
-                g["samples"] = g["samples"][:-1]
-            for s in g["samples"]:
+                g.samples = g.samples[:-1]
+            for s in g.samples:
                 if self.kind == "edit_logprobs":
-                    s["logprobs"] = [lp * 0.5 for lp in s["logprobs"]]
+                    s.logprobs = [lp * 0.5 for lp in s.logprobs]
                 elif self.kind == "claim_reward":
-                    s["reward"] = 1.0
+                    s.reward = 1.0  # an extra field (SampleIn keeps them): the orchestrator refuses it
                 elif self.kind == "garbage_proofs":
-                    s["proofs"] = encode([_garbage(len(b)) for b in decode(s["proofs"])])
+                    s.proofs = encode([_garbage(len(b)) for b in decode(s.proofs)])
                 elif self.kind == "truncated_proofs":
-                    s["proofs"] = encode([b[: len(b) // 2] for b in decode(s["proofs"])])
+                    s.proofs = encode([b[: len(b) // 2] for b in decode(s.proofs)])
                 elif self.kind == "missing_proofs":
-                    s["proofs"] = []
+                    s.proofs = []
         return sub
 
     def _turn_seed(self, seed: int, turn: int) -> int:
         return seed if self.kind == "reuse_turn_seed" else super()._turn_seed(seed, turn)
 
-    def _cheat_episodes(self, lease: Lease, sub: dict) -> None:
+    def _cheat_episodes(self, lease: Lease, sub: SubmitIn) -> None:
         """The multi-turn cheats, on every episode that has an observation to cheat with."""
         stop = set(self.sampler.stop_token_ids)
-        for p, g in zip(lease.prompts, sub["groups"]):
-            for s in g["samples"]:
-                mask = s.get("model_mask")
+        for p, g in zip(lease.prompts, sub.groups):
+            for s in g.samples:
+                mask = s.model_mask
                 spans = runs(mask) if mask else []
                 if len(spans) < 3:  # one turn: nothing to forge
                     continue
                 if self.kind == "edit_observation":
                     a, b, _ = spans[1]
-                    ids = list(s["token_ids"])
+                    ids = list(s.token_ids)
                     j = next((j for j in range(a, b) if ids[j] not in stop), a)
                     new = ids[j] + 1
                     while new in stop:
                         new += 1
                     ids[j] = new
-                    s["token_ids"] = ids
+                    s.token_ids = ids
                 elif self.kind == "truncate_episode":
                     cut = spans[-2][0]  # the last observation's start
-                    s["token_ids"], s["logprobs"], s["model_mask"] = (
-                        s["token_ids"][:cut],
-                        s["logprobs"][:cut],
-                        mask[:cut],
-                    )
-                    s["finish_reason"] = "stop" if s["token_ids"][-1] in stop else "length"
+                    s.token_ids, s.logprobs, s.model_mask = s.token_ids[:cut], s.logprobs[:cut], mask[:cut]
+                    s.finish_reason = "stop" if s.token_ids[-1] in stop else "length"
                     per = [-(-(b - a) // lease.proof.chunk_size) for a, b, m in spans[:-2] if m]
-                    s["proofs"] = s["proofs"][: sum(per)]
+                    s.proofs = s.proofs[: sum(per)]
                 elif self.kind == "self_observation":
-                    s["model_mask"] = [True] * len(s["token_ids"])
-                    outs = _prefill(self._policy_model(), p.prompt_ids, [s["token_ids"]])
-                    (h, logits), temps = outs[0], torch.full((len(s["token_ids"]), 1), lease.temperature)
-                    s["logprobs"] = token_logprobs(logits, torch.tensor(s["token_ids"]), temps).tolist()
-                    s["proofs"] = encode(
+                    s.model_mask = [True] * len(s.token_ids)
+                    outs = _prefill(self._policy_model(), p.prompt_ids, [s.token_ids])
+                    (h, logits), temps = outs[0], torch.full((len(s.token_ids), 1), lease.temperature)
+                    s.logprobs = token_logprobs(logits, torch.tensor(s.token_ids), temps).tolist()
+                    s.proofs = encode(
                         build_proofs_many([h], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)[0]
                     )
 
-    def _edit_tokens(self, lease: Lease, sub: dict) -> None:
+    def _edit_tokens(self, lease: Lease, sub: SubmitIn) -> None:
         """Change the middle token of each completion to another non-stop token, then make the
         proofs and logprobs those of the edited text (what a careful cheater would do)."""
         stop = set(self.sampler.stop_token_ids)
         vocab = self._policy_model().config.vocab_size
-        for g in sub["groups"]:
-            for s in g["samples"]:
-                ids = list(s["token_ids"])
+        for g in sub.groups:
+            for s in g.samples:
+                ids = list(s.token_ids)
                 if len(ids) < 2:
                     continue
                 t = (len(ids) - 1) // 2
@@ -189,20 +189,20 @@ class AdversarialWorker(Worker):
                 while new in stop:
                     new = (new + 1) % vocab
                 ids[t] = new
-                s["token_ids"] = ids
+                s.token_ids = ids
         self._rebuild(lease, sub)
 
-    def _rebuild(self, lease: Lease, sub: dict) -> None:
+    def _rebuild(self, lease: Lease, sub: SubmitIn) -> None:
         """Honest proofs and logprobs for whatever tokens the submission now holds."""
-        for p, g in zip(lease.prompts, sub["groups"]):
-            outs = _prefill(self._policy_model(), p.prompt_ids, [s["token_ids"] for s in g["samples"]])
+        for p, g in zip(lease.prompts, sub.groups):
+            outs = _prefill(self._policy_model(), p.prompt_ids, [s.token_ids for s in g.samples])
             proofs = build_proofs_many([h for h, _ in outs], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk)
-            for s, (_, logits), pr in zip(g["samples"], outs, proofs):
-                tokens = torch.tensor(s["token_ids"])
-                s["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), lease.temperature)).tolist()
-                s["proofs"] = encode(pr)
+            for s, (_, logits), pr in zip(g.samples, outs, proofs):
+                tokens = torch.tensor(s.token_ids)
+                s.logprobs = token_logprobs(logits, tokens, torch.full((len(tokens), 1), lease.temperature)).tolist()
+                s.proofs = encode(pr)
 
-    def _cherry_pick(self, lease: Lease, n: int = 4) -> dict:
+    def _cherry_pick(self, lease: Lease, n: int = 4) -> SubmitIn:
         """Sample n candidates per completion with seeds of its own; submit the most likely."""
         g = lease.group_size
         prompts = [p.prompt_ids for p in lease.prompts for _ in range(g * n)]
@@ -220,22 +220,19 @@ class AdversarialWorker(Worker):
                 [o.hidden for o in picked], chunk_size=lease.proof.chunk_size, topk=lease.proof.topk
             )
             groups.append(
-                {
-                    "slot": p.slot,
-                    "policy_version": self.version,
-                    "engine": self._engine(),
-                    "samples": [
-                        {
-                            "token_ids": o.token_ids,
-                            "logprobs": o.logprobs,
-                            "finish_reason": o.finish_reason,
-                            "proofs": encode(pr),
-                        }
+                GroupIn.model_construct(
+                    slot=p.slot,
+                    policy_version=self.version,
+                    engine=self._engine(),
+                    samples=[
+                        SampleIn.model_construct(
+                            token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason, proofs=encode(pr)
+                        )
                         for o, pr in zip(picked, proofs)
                     ],
-                }
+                )
             )
-        return {"lease_id": lease.lease_id, "groups": groups}
+        return SubmitIn.model_construct(lease_id=lease.lease_id, groups=groups)
 
 
 def _garbage(size: int) -> bytes:

@@ -49,7 +49,7 @@ from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.protocol.manifest import manifest_digest
-from swarmrl.protocol.messages import Lease, LeaseReply
+from swarmrl.protocol.messages import GroupIn, Lease, LeaseReply, SampleIn, SubmitIn, request_body
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
@@ -291,7 +291,13 @@ class Worker:
 
     # ---- work --------------------------------------------------------------------------------
     def generate(self, lease: Lease | dict) -> dict:
-        """Sample every prompt of a lease with the lease's seeds and settings; the submission body."""
+        """The submission body for a lease (what POST /v1/rollouts sends): `submission(lease)`."""
+        return request_body(self.submission(lease))
+
+    def submission(self, lease: Lease | dict) -> SubmitIn:
+        """Sample every prompt of a lease with the lease's seeds and settings. The messages are
+        built unchecked (`model_construct`): what the engine produced is sent as it is, and the
+        orchestrator's checks say what is wrong with it."""
         lease = Lease.model_validate(lease)
         if not self._follow_precision(lease):
             raise RuntimeError(
@@ -308,12 +314,12 @@ class Worker:
         else:
             declared = {"engine": ENGINE_NAME, "dtype": self.endpoint.dtype or lease.dtype}
         groups = [
-            {"slot": p.slot, "policy_version": self.version, **declared, "samples": samples[p.slot]}
+            GroupIn.model_construct(slot=p.slot, policy_version=self.version, **declared, samples=samples[p.slot])
             for p in lease.prompts
         ]
-        return {"lease_id": lease.lease_id, "groups": groups}
+        return SubmitIn.model_construct(lease_id=lease.lease_id, groups=groups)
 
-    def _completions(self, lease: Lease, prompts: list) -> dict[int, list[dict]]:
+    def _completions(self, lease: Lease, prompts: list) -> dict[int, list[SampleIn]]:
         """One completion per seed of each single-turn prompt: the samples by slot."""
         g = lease.group_size
         ids = [p.prompt_ids for p in prompts for _ in range(g)]
@@ -333,12 +339,14 @@ class Worker:
             self._check_endings(outs, lease)
             proofs = [[] for _ in outs]
         sample = [
-            {"token_ids": o.token_ids, "logprobs": o.logprobs, "finish_reason": o.finish_reason, "proofs": pr}
+            SampleIn.model_construct(
+                token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason, proofs=pr
+            )
             for o, pr in zip(outs, proofs)
         ]
         return {p.slot: sample[i * g : (i + 1) * g] for i, p in enumerate(prompts)}
 
-    def _episodes(self, lease: Lease, prompts: list) -> dict[int, list[dict]]:
+    def _episodes(self, lease: Lease, prompts: list) -> dict[int, list[SampleIn]]:
         """One episode per seed of each prompt that names an environment (protocol v3): the model's
         turns sampled by the engine, the observations from the environment's code on this machine
         (the orchestrator replays it and refuses anything else), one TOPLOC proof per chunk of each
@@ -352,7 +360,7 @@ class Worker:
         by_env: dict[str, list] = {}
         for p in prompts:
             by_env.setdefault(p.environment.name, []).append(p)
-        out: dict[int, list[dict]] = {}
+        out: dict[int, list[SampleIn]] = {}
         for name, ps in by_env.items():
             try:
                 env = registry.get(name)
@@ -381,13 +389,13 @@ class Worker:
                     for turn in build_proofs_many(e.hidden, chunk_size=lease.proof.chunk_size, topk=lease.proof.topk):
                         proofs += encode(turn)
                 samples.append(
-                    {
-                        "token_ids": e.episode.tokens,
-                        "logprobs": e.logprobs,
-                        "finish_reason": e.finish_reason,
-                        "proofs": proofs,
-                        "model_mask": e.episode.model_mask,
-                    }
+                    SampleIn.model_construct(
+                        token_ids=e.episode.tokens,
+                        logprobs=e.logprobs,
+                        finish_reason=e.finish_reason,
+                        proofs=proofs,
+                        model_mask=e.episode.model_mask,
+                    )
                 )
             g = lease.group_size
             out.update({p.slot: samples[i * g : (i + 1) * g] for i, p in enumerate(ps)})

@@ -24,8 +24,10 @@ from swarmrl.protocol.messages import (
     Recorded,
     Registered,
     Status,
+    SubmitIn,
     SubmitReply,
     WorkerRecord,
+    request_body,
 )
 from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
 from swarmrl.protocol.tls import TLSError, explain, tls_failure
@@ -163,8 +165,10 @@ class WorkerClient(_Client):
         body = {"policy_version": policy_version, "protocol_version": PROTOCOL_VERSION}
         return _checked(LeaseReply, self._signed("/v1/leases", body), "lease")
 
-    def submit(self, submission: dict) -> dict:
-        return _checked(SubmitReply, self._signed("/v1/rollouts", submission), "submit")
+    def submit(self, submission: SubmitIn | dict) -> dict:
+        """POST /v1/rollouts: a submission built as `SubmitIn`, or its body (an outbox entry's)."""
+        body = request_body(submission) if isinstance(submission, SubmitIn) else submission
+        return _checked(SubmitReply, self._signed("/v1/rollouts", body), "submit")
 
     def me(self) -> dict:
         return _checked(WorkerRecord, self._signed("/v1/workers/me", {}), "me")

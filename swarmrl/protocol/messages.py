@@ -81,9 +81,9 @@ class SampleIn(_Claims):
 
 
 class GroupIn(_Claims):
+    # In the order a worker sends them (samples last): request_body() writes fields in this order.
     slot: int = Field(ge=0, le=MAX_GROUPS)
     policy_version: int = Field(ge=0, le=10**9)
-    samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
     engine: Literal["builtin", "vllm", "openai"] = Field(
         "builtin",
         description="what generated the group: the built-in seeded sampler or vLLM in the worker's process "
@@ -94,11 +94,20 @@ class GroupIn(_Claims):
         description="the precision the engine computed in, when it is not the run's (an endpoint's server); "
         "the validator's logprob tolerance follows it",
     )
+    samples: list[SampleIn] = Field(min_length=1, max_length=MAX_SAMPLES)
 
 
 class SubmitIn(_In):
     lease_id: str = Field(pattern=_LEASE_ID)
     groups: list[GroupIn] = Field(min_length=1, max_length=MAX_GROUPS)
+
+
+def request_body(message: BaseModel) -> dict:
+    """What a client sends of a request it built as `message`: the fields it set, in the model's
+    order, and any extra field it added (a scripted cheat's claimed reward); a field it left
+    out stays out, a None it set is sent as null. Built with `model_construct` or changed by
+    assignment, a message is sent as it is: the orchestrator is the one that checks it."""
+    return message.model_dump(mode="json", exclude_unset=True)
 
 
 class PublishIn(_In):

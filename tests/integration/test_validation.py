@@ -256,7 +256,7 @@ def test_a_key_on_a_clean_streak_is_sampled_and_any_failure_sends_it_back_to_ful
     try:
         honest_round(world)
         adv = world.worker("adv", "edit_logprobs")
-        earned = adv.client.submit(Worker.generate(adv, lease_of(adv)))  # honest work earns the streak
+        earned = adv.client.submit(Worker.submission(adv, lease_of(adv)))  # honest work earns the streak
         assert [a["validation"] for a in earned["accepted"]] == ["pending", "pending"]
         assert settled(adv)["rejections"] == {}
         with world.db() as db:
