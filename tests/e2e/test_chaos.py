@@ -9,21 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from harness import free_port
 from orchestrator_harness import OrchestratorProcess
 from runs import EASY
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Role:
@@ -82,7 +76,7 @@ def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_pat
         time.sleep(0.1)
     key = str(run / "trainer.pub")
     origin = json.loads((run / "origin.json").read_text())["url"]
-    relay_port = _free_port()
+    relay_port = free_port()
     relay = Role(run, "relay", "relay", "--upstream", origin, "--cache-dir", str(run / "relay"))
     relay.args += ["--port", str(relay_port), "--trainer-key", key]
     validator = Role(run, "validator", "validator", "--orchestrator", orch.url, "--trainer-key", key)

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import free_port
 from runs import EASY, swarmrl
 
 TOL = 1e-5
@@ -224,12 +224,6 @@ def test_a_dead_rank_ends_the_run_naming_its_log(easy_base, tmp_path):
     assert _processes_of(run) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(720)
 def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thread):
     """docs/deploy.md's recipe on one machine: node 0 is `swarmrl rl` with trainer.nnodes 2; node 1
@@ -252,7 +246,7 @@ def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thr
             "--trainer.nnodes",
             "2",
             "--trainer.rdzv_endpoint",
-            f"127.0.0.1:{_free_port()}",
+            f"127.0.0.1:{free_port()}",
             *FAST,
         ],
         stdout=subprocess.PIPE,

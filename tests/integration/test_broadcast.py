@@ -35,6 +35,8 @@ from swarmrl.transport.broadcast import (
     unpublish_version,
 )
 
+from harness import free_port
+
 pytestmark = pytest.mark.timeout(60)
 
 KEY = Ed25519PrivateKey.generate()
@@ -61,9 +63,7 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def raw(url: str, method: str, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import free_port
 from packed_batches import FSDP_BUDGET
-from tiny_trainer import free_port, run_checked
+from tiny_trainer import run_checked
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "fsdp_runs.py")
 pytestmark = pytest.mark.timeout(400)

@@ -240,7 +240,7 @@ def test_server_errors_reach_the_worker_with_the_servers_message(tmp_path):
 
 # ---- restart mode, with real processes -------------------------------------------------------------
 def test_restart_mode_runs_the_server_and_restarts_it_on_each_version(tmp_path):
-    from orchestrator_harness import free_port
+    from harness import free_port
 
     folders = []
     for seed in (0, 1):

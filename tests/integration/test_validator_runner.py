@@ -3,11 +3,11 @@ whose trainer was down retried 1,053 times in 15 s and counted every put-back gr
 
 from __future__ import annotations
 
-import socket
-
 from swarmrl.config import ValidatorConfig
 from swarmrl.validator.core import Validator
 from swarmrl.validator.runner import Pause, Round, validate_once
+
+from harness import free_port
 
 
 def test_pause_backs_off_while_work_waits_and_resets_on_progress():
@@ -40,9 +40,7 @@ class _Source:
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:  # a port nothing listens on: the trainer's origin is down
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: the trainer's origin is down
 
 
 def test_groups_whose_policy_cannot_load_are_put_back_not_counted_and_logged_once(tmp_path):

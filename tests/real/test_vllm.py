@@ -29,7 +29,7 @@ from swarmrl.eval.runner import chat_ids
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 
-from orchestrator_harness import free_port
+from harness import free_port
 from runs import swarmrl
 
 pytestmark = pytest.mark.timeout(1200)

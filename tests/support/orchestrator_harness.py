@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from swarmrl.config import load_config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.tasks import arithmetic
 from swarmrl.transport.broadcast import publish_version
+
+from harness import free_port
 
 TRAINER_KEY = Ed25519PrivateKey.generate()  # signs the versions tests publish
 
@@ -60,12 +61,6 @@ def signed_version(run_dir: Path, version: int, policy_dir: Path | None = None) 
     return publish_version(
         folder, run_dir / "broadcast", version, key=TRAINER_KEY, parent=version - 1 if version else None
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OrchestratorProcess:

@@ -4,7 +4,6 @@ rewards. Shared by tests/unit/test_trainer.py, test_precision_train.py and the F
 
 from __future__ import annotations
 
-import socket
 import subprocess
 
 import torch
@@ -136,12 +135,6 @@ def seq_logprobs(model, groups) -> torch.Tensor:
     out = [sum(sequence_token_logprobs(model, g.prompt_ids, s.token_ids)) for g in groups for s in g.samples]
     model.train()
     return torch.tensor(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_checked(cmd: list[str], env: dict) -> None:
