@@ -34,6 +34,7 @@ from swarmrl.inference.engine import build_engine
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import build_tiny_policy, load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.sft.warmstart import base_cache_key
 from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.validator.core import Validator
@@ -75,31 +76,27 @@ def measure(name, model, tok, cfg, repeats, rng, dtype: str = "float32", engine:
         n = sum(len(o.token_ids) for o in outs)
         gen_tokens.append(n / (t1 - t0))
         items = [
-            {
-                "id": i // g,
-                "policy_version": 0,
-                "temperature": cfg.sampling.temperature,
-                "prompt_ids": prompts[i],
-                "samples": [
-                    {
-                        "token_ids": outs[j].token_ids,
-                        "logprobs": outs[j].logprobs,
-                        "seed": seeds[j],
-                        "proofs": encode(proofs[j]),
-                    }
+            ClaimedGroup(
+                id=i // g,
+                worker="bench",
+                policy_version=0,
+                temperature=cfg.sampling.temperature,
+                prompt_ids=prompts[i],
+                samples=[
+                    ClaimedSample(
+                        token_ids=outs[j].token_ids, logprobs=outs[j].logprobs, seed=seeds[j], proofs=encode(proofs[j])
+                    )
                     for j in range(i, i + g)
                 ],
-            }
+            )
             for i in range(0, len(outs), g)
         ]
         t4 = time.perf_counter()
-        grouped = validator.prefill(
-            model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in items]
-        )
+        grouped = validator.prefill(model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in items])
         reports = validator.reports(
             [o for res in grouped for o in res],
-            [s for it in items for s in it["samples"]],
-            [it["temperature"] for it in items for _ in it["samples"]],
+            [s for it in items for s in it.samples],
+            [it.temperature for it in items for _ in it.samples],
         )
         verdicts = [validator.judge(it, reports[k * g : (k + 1) * g], dtype) for k, it in enumerate(items)]
         t5 = time.perf_counter()

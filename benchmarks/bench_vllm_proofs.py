@@ -38,6 +38,7 @@ def judge_groups(model, prompts, seeds, completions, temperature, group, dtype, 
 
     from swarmrl.config import ValidatorConfig
     from swarmrl.proofs.toploc import build_proofs_many, encode
+    from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
     from swarmrl.validator.core import Validator
 
     cfg = ValidatorConfig()
@@ -50,11 +51,22 @@ def judge_groups(model, prompts, seeds, completions, temperature, group, dtype, 
             hidden = c["hidden"] if isinstance(c["hidden"], torch.Tensor) else torch.tensor(c["hidden"])
             hidden = hidden.to(getattr(torch, dtype))  # a worker builds proofs from the model dtype's states
             proofs = encode(build_proofs_many([hidden], chunk_size=cfg.chunk_size, topk=cfg.topk)[0])
-            samples.append({"token_ids": c["token_ids"], "logprobs": c["logprobs"], "seed": seeds[i], "proofs": proofs})
+            samples.append(
+                ClaimedSample(token_ids=c["token_ids"], logprobs=c["logprobs"], seed=seeds[i], proofs=proofs)
+            )
         with torch.no_grad():
-            outs = validator.prefill(model, [(prompts[start], [s["token_ids"] for s in samples])])[0]
+            outs = validator.prefill(model, [(prompts[start], [s.token_ids for s in samples])])[0]
         reports = validator.reports(outs, samples, [temperature] * len(samples))
-        verdicts.append(validator.judge({"id": start, "policy_version": 0, "engine": engine}, reports, dtype))
+        claimed = ClaimedGroup(
+            id=start,
+            worker="bench",
+            policy_version=0,
+            temperature=temperature,
+            prompt_ids=prompts[start],
+            samples=samples,
+            engine=engine,
+        )
+        verdicts.append(validator.judge(claimed, reports, dtype))
     return verdicts
 
 

@@ -60,6 +60,7 @@ from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import ENGINES, build_engine
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.tasks.source import model_input, task_rows
 from swarmrl.validator.calibrate import edited_tokens, lora_copy, read_prompts
 from swarmrl.validator.core import Validator
@@ -97,24 +98,22 @@ def sample(model, tok, prompts, seeds, batch, cfg, streams=1, *, max_new_tokens=
 
 def to_items(prompts, seeds, outs, version, vcfg, g, temperature):
     proofs = build_proofs_many([o.hidden for o in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
-    items = []
+    items: list[ClaimedGroup] = []
     for i in range(0, len(outs), g):
         items.append(
-            {
-                "id": len(items),
-                "policy_version": version,
-                "temperature": temperature,
-                "prompt_ids": prompts[i],
-                "samples": [
-                    {
-                        "token_ids": outs[j].token_ids,
-                        "logprobs": outs[j].logprobs,
-                        "seed": seeds[j],
-                        "proofs": encode(proofs[j]),
-                    }
+            ClaimedGroup(
+                id=len(items),
+                worker="calibration",
+                policy_version=version,
+                temperature=temperature,
+                prompt_ids=prompts[i],
+                samples=[
+                    ClaimedSample(
+                        token_ids=outs[j].token_ids, logprobs=outs[j].logprobs, seed=seeds[j], proofs=encode(proofs[j])
+                    )
                     for j in range(i, i + g)
                 ],
-            }
+            )
         )
     return items
 
@@ -124,10 +123,10 @@ def check(validator, model, items, batch_groups):
     chunks, comps = [], []
     for i in range(0, len(items), batch_groups):
         part = items[i : i + batch_groups]
-        outs = validator.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in part])
-        samples = [s for it in part for s in it["samples"]]
+        outs = validator.prefill(model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in part])
+        samples = [s for it in part for s in it.samples]
         reports = validator.reports(
-            [o for res in outs for o in res], samples, [it["temperature"] for it in part for _ in it["samples"]]
+            [o for res in outs for o in res], samples, [it.temperature for it in part for _ in it.samples]
         )
         for r in reports:
             mine = [{"exp": c.exp_mismatches, "mean": c.mant_err_mean, "median": c.mant_err_median} for c in r.chunks]
@@ -217,15 +216,15 @@ def verdicts(validator, model, items, batch_groups, dtype):
     out = []
     for i in range(0, len(items), batch_groups):
         part = items[i : i + batch_groups]
-        outs = validator.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in part])
-        samples = [s for it in part for s in it["samples"]]
+        outs = validator.prefill(model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in part])
+        samples = [s for it in part for s in it.samples]
         reports = validator.reports(
-            [o for res in outs for o in res], samples, [it["temperature"] for it in part for _ in it["samples"]]
+            [o for res in outs for o in res], samples, [it.temperature for it in part for _ in it.samples]
         )
         pos = 0
         for it in part:
-            out.append(validator.judge(it, reports[pos : pos + len(it["samples"])], dtype).to_dict())
-            pos += len(it["samples"])
+            out.append(validator.judge(it, reports[pos : pos + len(it.samples)], dtype).to_dict())
+            pos += len(it.samples)
     return out
 
 
@@ -462,7 +461,7 @@ def calibrate_model(args) -> None:
         # The previous version: the gradients of one step on the model's own honest samples.
         first = honest_items[0]
         torch.set_num_threads(args.threads)
-        prompt, completions = first["prompt_ids"], [s["token_ids"] for s in first["samples"]]
+        prompt, completions = first.prompt_ids, [s.token_ids for s in first.samples]
         grads = policy_gradients(full, prompt, completions, temp, args.seed)
         for lr in args.step_lrs:
             run(f"previous_version_full_lr{lr:g}", adam_step(full, grads, lr).to(getattr(torch, dtype)), n)

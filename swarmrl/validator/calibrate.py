@@ -47,6 +47,7 @@ from swarmrl.proofs.limits import (
     separation,
 )
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.validator.checks import token_logprobs
 from swarmrl.validator.core import Validator, prefill
 
@@ -76,60 +77,62 @@ def lora_copy(full, relative: float, rank: int = 16, seed: int = 1):
     return new.eval()
 
 
-def to_items(prompts, seeds, outs, vcfg: ValidatorConfig, group_size: int, temperature: float, engine: str):
+def to_items(
+    prompts, seeds, outs, vcfg: ValidatorConfig, group_size: int, temperature: float, engine: str
+) -> list[ClaimedGroup]:
     """Claimed groups as the validator receives them (proofs built as `inference/worker.py` builds them)."""
     proofs = build_proofs_many([o.hidden for o in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
-    items = []
+    items: list[ClaimedGroup] = []
     for i in range(0, len(outs), group_size):
         samples = [
-            {
-                "token_ids": outs[j].token_ids,
-                "logprobs": outs[j].logprobs,
-                "seed": seeds[j],
-                "proofs": encode(proofs[j]),
-            }
+            ClaimedSample(
+                token_ids=outs[j].token_ids, logprobs=outs[j].logprobs, seed=seeds[j], proofs=encode(proofs[j])
+            )
             for j in range(i, i + group_size)
         ]
         items.append(
-            {
-                "id": len(items),
-                "policy_version": 0,
-                "temperature": temperature,
-                "prompt_ids": prompts[i],
-                "samples": samples,
-                "engine": engine,
-            }
+            ClaimedGroup(
+                id=len(items),
+                worker="calibration",
+                policy_version=0,
+                temperature=temperature,
+                prompt_ids=prompts[i],
+                samples=samples,
+                engine=engine,
+            )
         )
     return items
 
 
-def edited_tokens(items, model, eos: int, vcfg: ValidatorConfig, temperature: float):
+def edited_tokens(
+    items: list[ClaimedGroup], model, eos: int, vcfg: ValidatorConfig, temperature: float
+) -> list[ClaimedGroup]:
     """The middle token of each completion moved to the next non-end id, then honest proofs and
     logprobs rebuilt for the edited text (what the `edit_tokens` adversary sends)."""
     vocab = model.config.vocab_size
-    out = copy.deepcopy(items)
+    out = [it.model_copy(deep=True) for it in items]
     for it in out:
-        for smp in it["samples"]:
-            ids = list(smp["token_ids"])
+        for smp in it.samples:
+            ids = list(smp.token_ids)
             if len(ids) >= 2:
                 t = (len(ids) - 1) // 2
                 new = (ids[t] + 1) % vocab
                 ids[t] = new if new != eos else (new + 1) % vocab
-            smp["token_ids"] = ids
-        outs = prefill(model, [(it["prompt_ids"], [smp["token_ids"] for smp in it["samples"]])])[0]
+            smp.token_ids = ids
+        outs = prefill(model, [(it.prompt_ids, [smp.token_ids for smp in it.samples])])[0]
         proofs = build_proofs_many([h for h, _ in outs], chunk_size=vcfg.chunk_size, topk=vcfg.topk)
-        for smp, (_, logits), pr in zip(it["samples"], outs, proofs):
-            tokens = torch.tensor(smp["token_ids"])
-            smp["logprobs"] = token_logprobs(logits, tokens, torch.full((len(tokens), 1), temperature)).tolist()
-            smp["proofs"] = encode(pr)
+        for smp, (_, logits), pr in zip(it.samples, outs, proofs):
+            tokens = torch.tensor(smp.token_ids)
+            smp.logprobs = token_logprobs(logits, tokens, torch.full((len(tokens), 1), temperature)).tolist()
+            smp.proofs = encode(pr)
     return out
 
 
-def edited_logprobs(items):
-    out = copy.deepcopy(items)
+def edited_logprobs(items: list[ClaimedGroup]) -> list[ClaimedGroup]:
+    out = [it.model_copy(deep=True) for it in items]
     for it in out:
-        for smp in it["samples"]:
-            smp["logprobs"] = [lp * 0.5 for lp in smp["logprobs"]]
+        for smp in it.samples:
+            smp.logprobs = [lp * 0.5 for lp in smp.logprobs]
     return out
 
 
@@ -195,25 +198,24 @@ class Calibration:
     def sample(self, engine, prompts, seeds):
         return engine.generate(prompts, seeds, max_new_tokens=self.max_new, temperature=self.temp, return_hidden=True)
 
-    def judge(self, items: list[dict]) -> list[dict]:
+    def judge(self, items: list[ClaimedGroup]) -> list[dict]:
         """Verdict statistics of every group, prefilled `batch_groups` at a time as a validator claims them."""
         out, b = [], self.vcfg.batch_groups
         for i in range(0, len(items), b):
             part = items[i : i + b]
             outs = self.validator.prefill(
-                self.model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in part]
+                self.model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in part]
             )
-            samples = [s for it in part for s in it["samples"]]
-            temps = [it["temperature"] for it in part for _ in it["samples"]]
+            samples = [s for it in part for s in it.samples]
+            temps = [it.temperature for it in part for _ in it.samples]
             reports = self.validator.reports([o for res in outs for o in res], samples, temps)
             pos = 0
             for it in part:
                 # Judged under the float32 defaults only for the statistics; the limits come later.
-                v = self.validator.judge(
-                    {**it, "engine": "builtin"}, reports[pos : pos + len(it["samples"])], self.dtype
-                )
+                builtin = it.model_copy(update={"engine": "builtin"})
+                v = self.validator.judge(builtin, reports[pos : pos + len(it.samples)], self.dtype)
                 out.append(v.stats)
-                pos += len(it["samples"])
+                pos += len(it.samples)
         return out
 
     def engine(self, name: str, max_batch: int):
@@ -225,7 +227,7 @@ class Calibration:
             )
         return build_engine(self.model, self.tok, kind=name, max_batch=max_batch)
 
-    def honest(self, engine_name: str, groups: int, max_batch: int) -> tuple[list[dict], list[dict], dict]:
+    def honest(self, engine_name: str, groups: int, max_batch: int) -> tuple[list[dict], list[ClaimedGroup], dict]:
         engine = self.engine(engine_name, max_batch)
         prompts, seeds = self.prompts_for(groups)
         t0 = time.perf_counter()
@@ -241,7 +243,7 @@ class Calibration:
         timing = {"generate_s": gen_s, "validate_s": val_s, "tokens": tokens}
         return stats, items, timing
 
-    def cheat(self, name: str, groups: int, honest_items: list[dict], max_batch: int) -> list[dict]:
+    def cheat(self, name: str, groups: int, honest_items: list[ClaimedGroup], max_batch: int) -> list[dict]:
         if name == "edited_tokens":
             return self.judge(
                 edited_tokens(honest_items[:groups], self.model, self.tok.eos_token_id, self.vcfg, self.temp)
@@ -300,7 +302,7 @@ def calibrate(
     )
     honest: dict[str, list[dict]] = {}
     timing: dict[str, dict] = {}
-    first_items: list[dict] = []
+    first_items: list[ClaimedGroup] = []
     for name in engines:
         stats, items, timing[name] = cal.honest(name, groups, max_batch)
         honest[name] = stats

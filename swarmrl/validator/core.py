@@ -42,6 +42,7 @@ from swarmrl.errors import WrongPrecision
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
@@ -286,23 +287,23 @@ class Validator:
         return out
 
     # ---- checks ------------------------------------------------------------------------------
-    def reports(self, outs: list[tuple], samples: list[dict], temperatures: list[float]) -> list[SampleReport]:
+    def reports(self, outs: list[tuple], samples: list[ClaimedSample], temperatures: list[float]) -> list[SampleReport]:
         """Every check of every completion; the sampling and TOPLOC work is batched."""
-        lengths = [len(s["token_ids"]) for s in samples]
-        tokens = torch.tensor([t for s in samples for t in s["token_ids"]], dtype=torch.long)
+        lengths = [len(s.token_ids) for s in samples]
+        tokens = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long)
         logits = torch.cat([lg for _, lg in outs])
-        seeds = torch.tensor([int(s["seed"]) for s, n in zip(samples, lengths) for _ in range(n)], dtype=torch.int64)
+        seeds = torch.tensor([s.seed for s, n in zip(samples, lengths) for _ in range(n)], dtype=torch.int64)
         steps = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
         temps = torch.tensor([t for t, n in zip(temperatures, lengths) for _ in range(n)])[:, None]
         margins = sampling_margins(logits, tokens, seeds, steps, temps)
-        reported = torch.tensor([x for s in samples for x in s["logprobs"]])
+        reported = torch.tensor([x for s in samples for x in s.logprobs])
         diffs = reported - token_logprobs(logits, tokens, temps)
         errs = diffs.abs()
         items = []
         decoded = []
         for s, (h, _) in zip(samples, outs):
             try:
-                items.append((h, decode(s.get("proofs") or [])))
+                items.append((h, decode(s.proofs)))
                 decoded.append(None)
             except ProofError as e:
                 items.append((h, []))
@@ -355,9 +356,9 @@ class Validator:
             entry = {k: min(e[k] for e in self.calibrated.values()) for k in next(iter(self.calibrated.values()))}
         return {**base, **entry}
 
-    def judge_logprobs(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
+    def judge_logprobs(self, item: ClaimedGroup, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
         """A proofless trusted group's verdict: its reported logprobs against the prefill's."""
-        tol = self.cfg.trusted_logprob_limit(dtype, item.get("engine_dtype"))
+        tol = self.cfg.trusted_logprob_limit(dtype, item.engine_dtype)
         stats = {
             "logprob_err_max": max(r.logprob_err_max for r in reports),
             "sampling_margin_max": max(r.margin_max for r in reports),
@@ -365,23 +366,23 @@ class Validator:
         }
         for i, r in enumerate(reports):
             if r.logprob_err_max > tol:
-                declared = item.get("engine_dtype") or dtype
+                declared = item.engine_dtype or dtype
                 return Verdict(
-                    item["id"],
+                    item.id,
                     False,
                     "logprobs",
-                    f"completion {i}: reported logprobs differ from policy v{item['policy_version']}'s by up "
+                    f"completion {i}: reported logprobs differ from policy v{item.policy_version}'s by up "
                     f"to {r.logprob_err_max:.3g} (tolerance {tol} for a {declared} server in a {dtype} run): "
                     "the server is not serving this version, or samples at another temperature",
                     stats,
                 )
-        return Verdict(item["id"], True, stats=stats)
+        return Verdict(item.id, True, stats=stats)
 
-    def judge(self, item: dict, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
+    def judge(self, item: ClaimedGroup, reports: list[SampleReport], dtype: str = "float32") -> Verdict:
         """The group's verdict under the thresholds for a run sampling in `dtype`."""
-        if item.get("checks") == "logprobs":
+        if item.checks == "logprobs":
             return self.judge_logprobs(item, reports, dtype)
-        lim = self.limits_for(dtype, item.get("engine") or "builtin")
+        lim = self.limits_for(dtype, item.engine)
         chunks = [c for r in reports for c in r.chunks]
         means = sorted(c.mant_err_mean for c in chunks if not math.isnan(c.mant_err_mean))
         stats = {
@@ -399,7 +400,7 @@ class Validator:
         }
         for i, r in enumerate(reports):
             if r.proof_error:
-                return Verdict(item["id"], False, "proofs_malformed", f"completion {i}: {r.proof_error}", stats)
+                return Verdict(item.id, False, "proofs_malformed", f"completion {i}: {r.proof_error}", stats)
         for i, r in enumerate(reports):
             bad = [
                 (j, c)
@@ -413,31 +414,31 @@ class Validator:
             if bad:
                 j, c = bad[0]
                 return Verdict(
-                    item["id"],
+                    item.id,
                     False,
                     "toploc",
                     f"completion {i}, chunk {j} (of {len(r.chunks)}; {len(bad)} fail): "
                     f"{c.exp_mismatches} sign/exponent mismatches (max {lim['exp_mismatches_max']}), "
                     f"mantissa error mean {c.mant_err_mean:.3g} (max {lim['mant_err_mean_max']}), "
                     f"median {c.mant_err_median:.3g} (max {lim['mant_err_median_max']}): these hidden "
-                    f"states are not those of policy v{item['policy_version']} in {dtype}",
+                    f"states are not those of policy v{item.policy_version} in {dtype}",
                     stats,
                 )
         if stats["mant_err_group"] > lim["group_mant_err_max"]:
             return Verdict(
-                item["id"],
+                item.id,
                 False,
                 "toploc",
                 f"the median over the group's {len(means)} chunks of their mantissa error means is "
                 f"{stats['mant_err_group']:.3g} (max {lim['group_mant_err_max']}): these hidden states "
-                f"are consistently further from policy v{item['policy_version']}'s in {dtype} than "
+                f"are consistently further from policy v{item.policy_version}'s in {dtype} than "
                 "rounding explains (a quantised or otherwise altered model)",
                 stats,
             )
         for i, r in enumerate(reports):
             if r.margin_max > lim["sampling_margin"]:
                 return Verdict(
-                    item["id"],
+                    item.id,
                     False,
                     "sampling",
                     f"completion {i}: a token is not the seeded sampler's choice under the lease's seed "
@@ -447,7 +448,7 @@ class Validator:
         for i, r in enumerate(reports):
             if r.logprob_err_max > lim["logprob_tol"]:
                 return Verdict(
-                    item["id"],
+                    item.id,
                     False,
                     "logprobs",
                     f"completion {i}: reported logprobs differ from the recomputed ones by up to "
@@ -457,17 +458,17 @@ class Validator:
         bias_max = lim.get("logprob_bias_max")  # calibrated runs only (proofs/limits.py)
         if bias_max is not None and stats["logprob_bias"] > bias_max:
             return Verdict(
-                item["id"],
+                item.id,
                 False,
                 "logprobs",
                 f"the group's reported logprobs are off by {stats['logprob_bias']:.3g} per token on average, one "
-                f"way (at most {bias_max}): they are not what policy v{item['policy_version']} gives",
+                f"way (at most {bias_max}): they are not what policy v{item.policy_version} gives",
                 stats,
             )
-        return Verdict(item["id"], True, stats=stats)
+        return Verdict(item.id, True, stats=stats)
 
     def check(
-        self, items: list[dict], policies: dict[int, dict], dtype: str = "float32"
+        self, items: list[ClaimedGroup], policies: dict[int, dict], dtype: str = "float32"
     ) -> tuple[list[Verdict], list[int]]:
         """Verdicts for the items whose policy could be loaded, and the ids to retry later;
         `dtype` is the run's inference precision (the claim's), the one the prefill runs in."""
@@ -478,9 +479,9 @@ class Validator:
                 f"{self.pinned_dtype}: restart without --dtype, or with --dtype {dtype}"
             )
         verdicts, retry = [], []
-        by_version: dict[int, list[dict]] = {}
+        by_version: dict[int, list[ClaimedGroup]] = {}
         for it in items:
-            by_version.setdefault(it["policy_version"], []).append(it)
+            by_version.setdefault(it.policy_version, []).append(it)
         for version, group in sorted(by_version.items()):
             policy = policies.get(version)
             try:
@@ -494,20 +495,20 @@ class Validator:
                 if said is None or said[0] != str(e) or time.monotonic() - said[1] > 30:
                     self.log(f"validator: cannot load policy v{version} ({e}); {len(group)} groups wait")
                     self._load_failures[version] = (str(e), time.monotonic())
-                retry.extend(it["id"] for it in group)
+                retry.extend(it.id for it in group)
                 continue
             self._load_failures.pop(version, None)
-            outs = self.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in group])
+            outs = self.prefill(model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in group])
             # An episode is checked turn by turn: each model turn as a completion of its own, with
             # the prompt and everything before it (observations included) as its prompt. One
             # prefill of the whole episode gives every turn's rows.
             parts = [
                 split_turns(s, out, self.cfg.chunk_size)
                 for it, res in zip(group, outs)
-                for s, out in zip(it["samples"], res)
+                for s, out in zip(it.samples, res)
             ]
             pieces = [p for sample_parts in parts for p in sample_parts]
-            temps = [it["temperature"] for it in group for s in it["samples"] for _ in turn_spans(s)]
+            temps = [it.temperature for it in group for s in it.samples for _ in turn_spans(s)]
             flat = self.reports([o for _, o in pieces], [smp for smp, _ in pieces], temps)
             reports, pos = [], 0
             for sample_parts in parts:
@@ -515,37 +516,37 @@ class Validator:
                 pos += len(sample_parts)
             pos = 0
             for it in group:
-                verdicts.append(self.judge(it, reports[pos : pos + len(it["samples"])], dtype))
-                pos += len(it["samples"])
+                verdicts.append(self.judge(it, reports[pos : pos + len(it.samples)], dtype))
+                pos += len(it.samples)
         return verdicts, retry
 
 
-def turn_spans(sample: dict) -> list[tuple[int, int]]:
+def turn_spans(sample: ClaimedSample) -> list[tuple[int, int]]:
     """The model's token ranges of a claimed sample: one for a completion, a turn each for an
     episode (`model_mask`)."""
-    mask = sample.get("model_mask")
+    mask = sample.model_mask
     if mask is None:
-        return [(0, len(sample["token_ids"]))]
+        return [(0, len(sample.token_ids))]
     return [(a, b) for a, b, model in runs(mask) if model]
 
 
-def split_turns(sample: dict, out: tuple, chunk_size: int) -> list[tuple[dict, tuple]]:
+def split_turns(sample: ClaimedSample, out: tuple, chunk_size: int) -> list[tuple[ClaimedSample, tuple]]:
     """(sample, (hidden, logits)) per model turn: a completion is one; an episode's turn k has
     its tokens, logprobs and proofs, the seed `turn_seed(seed, k)`, and the prefill's rows for
     its tokens."""
-    if sample.get("model_mask") is None:
+    if sample.model_mask is None:
         return [(sample, out)]
     spans = turn_spans(sample)
     hidden, logits = out
-    proofs, at, pieces = sample.get("proofs") or [], 0, []
+    proofs, at, pieces = sample.proofs, 0, []
     for k, (a, b) in enumerate(spans):
         want = -(-(b - a) // chunk_size)
-        piece = {
-            "token_ids": sample["token_ids"][a:b],
-            "logprobs": sample["logprobs"][a:b],
-            "seed": turn_seed(int(sample["seed"]), k),
-            "proofs": proofs[at : at + want],
-        }
+        piece = ClaimedSample(
+            token_ids=sample.token_ids[a:b],
+            logprobs=sample.logprobs[a:b],
+            seed=turn_seed(sample.seed, k),
+            proofs=proofs[at : at + want],
+        )
         at += want
         pieces.append((piece, (hidden[a:b], logits[a:b])))
     return pieces

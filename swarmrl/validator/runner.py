@@ -18,6 +18,7 @@ from pathlib import Path
 from swarmrl.config import ValidatorConfig
 from swarmrl.errors import SwarmrlError
 from swarmrl.protocol.client import Refused, Unavailable, ValidatorClient, retrying
+from swarmrl.protocol.messages import Claim
 from swarmrl.validator.core import Validator
 
 
@@ -80,20 +81,20 @@ class Pause:
 
 def validate_once(source, validator: Validator, max_groups: int) -> Round:
     """One claim-check-record round."""
-    work = source.claim(max_groups)
+    # Read once as the message it is: the claimed groups are ClaimedGroup from here on.
+    work = Claim.model_validate(source.claim(max_groups))
     # The run's thresholds, whoever runs the validator.
-    validator.cfg = ValidatorConfig(**work["config"])
-    validator.calibrated = work.get("calibrated")
-    validator.note_calibration_cpu(work.get("calibrated_cpu"))
-    items = work["items"]
+    validator.cfg = ValidatorConfig(**work.config)
+    validator.calibrated = work.calibrated
+    validator.note_calibration_cpu(work.calibrated_cpu)
     done = Round()
-    if items:
-        policies = {int(v): p for v, p in work["policies"].items()}
+    if work.items:
+        policies = {int(v): p.model_dump(exclude_unset=True) for v, p in work.policies.items()}
         # The run's precision too: the prefill must run in the dtype the workers sampled in.
-        verdicts, retry = validator.check(items, policies, work.get("dtype", "float32"))
+        verdicts, retry = validator.check(work.items, policies, work.dtype)
         source.record([v.to_dict() for v in verdicts], retry)
         done = Round(checked=len(verdicts), waiting=len(retry))
-    validator.forget_below(work["min_version"])
+    validator.forget_below(work.min_version)
     return done
 
 

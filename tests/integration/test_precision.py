@@ -25,6 +25,7 @@ from swarmrl.inference.worker import Worker, WrongPrecision
 from swarmrl.model.checkpoint import build_tiny_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import TrainerClient
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.tasks import arithmetic
 from swarmrl.tasks.source import model_input
@@ -44,7 +45,7 @@ def policy():
     return model.eval(), tok
 
 
-def sampled_groups(model, tok, n_groups: int, seed: int) -> list[dict]:
+def sampled_groups(model, tok, n_groups: int, seed: int) -> list[ClaimedGroup]:
     """Groups as a worker running `model` submits them (seeded sampler, its own proofs), as
     validator items."""
     rng = random.Random(seed)
@@ -56,31 +57,29 @@ def sampled_groups(model, tok, n_groups: int, seed: int) -> list[dict]:
     outs = sampler.generate(flat, seeds, max_new_tokens=64, temperature=1.0, return_hidden=True)
     proofs = build_proofs_many([o.hidden for o in outs], chunk_size=32, topk=128)
     return [
-        {
-            "id": i,
-            "policy_version": 0,
-            "temperature": 1.0,
-            "prompt_ids": prompts[i],
-            "samples": [
-                {
-                    "token_ids": outs[j].token_ids,
-                    "logprobs": outs[j].logprobs,
-                    "seed": seeds[j],
-                    "proofs": encode(proofs[j]),
-                }
+        ClaimedGroup(
+            id=i,
+            worker="w",
+            policy_version=0,
+            temperature=1.0,
+            prompt_ids=prompts[i],
+            samples=[
+                ClaimedSample(
+                    token_ids=outs[j].token_ids, logprobs=outs[j].logprobs, seed=seeds[j], proofs=encode(proofs[j])
+                )
                 for j in range(i * G, (i + 1) * G)
             ],
-        }
+        )
         for i in range(n_groups)
     ]
 
 
-def verdicts(model, items: list[dict], dtype: str) -> list:
+def verdicts(model, items: list[ClaimedGroup], dtype: str) -> list:
     """What the validator decides for these groups, prefilling with `model` and judging with the
     thresholds of a run in `dtype`."""
     v = Validator(ValidatorConfig(), "/nonexistent")
-    outs = v.prefill(model, [(it["prompt_ids"], [s["token_ids"] for s in it["samples"]]) for it in items])
-    samples = [s for it in items for s in it["samples"]]
+    outs = v.prefill(model, [(it.prompt_ids, [s.token_ids for s in it.samples]) for it in items])
+    samples = [s for it in items for s in it.samples]
     reports = v.reports([o for res in outs for o in res], samples, [1.0] * len(samples))
     return [v.judge(it, reports[i * G : (i + 1) * G], dtype) for i, it in enumerate(items)]
 
@@ -125,7 +124,7 @@ def test_a_declared_engine_selects_no_looser_limit_without_a_calibration(policy)
     bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
     cheat = sampled_groups(quantised(model, 8).to(torch.bfloat16), tok, 4, seed=2)
     as_builtin = verdicts(bf16, cheat, "bfloat16")
-    as_vllm = verdicts(bf16, [{**it, "engine": "vllm"} for it in cheat], "bfloat16")
+    as_vllm = verdicts(bf16, [it.model_copy(update={"engine": "vllm"}) for it in cheat], "bfloat16")
     assert [(v.ok, v.reason, v.detail) for v in as_vllm] == [(v.ok, v.reason, v.detail) for v in as_builtin]
     assert not any(v.ok for v in as_vllm), [v.stats["mant_err_group"] for v in as_vllm]
 

@@ -617,6 +617,7 @@ def test_a_worker_and_a_validator_take_any_error_of_a_fetch_for_a_failed_load(tm
     import swarmrl.inference.worker as worker_module
     import swarmrl.validator.core as validator_module
     from swarmrl.config import ValidatorConfig
+    from swarmrl.protocol.messages import ClaimedGroup
     from swarmrl.transport.broadcast import published_manifest
 
     def fetch_version_raising(*args, **kwargs):
@@ -639,7 +640,8 @@ def test_a_worker_and_a_validator_take_any_error_of_a_fetch_for_a_failed_load(tm
     assert len(logs) == 1 and "could not load policy v1" in logs[0] and "RecursionError" in logs[0], logs
     vlogs: list[str] = []
     validator = validator_module.Validator(ValidatorConfig(), tmp_path / "v", log=vlogs.append, trainer_key=PUB)
-    assert validator.check([{"id": 7, "policy_version": 1}], {1: policy}) == ([], [7])
+    claimed = ClaimedGroup(id=7, worker="w", policy_version=1, temperature=1.0, prompt_ids=[1], samples=[])
+    assert validator.check([claimed], {1: policy}) == ([], [7])
     assert len(vlogs) == 1 and "cannot load policy v1" in vlogs[0] and "RecursionError" in vlogs[0], vlogs
 
 

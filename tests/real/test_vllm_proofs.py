@@ -28,6 +28,7 @@ from swarmrl.config import ValidatorConfig
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.checkpoint import build_tiny_policy, load_policy, save_policy
 from swarmrl.proofs.toploc import build_proofs_many, encode
+from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.validator.core import Validator
 
@@ -68,11 +69,16 @@ def judge(model, prompts, seeds, completions, temperature) -> list:
             c = completions[i]
             hidden = torch.tensor(c["hidden"])
             proofs = encode(build_proofs_many([hidden], chunk_size=cfg.chunk_size, topk=cfg.topk)[0])
-            samples.append({**c, "seed": seeds[i], "proofs": proofs})
+            samples.append(
+                ClaimedSample(token_ids=c["token_ids"], logprobs=c["logprobs"], seed=seeds[i], proofs=proofs)
+            )
         with torch.no_grad():
-            outs = validator.prefill(model, [(prompts[start], [s["token_ids"] for s in samples])])[0]
+            outs = validator.prefill(model, [(prompts[start], [s.token_ids for s in samples])])[0]
         reports = validator.reports(outs, samples, [temperature] * len(samples))
-        verdicts.append(validator.judge({"id": start, "policy_version": 0}, reports))
+        claimed = ClaimedGroup(
+            id=start, worker="w", policy_version=0, temperature=temperature, prompt_ids=prompts[start], samples=samples
+        )
+        verdicts.append(validator.judge(claimed, reports))
     return verdicts
 
 

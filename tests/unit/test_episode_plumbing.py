@@ -22,7 +22,7 @@ from swarmrl.orchestrator.scoring import score_episodes
 from swarmrl.orchestrator.submissions import check_turn_proofs
 from swarmrl.proofs.toploc import build_proofs_many
 from swarmrl.proofs.toploc import encode as encode_proofs
-from swarmrl.protocol.messages import SampleIn
+from swarmrl.protocol.messages import ClaimedSample, SampleIn
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.sft.warmstart import encode_episode_example
 from swarmrl.tasks.episodes import calculator_rows, calculator_traces, guess_rows, guess_traces
@@ -151,21 +151,22 @@ def test_the_train_batch_masks_observations_and_gives_each_episode_one_advantage
 
 
 def test_the_validator_checks_an_episode_turn_by_turn():
-    sample = {
-        "token_ids": [10, 11, 20, 21, 12],
-        "logprobs": [-0.1, -0.2, 0.0, 0.0, -0.3],
-        "seed": 77,
-        "proofs": ["p0", "p1", "p2"],
-        "model_mask": [True, True, False, False, True],
-    }
+    sample = ClaimedSample(
+        token_ids=[10, 11, 20, 21, 12],
+        logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3],
+        seed=77,
+        proofs=["p0", "p1", "p2"],
+        model_mask=[True, True, False, False, True],
+    )
     hidden, logits = torch.arange(10.0).reshape(5, 2), torch.arange(15.0).reshape(5, 3)
     pieces = split_turns(sample, (hidden, logits), chunk_size=1)
-    assert [p["token_ids"] for p, _ in pieces] == [[10, 11], [12]]
-    assert [p["seed"] for p, _ in pieces] == [77, turn_seed(77, 1)]
-    assert [p["proofs"] for p, _ in pieces] == [["p0", "p1"], ["p2"]]
-    assert [p["logprobs"] for p, _ in pieces] == [[-0.1, -0.2], [-0.3]]
+    assert [p.token_ids for p, _ in pieces] == [[10, 11], [12]]
+    assert [p.seed for p, _ in pieces] == [77, turn_seed(77, 1)]
+    assert [p.proofs for p, _ in pieces] == [["p0", "p1"], ["p2"]]
+    assert [p.logprobs for p, _ in pieces] == [[-0.1, -0.2], [-0.3]]
+    assert all(p.model_mask is None for p, _ in pieces)  # each turn is checked as a completion
     assert pieces[1][1][0].tolist() == [[8.0, 9.0]] and pieces[0][1][1].shape == (2, 3)
-    single = {**sample, "model_mask": None}
+    single = sample.model_copy(update={"model_mask": None})
     assert split_turns(single, (hidden, logits), chunk_size=1) == [(single, (hidden, logits))]
     merged = merge_reports([SampleReport(["c0"], 0.0, 1e-6), SampleReport(["c1"], 0.02, 3e-6, "bad proof")])
     assert merged.chunks == ["c0", "c1"] and merged.margin_max == 0.02 and merged.logprob_err_max == 3e-6
