@@ -36,7 +36,7 @@ def _emitted_reasons() -> set[str]:
     # Whitespace-tolerant: the formatter splits a long call over lines.
     found = set(re.findall(r'reason="([a-z_]+)"', service))
     found |= set(re.findall(r'ApiError\(\s*4(?:03|10),\s*"((?:foreign|lease)_[a-z_]+)"', service))
-    found |= set(re.findall(r'Verdict\(\s*item\["id"\],\s*False,\s*"([a-z_]+)"', validator))
+    found |= set(re.findall(r'Verdict\(\s*item\.id,\s*False,\s*"([a-z_]+)"', validator))
     return found
 
 
