@@ -147,13 +147,13 @@ def main(argv: list[str] | None = None) -> None:
     # Roles started by the launcher exit cleanly (finally blocks run, pools close) on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from swarmrl.protocol.tls import TLSError, trust_ca_file
+    from swarmrl.protocol.tls import trust_ca_file
 
     try:
         if isinstance(settings, CaFileSettings) and settings.ca_file:
             trust_ca_file(settings.ca_file)
         MODULES[args.command].main(settings, cfg)
-    except (SwarmrlError, TLSError) as e:  # meant for the user: one line, no traceback
+    except SwarmrlError as e:  # meant for the user (TLS, refusals, broadcast failures): one line, no traceback
         fail(str(e))
 
 

@@ -14,6 +14,7 @@ import time
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from swarmrl.errors import SwarmrlError
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import (
     Batch,
@@ -33,7 +34,7 @@ from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
 from swarmrl.protocol.tls import TLSError, explain, tls_failure
 
 
-class Unavailable(RuntimeError):
+class Unavailable(SwarmrlError, RuntimeError):
     """The orchestrator could not be reached or asked us to come back later (`status`: the HTTP
     status it answered with, 429 or 5xx; None when it could not be reached)."""
 
@@ -42,13 +43,13 @@ class Unavailable(RuntimeError):
         self.retry_after, self.status = retry_after, status
 
 
-class Refused(RuntimeError):
+class Refused(SwarmrlError, RuntimeError):
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"{status} {code}: {detail}")
         self.status, self.code, self.detail = status, code, detail
 
 
-class ProtocolMismatch(RuntimeError):
+class ProtocolMismatch(SwarmrlError, RuntimeError):
     """A reply that does not have the shape protocol/messages.py says: not something to retry."""
 
 

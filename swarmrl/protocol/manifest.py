@@ -26,6 +26,8 @@ from typing import TypeGuard
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from swarmrl.errors import SwarmrlError
+
 FORMAT = "swarmrl-broadcast/1"
 MAX_SHARDS = 100_000  # shard names have five digits
 
@@ -48,7 +50,7 @@ _FIELDS = {
 }
 
 
-class BroadcastError(RuntimeError):
+class BroadcastError(SwarmrlError, RuntimeError):
     """A version could not be published, served, verified or fetched; the message says why and what to do."""
 
 

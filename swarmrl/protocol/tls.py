@@ -19,8 +19,10 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from swarmrl.errors import SwarmrlError
 
-class TLSError(RuntimeError):
+
+class TLSError(SwarmrlError, RuntimeError):
     """A TLS problem no retry can fix (an untrusted or wrong-host certificate, a bad key file)."""
 
 

@@ -349,6 +349,9 @@ def test_user_facing_errors_derive_from_swarmrl_error_and_keep_their_old_base():
     from swarmrl.inference.remote import EndpointError
     from swarmrl.inference.vllm_engine import VllmUnavailable
     from swarmrl.proofs.limits import LimitsError
+    from swarmrl.protocol.client import ProtocolMismatch, Refused, Unavailable
+    from swarmrl.protocol.manifest import BroadcastError
+    from swarmrl.protocol.tls import TLSError
     from swarmrl.sandbox.runner import SandboxUnavailable
     from swarmrl.sandbox.uids import UidsUnavailable
     from swarmrl.trainer.loop import RunStopped
@@ -366,6 +369,11 @@ def test_user_facing_errors_derive_from_swarmrl_error_and_keep_their_old_base():
         VllmUnavailable: RuntimeError,
         worker.RefusedEngine: Exception,
         worker.UnknownEnvironment: Exception,
+        TLSError: RuntimeError,
+        Refused: RuntimeError,
+        Unavailable: RuntimeError,
+        ProtocolMismatch: RuntimeError,
+        BroadcastError: RuntimeError,
     }
     for cls, old in old_bases.items():
         assert issubclass(cls, SwarmrlError) and issubclass(cls, old), cls
