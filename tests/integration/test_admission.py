@@ -26,10 +26,10 @@ from swarmrl.orchestrator.admission import (
     lease_timeout,
     unproven_share,
 )
-from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerClient
+from swarmrl.protocol.client import Refused, Unavailable, WorkerClient
 from swarmrl.protocol.signing import AuthError, WrongRun, new_run_id, sign_headers, verify_request
 
-from orchestrator_harness import OrchestratorProcess, make_run_dir, signed_version
+from orchestrator_harness import OrchestratorProcess, make_run_dir
 
 pytestmark = pytest.mark.timeout(300)
 ORCH = OrchestratorConfig(new_key_slots=8, slots_per_accepted=0.5, max_open_leases=2, proven_after=4)
@@ -141,9 +141,7 @@ def two_runs(tmp_path_factory):
             "100",
         )
         proc = OrchestratorProcess(run).start()
-        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0)
-        )
+        proc.publish_v0()
         procs.append(proc)
     yield procs
     for p in procs:
@@ -190,8 +188,7 @@ def test_the_framing_sequence_does_not_ban_an_honest_worker(two_runs):
     attacker leased it), and replays the worker's signed submission to run a, three times and
     more; then the attacker feeds it another key's lease id directly. Nothing counts as fraud."""
     a, b = two_runs
-    attacker = WorkerClient(a.url, Ed25519PrivateKey.generate())
-    attacker.register("attacker")
+    attacker = a.new_worker("attacker")
     honest_key = Ed25519PrivateKey.generate()
     honest_a, honest_b = WorkerClient(a.url, honest_key), WorkerClient(b.url, honest_key)
     honest_a.register("honest")
@@ -233,12 +230,8 @@ def test_a_hoarder_loses_its_allowance_and_new_keys_share_a_cap(tmp_path):
     )
     proc = OrchestratorProcess(run).start()
     try:
-        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0)
-        )
-        keys = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(4)]
-        for i, w in enumerate(keys):
-            w.register(f"new-{i}")
+        proc.publish_v0()
+        keys = [proc.new_worker(f"new-{i}") for i in range(4)]
         # Unproven keys together hold at most unproven_share (0.5) of 8 outstanding = 4 prompts
         # (beyond it, only other addresses get the reserve: admission per source, below).
         got = [w.lease(0) for w in keys]
@@ -281,12 +274,8 @@ def test_hoarded_leases_do_not_take_proven_workers_capacity(tmp_path):
     )
     proc = OrchestratorProcess(run).start()
     try:
-        TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-            0, "http://127.0.0.1:9", signed_version(run, 0)
-        )
-        hoarders = [WorkerClient(proc.url, Ed25519PrivateKey.generate()) for _ in range(2)]
-        for i, w in enumerate(hoarders):
-            w.register(f"hoarder-{i}")
+        proc.publish_v0()
+        hoarders = [proc.new_worker(f"hoarder-{i}") for i in range(2)]
         # The share: max(one lease = 2, 0.5 * 4) = 2 prompts, taken by the first hoarder (and the
         # reserve beyond it is for other addresses).
         got = [w.lease(0) for w in hoarders]
@@ -299,8 +288,7 @@ def test_hoarded_leases_do_not_take_proven_workers_capacity(tmp_path):
         # 4 slots are open now (the limit), 2 of them hoarded: b still gets the other 2.
         assert len(b.lease(0)["lease"]["prompts"]) == 2
         # The proven workers' own 4 are the limit; a new key is still held to it.
-        late = WorkerClient(proc.url, Ed25519PrivateKey.generate())
-        late.register("late")
+        late = proc.new_worker("late")
         assert late.lease(0)["lease"] is None
     finally:
         proc.stop()
@@ -316,9 +304,7 @@ SHIPPED = ("--sampling.prompts_per_step", "16", "--sampling.worker_batch_prompts
 def _shipped_run(tmp_path, *overrides: str) -> OrchestratorProcess:
     run = make_run_dir(tmp_path / "run", "--validator.rate", "0", *SHIPPED, *overrides)
     proc = OrchestratorProcess(run).start()
-    TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-        0, "http://127.0.0.1:9", signed_version(run, 0)
-    )
+    proc.publish_v0()
     return proc
 
 

@@ -9,13 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.model.tokenizer import build_char_tokenizer
-from swarmrl.protocol.client import TrainerClient, WorkerClient
 from swarmrl.tasks import code as code_tasks
 
-from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir, signed_version
+from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,6 +22,13 @@ CLI = [sys.executable, "-m", "swarmrl.cli"]
 
 def swarmrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def code_run_dir(tmp_path, *overrides: str):
+    """A run directory whose task source is the built-in code tasks, one held out."""
+    source = tmp_path / "code.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in code_tasks.generate()))
+    return make_run_dir(tmp_path / "run", "--tasks.source", str(source), "--tasks.eval_size", "1", *overrides)
 
 
 def test_tasks_and_score_commands_grade_reference_and_wrong_programs(tmp_path):
@@ -97,14 +102,8 @@ def test_rl_refuses_code_tasks_without_a_sandbox_before_doing_any_work(tmp_path)
 
 def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
     tok = build_char_tokenizer()
-    source = tmp_path / "code.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in code_tasks.generate()))
-    run = make_run_dir(
-        tmp_path / "run",
-        "--tasks.source",
-        str(source),
-        "--tasks.eval_size",
-        "1",
+    run = code_run_dir(
+        tmp_path,
         "--sampling.max_new_tokens",
         "400",
         "--validator.rate",
@@ -115,10 +114,8 @@ def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
     by_id = {t.problem_id: t for t in code_tasks.TASKS}
     orch = OrchestratorProcess(run).start()
     try:
-        trainer = TrainerClient(orch.url, (run / "trainer.token").read_text().strip())
-        trainer.publish(0, "http://127.0.0.1:9", signed_version(run, 0))
-        worker = WorkerClient(orch.url, Ed25519PrivateKey.generate())
-        worker.register("coder")
+        orch.publish_v0()
+        worker = orch.new_worker("coder")
         lease = worker.lease(0)["lease"]
         groups = []
         for prompt in lease["prompts"]:
@@ -144,14 +141,8 @@ def test_the_orchestrator_scores_code_completions_in_its_sandbox(tmp_path):
 
 
 def test_the_orchestrator_will_not_start_on_code_tasks_without_a_sandbox(tmp_path):
-    source = tmp_path / "code.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in code_tasks.generate()))
-    run = make_run_dir(
-        tmp_path / "run",
-        "--tasks.source",
-        str(source),
-        "--tasks.eval_size",
-        "1",
+    run = code_run_dir(
+        tmp_path,
         "--sandbox.bwrap",
         "/nonexistent/bwrap",
     )

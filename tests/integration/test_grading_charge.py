@@ -19,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.model.tokenizer import build_char_tokenizer
-from swarmrl.protocol.client import TrainerClient, Unavailable, WorkerClient
+from swarmrl.protocol.client import Unavailable, WorkerClient
 
 from orchestrator_harness import (
     OrchestratorProcess,
@@ -27,7 +27,6 @@ from orchestrator_harness import (
     completion_ids,
     honest_proofs,
     make_run_dir,
-    signed_version,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,9 +52,7 @@ SETTINGS = (
 def start(tmp_path, *overrides: str) -> OrchestratorProcess:
     run = make_run_dir(tmp_path / "run", *SETTINGS, *overrides)
     proc = OrchestratorProcess(run).start()
-    TrainerClient(proc.url, (run / "trainer.token").read_text().strip()).publish(
-        0, "http://127.0.0.1:9", signed_version(run, 0)
-    )
+    proc.publish_v0()
     return proc
 
 

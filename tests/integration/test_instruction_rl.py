@@ -9,18 +9,16 @@ import json
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.config import load_config
 from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import build_tiny_policy
 from swarmrl.model.tokenizer import build_char_tokenizer
-from swarmrl.protocol.client import TrainerClient, WorkerClient
 from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
 from swarmrl.rewards.registry import preload_for
 from swarmrl.tasks.source import task_rows
 
-from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir, signed_version
+from orchestrator_harness import OrchestratorProcess, honest_proofs, make_run_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -75,10 +73,8 @@ def test_the_orchestrator_grades_instruction_groups_with_the_runs_reward_mode(tm
     policy = run / "policies" / "v000000"
     orch = OrchestratorProcess(run).start()
     try:
-        trainer = TrainerClient(orch.url, (run / "trainer.token").read_text().strip())
-        trainer.publish(0, "http://127.0.0.1:9", signed_version(run, 0))
-        worker = WorkerClient(orch.url, Ed25519PrivateKey.generate())
-        worker.register("w")
+        orch.publish_v0()
+        worker = orch.new_worker("w")
         seen: dict[str, list] = {"verifiable_math": [], "instruction_following": []}
         for _ in range(6):
             lease = worker.lease(0)["lease"]

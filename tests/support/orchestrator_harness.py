@@ -7,41 +7,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmrl.config import load_config
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+from swarmrl.protocol.client import TrainerClient, WorkerClient
 from swarmrl.tasks import arithmetic
 from swarmrl.transport.broadcast import publish_version
 
-from harness import free_port
+from harness import free_port, read_url_file, wait_for
+from runs import TINY_GROUPS
 
 TRAINER_KEY = Ed25519PrivateKey.generate()  # signs the versions tests publish
 
-# Small everything: 2 prompts per lease and per batch, groups of 2, short completions.
-SMALL = [
-    "--sampling.prompts_per_step",
-    "2",
-    "--sampling.group_size",
-    "2",
-    "--sampling.worker_batch_prompts",
-    "2",
-    "--sampling.max_new_tokens",
-    "16",
-    "--tasks.train_size",
-    "40",
-    "--tasks.eval_size",
-    "4",
-    "--trainer.optimizer_steps",
-    "1",
-    "--orchestrator.lease_timeout_s",
-    "30",
-    "--async.bound",
-    "1",
-]
+# runs.TINY_GROUPS, with one optimizer step a batch and leases that outlast a slow test's pauses.
+SMALL = [*TINY_GROUPS, "--trainer.optimizer_steps", "1", "--orchestrator.lease_timeout_s", "30"]
 
 
 def make_run_dir(root: Path, *overrides: str) -> Path:
@@ -93,13 +75,29 @@ class OrchestratorProcess:
             env=env,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout_s
-        while not info.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("orchestrator did not start:\n" + self.log())
-            time.sleep(0.05)
-        assert json.loads(info.read_text())["url"] == self.url
+        try:
+            url = wait_for(lambda: read_url_file(info), timeout_s, "orchestrator.json", proc=self.proc, log=self.log)
+        except AssertionError as e:
+            raise RuntimeError(f"orchestrator did not start: {e}") from None
+        assert url == self.url
         return self
+
+    def trainer(self) -> TrainerClient:
+        """A client holding the run's trainer token, as the trainer does."""
+        return TrainerClient(self.url, (self.run_dir / "trainer.token").read_text().strip())
+
+    def publish_v0(self) -> TrainerClient:
+        """Publish the run's signed v0, as its trainer would, at an address nothing serves (the
+        tests that use it never download weights); the trainer's client, to publish more."""
+        trainer = self.trainer()
+        trainer.publish(0, "http://127.0.0.1:9", signed_version(self.run_dir, 0))
+        return trainer
+
+    def new_worker(self, name: str) -> WorkerClient:
+        """A worker with a key of its own, registered as `name`."""
+        worker = WorkerClient(self.url, Ed25519PrivateKey.generate())
+        worker.register(name)
+        return worker
 
     def log(self) -> str:
         return (self.run_dir / "orchestrator.log").read_text(errors="replace")

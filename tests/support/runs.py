@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # A tiny base that learns 1-digit addition in seconds, for tests that need a policy with signal.
 EASY = [
@@ -41,6 +42,26 @@ EASY = [
 ]
 
 
+# Small everything: 2 prompts per lease and per batch, groups of 2, short completions: the
+# orchestrator's tests, in a process (orchestrator_harness) or in this one (tests/unit).
+TINY_GROUPS = [
+    "--sampling.prompts_per_step",
+    "2",
+    "--sampling.group_size",
+    "2",
+    "--sampling.worker_batch_prompts",
+    "2",
+    "--sampling.max_new_tokens",
+    "16",
+    "--tasks.train_size",
+    "40",
+    "--tasks.eval_size",
+    "4",
+    "--async.bound",
+    "1",
+]
+
+
 def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
     """Run the CLI as a user would; on failure, the assertion shows its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -50,3 +71,9 @@ def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"swarmrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def swarmrl_rl(run: Path, base: Path, steps: int, *args: str, **kw) -> subprocess.CompletedProcess:
+    """`swarmrl rl` of `steps` steps from `base` into `run`, as a user types it (EASY is the caller's
+    to add: where it stands among the other options decides which of two settings wins)."""
+    return swarmrl("rl", "--run-dir", str(run), "--model.path", str(base), "--trainer.steps", str(steps), *args, **kw)

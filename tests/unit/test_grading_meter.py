@@ -21,6 +21,8 @@ from swarmrl.proofs.toploc import build_proofs, encode
 from swarmrl.protocol.messages import GroupIn
 from swarmrl.rewards.pool import Outcome
 
+from runs import TINY_GROUPS
+
 TOKENIZER = build_char_tokenizer()
 HIDDEN = 64
 
@@ -137,20 +139,7 @@ def orchestrator(tmp_path, pool, *overrides: str) -> Orchestrator:
     cfg = load_config(
         None,
         [
-            "--sampling.prompts_per_step",
-            "2",
-            "--sampling.group_size",
-            "2",
-            "--sampling.worker_batch_prompts",
-            "2",
-            "--sampling.max_new_tokens",
-            "16",
-            "--tasks.train_size",
-            "40",
-            "--tasks.eval_size",
-            "4",
-            "--async.bound",
-            "1",
+            *TINY_GROUPS,
             "--async.max_pending_groups",
             "100",
             "--validator.rate",

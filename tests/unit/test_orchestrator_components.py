@@ -25,6 +25,8 @@ from swarmrl.protocol.messages import GroupIn
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.rewards.pool import Outcome
 
+from runs import TINY_GROUPS
+
 TRUSTED, OTHER = "a" * 64, "b" * 64
 TOKENIZER = build_char_tokenizer()
 
@@ -58,20 +60,7 @@ def make_orchestrator(tmp_path, *overrides: str) -> Orchestrator:
     cfg = load_config(
         None,
         [
-            "--sampling.prompts_per_step",
-            "2",
-            "--sampling.group_size",
-            "2",
-            "--sampling.worker_batch_prompts",
-            "2",
-            "--sampling.max_new_tokens",
-            "16",
-            "--tasks.train_size",
-            "40",
-            "--tasks.eval_size",
-            "4",
-            "--async.bound",
-            "1",
+            *TINY_GROUPS,
             "--validator.rate",
             "1.0",
             "--validator.trusted_rate",
