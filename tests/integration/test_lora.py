@@ -151,30 +151,12 @@ def test_adapter_versions_are_over_10x_smaller_than_full_ones(tmp_path):
     # every projection is ~1% of a 0.5B Qwen2 and ~0.2% of a 32B one.
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    for shape, at_least in (
-        (
-            dict(
-                hidden_size=896,
-                intermediate_size=4864,
-                num_hidden_layers=24,
-                num_attention_heads=14,
-                num_key_value_heads=2,
-                vocab_size=151936,
-            ),
-            100,
-        ),
-        (
-            dict(
-                hidden_size=5120,
-                intermediate_size=27648,
-                num_hidden_layers=64,
-                num_attention_heads=40,
-                num_key_value_heads=8,
-                vocab_size=152064,
-            ),
-            400,
-        ),
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    for sizes, vocab_size, at_least in (
+        ((896, 4864, 24, 14, 2), 151936, 100),  # Qwen2.5-0.5B
+        ((5120, 27648, 64, 40, 8), 152064, 400),  # Qwen2.5-32B
     ):
+        shape = dict(zip(names, sizes, strict=True), vocab_size=vocab_size)
         with torch.device("meta"):
             tied = shape["hidden_size"] < 1000  # 0.5B ties its embeddings, 32B does not
             big = AutoModelForCausalLM.from_config(Qwen2Config(**shape, tie_word_embeddings=tied))

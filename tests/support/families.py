@@ -5,6 +5,8 @@ torch's kernels; tests/integration/test_native_attention.py on the C decode atte
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import (
     LlamaConfig,
@@ -16,48 +18,45 @@ from transformers import (
 )
 
 VOCAB = 2048
+
+
+class Shape(NamedTuple):
+    """A family's layer shapes (two layers of them) and its other settings."""
+
+    model: type
+    config: type
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int | None  # None: hidden // heads, the family's own default
+    intermediate: int
+    tied: bool
+    rope_theta: float
+    eps: float
+
+    def build(self):
+        extra = {} if self.head_dim is None else {"head_dim": self.head_dim}
+        return self.model(
+            self.config(
+                vocab_size=VOCAB,
+                hidden_size=self.hidden,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                **extra,
+                intermediate_size=self.intermediate,
+                num_hidden_layers=2,
+                tie_word_embeddings=self.tied,
+                rope_theta=self.rope_theta,
+                rms_norm_eps=self.eps,
+            )
+        )
+
+
+# The layers of Qwen2.5-0.5B, Qwen3-0.6B and SmolLM2-135M (tests/unit/test_model_families.py says why).
 FAMILIES = {
-    "qwen2": lambda: Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=896,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            intermediate_size=4864,
-            num_hidden_layers=2,
-            tie_word_embeddings=False,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        )
-    ),
-    "qwen3": lambda: Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=1024,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=3072,
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        )
-    ),
-    "llama": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=576,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            intermediate_size=1536,
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-            rope_theta=1e5,
-            rms_norm_eps=1e-5,
-        )
-    ),
+    "qwen2": Shape(Qwen2ForCausalLM, Qwen2Config, 896, 14, 2, None, 4864, False, 1e6, 1e-6).build,
+    "qwen3": Shape(Qwen3ForCausalLM, Qwen3Config, 1024, 16, 8, 128, 3072, True, 1e6, 1e-6).build,
+    "llama": Shape(LlamaForCausalLM, LlamaConfig, 576, 9, 3, 64, 1536, True, 1e5, 1e-5).build,
 }
 
 # Relative to the largest reference value. Both sides compute in float32 (unit roundoff u = 6e-8)

@@ -8,6 +8,8 @@ from swarmrl.config import load_config
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.trainer.batch import build_train_batch
 
+from tiny_trainer import synthetic_group
+
 # 16 sequences, 2 optimizer steps of 8, 4 per rank. With a 48-token budget rank 0's first share
 # (prompt 6 + completions 38, 38, 38, 4) needs 4 packs and rank 1's (6 + 4, 3, 5, 2) needs 1, so
 # rank 1 must run 3 zero-loss passes to keep FSDP2's collectives paired.
@@ -52,21 +54,7 @@ def random_groups(
             samples.append(Sample(token_ids=completion, logprobs=lps, finish_reason="stop", seed=si))
         rewards = [float(r) for r in torch.randint(0, 2, (group_size,), generator=gen)]
         rewards[0], rewards[1] = 1.0, 0.0  # every group informative
-        groups.append(
-            Group(
-                problem_id=f"p{gi}",
-                task_type="synthetic",
-                prompt=f"prompt {gi}",
-                verification_info="{}",
-                prompt_ids=prompt,
-                samples=samples,
-                policy_version=0,
-                worker="test",
-                temperature=temperature,
-                rewards=rewards,
-                task_rewards=rewards,
-            )
-        )
+        groups.append(synthetic_group(gi, prompt, samples, rewards, temperature, policy_version=0))
     model.train()
     return groups
 

@@ -90,23 +90,28 @@ def make_groups(model, seed: int = 1, rewards=REWARDS, temperature: float = 1.0)
                     seed=100 * gi + si,
                 )
             )
-        groups.append(
-            Group(
-                problem_id=f"p{gi}",
-                task_type="synthetic",
-                prompt=f"prompt {gi}",
-                verification_info="{}",
-                prompt_ids=prompt,
-                samples=samples,
-                policy_version=gi,
-                worker="test",
-                temperature=temperature,
-                rewards=list(rewards[gi]),
-                task_rewards=list(rewards[gi]),
-            )
-        )
+        groups.append(synthetic_group(gi, prompt, samples, list(rewards[gi]), temperature, policy_version=gi))
     model.train(was_training)
     return groups
+
+
+def synthetic_group(
+    gi: int, prompt: list[int], samples: list[Sample], rewards: list[float], temperature: float, policy_version: int
+) -> Group:
+    """Group `gi` of a made-up task: the trainer sees only its tokens, logprobs and rewards."""
+    return Group(
+        problem_id=f"p{gi}",
+        task_type="synthetic",
+        prompt=f"prompt {gi}",
+        verification_info="{}",
+        prompt_ids=prompt,
+        samples=samples,
+        policy_version=policy_version,
+        worker="test",
+        temperature=temperature,
+        rewards=rewards,
+        task_rewards=list(rewards),
+    )
 
 
 def make_batch(groups, cfg, tokenizer) -> TrainBatch:
