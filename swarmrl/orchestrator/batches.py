@@ -239,7 +239,7 @@ class Batches:
             "ready": True,
             "step": row["step"],
             "group_ids": ids,
-            "groups": [json.loads(p) for p in self.store.payloads(db, ids)],
+            "groups": [Group.from_json(p) for p in self.store.payloads(db, ids)],
             "metrics": json.loads(row["metrics"]),
         }
 

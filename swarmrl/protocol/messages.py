@@ -21,7 +21,7 @@ import types
 import typing
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 from pydantic.fields import FieldInfo
 
 from swarmrl.protocol.rollouts import Group
@@ -394,7 +394,10 @@ class Batch(_Out):
     ready: bool
     step: int
     group_ids: list[int] = Field(default_factory=list)
-    groups: list[dict] = Field(default_factory=list, description="protocol/rollouts.py Group.to_json() payloads")
+    groups: list[Group] = Field(
+        default_factory=list,
+        description="the rollout records (protocol/rollouts.py Group), each as its stored Group.to_json() payload",
+    )
     metrics: dict[str, float | None] = Field(default_factory=dict, description="NaN is sent as null")
     queued: int | None = Field(None, description="when not ready: informative groups waiting")
     needed: int | None = Field(None, description="when not ready: groups the batch needs")
@@ -404,6 +407,12 @@ class Batch(_Out):
     all_equal_limit: int | None = Field(
         None, description="when not ready: the streak at which the run stops with no_signal (409)"
     )
+
+    @field_serializer("groups")
+    def _records(self, groups: list[Group]) -> list[dict]:
+        # Each group as the record it was read from, nulls included: the reply itself is sent
+        # without its None fields (response_model_exclude_none), a record is not.
+        return [g.model_dump(mode="json", exclude_unset=True) for g in groups]
 
 
 class Published(_Out):
@@ -483,7 +492,12 @@ class Dashboard(_Out):
 
 def _shape(t) -> object:
     """A type annotation as plain data (its kind, arguments and constraints), spelled by this code
-    rather than by a library's repr or JSON schema, so that only a change of the messages changes it."""
+    rather than by a library's repr or JSON schema, so that only a change of the messages changes it.
+    A model of another module (the rollout record, protocol/rollouts.py, in `Batch.groups`) is the
+    JSON object it is sent as, spelled `dict` as it was before the record was typed: the digest
+    pins the messages declared here, and the record is read by the trusted roles only."""
+    if isinstance(t, type) and issubclass(t, BaseModel) and t.__module__ != __name__:
+        return "dict"
     origin = typing.get_origin(t)
     if origin is Annotated:
         base, *meta = typing.get_args(t)

@@ -1,17 +1,26 @@
 """What a worker hands back: one group of G completions of one prompt, and how it is scored.
 
-A group is the unit of GRPO (advantages are relative within it) and the unit of transport. It is
-plain JSON so it can cross a process, a disk or (later) an HTTP request unchanged.
+A group is the unit of GRPO (advantages are relative within it) and the unit of transport: the
+rollout record the trusted side builds from a worker's `GroupIn` (orchestrator/submissions.py),
+stores as `to_json()`, projects into a validator's `ClaimedGroup` and hands the trainer in a
+`Batch` (protocol/messages.py). Pydantic models, built by keyword; a keyword they do not have is
+an error, as it was when they were dataclasses.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(kw_only=True)
-class Sample:
+class _Record(BaseModel):
+    # The trusted side's own record: read back from its store and from the orchestrator's batch
+    # reply (lax, as json.loads read it), refused whole for a field it does not know.
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sample(_Record):
     token_ids: list[int]
     logprobs: list[float]  # inference logprobs under the sampling temperature
     finish_reason: str  # "stop" | "length"
@@ -25,8 +34,7 @@ class Sample:
     tool_errors: int = 0
 
 
-@dataclass(kw_only=True)
-class Group:
+class Group(_Record):
     problem_id: str
     task_type: str
     prompt: str  # the task prompt as given to the model (length suffix included)
@@ -44,19 +52,16 @@ class Group:
     engine_dtype: str | None = None  # the precision that engine declared, if not the run's
     env_seed: int | None = None  # an episode group's environment seed (its first completion's seed)
     # Filled in by the trusted side, never by a worker:
-    rewards: list[float] = field(default_factory=list)
-    task_rewards: list[float] = field(default_factory=list)
+    rewards: list[float] = Field(default_factory=list)
+    task_rewards: list[float] = Field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        """The stored payload: every field, in this order, as json.dumps writes it (NaN included)."""
+        return json.dumps(self.model_dump(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict) -> Group:
-        return cls(**{**data, "samples": [Sample(**s) for s in data["samples"]]})
-
-    @classmethod
-    def from_json(cls, text: str) -> Group:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> Group:
+        return cls.model_validate_json(text)
 
 
 def scored_group(

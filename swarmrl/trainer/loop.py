@@ -31,7 +31,7 @@ from swarmrl.model.checkpoint import load_policy, save_policy
 from swarmrl.model.lora import save_adapter
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, retrying
 from swarmrl.protocol.manifest import content_digest
-from swarmrl.protocol.rollouts import Group
+from swarmrl.protocol.messages import Batch
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.rewards import registry
 from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
@@ -207,9 +207,10 @@ class _Link:
         except (Refused, Unavailable) as e:
             print(f"dashboard: could not report held-out figures for step {step}: {e}", flush=True)
 
-    def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> dict:
-        """Batch `step`, polling until the orchestrator has built it. Raises RunStopped when it
-        refuses with no_signal (every recent group had all-equal rewards): waiting would be forever."""
+    def pull(self, step: int, poll_s: float = 0.05, report_s: float = 60.0) -> Batch:
+        """Batch `step`, polling until the orchestrator has built it; its groups are rollout records
+        (`Group`). Raises RunStopped when it refuses with no_signal (every recent group had
+        all-equal rewards): waiting would be forever."""
         t0 = last = time.monotonic()
         while True:
             try:
@@ -219,7 +220,7 @@ class _Link:
                     raise RunStopped(self._with_accuracy(e.detail)) from None
                 raise RuntimeError(e.detail) from None
             if resp["ready"]:
-                return resp
+                return Batch.model_validate(resp)
             if time.monotonic() - last > report_s:  # a standalone trainer may wait for workers to join
                 last = time.monotonic()
                 print(f"waiting {last - t0:.0f} s for batch {step}: {waiting_note(resp)}", flush=True)
@@ -357,11 +358,11 @@ def run_trainer(
             t0 = time.monotonic()
             groups, metrics = None, {}
             if main:
-                resp = link.pull(step)
-                groups = [Group.from_dict(g) for g in resp["groups"]]
-                metrics = {**resp["metrics"], "time/wait_for_batch": time.monotonic() - t0}
+                pulled = link.pull(step)
+                groups = pulled.groups
+                metrics = {**pulled.metrics, "time/wait_for_batch": time.monotonic() - t0}
                 with open(rd.root / "consumed.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "group_ids": resp["group_ids"]}) + "\n")
+                    f.write(json.dumps({"step": step, "group_ids": pulled.group_ids}) + "\n")
             groups = _broadcast(groups, dinfo)
             batch = build_train_batch(
                 groups,
