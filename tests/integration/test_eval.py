@@ -142,47 +142,16 @@ def test_benchmark_files_in_each_format(tmp_path):
 
 
 def test_eval_errors_are_clear(tmp_path):
+    def refused(*args: str) -> str:
+        """`swarmrl eval` with these options exits 2, without a traceback; what it said."""
+        proc = swarmrl("eval", *args, "--output-dir", str(tmp_path / "o"), check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"neither": 1}) + "\n")
-    proc = swarmrl(
-        "eval", "--model", str(tmp_path), "--benchmark", str(bad), "--output-dir", str(tmp_path / "o"), check=False
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "format" in proc.stderr.lower()
-    proc = swarmrl(
-        "eval",
-        "--endpoint",
-        "http://127.0.0.1:9/v1",
-        "--benchmark",
-        "code",
-        "--output-dir",
-        str(tmp_path / "o"),
-        check=False,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "ConnectError" in proc.stderr
-    proc = swarmrl(
-        "eval",
-        "--model",
-        str(tmp_path),
-        "--benchmark",
-        "code",
-        "--k",
-        "0",
-        "--output-dir",
-        str(tmp_path / "o"),
-        check=False,
-    )
-    assert proc.returncode == 2 and "--k must be at least 1" in proc.stderr
-    proc = swarmrl(
-        "eval",
-        "--endpoint",
-        "http://127.0.0.1:9/v1",
-        "--benchmark",
-        "code",
-        "--streams",
-        "2",
-        "--output-dir",
-        str(tmp_path / "o"),
-        check=False,
-    )
-    assert proc.returncode == 2 and "--streams 2: give 1, or more with --model on a CPU" in proc.stderr
+    assert "format" in refused("--model", str(tmp_path), "--benchmark", str(bad)).lower()
+    assert "ConnectError" in refused("--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code")
+    assert "--k must be at least 1" in refused("--model", str(tmp_path), "--benchmark", "code", "--k", "0")
+    said = refused("--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code", "--streams", "2")
+    assert "--streams 2: give 1, or more with --model on a CPU" in said

@@ -9,10 +9,7 @@ last two tests run a real orchestrator whose run samples in bfloat16.
 from __future__ import annotations
 
 import copy
-import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -33,6 +30,7 @@ from swarmrl.transport.broadcast import ShardServer
 from swarmrl.validator.core import Validator
 
 from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
+from runs import swarmrl
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -203,30 +201,9 @@ def test_workers_follow_the_run_and_the_validator_judges_in_bf16(bf16_run):
 def test_the_worker_cli_pinned_to_float32_stops_with_a_message(bf16_run):
     root, orch, _ = bf16_run
     d = root / "workers" / "cli"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "worker",
-            "--orchestrator",
-            orch.url,
-            "--key-file",
-            str(d / "key.pem"),
-            "--cache-dir",
-            str(d),
-            "--dtype",
-            "float32",
-            "--trainer-key",
-            public_key_hex(TRAINER_KEY),
-            "--threads",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    home = ("--key-file", str(d / "key.pem"), "--cache-dir", str(d))
+    pinned = ("--dtype", "float32", "--trainer-key", public_key_hex(TRAINER_KEY), "--threads", "1")
+    proc = swarmrl("worker", "--orchestrator", orch.url, *home, *pinned, timeout=120, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert (
         "this run samples in bfloat16 (the lease says so) but this worker was started with --dtype float32: "

@@ -15,6 +15,8 @@ from swarmrl.inference.engine import build_engine
 from swarmrl.inference.remote import EndpointError, EndpointSettings, ServerLink, parse_choice, token_id_of
 from swarmrl.model.checkpoint import build_tiny_policy, load_policy, save_policy
 
+from runs import swarmrl
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -304,24 +306,6 @@ def test_restart_mode_reports_a_server_that_dies_with_its_log(tmp_path):
     ],
 )
 def test_worker_engine_flags_fail_cleanly(flags, needle, tmp_path):
-    import subprocess
-
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "worker",
-            "--orchestrator",
-            "http://127.0.0.1:9",
-            "--cache-dir",
-            str(tmp_path),
-            "--key-file",
-            str(tmp_path / "k.pem"),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    home = ("--cache-dir", str(tmp_path), "--key-file", str(tmp_path / "k.pem"))
+    proc = swarmrl("worker", "--orchestrator", "http://127.0.0.1:9", *home, *flags, timeout=60, check=False)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

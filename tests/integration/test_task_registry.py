@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +15,8 @@ from swarmrl.rewards import registry
 from swarmrl.rewards.pool import VerifierPool
 from swarmrl.rewards.registry import Graders, TaskType, open_graders
 from swarmrl.rewards.scoring import score_rows
+
+from runs import swarmrl
 
 TOY_MODULE = textwrap.dedent('''
     """A toy task type: the completion must contain verification_info's word."""
@@ -49,16 +50,13 @@ def test_a_toy_task_type_is_one_module_plus_one_registration(tmp_path):
     rows = [_row("apple", "I say apple"), _row("pear", "I say plum"), {**_row("fig", "fig"), "verification_info": "{}"}]
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cli = [sys.executable, "-m", "swarmrl.cli", "score", "--input", str(src), "--workers", "1"]
+    toy_path = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
-    proc = subprocess.run(
-        [*cli, "--output", str(tmp_path / "out.jsonl"), "--tasks.types", '["toy_tasks:TASK"]'],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    def score(*args: str) -> subprocess.CompletedProcess:
+        cli = ("score", "--input", str(src), "--workers", "1", *args)
+        return swarmrl(*cli, env=toy_path, timeout=120, check=False)
+
+    proc = score("--output", str(tmp_path / "out.jsonl"), "--tasks.types", '["toy_tasks:TASK"]')
     # The "fig" row cannot be scored: written with its error, and the command exits 1 saying so.
     assert proc.returncode == 1 and "1 of 3 rows could not be scored" in proc.stderr, proc.stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -67,25 +65,13 @@ def test_a_toy_task_type_is_one_module_plus_one_registration(tmp_path):
     assert out[2]["error"] == "verification_info needs a 'word' string"  # its check ran before grading
 
     # Without the registration the same rows are refused, naming the known types.
-    proc = subprocess.run(
-        [*cli, "--output", str(tmp_path / "plain.jsonl"), "--allow-errors"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = score("--output", str(tmp_path / "plain.jsonl"), "--allow-errors")
     assert proc.returncode == 0, proc.stderr
     plain = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
     assert all("unknown value 'toy_echo'" in r["error"] and "verifiable_math" in r["error"] for r in plain)
 
     # A bad registration fails before any row is read, saying what to write.
-    proc = subprocess.run(
-        [*cli, "--output", str(tmp_path / "x.jsonl"), "--tasks.types", '["toy_tasks"]'],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = score("--output", str(tmp_path / "x.jsonl"), "--tasks.types", '["toy_tasks"]')
     assert proc.returncode == 2 and "module:ATTRIBUTE" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -62,9 +62,10 @@ TINY_GROUPS = [
 ]
 
 
-def swarmrl(*args, timeout=300, check=True) -> subprocess.CompletedProcess:
-    """Run the CLI as a user would; on failure, the assertion shows its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def swarmrl(*args, timeout=300, check=True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would; on failure, the assertion shows its output. `env`: variables
+    set for it on top of this process's environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "swarmrl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
