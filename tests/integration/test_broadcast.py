@@ -35,7 +35,7 @@ from swarmrl.transport.broadcast import (
     unpublish_version,
 )
 
-from harness import free_port
+from harness import dripping, free_port, read_until_closed, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -471,10 +471,7 @@ def test_prune_versions_keeps_the_newest_and_versions_in_use(tmp_path):
         t.join(10)
         assert result == {"ok": True}
         # The server thread ends its response just after the client has read the last byte.
-        deadline = time.monotonic() + 5
-        while server.in_use(1) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not server.in_use(1)
+        wait_for(lambda: not server.in_use(1), 5, "v1 no longer in use", every=0.01)
         prune_versions(root, 1, in_use=server.in_use)
         assert read_versions(root) == [4]
     with ShardServer(root, busy_grace_s=30.0) as server:  # between one client's requests: still in use
@@ -593,18 +590,6 @@ def test_max_bytes_per_s_caps_each_response(origin):
 # ---- a bounded server ---------------------------------------------------------------------------
 
 
-def _read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
-    """What the server sends before closing (b"" for a close without an answer)."""
-    sock.settimeout(timeout_s)
-    data = b""
-    try:
-        while chunk := sock.recv(4096):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 def test_connections_over_the_bound_get_a_503_at_once_and_idle_ones_are_closed(origin, tmp_path):
     model, root, _ = origin
     with ShardServer(root, max_connections=4, client_timeout_s=1.0) as server:
@@ -615,14 +600,14 @@ def test_connections_over_the_bound_get_a_503_at_once_and_idle_ones_are_closed(o
         # (transport/connlimit.py; tests/integration/test_connection_limits.py has other sources).
         try:
             t0 = time.monotonic()
-            refused = [_read_until_closed(s, 2.0) for s in idle[3:]]
+            refused = [read_until_closed(s, 2.0) for s in idle[3:]]
             # Refused at once (no thread, no slot): the accept loop never waits on anyone.
             assert time.monotonic() - t0 < 1.0
             assert all(r == b"" or r.startswith(b"HTTP/1.1 503") for r in refused), refused
             assert any(r.startswith(b"HTTP/1.1 503") for r in refused)
             assert threading.active_count() <= base + 3
             # The three that got a slot are closed after client_timeout_s, freeing it.
-            held = [_read_until_closed(s, 5.0) for s in idle[:3]]
+            held = [read_until_closed(s, 5.0) for s in idle[:3]]
             assert held == [b""] * 3 and time.monotonic() - t0 < 3.0
         finally:
             for s in idle:
@@ -630,34 +615,14 @@ def test_connections_over_the_bound_get_a_503_at_once_and_idle_ones_are_closed(o
         # A client trickling its request a byte at a time (each within the socket timeout) is
         # cut off when its request is not in after client_timeout_s, not kept alive by each byte.
         trickle = socket.create_connection(address)
-        stop = threading.Event()
-
-        def drip():
-            for byte in b"GET /versions HTTP/1.0\r\nX-Padding: " + b"a" * 1000:
-                if stop.wait(0.2):
-                    return
-                try:
-                    trickle.send(bytes([byte]))
-                except OSError:
-                    return
-
-        dripper = threading.Thread(target=drip)
-        dripper.start()
-        try:
+        with dripping(trickle, b"GET /versions HTTP/1.0\r\nX-Padding: " + b"a" * 1000, every=0.2):
             t0 = time.monotonic()
-            assert _read_until_closed(trickle, 10.0) == b""
+            assert read_until_closed(trickle, 10.0) == b""
             assert 0.8 < time.monotonic() - t0 < 3.0
-        finally:
-            stop.set()
-            dripper.join()
-            trickle.close()
         # Every slot is free again: a normal download completes, and the threads are gone.
         got = fetch_version(1, [server.url], tmp_path / "client", public_key=PUB, parallel=4, **FAST)
         assert same_files(got, model)
-        deadline = time.monotonic() + 5
-        while threading.active_count() > base and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert threading.active_count() <= base
+        wait_for(lambda: threading.active_count() <= base, 5, f"the server's threads to end (back to {base})")
 
 
 def test_a_client_refused_with_a_503_fetches_from_another_source(origin, tmp_path):

@@ -6,7 +6,6 @@ from 127.0.0.3, honest clients from 127.0.0.2 (Linux routes all of 127/8 to loop
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 
 from swarmrl.transport.broadcast import ShardServer
 
+from harness import dripping, read_until_closed
 from orchestrator_harness import OrchestratorProcess, make_run_dir
 
 ATTACKER, HONEST = "127.0.0.3", "127.0.0.2"
@@ -22,19 +22,6 @@ ATTACKER, HONEST = "127.0.0.3", "127.0.0.2"
 def connect(url: str, source: str) -> socket.socket:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
-
-
-def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
-    """What the server sends before it closes the connection (b"" if it closes without a word);
-    raises TimeoutError if it is still open after `timeout_s`."""
-    sock.settimeout(timeout_s)
-    data = b""
-    try:
-        while chunk := sock.recv(4096):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
 
 
 def read_response(sock: socket.socket) -> bytes:
@@ -105,28 +92,11 @@ def test_idle_and_slow_header_connections_are_cut_with_408(orch):
     idle.close()
     # Slow header: a byte every 0.1 s, each well inside any per-read timeout.
     slow = connect(orch.url, ATTACKER)
-    stop = threading.Event()
-
-    def drip():
-        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 500:
-            if stop.wait(0.1):
-                return
-            try:
-                slow.send(bytes([byte]))
-            except OSError:
-                return
-
-    dripper = threading.Thread(target=drip)
-    dripper.start()
-    try:
+    with dripping(slow, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 500, every=0.1):
         t0 = time.monotonic()
         answer = read_until_closed(slow, 10.0)
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert 1.0 < time.monotonic() - t0 < 5.0
-    finally:
-        stop.set()
-        dripper.join()
-        slow.close()
 
 
 def test_a_keep_alive_connection_serves_requests_then_is_closed_when_idle(orch):

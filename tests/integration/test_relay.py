@@ -36,6 +36,9 @@ from swarmrl.transport.broadcast import (
 )
 from swarmrl.transport.relay import Relay
 
+from harness import read_url_file, wait_for
+from runs import swarmrl
+
 pytestmark = pytest.mark.timeout(180)
 
 KEY = Ed25519PrivateKey.generate()
@@ -73,18 +76,12 @@ def start_relay(tmp: Path, name: str, upstream: str, *extra: str) -> tuple[subpr
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 60
-    while not url_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()
-        time.sleep(0.05)
-    return proc, json.loads(url_file.read_text())["url"]
+    url = wait_for(lambda: read_url_file(url_file), 60, f"{name}'s {url_file.name}", proc=proc, log=tmp / f"{name}.log")
+    return proc, url
 
 
 def wait_mirrored(root: Path, version: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while version not in read_versions(root):
-        assert time.monotonic() < deadline, f"{root} never got v{version}"
-        time.sleep(0.05)
+    wait_for(lambda: version in read_versions(root), timeout_s, f"v{version} in {root}")
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -224,27 +221,14 @@ def test_a_manifest_without_a_valid_signature_is_refused(tmp_path):
     assert "signature" in str(e.value).lower()
 
 
+def unreachable(tmp_path: Path) -> tuple[str, ...]:
+    """A relay's options for an upstream nothing listens on, given up on after 2 tries."""
+    return ("--upstream", "http://127.0.0.1:9", "--cache-dir", str(tmp_path / "relay"), "--startup-tries", "2")
+
+
 def test_an_unreachable_upstream_is_a_bounded_clear_error(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "relay",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--cache-dir",
-            str(tmp_path / "relay"),
-            "--startup-tries",
-            "2",
-            "--trainer-key",
-            PUB,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = swarmrl("relay", *unreachable(tmp_path), "--trainer-key", PUB, timeout=120, check=False)
     assert proc.returncode == 1
     assert "http://127.0.0.1:9" in proc.stderr and "no upstream reachable after 2 tries" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -258,23 +242,7 @@ def test_a_relay_refuses_to_start_without_the_trainer_key(tmp_path):
     with pytest.raises(BroadcastError, match="64 lowercase hex"):
         Relay(["http://127.0.0.1:9"], tmp_path / "relay", public_key="not-a-key")
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "relay",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--cache-dir",
-            str(tmp_path / "relay"),
-            "--startup-tries",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = swarmrl("relay", *unreachable(tmp_path), timeout=120, check=False)
     assert proc.returncode == 1
     assert "--trainer-key" in proc.stderr and "trainer.pub" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -327,10 +295,7 @@ def test_bogus_and_forged_versions_are_skipped_and_the_real_ones_mirrored(tmp_pa
             # A real newer version is still picked up, past the ones that keep failing.
             publish_version(fake_model(tmp_path / "m4", kib=64, seed=4), root, 4, key=KEY, shard_size=16 << 10)
             wait_mirrored(cache, 4, timeout_s=30)
-            deadline = time.monotonic() + 10
-            while read_versions(cache) != [2, 4] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert read_versions(cache) == [2, 4]
+            wait_for(lambda: read_versions(cache) == [2, 4], 10, f"exactly v2 and v4 in {cache}")
             got = fetch_version(4, [relay.url], tmp_path / "client", public_key=PUB)
             assert same_files(got, tmp_path / "m4")
         # Two upstreams, one lying: the honest one's versions are mirrored as fast as ever.
@@ -412,6 +377,15 @@ def lying_relay(root: Path, *, upto: int, serves: int = -1, figure: int | None =
     return server
 
 
+def fetch_past(liar: ShardServer, origin: ShardServer, client: Path, scores: SourceScores, **waits):
+    """Fetch v1 from the liar, listed first, and the origin: the folder, the seconds it took and
+    how many downloads the origin served."""
+    t0 = time.monotonic()
+    folder = fetch_version(1, [liar.url, origin.url], client, public_key=PUB, scores=scores, **waits)
+    took = time.monotonic() - t0
+    return folder, took, scores.snapshot()[origin.url.rstrip("/")]["successes"]
+
+
 def test_a_relay_listing_a_version_as_incoming_and_serving_nothing_does_not_hold_a_worker(tmp_path):
     """The hostile review: a relay that answers 404 to everything but lists the version as
     incoming held a worker for relay_wait_max_s (120 s by default) before it asked the origin.
@@ -422,19 +396,8 @@ def test_a_relay_listing_a_version_as_incoming_and_serving_nothing_does_not_hold
     wait_s, max_wait_s = 0.3, 30.0
     with ShardServer(tmp_path / "origin") as origin, lying_relay(tmp_path / "liar", upto=1) as liar:
         assert json.loads(urlopen(liar.url + "/versions").read()) == {"versions": [], "incoming": [0, 1]}
-        scores = SourceScores()
-        t0 = time.monotonic()
-        folder = fetch_version(
-            1,
-            [liar.url, origin.url],
-            tmp_path / "client",
-            public_key=PUB,
-            scores=scores,
-            relay_wait_s=wait_s,
-            relay_wait_max_s=max_wait_s,
-        )
-        took = time.monotonic() - t0
-        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
+        waits = dict(relay_wait_s=wait_s, relay_wait_max_s=max_wait_s)
+        folder, took, from_origin = fetch_past(liar, origin, tmp_path / "client", SourceScores(), **waits)
     assert same_files(folder, model)
     assert from_origin > 0
     # Not believed at all: relay_wait_s and the download, far below even one stall window (10 s).
@@ -457,20 +420,8 @@ def test_a_relay_whose_incoming_copy_makes_no_progress_is_dropped_after_the_stal
         if kind == "delivered-before-no-figure":
             fetch_version(0, [liar.url], tmp_path / "client", public_key=PUB, scores=scores)
             assert scores.delivered(liar.url)
-        t0 = time.monotonic()
-        folder = fetch_version(
-            1,
-            [liar.url, origin.url],
-            tmp_path / "client",
-            public_key=PUB,
-            scores=scores,
-            relay_wait_s=wait_s,
-            relay_wait_max_s=max_wait_s,
-            relay_stall_s=stall_s,
-            patches=False,
-        )
-        took = time.monotonic() - t0
-        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
+        waits = dict(relay_wait_s=wait_s, relay_wait_max_s=max_wait_s, relay_stall_s=stall_s, patches=False)
+        folder, took, from_origin = fetch_past(liar, origin, tmp_path / "client", scores, **waits)
     assert same_files(folder, model)
     assert from_origin > 0
     assert wait_s + stall_s - 0.1 <= took < wait_s + stall_s + 4.0, took

@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,9 +80,21 @@ def read_url_file(path: Path) -> str | None:
     return json.loads(path.read_text())["url"] if path.exists() else None
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes through a proxy
+
+
+def answers(url: str) -> bool:
+    """Whether a GET of `url` returns 200 now."""
+    try:
+        with _DIRECT.open(url, timeout=5) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSON-lines file (metrics.jsonl, consumed.jsonl); none before it exists."""
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def metrics(run: Path) -> list[dict]:
@@ -106,6 +120,65 @@ def store_rows(run: Path, sql: str, args: tuple = ()) -> list[tuple]:
     """One read-only query of a run's store, as tuples (comparable with literals)."""
     with run_store(run) as store:
         return [tuple(r) for r in store.query(sql, args)]
+
+
+def pids(pattern: str) -> list[str]:
+    """The processes whose command line matches `pattern` (pgrep -f)."""
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+
+
+def processes_of(run: Path) -> list[str]:
+    """Every process of a run: each role, torchrun and its ranks have the run folder on their
+    command line (workers through --cache-dir). Half a second first: a child the launcher has
+    just reaped may still be listed."""
+    time.sleep(0.5)
+    return pids(f"swarmrl.cli .*{run}")
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """What the server sends before it closes the connection (b"" if it closes without a word);
+    raises TimeoutError if it is still open after `timeout_s`."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@contextmanager
+def dripping(sock: socket.socket, data: bytes, every: float) -> Iterator[None]:
+    """A slow client: `data` sent a byte every `every` seconds from a thread while the block runs
+    (until the peer closes); then the thread is stopped and the socket closed."""
+    stop = threading.Event()
+
+    def drip() -> None:
+        for byte in data:
+            if stop.wait(every):
+                return
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                return
+
+    dripper = threading.Thread(target=drip)
+    dripper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        dripper.join()
+        sock.close()
+
+
+def verdicts(run: Path, worker: str | None = None) -> list[dict]:
+    """The validator's verdicts stored with the groups of a run (of one worker's key), oldest first."""
+    sql = "SELECT verdict FROM groups WHERE verdict IS NOT NULL"
+    if worker is None:
+        return [json.loads(v) for (v,) in store_rows(run, sql + " ORDER BY id")]
+    return [json.loads(v) for (v,) in store_rows(run, sql + " AND worker = ? ORDER BY id", (worker,))]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -201,9 +274,13 @@ class RunHandle:
     def wait_for_file(self, path: Path, timeout: float) -> Path:
         return self.wait_for(lambda: path.exists() and path, timeout, f"{path} to appear")
 
-    def wait_for_url(self, info_file: Path, timeout: float) -> str:
-        """The URL the process announced in `info_file` (written once it listens)."""
-        return self.wait_for(lambda: read_url_file(info_file), timeout, f"the URL in {info_file}")
+    def wait_for_url(self, info_file: Path, timeout: float, *, health: str | None = "/healthz") -> str:
+        """The URL the process announced in `info_file`, once `health` answers 200 there (the file
+        is written as the server starts listening; the first request may still be refused)."""
+        url = self.wait_for(lambda: read_url_file(info_file), timeout, f"the URL in {info_file}")
+        if health is not None:
+            self.wait_for(lambda: answers(url + health), timeout, f"{url}{health} to answer 200")
+        return url
 
     def wait(self, timeout: float) -> int:
         """Its exit code, once it exits within `timeout` seconds."""
@@ -228,6 +305,13 @@ class RunHandle:
         return run_store(self._run())
 
     # ---- stopping ------------------------------------------------------------------------------
+    def kill9(self) -> None:
+        """SIGKILL to its whole session at once: a crash, not a stop."""
+        if self.alive:
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
