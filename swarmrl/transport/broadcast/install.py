@@ -50,6 +50,20 @@ from swarmrl.transport.broadcast.patches import (
 )
 
 
+def _checked_request(version, public_key, sources, doing: str, why: str) -> tuple[str, list[str]]:
+    """The version's folder name and the checked sources of a request to mirror or fetch it;
+    BroadcastError (its message starting with `doing` and the version) for a bad version, a
+    missing or malformed trainer key, or bad sources."""
+    check_version(version)
+    vname = version_name(version)
+    if public_key is None:
+        raise BroadcastError(
+            f"{doing} {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): {why}"
+        )
+    check_public_key(public_key, f"{doing} {vname}")
+    return vname, check_sources(sources, f"{doing} {vname}")
+
+
 def _claim_partial(root: Path, vname: str, digest: str) -> Path:
     fresh = root / temp_name("tmp", vname)
     with active_temp_dirs() as active:
@@ -174,17 +188,11 @@ def mirror_version(
     `progress(n)` is called, from the download threads too, with the length of every chunk of
     the version written here (shards, patch, rebuilt shards): a relay lists the sum in GET
     /versions so that its clients can tell a copy coming in from a claim (_prefer_relays)."""
-    check_version(version)
-    vname = version_name(version)
     # A mirror of an unsigned version would be served on to clients that then refuse it (or,
     # worse, to a chained relay): a relay holds only what the trainer signed.
-    if public_key is None:
-        raise BroadcastError(
-            f"mirroring {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
-            "relays never mirror versions they cannot verify"
-        )
-    check_public_key(public_key, f"mirroring {vname}")
-    sources = check_sources(sources, f"mirroring {vname}")
+    vname, sources = _checked_request(
+        version, public_key, sources, "mirroring", "relays never mirror versions they cannot verify"
+    )
     root = Path(root)
     vdir = root / vname
     if (vdir / "manifest.json").is_file():
@@ -533,15 +541,9 @@ def fetch_version(
     `manifest`, the version's signed manifest when the caller has it (a worker has it from the
     orchestrator), is used once it verifies (and has `expected_digest`, if given): then the
     relays' copies are bounded by its size and the origin is not asked for it."""
-    check_version(version)
-    vname = version_name(version)
-    if public_key is None:
-        raise BroadcastError(
-            f"fetching {vname}: public_key is required (the trainer's key, <run-dir>/trainer.pub): "
-            "workers never accept unsigned versions"
-        )
-    check_public_key(public_key, f"fetching {vname}")
-    sources = check_sources(sources, f"fetching {vname}")
+    vname, sources = _checked_request(
+        version, public_key, sources, "fetching", "workers never accept unsigned versions"
+    )
     if not is_int(keep) or keep < 0:
         raise BroadcastError(f"keep must be a non-negative int, got {keep!r}")
     scores = SourceScores() if scores is None else scores
