@@ -19,6 +19,7 @@ from swarmrl.envs.episode import runs
 from swarmrl.protocol.client import Refused
 
 from adversary_world import World, honest_clean, lease_of, settled
+from orchestrator_harness import closed_clean
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -34,9 +35,7 @@ def world(tmp_path_factory):
         "--sampling.max_new_tokens",
         "96",
     )
-    yield w
-    w.close()
-    assert "internal error" not in w.orch.log()
+    yield from closed_clean(w)
 
 
 def multi_turn(submission: dict) -> int:

@@ -19,6 +19,7 @@ from swarmrl.tasks import arithmetic
 from swarmrl.validator.calibrate import calibrate
 
 from adversary_world import World, honest_clean, honest_round, lease_of, settled
+from orchestrator_harness import closed_clean
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -65,9 +66,7 @@ def world(tmp_path_factory):
         before_start=calibrate_v0,
     )
     w.limits = json.loads(limits.read_text())
-    yield w
-    w.close()
-    assert "internal error" not in w.orch.log()
+    yield from closed_clean(w)
 
 
 def evidence_of(world: World, name: str) -> list[dict]:

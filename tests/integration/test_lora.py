@@ -13,9 +13,6 @@ the trainer trains adapters only and its checkpoints hold them and their optimiz
 from __future__ import annotations
 
 import copy
-import json
-import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -49,9 +46,11 @@ from swarmrl.transport.broadcast import (
 )
 from swarmrl.validator.core import Validator
 
+from harness import judged, verdicts
 from orchestrator_harness import (
     TRAINER_KEY,
     OrchestratorProcess,
+    closed_clean,
     fit_worked_answers,
     make_run_dir,
     signed_version,
@@ -252,10 +251,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    w = World(tmp_path_factory.mktemp("lora"))
-    yield w
-    w.close()
-    assert "internal error" not in w.orch.log()
+    yield from closed_clean(World(tmp_path_factory.mktemp("lora")))
 
 
 def test_a_worker_given_only_adapters_produces_work_the_validator_passes(world):
@@ -289,15 +285,11 @@ def test_a_worker_given_only_adapters_produces_work_the_validator_passes(world):
         assert lease is not None
         result = w.client.submit(w.generate(lease))
         assert result["rejected"] == [] and len(result["accepted"]) == 2, result
-    deadline = time.monotonic() + 120
-    while (me := w.client.me())["awaiting_validation"]:
-        assert time.monotonic() < deadline, me
-        time.sleep(0.1)
+    me = judged(w.client, 120)
     assert me["accepted"] >= 4 and me["rejected"] == 0 and me["fraud"] == 0 and not me["banned"], me
-    with sqlite3.connect(world.run / "orchestrator.sqlite") as db:
-        verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
-    assert len(verdicts) >= 4 and all(v["reason"] is None for v in verdicts), verdicts
-    assert all(v["stats"]["chunks"] > 0 for v in verdicts)  # TOPLOC proofs were compared
+    judgements = verdicts(world.run)
+    assert len(judgements) >= 4 and all(v["reason"] is None for v in judgements), judgements
+    assert all(v["stats"]["chunks"] > 0 for v in judgements)  # TOPLOC proofs were compared
 
 
 def test_a_base_other_than_the_signed_one_is_refused(world, tmp_path):

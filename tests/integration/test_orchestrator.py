@@ -10,7 +10,6 @@ would pick, so the full check is exercised in test_validation.py instead.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, WorkerC
 from swarmrl.protocol.signing import sign_headers
 from swarmrl.tasks.source import model_input
 
+from harness import run_store, store_rows
 from orchestrator_harness import (
     OrchestratorProcess,
     answers,
@@ -42,6 +42,12 @@ POLICY: Path = None  # policy v0 of the module's run, set by the fixture
 # Leasing mechanics with hand-made workers: every key counts as proven (the new keys' shared cap
 # is tested in tests/test_admission.py), its own allowance still applies.
 HAND_WRITTEN = ("--validator.rate", "0", "--validator.ban_after", "1000", "--orchestrator.proven_after", "0")
+
+
+def stored_groups(orch: OrchestratorProcess, lease: dict) -> list[dict]:
+    """The groups the orchestrator stored for a lease, as submitted (with its rewards)."""
+    sql = "SELECT payload FROM groups WHERE lease_id = ? ORDER BY id"
+    return [json.loads(p) for (p,) in store_rows(orch.run_dir, sql, (lease["lease_id"],))]
 
 
 def hand_run_dir(root: Path, *overrides: str) -> Path:
@@ -158,10 +164,7 @@ def test_rewards_are_recomputed_and_claimed_rewards_refused(orch):
     result = w.submit({"lease_id": lease["lease_id"], "groups": groups})
     assert [a["rewards"] for a in result["accepted"]] == [[1.0, 0.0], [1.0, 0.0]]
     assert result["rejected"] == []
-    db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-    stored = [
-        json.loads(p) for (p,) in db.execute("SELECT payload FROM groups WHERE lease_id = ?", (lease["lease_id"],))
-    ]
+    stored = stored_groups(orch, lease)
     assert [g["rewards"] for g in stored] == [[1.0, 0.0], [1.0, 0.0]]
     assert all(
         len(g["samples"]) == 2 and g["samples"][0]["seed"] in p["seeds"] for g, p in zip(stored, lease["prompts"])
@@ -332,9 +335,8 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         assert b2["metrics"]["off_policy/max"] == 0.0
         ids = b0["group_ids"] + b1["group_ids"] + b2["group_ids"]
         assert len(ids) == len(set(ids)) == 6
-        db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-        assert db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0] == 2
-        assert db.execute("SELECT step, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY step").fetchall() == [
+        assert store_rows(orch.run_dir, "SELECT COUNT(*) FROM groups WHERE state = 'stale'")[0][0] == 2
+        assert store_rows(orch.run_dir, "SELECT step, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY step") == [
             (0, 2),
             (1, 2),
             (2, 2),
@@ -353,7 +355,7 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         held = w.lease(3)["lease"]
         lease_and_submit(w, 3)
         publish(orch, 2)
-        assert db.execute("SELECT COUNT(*) FROM groups WHERE state = 'stale'").fetchone()[0] == 4
+        assert store_rows(orch.run_dir, "SELECT COUNT(*) FROM groups WHERE state = 'stale'")[0][0] == 4
         with pytest.raises(Refused) as e:
             w.submit({"lease_id": held["lease_id"], "groups": [group(p, 3, 1) for p in held["prompts"]]})
         assert e.value.code == "lease_expired"
@@ -426,8 +428,7 @@ def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
         sender.join(timeout=60)
         assert results and len(results[0]["accepted"]) == 2
         assert not path.exists()
-        db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-        assert db.execute("SELECT COUNT(*) FROM groups WHERE lease_id = ?", (lease["lease_id"],)).fetchone()[0] == 2
+        assert len(stored_groups(orch, lease)) == 2
     finally:
         orch.stop()
 
@@ -483,8 +484,7 @@ def test_concurrent_copies_of_a_submission_are_scored_once(orch):
     accepted = [a for r in results for a in r["accepted"] if not a.get("already_accepted")]
     reasons = {x["reason"] for r in results for x in r["rejected"]}
     assert len(results) == 4 and len(accepted) == 2 and reasons <= {"in_progress"}
-    db = sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-    assert db.execute("SELECT COUNT(*) FROM groups WHERE lease_id = ?", (lease["lease_id"],)).fetchone()[0] == 2
+    assert len(stored_groups(orch, lease)) == 2
 
 
 def test_one_worker_cannot_hoard_leases_or_overfill_one(orch):
@@ -562,11 +562,8 @@ def test_trainer_reports_held_out_accuracy_to_the_dashboard(orch):
         TrainerClient(orch.url, "wrong").report(7, {"eval/accuracy": 1.0})
     import swarmrl.orchestrator.dashboard as dashboard
 
-    held = json.loads(
-        sqlite3.connect(orch.run_dir / "orchestrator.sqlite")
-        .execute("SELECT value FROM meta WHERE key = 'trainer_metrics'")
-        .fetchone()[0]
-    )
+    with run_store(orch.run_dir) as store, store.read() as db:
+        held = store.get_meta(db, "trainer_metrics")
     assert held["7"] == {"eval/accuracy": 0.625}  # only charted keys are kept
     assert "eval/accuracy" in dashboard.PROGRESS_KEYS
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import random
-import time
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from swarmrl.tasks.source import model_input
 from swarmrl.transport.broadcast import ShardServer
 from swarmrl.validator.core import Validator
 
+from harness import judged
 from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
 from runs import swarmrl
 
@@ -167,11 +167,7 @@ def worker(root, orch, name: str, policy: dict, **kw) -> Worker:
 
 
 def settled(w: Worker, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while (me := w.client.me())["awaiting_validation"]:
-        assert time.monotonic() < deadline, f"validation did not finish: {me}"
-        time.sleep(0.1)
-    return me
+    return judged(w.client, timeout_s)
 
 
 def test_workers_follow_the_run_and_the_validator_judges_in_bf16(bf16_run):

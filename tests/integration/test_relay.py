@@ -377,11 +377,11 @@ def lying_relay(root: Path, *, upto: int, serves: int = -1, figure: int | None =
     return server
 
 
-def fetch_past(liar: ShardServer, origin: ShardServer, client: Path, scores: SourceScores, **waits):
-    """Fetch v1 from the liar, listed first, and the origin: the folder, the seconds it took and
-    how many downloads the origin served."""
+def fetch_past(liar: ShardServer, origin: ShardServer, client: Path, scores: SourceScores, version: int = 1, **waits):
+    """Fetch a version from the liar, listed first, and the origin: the folder, the seconds it
+    took and how many downloads the origin has served so far."""
     t0 = time.monotonic()
-    folder = fetch_version(1, [liar.url, origin.url], client, public_key=PUB, scores=scores, **waits)
+    folder = fetch_version(version, [liar.url, origin.url], client, public_key=PUB, scores=scores, **waits)
     took = time.monotonic() - t0
     return folder, took, scores.snapshot()[origin.url.rstrip("/")]["successes"]
 
@@ -506,23 +506,11 @@ def test_a_relay_answering_deeply_nested_json_is_a_failed_source_and_the_origin_
     wait_s = 0.3
     with ShardServer(tmp_path / "origin") as origin, nested_server(tmp_path / "liar", path) as liar:
         scores = SourceScores()
-        t0 = time.monotonic()
-        folder = fetch_version(
-            1,
-            [liar.url, origin.url],
-            tmp_path / "client",
-            public_key=PUB,
-            scores=scores,
-            timeout_s=2.0,
-            relay_wait_s=wait_s,
-            relay_wait_max_s=3.0,
-            relay_stall_s=1.0,
-            patches=False,
-        )
-        took = time.monotonic() - t0
-        liar_url, origin_url = liar.url.rstrip("/"), origin.url.rstrip("/")
+        waits = dict(timeout_s=2.0, relay_wait_s=wait_s, relay_wait_max_s=3.0, relay_stall_s=1.0, patches=False)
+        folder, took, from_origin = fetch_past(liar, origin, tmp_path / "client", scores, **waits)
+        liar_url = liar.url.rstrip("/")
     assert same_files(folder, model)
-    assert scores.snapshot()[origin_url]["successes"] > 0
+    assert from_origin > 0
     assert took < wait_s + 5.0, took
     assert scores.penalized(liar_url)  # not asked first for the next version
 
@@ -725,24 +713,13 @@ def test_a_relay_faking_growing_progress_costs_a_worker_one_wait_at_most(tmp_pat
     liar = growing_liar(tmp_path / "liar", upto=2, start=(1 << 40) if above else 0, step=4096)
     scores, took = SourceScores(), {}
     with ShardServer(tmp_path / "origin") as origin, liar:
+        waits = dict(
+            timeout_s=2.0, relay_wait_s=wait_s, relay_wait_max_s=max_wait_s, relay_stall_s=stall_s, patches=False
+        )
         for v in (1, 2):
-            t0 = time.monotonic()
-            folder = fetch_version(
-                v,
-                [liar.url, origin.url],
-                tmp_path / "client",
-                public_key=PUB,
-                scores=scores,
-                timeout_s=2.0,
-                relay_wait_s=wait_s,
-                relay_wait_max_s=max_wait_s,
-                relay_stall_s=stall_s,
-                patches=False,
-                **({"manifest": published_manifest(tmp_path / "origin", v)} if above else {}),
-            )
-            took[v] = time.monotonic() - t0
+            known = {"manifest": published_manifest(tmp_path / "origin", v)} if above else {}
+            folder, took[v], from_origin = fetch_past(liar, origin, tmp_path / "client", scores, v, **waits, **known)
             assert same_files(folder, model)
-        from_origin = scores.snapshot()[origin.url.rstrip("/")]["successes"]
     assert from_origin > 0
     if above:
         assert took[1] < wait_s + 2.0, took  # not believed: relay_wait_s and the download

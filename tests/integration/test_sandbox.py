@@ -31,6 +31,8 @@ from swarmrl.rewards.code import CodeGrader, grade_code, open_code_grader
 from swarmrl.sandbox.runner import Sandbox, SandboxSettings, SandboxUnavailable
 from swarmrl.tasks import code as code_tasks
 
+from harness import wait_for
+
 UID_BASE = 61500  # away from the default; each pool claims its own uids from here up
 WORKERS = 2
 
@@ -106,10 +108,8 @@ def grader():
 def intact(grader):
     """After the test: nothing left running as a slot uid, and the grader still serves."""
     yield
-    deadline = time.monotonic() + 5
-    while slot_processes(grader.sandbox.uids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert slot_processes(grader.sandbox.uids) == [], "a sandboxed process outlived its execution"
+    outlived = "every sandboxed process to end (one outlived its execution)"
+    wait_for(lambda: slot_processes(grader.sandbox.uids) == [], 5, outlived)
     assert grader.grade_many([(SUM_INFO, completion(SUM_OK))]) == [(1.0, None)]
 
 
@@ -331,9 +331,7 @@ def test_connecting_to_a_loopback_server(grader, intact):
         assert connections == []
         # The host itself reaches the server, so the test would have seen a connection.
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        deadline = time.monotonic() + 2
-        while not connections and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: connections, 2, "the host's connection to reach the server", every=0.02)
         assert len(connections) == 1
     finally:
         stop.set()
@@ -466,17 +464,11 @@ def test_a_killed_scorer_takes_its_sandboxes_with_it(tmp_path):
         ready, *uids = scorer.stdout.readline().split()
         assert ready == "ready"
         uids = [int(u) for u in uids]
-        deadline = time.monotonic() + 10
-        while len(slot_processes(uids)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(slot_processes(uids)) >= 2
+        wait_for(lambda: len(slot_processes(uids)) >= 2, 10, "two sandboxed processes running")
     finally:
         scorer.send_signal(signal.SIGKILL)
         scorer.wait()
-    deadline = time.monotonic() + 5
-    while slot_processes(uids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert slot_processes(uids) == []
+    wait_for(lambda: slot_processes(uids) == [], 5, "the killed scorer's sandboxed processes to end")
 
 
 # -- pools do not share uids ---------------------------------------------------------------

@@ -19,6 +19,7 @@ from swarmrl.eval.runner import chat_ids
 from swarmrl.inference.sampler import Sampler
 from swarmrl.model.checkpoint import build_tiny_policy, load_policy, save_policy
 
+from harness import wait_for
 from serving import Server, departing_requests, from_address, settled_stats
 
 pytestmark = pytest.mark.timeout(300)
@@ -296,10 +297,7 @@ def test_a_running_request_cancelled_stops_and_waiting_requests_take_turns_by_ad
     try:
         running = GenRequest(ids, [1, 2, 3, 4], 400, 1.0, client="a")
         engine.submit(running)
-        deadline = time.monotonic() + 60
-        while engine.stats["requests"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: engine.stats["requests"] >= 1, 60, "the engine to take the request", every=0.01)
         running.cancel()  # its client left while it generates
         assert running.future.result(timeout=60) == []
         assert engine.stats["cancelled_running"] == 1 and engine.stats["generated_tokens"] < 4 * 400 // 2
@@ -421,10 +419,12 @@ def _hold(url: str, source: str, n: int) -> socket.socket:
 
 
 def _queued(url: str, want: int) -> None:
-    deadline = time.monotonic() + 60
-    while httpx.get(url + "/stats").json().get("queued_completions") != want:
-        assert time.monotonic() < deadline, httpx.get(url + "/stats").json()
-        time.sleep(0.05)
+    wait_for(
+        lambda: httpx.get(url + "/stats").json().get("queued_completions") == want,
+        60,
+        f"{want} queued completions",
+        log=lambda: str(httpx.get(url + "/stats").json()),
+    )
 
 
 def test_queued_work_is_capped_per_address_and_in_total_with_429_and_retry_after(capped):

@@ -21,6 +21,7 @@ from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import ShardServer, publish_version
 
+from harness import wait_for
 from orchestrator_harness import OrchestratorProcess, make_run_dir
 from serving import Server
 
@@ -54,10 +55,7 @@ def services(tmp_path_factory):
         stdout=open(root / "relay.log", "w"),
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 60
-    while not (root / "relay.json").exists():
-        assert relay.poll() is None and time.monotonic() < deadline, (root / "relay.log").read_text()
-        time.sleep(0.05)
+    wait_for(lambda: (root / "relay.json").exists(), 60, "relay.json", proc=relay, log=root / "relay.log")
     urls = {
         "orchestrator": orch.url,
         "serve": serve.url,

@@ -10,7 +10,6 @@ import os
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from swarmrl.model.checkpoint import build_tiny_policy, save_policy
 from swarmrl.protocol.tls import TLSError, server_context, trust_ca_file
 from swarmrl.transport.broadcast import ShardServer, fetch_manifest, publish_version
 
+from harness import read_url_file, wait_for
 from orchestrator_harness import make_run_dir
 
 pytestmark = pytest.mark.timeout(300)
@@ -94,13 +94,10 @@ class _Orchestrator:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 60
-        while not (run / "orchestrator.json").exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (
-                run.parent / f"orch-{run.name}.log"
-            ).read_text()
-            time.sleep(0.05)
-        self.url = json.loads((run / "orchestrator.json").read_text())["url"]
+        log = run.parent / f"orch-{run.name}.log"
+        self.url = wait_for(
+            lambda: read_url_file(run / "orchestrator.json"), 60, "orchestrator.json", proc=self.proc, log=log
+        )
 
     def stop(self) -> None:
         self.proc.terminate()

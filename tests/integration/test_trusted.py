@@ -10,8 +10,6 @@ real broadcast origin, and one `swarmrl serve` process with its reload endpoint 
 
 from __future__ import annotations
 
-import json
-import sqlite3
 from pathlib import Path
 
 import httpx
@@ -28,7 +26,8 @@ from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.transport.broadcast import ShardServer
 
 from adversary_world import lease_of, settled, train_a_little
-from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, make_run_dir, signed_version
+from harness import verdicts
+from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, closed_clean, make_run_dir, signed_version
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,13 +81,7 @@ class Fleet:
         return w
 
     def verdicts(self, key: str) -> list[dict]:
-        with sqlite3.connect(self.run / "orchestrator.sqlite") as db:
-            return [
-                json.loads(v)
-                for (v,) in db.execute(
-                    "SELECT verdict FROM groups WHERE worker = ? AND verdict IS NOT NULL ORDER BY id", (key,)
-                )
-            ]
+        return verdicts(self.run, key)
 
     def close(self) -> None:
         self.serve.stop()
@@ -98,10 +91,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("trusted"))
-    yield f
-    f.close()
-    assert "internal error" not in f.orch.log()
+    yield from closed_clean(Fleet(tmp_path_factory.mktemp("trusted")))
 
 
 def test_a_trusted_endpoint_workers_groups_round_trip_and_get_the_logprob_check(fleet):

@@ -11,7 +11,6 @@ that the honest worker sharing the run has no rejection at all.
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from swarmrl.protocol.client import Refused
 from swarmrl.protocol.signing import public_key_hex, sign_headers
 
 from adversary_world import World, attack, honest_clean, honest_round, lease_of, settled
+from orchestrator_harness import closed_clean
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,10 +39,7 @@ def verdicts(world: World, worker_key: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    w = World(tmp_path_factory.mktemp("validation"))
-    yield w
-    w.close()
-    assert "internal error" not in w.orch.log()
+    yield from closed_clean(World(tmp_path_factory.mktemp("validation")))
 
 
 # ---- honest -------------------------------------------------------------------------------------
@@ -110,7 +107,7 @@ def test_cheats_are_rejected_by_the_validator(world, kind, reason):
     # ... and the validator rejects both groups for the reason aimed at this cheat.
     assert record["rejections"] == {reason: 2}, record
     assert record["accepted"] == 0 and record["fraud"] == 2
-    with sqlite3.connect(world.run / "orchestrator.sqlite") as db:
+    with world.db() as db:
         states = [s for (s,) in db.execute("SELECT state FROM groups WHERE worker = ?", (record["worker"],))]
         details = [d for (d,) in db.execute("SELECT detail FROM rejections WHERE worker = ?", (record["worker"],))]
     assert states == ["rejected", "rejected"]

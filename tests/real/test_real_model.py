@@ -6,7 +6,6 @@ short `swarmrl rl` through orchestrator, workers with proofs, validator and rela
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from swarmrl.inference.batch import BatchEngine
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.checkpoint import load_policy
 
+from harness import store_rows
 from runs import swarmrl
 from serving import Server
 
@@ -127,12 +127,11 @@ def test_a_short_lora_run_through_every_role(real_model, tmp_path):
     )  # fmt: skip
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
+    verdicts = [json.loads(v) for (v,) in store_rows(run, "SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
     # Every group the workers made was proven and passed the full check on the real model.
     assert len(verdicts) >= 4 and all(v["ok"] and v["stats"]["chunks"] > 0 for v in verdicts), verdicts[:2]
-    assert not db.execute("SELECT COUNT(*) FROM groups WHERE state = 'rejected'").fetchone()[0]
-    assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
+    assert not store_rows(run, "SELECT COUNT(*) FROM groups WHERE state = 'rejected'")[0][0]
+    assert store_rows(run, "SELECT SUM(fraud) FROM workers")[0][0] == 0
     # Versions after v0 are adapters of a few MB, carried by the relay to the workers.
     assert (run / "policies" / "v000001" / "adapter_model.safetensors").is_file()
     assert not (run / "policies" / "v000001" / "model.safetensors").exists()

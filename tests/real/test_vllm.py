@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from swarmrl.eval.runner import chat_ids
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 
-from harness import free_port
+from harness import free_port, store_rows
 from runs import swarmrl
 
 pytestmark = pytest.mark.timeout(1200)
@@ -280,8 +279,7 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
         int(line.split()[1][1:]) for line in log.splitlines() if line.startswith("policy v") and " loaded into " in line
     ]
     assert loaded and max(loaded) >= 1, log
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    mine = db.execute("SELECT policy_version, state, verdict FROM groups WHERE worker = ?", (key,)).fetchall()
+    mine = store_rows(run, "SELECT policy_version, state, verdict FROM groups WHERE worker = ?", (key,))
     verdicts = [json.loads(v) for _, _, v in mine if v is not None]
     assert verdicts and all(v["ok"] and v["stats"]["chunks"] == 0 for v in verdicts), verdicts
     # float32 tolerance 0.005; vLLM's logprobs are within ~5e-5 of the validator's prefill.
@@ -292,7 +290,7 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     # groups so, while the built-in worker's were trained on; that is the filter working).
     reached = [state for _, state, _ in mine if state in ("consumed", "uninformative")]
     assert reached, f"none of the vLLM worker's groups reached the trainer: {[state for _, state, _ in mine]}"
-    assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
+    assert store_rows(run, "SELECT SUM(fraud) FROM workers")[0][0] == 0
     # The weights in use are the last version's: vLLM's logprobs match its prefill, not the base's.
     last = cache / "policies" / f"v{max(loaded):06d}"
     prompt = chat_ids(load_policy(real_model)[1], "What is 6 + 3? Reply with only the number.")

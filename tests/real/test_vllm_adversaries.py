@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from swarmrl.protocol.client import WorkerClient
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 
 from adversary_world import World, honest_clean, honest_round
+from harness import judged
 from orchestrator_harness import TRAINER_KEY
 
 pytestmark = pytest.mark.timeout(900)
@@ -46,15 +46,6 @@ TINY = [
     ("garbage_proofs", "toploc", 1),
 ]
 REAL = [(None, None, 1), ("int8_weights", "toploc", 1), ("int4_weights", "toploc", 1)]
-
-
-def judged(client: WorkerClient, timeout_s: float = 120.0) -> dict:
-    """A key's record once the validator has judged everything it submitted."""
-    deadline = time.monotonic() + timeout_s
-    while (me := client.me())["awaiting_validation"]:
-        assert time.monotonic() < deadline, f"validation did not finish: {me}"
-        time.sleep(0.1)
-    return me
 
 
 def through_vllm(world: World, attacks: list, python: Path, tmp: Path) -> dict:
@@ -91,7 +82,7 @@ def through_vllm(world: World, attacks: list, python: Path, tmp: Path) -> dict:
         assert all(r["engines"] == ["vllm"] for r in result["replies"]), result["replies"]
         # Careful cheats: the cheap checks at submission pass, the validator decides.
         assert all(r["rejected"] == [] for r in result["replies"]), result["replies"]
-        record = judged(WorkerClient(world.orch.url, load_or_create_key(Path(entry["dir"]) / "key.pem")))
+        record = judged(WorkerClient(world.orch.url, load_or_create_key(Path(entry["dir"]) / "key.pem")), 120)
         seen[kind] = record["rejections"]
         if kind is None:
             assert record["rejections"] == {} and record["fraud"] == 0 and record["accepted"] == 2 * n, record

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.validator.core import Validator
 
+from harness import store_rows
 from runs import EASY, swarmrl
 
 pytestmark = pytest.mark.timeout(900)
@@ -138,14 +138,13 @@ def test_an_untrusted_vllm_worker_in_a_real_rl_run(vllm_python, easy_base, tmp_p
     key = public_key_hex(load_or_create_key(run / "workers" / "worker-vllm-0" / "key.pem"))
     log = (run / "logs" / "worker-vllm-0.log").read_text()
     assert "into vLLM in this process" in log, log[-3000:]
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    mine = db.execute("SELECT policy_version, state, verdict FROM groups WHERE worker = ?", (key,)).fetchall()
+    mine = store_rows(run, "SELECT policy_version, state, verdict FROM groups WHERE worker = ?", (key,))
     assert mine, f"the vLLM worker submitted nothing:\n{log[-3000:]}"
     verdicts = [json.loads(v) for _, _, v in mine if v is not None]
     assert verdicts and all(v["ok"] and v["stats"]["chunks"] > 0 for v in verdicts), verdicts
     reached = [state for _, state, _ in mine if state in ("consumed", "uninformative")]
     assert reached, f"none of the vLLM worker's groups reached the trainer: {[state for _, state, _ in mine]}"
-    assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
+    assert store_rows(run, "SELECT SUM(fraud) FROM workers")[0][0] == 0
     if any(version >= 1 for version, _, _ in mine):
         assert "into vLLM in place" in log, log[-3000:]
         assert any((run / "workers" / "worker-vllm-0" / "merged").iterdir())  # adapters merged for vLLM

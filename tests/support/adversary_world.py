@@ -7,17 +7,20 @@ tests/real/test_vllm_adversaries.py)."""
 from __future__ import annotations
 
 import shutil
-import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy, save_policy
+from swarmrl.orchestrator.store import Db
 from swarmrl.protocol.client import TrainerClient, Unavailable
 from swarmrl.protocol.signing import public_key_hex
 from swarmrl.transport.broadcast import ShardServer
 
+from harness import run_store, wait_for
 from orchestrator_harness import TRAINER_KEY, OrchestratorProcess, fit_worked_answers, make_run_dir, signed_version
 
 SHARED = ("--validator.ban_after", "1000", "--async.max_pending_groups", "10000", "--sampling.prompts_per_step", "1000")
@@ -78,8 +81,11 @@ class World:
         self.orch.stop()
         self.server.close()
 
-    def db(self):
-        return sqlite3.connect(self.run / "orchestrator.sqlite")
+    @contextmanager
+    def db(self) -> Iterator[Db]:
+        """The orchestrator's store, read-only (rows are sqlite3.Row: by index or by name)."""
+        with run_store(self.run) as store, store.read() as db:
+            yield db
 
 
 def lease_of(w: Worker) -> dict:
@@ -90,18 +96,20 @@ def lease_of(w: Worker) -> dict:
 
 def settled(w: Worker, timeout_s: float = 90.0) -> dict:
     """The worker's record once the validator has judged everything it submitted."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    last: dict = {}
+
+    def judged() -> dict | None:
         try:
-            me = w.client.me()
+            last["me"] = w.client.me()
         except Unavailable as e:  # asking too often (the key's rate limit): wait as told
-            assert e.status == 429 and time.monotonic() < deadline, e
+            assert e.status == 429, e
             time.sleep(e.retry_after or 0.1)
-            continue
-        if me["awaiting_validation"] == 0:
-            return me
-        assert time.monotonic() < deadline, f"validation did not finish: {me}"
-        time.sleep(0.1)
+            return None
+        return last["me"] if last["me"]["awaiting_validation"] == 0 else None
+
+    return wait_for(
+        judged, timeout_s, "validation to finish", log=lambda: f"the worker's record: {last.get('me')}", every=0.1
+    )
 
 
 def honest_round(world: World) -> dict:

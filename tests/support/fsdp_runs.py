@@ -47,23 +47,9 @@ def trainer_run(out: str) -> None:
         torch.distributed.barrier()  # rank 0 writes alone; the others must not look too early
     metrics.append(trainer.train_step(batch))
     sd = trainer.full_state_dict()
-    fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
-    state = load_checkpoint(fresh, ckpt)
+    state, resumed_metrics, resumed = _redo_from(ckpt, cfg, dist_info, batch)
     assert state is not None and state["step"] == 1
-    resumed_metrics = fresh.train_step(batch)
-    resumed = fresh.full_state_dict()
-    if dist_info.is_main:
-        torch.save(
-            {
-                "state": sd,
-                "metrics": metrics,
-                "world_size": dist_info.world_size,
-                "resumed": resumed,
-                "resumed_metrics": resumed_metrics,
-            },
-            out,
-        )
-    _end_run(dist_info)
+    _write(dist_info, out, state=sd, metrics=metrics, resumed=resumed, resumed_metrics=resumed_metrics)
 
 
 def packing_run(out: str, budget: int) -> None:
@@ -78,10 +64,7 @@ def packing_run(out: str, budget: int) -> None:
     batch = packing_batch(groups, cfg)
     trainer = GRPOTrainer(model, cfg, dist_info)
     metrics = [trainer.train_step(batch), trainer.train_step(batch)]
-    sd = trainer.full_state_dict()
-    if dist_info.is_main:
-        torch.save({"state": sd, "metrics": metrics, "world_size": dist_info.world_size}, out)
-    _end_run(dist_info)
+    _write(dist_info, out, state=trainer.full_state_dict(), metrics=metrics)
 
 
 def precision_run(out: str, overrides: list[str]) -> None:
@@ -101,25 +84,33 @@ def precision_run(out: str, overrides: list[str]) -> None:
     masters, published = trainer.full_state_dict(), trainer.full_state_dict(torch.bfloat16)
     opt_dtypes = sorted({str(v.dtype) for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step"})
     param_dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    _, resumed_metrics, resumed = _redo_from(ckpt, cfg, dist_info, batch)
+    _write(
+        dist_info,
+        out,
+        masters=masters,
+        masters_step1=masters_step1,
+        published=published,
+        metrics=metrics,
+        opt_dtypes=opt_dtypes,
+        param_dtypes=param_dtypes,
+        resumed=resumed,
+        resumed_metrics=resumed_metrics,
+    )
+
+
+def _redo_from(ckpt: Path, cfg, dist_info, batch) -> tuple[dict | None, dict, dict | None]:
+    """A second trainer restored from `ckpt` redoes the next step: the checkpoint's state, that
+    step's metrics and the full state dict after it (None off rank 0)."""
     fresh = GRPOTrainer(make_model()[0], cfg, dist_info)
-    load_checkpoint(fresh, ckpt)
-    resumed_metrics = fresh.train_step(batch)
-    resumed = fresh.full_state_dict()
+    state = load_checkpoint(fresh, ckpt)
+    return state, fresh.train_step(batch), fresh.full_state_dict()
+
+
+def _write(dist_info, out: str, **results) -> None:
+    """Rank 0 writes the results (and the world size); every rank then ends the run."""
     if dist_info.is_main:
-        torch.save(
-            {
-                "masters": masters,
-                "masters_step1": masters_step1,
-                "published": published,
-                "metrics": metrics,
-                "opt_dtypes": opt_dtypes,
-                "param_dtypes": param_dtypes,
-                "world_size": dist_info.world_size,
-                "resumed": resumed,
-                "resumed_metrics": resumed_metrics,
-            },
-            out,
-        )
+        torch.save({**results, "world_size": dist_info.world_size}, out)
     _end_run(dist_info)
 
 

@@ -29,8 +29,8 @@ TAIL = 3000  # characters of a log shown with a failure
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now (a test binds it soon after: a race with
-    other processes on the machine, which the OS makes rare by not reusing ports at once)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (another process could take it before
+    the test binds it; the kernel hands out ephemeral ports in turn, which makes that rare)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -181,6 +181,17 @@ def verdicts(run: Path, worker: str | None = None) -> list[dict]:
     return [json.loads(v) for (v,) in store_rows(run, sql + " AND worker = ? ORDER BY id", (worker,))]
 
 
+def judged(client, timeout_s: float) -> dict:
+    """A worker's record (`client.me()`, a WorkerClient's) once nothing it submitted awaits the validator."""
+    last: list[dict] = []
+
+    def done() -> dict | None:
+        last[:] = [client.me()]
+        return None if last[0]["awaiting_validation"] else last[0]
+
+    return wait_for(done, timeout_s, "validation to finish", log=lambda: f"the worker's record: {last}", every=0.1)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a `swarmrl` child: one OpenMP thread (two contend for a free core on a
     shared 2-core box), and not the launcher's marker (a role started by hand is not its child)."""
@@ -192,8 +203,9 @@ class RunHandle:
     """`swarmrl <args>` in the background, its stdout in `log` (and its stderr too, unless
     `stderr_log` keeps it apart), in a session of its own so that stop() reaches every child.
 
-    A context manager: leaving it stops the process (SIGTERM, then SIGKILL to its whole group), and
-    if the block raised, prints the log tail, so a failed test shows what the run said."""
+    A context manager: leaving it stops the process (stop()); if the block raised, whatever the
+    process left running is killed too and the end of its log printed, so a failed test shows what
+    the run said and leaves nothing behind."""
 
     def __init__(
         self,

@@ -117,6 +117,14 @@ class OrchestratorProcess:
                 self.proc.wait()
 
 
+def closed_clean(world):
+    """A module fixture's body for a world of processes around an orchestrator (`world.orch`): it
+    is yielded, closed after the module's tests, and its orchestrator's log holds no internal error."""
+    yield world
+    world.close()
+    assert "internal error" not in world.orch.log()
+
+
 def answers(cfg_overrides=()) -> dict[str, str]:
     """problem_id -> correct answer for the SMALL task set."""
     cfg = load_config(None, [*SMALL, *cfg_overrides])

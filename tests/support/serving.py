@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,36 +12,17 @@ from pathlib import Path
 import httpx
 import openai
 
+from harness import RunHandle, wait_for
+
 
 class Server:
     def __init__(self, model: Path, run: Path, *extra: str):
         self.url_file = run / "url.json"
-        self.log = open(run / "serve.log", "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "swarmrl.cli",
-                "serve",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--url-file",
-                str(self.url_file),
-                "--threads",
-                "1",
-                *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        deadline = time.monotonic() + 60
-        while not self.url_file.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (run / "serve.log").read_text()
-            time.sleep(0.05)
+        (run / "serve.log").unlink(missing_ok=True)
+        argv = ("serve", "--model", str(model), "--port", "0", "--url-file", str(self.url_file), "--threads", "1")
+        self.handle = RunHandle(*argv, *extra, log=run / "serve.log").start()
+        self.proc = self.handle.proc
+        self.handle.wait_for_file(self.url_file, 60)
         info = json.loads(self.url_file.read_text())
         self.url, self.model = info["url"], info["model"]
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
@@ -51,7 +30,6 @@ class Server:
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(timeout=20)
-        self.log.close()
 
 
 def from_address(address: str, timeout: float = 120) -> httpx.Client:
@@ -63,16 +41,15 @@ def from_address(address: str, timeout: float = 120) -> httpx.Client:
 def settled_stats(url: str, timeout_s: float = 180) -> dict:
     """The server's /stats once its engine is idle: neither its token steps nor its generated tokens
     moved for 0.6 s (tokens are counted when a request ends, steps at every step)."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
+    seen: dict = {}
+
+    def idle() -> dict | None:
         now = httpx.get(url + "/stats", timeout=60).json()
         key = (now["steps"], now["generated_tokens"], now.get("queued_completions", 0))
-        if key == last and key[2] == 0:
-            return now
-        last = key
-        time.sleep(0.6)
-    raise AssertionError(f"the server's engine was still busy after {timeout_s} s: {now}")
+        last, seen["key"], seen["now"] = seen.get("key"), key, now
+        return now if key == last and key[2] == 0 else None
+
+    return wait_for(idle, timeout_s, "the server's engine to be idle", log=lambda: str(seen.get("now")), every=0.6)
 
 
 def departing_requests(

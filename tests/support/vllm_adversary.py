@@ -15,20 +15,17 @@ cheat. The output holds, per attack, the key, the versions vLLM was given and th
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from vllm_rows import read_spec
 
 from swarmrl.adversary.workers import AdversarialWorker
 from swarmrl.inference.worker import VllmSettings, Worker
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
+    spec, out = read_spec(__doc__)
     policies = spec["policies"]
     engine, results = None, []
     for attack in spec["attacks"]:
@@ -61,7 +58,7 @@ def main() -> None:
             sub = w.generate(lease)
             replies.append({"engines": sorted({g.get("engine") for g in sub["groups"]}), **w.client.submit(sub)})
         results.append({"kind": kind, "key": w.client.key_hex, "log": loaded, "replies": replies})
-    Path(args.out).write_text(json.dumps({"attacks": results}))
+    out.write_text(json.dumps({"attacks": results}))
 
 
 if __name__ == "__main__":

@@ -21,12 +21,17 @@ from pathlib import Path
 from swarmrl.inference.vllm_engine import VllmEngine
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def read_spec(doc: str) -> tuple[dict, Path]:
+    """What a script run by vLLM's python is asked (--spec FILE) and where it answers (--out FILE)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
+    return json.loads(Path(args.spec).read_text()), Path(args.out)
+
+
+def main() -> None:
+    spec, out = read_spec(__doc__)
     versions = [Path(v) for v in spec["versions"]]
     dtype, batch = spec.get("dtype", "float32"), spec.get("max_batch", 64)
     engine = VllmEngine(versions[0], dtype=dtype, stop_token_ids=spec["stop"], max_batch=batch)
@@ -59,7 +64,7 @@ def main() -> None:
                 ],
             }
         )
-    Path(args.out).write_text(json.dumps({"phases": phases}))
+    out.write_text(json.dumps({"phases": phases}))
 
 
 if __name__ == "__main__":
