@@ -7,50 +7,20 @@ benchmarks/rehearse_swarm.py --chaos does the same at random moments, in network
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from harness import free_port
+from harness import RunHandle, free_port, store_rows, train_steps, wait_for
 from orchestrator_harness import OrchestratorProcess
 from runs import EASY
 
 
-class Role:
-    def __init__(self, run: Path, name: str, *args: str):
-        self.run, self.name, self.args, self.p = run, name, list(args), None
-
-    def start(self) -> Role:
-        env = {k: v for k, v in os.environ.items() if k != "SWARMRL_LAUNCHER_PID"}
-        env["OMP_NUM_THREADS"] = "1"
-        with open(self.run / f"{self.name}.log", "ab") as out:
-            self.p = subprocess.Popen(
-                [sys.executable, "-m", "swarmrl.cli", *self.args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        return self
-
-    def kill9(self) -> None:
-        if self.p is not None and self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGKILL)
-            self.p.wait()
-
-    def log(self) -> str:
-        return (self.run / f"{self.name}.log").read_text(errors="replace")
-
-
 def _steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r["step"] for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip()) if "time/step" in r]
+    return [r["step"] for r in train_steps(run)]
+
+
+def _role(run: Path, name: str, *args: str) -> RunHandle:
+    return RunHandle(*args, log=run / f"{name}.log")
 
 
 def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_path):
@@ -69,50 +39,51 @@ def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_pat
     (run / "config.toml").write_text(cfg.to_toml())
     shutil.copytree(easy_base, run / "policies" / "v000000")
     orch = OrchestratorProcess(run).start()
-    trainer = Role(run, "trainer", "trainer", "--run-dir", str(run)).start()
-    deadline = time.time() + 120
-    while not ((run / "origin.json").exists() and (run / "trainer.pub").exists()):
-        assert trainer.p.poll() is None and time.time() < deadline, trainer.log()
-        time.sleep(0.1)
+    trainer = _role(run, "trainer", "trainer", "--run-dir", str(run)).start()
+    trainer.wait_for(
+        lambda: (run / "origin.json").exists() and (run / "trainer.pub").exists(), 120, "origin.json and trainer.pub"
+    )
     key = str(run / "trainer.pub")
     origin = json.loads((run / "origin.json").read_text())["url"]
     relay_port = free_port()
-    relay = Role(run, "relay", "relay", "--upstream", origin, "--cache-dir", str(run / "relay"))
-    relay.args += ["--port", str(relay_port), "--trainer-key", key]
-    validator = Role(run, "validator", "validator", "--orchestrator", orch.url, "--trainer-key", key)
-    validator.args += ["--token-file", str(run / "validator.token"), "--cache-dir", str(run / "validator")]
+    relay = _role(run, "relay", "relay", "--upstream", origin, "--cache-dir", str(run / "relay"))
+    relay.args += ("--port", str(relay_port), "--trainer-key", key)
+    validator = _role(run, "validator", "validator", "--orchestrator", orch.url, "--trainer-key", key)
+    validator.args += ("--token-file", str(run / "validator.token"), "--cache-dir", str(run / "validator"))
     workers = [
-        Role(run, f"w{i}", "worker", "--orchestrator", orch.url, "--key-file", str(run / f"w{i}" / "key.pem"))
+        _role(run, f"w{i}", "worker", "--orchestrator", orch.url, "--key-file", str(run / f"w{i}" / "key.pem"))
         for i in range(2)
     ]
     for i, w in enumerate(workers):
-        w.args += ["--cache-dir", str(run / f"w{i}"), "--name", f"w{i}", "--trainer-key", key]
-        w.args += ["--relays", f"http://127.0.0.1:{relay_port}"]
+        w.args += ("--cache-dir", str(run / f"w{i}"), "--name", f"w{i}", "--trainer-key", key)
+        w.args += ("--relays", f"http://127.0.0.1:{relay_port}")
     roles = [relay.start(), validator.start(), *(w.start() for w in workers)]
     # Each trusted role dies once, after a given step, and comes back a second later.
     plan = {2: "orchestrator", 4: "relay", 6: "validator", 7: "trainer"}
     try:
-        deadline = time.time() + 600
-        while plan:
-            assert time.time() < deadline, f"the run stalled at steps {_steps(run)}; " + trainer.log()[-2000:]
-            done = len(_steps(run))
-            for after in [s for s in plan if done >= s]:
-                name = plan.pop(after)
-                if name == "orchestrator":
-                    orch.kill9()
-                    time.sleep(1.0)
-                    orch.start()
-                else:
-                    role = {"relay": relay, "validator": validator, "trainer": trainer}[name]
-                    role.kill9()
-                    time.sleep(1.0)
-                    if role is trainer:
-                        role.args.append("--resume")
-                    role.start()
-            time.sleep(0.2)
-        assert trainer.p.wait(timeout=600) == 0, trainer.log()
+        deadline = time.monotonic() + 600
+        for after, name in sorted(plan.items()):
+            wait_for(
+                lambda: len(_steps(run)) >= after,  # noqa: B023 (called before `after` moves on)
+                deadline - time.monotonic(),
+                f"step {after}, to kill the {name} after it",
+                log=lambda: f"the run stalled at steps {_steps(run)}; " + trainer.out()[-2000:],
+                every=0.2,
+            )
+            if name == "orchestrator":
+                orch.kill9()
+                time.sleep(1.0)
+                orch.start()
+            else:
+                role = {"relay": relay, "validator": validator, "trainer": trainer}[name]
+                role.kill9()
+                time.sleep(1.0)
+                if role is trainer:
+                    role.args += ("--resume",)
+                role.start()
+        assert trainer.wait(timeout=600) == 0, trainer.out()
         for w in workers:
-            assert w.p.wait(timeout=60) == 0, w.log()  # workers leave once the run is finished
+            assert w.wait(timeout=60) == 0, w.out()  # workers leave once the run is finished
     finally:
         for r in [trainer, *roles]:
             r.kill9()
@@ -120,19 +91,18 @@ def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_pat
     assert _steps(run) == list(range(1, steps + 1))
     trained = [json.loads(line) for line in (run / "consumed.jsonl").read_text().splitlines()]
     assert [t["step"] for t in trained] == list(range(steps))
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    batches = dict(db.execute("SELECT step, group_ids FROM batches").fetchall())
+    batches = dict(store_rows(run, "SELECT step, group_ids FROM batches"))
     ids = [i for t in trained for i in t["group_ids"]]
     assert all(json.loads(batches[t["step"]]) == t["group_ids"] for t in trained)  # exactly the recorded batches
     assert len(ids) == len(set(ids))  # no group trained twice
-    consumed = dict(db.execute("SELECT id, step FROM groups WHERE state = 'consumed'").fetchall())
+    consumed = dict(store_rows(run, "SELECT id, step FROM groups WHERE state = 'consumed'"))
     assert sorted(consumed) == sorted(ids)
-    states = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+    states = dict(store_rows(run, "SELECT state, COUNT(*) FROM groups GROUP BY state"))
     assert set(states) <= {"consumed", "queued", "stale", "uninformative", "pending", "validating"}, states
     # The resumed trainer redid the steps after its checkpoint and got the same weights: every
     # version number still names one set of weights.
-    assert "resuming from" in trainer.log().lower() or "resum" in trainer.log().lower(), trainer.log()[-2000:]
-    assert "republishing v" not in trainer.log(), trainer.log()
+    assert "resuming from" in trainer.out().lower() or "resum" in trainer.out().lower(), trainer.out()[-2000:]
+    assert "republishing v" not in trainer.out(), trainer.out()
     assert orch.log().count("orchestrator listening") == 2
     summary = json.loads((run / "trainer_summary.json").read_text())
     assert summary["accuracy_after"] is not None

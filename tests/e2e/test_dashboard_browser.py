@@ -7,17 +7,13 @@ SWARMRL_SCREENSHOT_DIR to keep it).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from harness import RunHandle
 from runs import EASY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -25,50 +21,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _wait_for_file(path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{path} never appeared:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    time.sleep(0.2)  # written atomically, but give the server a moment to accept connections
-    return json.loads(path.read_text())
-
-
 def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_path):
     if CHROMIUM is None:
         pytest.fail("this test needs Chromium: `make test` installs Debian's package (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
-    run, log = tmp_path / "run", tmp_path / "rl.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "swarmrl.cli",
-                "rl",
-                "--run-dir",
-                str(run),
-                "--model.path",
-                str(easy_base),
-                "--trainer.steps",
-                "40",
-                "--async.adversaries",
-                "cherry_pick",
-                "--validator.ban_after",
-                "2",
-                *EASY,
-                "--eval.every",
-                "2",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    try:
-        url = _wait_for_file(run / "orchestrator.json", proc, log)["url"]
+    run = tmp_path / "run"
+    args = ("--async.adversaries", "cherry_pick", "--validator.ban_after", "2", *EASY, "--eval.every", "2")
+    with RunHandle.rl(run, easy_base, 40, *args) as launcher:
+        url = launcher.wait_for_url(run / "orchestrator.json", 180)
         errors: list[str] = []
         with sync_playwright() as p:
             # --no-sandbox: CI runs as root, where Chromium's own sandbox refuses to start.
@@ -106,11 +67,3 @@ def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_pa
                 shutil.copy(shot, Path(os.environ["SWARMRL_SCREENSHOT_DIR"]) / "dashboard.png")
             browser.close()
         assert errors == [], errors
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # the launcher stops its children
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()

@@ -7,11 +7,11 @@ turn cost makes the trusted side's reward depend on the turn a number was found 
 from __future__ import annotations
 
 import json
-import sqlite3
 
 from swarmrl.envs.episode import runs as mask_runs
 
-from runs import EASY, swarmrl
+from harness import metrics, store_rows
+from runs import EASY, swarmrl_rl
 
 
 def model_turns(mask: list[bool]) -> int:
@@ -20,29 +20,15 @@ def model_turns(mask: list[bool]) -> int:
 
 def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base, tmp_path):
     run = tmp_path / "run"
-    swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "2",
+    swarmrl_rl(
+        run,
+        easy_base,
+        2,
         *EASY,
-        "--tasks.source",
-        "guess",
-        "--tasks.guess_high",
-        "8",
-        "--tasks.guess_turn_cost",
-        "0.25",
-        "--tasks.max_turns",
-        "4",
-        "--sampling.max_new_tokens",
-        "128",
-        "--validator.rate",
-        "1.0",
+        *"--tasks.source guess --tasks.guess_high 8 --tasks.guess_turn_cost 0.25 --tasks.max_turns 4".split(),
+        *"--sampling.max_new_tokens 128 --validator.rate 1.0".split(),
     )
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run)
     steps = [r for r in records if "reward/mean" in r]
     assert len(steps) == 2
     for r in steps:
@@ -54,8 +40,7 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
         by_turn = [r[f"eval/episode/solved_by_turn_{k}"] for k in (1, 2, 3, 4)]
         assert by_turn == sorted(by_turn) and by_turn[-1] == r["eval/episode/solved"]
         assert r["eval/accuracy"] <= r["eval/episode/solved"]  # a late find pays less than 1
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    groups = [(json.loads(p), v) for p, v in db.execute("SELECT payload, verdict FROM groups")]
+    groups = [(json.loads(p), v) for p, v in store_rows(run, "SELECT payload, verdict FROM groups")]
     assert groups and all(g["task_type"] == "env:guess" for g, _ in groups)
     checked = [json.loads(v) for _, v in groups if v is not None]
     assert checked and all(v["ok"] for v in checked), checked
@@ -69,4 +54,4 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
         for s, reward in zip(g["samples"], g["task_rewards"], strict=True):
             t = model_turns(s["model_mask"])
             assert reward == 0.0 or reward == 1.0 - 0.25 * (t - 1), (reward, t)
-    assert db.execute("SELECT COUNT(*) FROM rejections").fetchone()[0] == 0
+    assert store_rows(run, "SELECT COUNT(*) FROM rejections")[0][0] == 0

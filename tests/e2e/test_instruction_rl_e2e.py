@@ -5,21 +5,17 @@ graded and stored, and held-out accuracy is reported per source."""
 from __future__ import annotations
 
 import json
-import sqlite3
 
-from runs import EASY, swarmrl
+from harness import metrics, store_rows
+from runs import EASY, swarmrl_rl
 
 
 def test_a_mixed_run_grades_instruction_groups_and_reports_each_sources_accuracy(easy_base, tmp_path):
     run = tmp_path / "run"
-    swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "1",
+    swarmrl_rl(
+        run,
+        easy_base,
+        1,
         *EASY,
         "--tasks.source",
         "mix",
@@ -40,14 +36,13 @@ def test_a_mixed_run_grades_instruction_groups_and_reports_each_sources_accuracy
         "--broadcast.relays",
         "0",
     )
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run)
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1]  # before and after
     for r in evals:
         assert {"eval/accuracy/arithmetic", "eval/accuracy/instructions", "eval/instruction_strict"} <= set(r)
         assert r["eval/problems"] == 16.0  # eval_size 8 per source
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    groups = [json.loads(p) for (p,) in db.execute("SELECT payload FROM groups")]
+    groups = [json.loads(p) for (p,) in store_rows(run, "SELECT payload FROM groups")]
     graded = [g for g in groups if g["task_type"] == "instruction_following"]
     assert graded and all(len(g["rewards"]) == len(g["samples"]) for g in graded)
     assert json.loads(graded[0]["verification_info"])["reward"] == "fraction"

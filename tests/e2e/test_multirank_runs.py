@@ -28,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import free_port
-from runs import EASY, swarmrl
+from harness import RunHandle, cli_env, free_port, processes_of, run_store, train_steps
+from runs import EASY, swarmrl_rl
 
 TOL = 1e-5
 LR = 3e-4
@@ -60,24 +60,11 @@ FAST = [
 ]
 
 
-def _processes_of(run: Path) -> list[str]:
-    """Every process of the run (launcher children, torchrun and its ranks) names the run dir."""
-    time.sleep(0.5)
-    return subprocess.run(["pgrep", "-f", f"swarmrl.cli .*{run}"], capture_output=True, text=True).stdout.split()
-
-
-def _steps(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if "time/step" in r]
-
-
 def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], list[dict]]:
     """One process trains on the batches the run recorded, as run_trainer does; its weights
     after each step and its metrics."""
     from swarmrl.config import load_config
     from swarmrl.model.checkpoint import load_policy
-    from swarmrl.orchestrator.store import Store
     from swarmrl.protocol.rollouts import Group
     from swarmrl.trainer.batch import build_train_batch
     from swarmrl.trainer.grpo import GRPOTrainer
@@ -92,9 +79,8 @@ def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor
     model, tokenizer = load_policy(run / "policies" / "v000000")
     trainer = GRPOTrainer(model, cfg)
     trainer.proximal_in_forward = False
-    store = Store(run / "orchestrator.sqlite")
     states, metrics = [], []
-    try:
+    with run_store(run) as store:
         for step in range(steps):
             with store.read() as db:
                 ids = json.loads(store.batch(db, step)["group_ids"])
@@ -108,8 +94,6 @@ def _replay_one_rank(run: Path, steps: int) -> tuple[list[dict[str, torch.Tensor
             metrics.append(trainer.train_step(batch))
             # One process: the state dict holds the live parameters, which the next step updates.
             states.append({k: v.clone() for k, v in trainer.full_state_dict().items()})
-    finally:
-        store.close()
     return states, metrics
 
 
@@ -125,7 +109,7 @@ def _assert_matches_one_rank(run: Path, steps: int) -> float:
             assert float(d.max()) <= 2 * 3.2 * LR * v, f"v{v} {k}: |2 ranks - 1 rank| = {float(d.max()):.3g}"
             far, total = far + int((d >= TOL).sum()), total + d.numel()
     assert far <= FLIPPED_SHARE * total, f"{far} of {total} weights differ by {TOL} or more between 2 ranks and 1"
-    logged = _steps(run)
+    logged = train_steps(run)
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
     for r, m in zip(logged, replay):
         # The gradient itself, not only Adam's scale-free step (a gradient averaged over ranks
@@ -142,14 +126,10 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
     run = tmp_path / "run"
     steps = 3
     t0 = time.monotonic()
-    proc = swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        str(steps),
+    proc = swarmrl_rl(
+        run,
+        easy_base,
+        steps,
         "--trainer.nproc",
         "2",
         *FAST,
@@ -162,7 +142,7 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
     assert "held-out accuracy after" in (run / "logs" / "trainer-rank0.log").read_text()
     worst = _assert_matches_one_rank(run, steps)
     # It learned: finite losses, and the weights moved by far more than the tolerance.
-    assert all(math.isfinite(r["loss/policy"]) and r["grad_norm"] > 0 for r in _steps(run))
+    assert all(math.isfinite(r["loss/policy"]) and r["grad_norm"] > 0 for r in train_steps(run))
     v0 = load_file(run / "policies" / "v000000" / "model.safetensors")
     vn = load_file(run / "policies" / f"v{steps:06d}" / "model.safetensors")
     moved = max(float((vn[k] - v0[k]).abs().max()) for k in v0)
@@ -170,58 +150,26 @@ def test_two_ranks_publish_the_versions_one_rank_would(easy_base, tmp_path, one_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["accuracy_after"] is not None
     print(f"2 ranks vs 1: max |diff| {worst:.3g} over {steps} versions; weights moved {moved:.3g}; run {wall:.0f} s")
-    assert _processes_of(run) == []
+    assert processes_of(run) == []
 
 
 @pytest.mark.timeout(300)
 def test_a_dead_rank_ends_the_run_naming_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "rl",
-            "--run-dir",
-            str(run),
-            "--model.path",
-            str(easy_base),
-            "--trainer.steps",
-            "500",
-            "--trainer.nproc",
-            "2",
-            *FAST,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
     rank1 = run / "logs" / "trainer-rank1.log"
-    try:
-        rank0 = run / "logs" / "trainer-rank0.log"
-        deadline = time.time() + 180
+    launcher = RunHandle.rl(run, easy_base, 500, "--trainer.nproc", "2", *FAST, stderr_log=tmp_path / "rl.err")
+    with launcher:
         # Mid-run: rank 0 has evaluated the base and waits for batch 0, rank 1 waits in the
         # collective that hands it over.
-        while (
-            time.time() < deadline
-            and proc.poll() is None
-            and not (rank0.exists() and "held-out accuracy before" in rank0.read_text())
-        ):
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stderr.read()
+        launcher.wait_for_line("held-out accuracy before", 180, path=run / "logs" / "trainer-rank0.log")
         pid = int(re.search(r"pid (\d+)", rank1.read_text()).group(1))
         os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        code = launcher.wait(timeout=90)
+    err = launcher.err()
     print(err)
-    assert proc.returncode == 2, err
+    assert code == 2, err
     assert f"trainer rank 1 exited with signal 9 (SIGKILL); its log is {rank1}" in err, err
-    assert _processes_of(run) == []
+    assert processes_of(run) == []
 
 
 @pytest.mark.timeout(720)
@@ -230,35 +178,20 @@ def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thr
     is `swarmrl trainer --node-rank 1` on its own copy of config.toml and policies/v000000."""
     run, node1 = tmp_path / "run", tmp_path / "node1"
     steps = 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "rl",
-            "--run-dir",
-            str(run),
-            "--model.path",
-            str(easy_base),
-            "--trainer.steps",
-            str(steps),
-            "--trainer.nnodes",
-            "2",
-            "--trainer.rdzv_endpoint",
-            f"127.0.0.1:{free_port()}",
-            *FAST,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    rdzv = f"127.0.0.1:{free_port()}"
+    launcher = RunHandle.rl(
+        run,
+        easy_base,
+        steps,
+        "--trainer.nnodes",
+        "2",
+        "--trainer.rdzv_endpoint",
+        rdzv,
+        *FAST,
+        stderr_log=tmp_path / "rl.err",
     )
-    second = None
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and launcher.poll() is None and not (run / "logs" / "trainer.log").exists():
-            time.sleep(0.2)  # node 0's torchrun is up: the run dir is prepared
+    with launcher:
+        launcher.wait_for_file(run / "logs" / "trainer.log", 120)  # node 0's torchrun is up: the run dir is prepared
         (node1 / "policies").mkdir(parents=True)
         shutil.copy(run / "config.toml", node1 / "config.toml")
         shutil.copytree(run / "policies" / "v000000", node1 / "policies" / "v000000")
@@ -266,21 +199,17 @@ def test_two_nodes_the_second_started_by_hand(easy_base, tmp_path, one_torch_thr
             [sys.executable, "-m", "swarmrl.cli", "trainer", "--run-dir", str(node1), "--node-rank", "1"],
             capture_output=True,
             text=True,
-            env=env,
+            env=cli_env(),
             timeout=300,
         )
         # Node 0 still evaluates, stops its workers, relay and orchestrator after node 1 is done:
         # 81 s for the whole test alone on 2 cores, but past 120 s beside CI's other tier (a vLLM
         # run on the same cores), so the wait is generous; a hang still ends at the test's limit.
-        out, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.terminate()
-            launcher.wait(timeout=30)
-    assert launcher.returncode == 0, err
+        code = launcher.wait(timeout=300)
+    assert code == 0, launcher.err()
     assert second.returncode == 0, second.stdout + second.stderr
     assert "trainer node 1 of 2: 1 ranks under torchrun" in second.stdout
     assert "trainer rank 1 of 2 (node 1, local rank 0)" in (node1 / "logs" / "trainer-rank1.log").read_text()
     assert not (node1 / "metrics.jsonl").exists()  # only global rank 0 writes the run's files
     _assert_matches_one_rank(run, steps)
-    assert _processes_of(run) == [] and _processes_of(node1) == []
+    assert processes_of(run) == [] and processes_of(node1) == []

@@ -15,12 +15,13 @@ import os
 import re
 import shutil
 import socket
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import metrics, run_store, store_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- tests/e2e/test_operating.py runs the next block as written -->"
@@ -77,7 +78,7 @@ def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}{logs}"
     run = tmp_path / "runs" / "rehearsal"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4], rows
     assert json.loads((run / "trainer_summary.json").read_text())["steps"] == 4
     # Every role did its part: the validator checked groups, the workers fetched through the relay
@@ -86,9 +87,9 @@ def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
         "https://127.0.0.1:8412"
         in (tmp_path / "logs" / "worker-1.log").read_text() + (tmp_path / "logs" / "worker-2.log").read_text()
     )
-    with sqlite3.connect(run / "orchestrator.sqlite") as db:
-        states = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
-        workers = db.execute("SELECT name, validated, banned FROM workers").fetchall()
+    with run_store(run) as store, store.read() as db:
+        states = store.group_state_counts(db)
+    workers = store_rows(run, "SELECT name, validated, banned FROM workers")
     assert states.get("consumed", 0) >= 4 * 4, states
     assert "rejected" not in states, states
     assert sum(v for _, v, _ in workers) > 0 and not any(b for *_, b in workers), workers

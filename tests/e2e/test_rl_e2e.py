@@ -11,33 +11,24 @@ import json
 import os
 import re
 import signal
-import sqlite3
-import subprocess
-import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-from runs import EASY, swarmrl
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+from harness import RunHandle, metrics, pids, processes_of, run_store, store_rows, train_steps, wait_for
+from runs import EASY, swarmrl, swarmrl_rl
 
 
 def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path):
     """One run carries two tests' assertions (issue 27): the plain end-to-end checks, and issue 18's
     run with every service on https (a CA made for the run; children trust it)."""
     run = tmp_path / "run"
-    proc = swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "4",
+    proc = swarmrl_rl(
+        run,
+        easy_base,
+        4,
         "--async.bound",
         "1",
         "--async.workers",
@@ -78,7 +69,7 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     pub = (run / "trainer.pub").read_text().strip()
     manifest = json.loads((run / "broadcast" / "v000004" / "manifest.json").read_text())
     assert manifest["public_key"] == pub and manifest["version"] == 4 and manifest["parent"] == 3
-    steps = [r for r in metrics(run) if "time/step" in r]
+    steps = train_steps(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["off_policy/max"] <= 1 for r in steps)
     for name in ("reward/mean", "time/step", "time/wait_for_batch", "loss/policy", "grad_norm"):
@@ -97,21 +88,17 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
     ]
     assert (run / "checkpoints" / "step_000004" / "trainer.pt").exists()
     assert '"accuracy_after"' in proc.stdout
-    assert _processes_of(run) == []  # no process of the run is left behind
+    assert processes_of(run) == []  # no process of the run is left behind
 
 
 def test_a_synchronous_run_refuses_a_restart_and_resumes(easy_base, tmp_path):
     """One run carries three tests' assertions (issue 27): the synchronous bound (k = 0), starting
     over an existing run refused, and resuming it with a raised step budget."""
     run = tmp_path / "run"
-    swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "2",
+    swarmrl_rl(
+        run,
+        easy_base,
+        2,
         "--trainer.checkpoint_every",
         "1",
         "--async.bound",
@@ -124,117 +111,56 @@ def test_a_synchronous_run_refuses_a_restart_and_resumes(easy_base, tmp_path):
         "0",
         *EASY,
     )
-    steps = [r for r in metrics(run) if "time/step" in r]
+    steps = train_steps(run)
     assert len(steps) == 2 and all(r["off_policy/max"] == 0 for r in steps)
     # Starting over an existing run is refused, without a traceback, and names the way out.
-    proc = swarmrl(
-        "rl", "--run-dir", str(run), "--model.path", str(easy_base), "--trainer.steps", "1", *EASY, check=False
-    )
+    proc = swarmrl_rl(run, easy_base, 1, *EASY, check=False)
     assert proc.returncode == 2 and "--resume" in proc.stderr and "Traceback" not in proc.stderr
     # Raise the step budget in the run's own config, as a user extending a run would.
     cfg = (run / "config.toml").read_text().replace("steps = 2\n", "steps = 4\n", 1)
     (run / "config.toml").write_text(cfg)
     again = swarmrl("rl", "--run-dir", str(run), "--resume", *EASY)  # the run's config wins; no override needed
     assert "resumed" in (run / "logs" / "trainer.log").read_text()
-    steps = [r for r in metrics(run) if "time/step" in r]
+    steps = train_steps(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4], steps
     assert all(r["off_policy/max"] == 0 for r in steps)  # the resumed run keeps its own bound
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
     assert again.returncode == 0
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """If a test failed midway, stop the launcher the polite way (SIGTERM makes it stop its
-    children), so a failure never leaves a run burning CPU behind it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _start_long_run(easy_base: Path, run: Path) -> subprocess.Popen:
-    """A run far longer than the test, returned once its trainer has written metrics."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "swarmrl.cli",
-            "rl",
-            "--run-dir",
-            str(run),
-            "--model.path",
-            str(easy_base),
-            "--trainer.steps",
-            "500",
-            *EASY,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+def _start_long_run(easy_base: Path, run: Path) -> RunHandle:
+    """A run far longer than the test, returned once its trainer has written metrics and the
+    launcher has started the workers (after the relays). Its stderr is kept apart: the tests read it."""
+    handle = RunHandle.rl(run, easy_base, 500, *EASY, stderr_log=run.with_name("rl.err")).start()
+    handle.wait_for(
+        lambda: (run / "metrics.jsonl").exists() and pids(f"cache-dir {run}/workers/worker-1"),
+        120,
+        "the trainer's first metrics and worker-1's process",
     )
-    deadline = time.time() + 120
-    # The trainer has written metrics, and the launcher has started the workers (after the relays).
-    while (
-        time.time() < deadline
-        and proc.poll() is None
-        and not ((run / "metrics.jsonl").exists() and (run / "logs" / "worker-1.log").exists())
-    ):
-        time.sleep(0.2)
-    time.sleep(0.5)
-    return proc
-
-
-def _processes_of(run: Path) -> list[str]:
-    """Every role has the run directory on its command line (workers through --cache-dir)."""
-    time.sleep(0.5)
-    return subprocess.run(["pgrep", "-f", f"swarmrl.cli .*{run}"], capture_output=True, text=True).stdout.split()
+    return handle
 
 
 def test_a_dead_worker_stops_the_run_with_its_log(easy_base, tmp_path):
     run = tmp_path / "run"
-    proc = _start_long_run(easy_base, run)
-    try:
-        pids = subprocess.run(
-            ["pgrep", "-f", f"cache-dir {run}/workers/worker-0"], capture_output=True, text=True
-        ).stdout.split()
-        assert pids, "worker not found"
-        os.kill(int(pids[0]), signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        _stop(proc)
-    assert proc.returncode == 2
+    with _start_long_run(easy_base, run) as launcher:
+        worker = pids(f"cache-dir {run}/workers/worker-0")
+        assert worker, "worker not found"
+        os.kill(int(worker[0]), signal.SIGKILL)
+        code = launcher.wait(timeout=60)
+    err = launcher.err()
+    assert code == 2
     assert "worker-0 exited with code -9" in err and str(run / "logs" / "worker-0.log") in err
-    assert _processes_of(run) == []
+    assert processes_of(run) == []
 
 
 def test_ctrl_c_stops_every_child(easy_base, tmp_path):
     run = tmp_path / "run"
-    proc = _start_long_run(easy_base, run)
-    try:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        _stop(proc)
-    assert proc.returncode == 130
-    assert "--resume" in out
-    assert _processes_of(run) == []
-
-
-def _role(*args: str, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "SWARMRL_LAUNCHER_PID"}
-    env["OMP_NUM_THREADS"] = "1"
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "swarmrl.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+    with _start_long_run(easy_base, run) as launcher:
+        launcher.signal(signal.SIGINT)
+        code = launcher.wait(timeout=60)
+    assert code == 130
+    assert "--resume" in launcher.out()
+    assert processes_of(run) == []
 
 
 def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_base, tmp_path):
@@ -253,75 +179,56 @@ def test_orchestrator_kill9_mid_run_loses_nothing_and_feeds_no_group_twice(easy_
     (run / "config.toml").write_text(cfg.to_toml())
     shutil.copytree(easy_base, run / "policies" / "v000000")
     orch = OrchestratorProcess(run).start()
-    roles = [_role("trainer", "--run-dir", str(run), log=run / "trainer.log")]
-    for i in range(2):
-        roles.append(
-            _role(
-                "worker",
-                "--orchestrator",
-                orch.url,
-                "--key-file",
-                str(run / f"w{i}" / "key.pem"),
-                "--cache-dir",
-                str(run / f"w{i}"),
-                "--name",
-                f"w{i}",
-                log=run / f"w{i}.log",
+    with ExitStack() as stack:
+        stack.callback(orch.stop)
+        trainer = stack.enter_context(RunHandle("trainer", "--run-dir", str(run), log=run / "trainer.log"))
+        roles = [trainer]
+        for i in range(2):
+            worker_args = ("--key-file", str(run / f"w{i}" / "key.pem"), "--cache-dir", str(run / f"w{i}"))
+            worker = RunHandle(
+                "worker", "--orchestrator", orch.url, *worker_args, "--name", f"w{i}", log=run / f"w{i}.log"
             )
-        )
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and len([r for r in _read(run) if "time/step" in r]) < 3:
-            assert all(p.poll() is None for p in roles), (run / "trainer.log").read_text()
-            time.sleep(0.1)
+            roles.append(stack.enter_context(worker))
+
+        def three_steps() -> bool:
+            assert all(r.alive for r in roles), trainer.out()
+            return len(train_steps(run)) >= 3
+
+        wait_for(three_steps, 180, "3 trainer steps", log=trainer.out)
         orch.kill9()
         time.sleep(1.0)
         orch.start()
-        assert roles[0].wait(timeout=240) == 0, (run / "trainer.log").read_text()
-        for p in roles[1:]:
-            assert p.wait(timeout=60) == 0  # workers leave once the run is finished
-    finally:
-        for p in roles:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        orch.stop()
-    assert [r["step"] for r in _read(run) if "time/step" in r] == list(range(1, steps + 1))
+        assert trainer.wait(timeout=240) == 0, trainer.out()
+        for w in roles[1:]:
+            assert w.wait(timeout=60) == 0  # workers leave once the run is finished
+    assert [r["step"] for r in train_steps(run)] == list(range(1, steps + 1))
     trained = [json.loads(line) for line in (run / "consumed.jsonl").read_text().splitlines()]
     assert [t["step"] for t in trained] == list(range(steps))
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    batches = dict(db.execute("SELECT step, group_ids FROM batches").fetchall())
+    batches = dict(store_rows(run, "SELECT step, group_ids FROM batches"))
     all_ids = []
     for t in trained:
         assert json.loads(batches[t["step"]]) == t["group_ids"]  # the trainer got exactly the recorded batch
         all_ids += t["group_ids"]
     assert len(all_ids) == len(set(all_ids))  # no group fed two steps
-    consumed = dict(db.execute("SELECT id, step FROM groups WHERE state = 'consumed'").fetchall())
+    consumed = dict(store_rows(run, "SELECT id, step FROM groups WHERE state = 'consumed'"))
     assert sorted(consumed) == sorted(all_ids)
     assert all(consumed[i] == t["step"] for t in trained for i in t["group_ids"])
-    states = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+    with run_store(run) as store, store.read() as db:
+        states = store.group_state_counts(db)
     # Groups that arrived after the last batch was built may still wait for the validator when the
     # run ends (seen under a loaded machine): they are not lost, only never needed.
     assert set(states) <= {"consumed", "queued", "stale", "uninformative", "pending", "validating"}
     assert "orchestrator listening" in orch.log() and orch.log().count("orchestrator listening") == 2
 
 
-def _read(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_base, tmp_path):
 
     run = tmp_path / "run"
     kinds = ["cherry_pick", "edit_tokens", "other_model"]
-    proc = swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "8",
+    proc = swarmrl_rl(
+        run,
+        easy_base,
+        8,
         "--async.adversaries",
         ",".join(kinds),
         "--validator.ban_after",
@@ -329,10 +236,9 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
         *EASY,
         timeout=600,
     )
-    db = sqlite3.connect(run / "orchestrator.sqlite")
     workers = {
         key: (name, banned, fraud)
-        for key, name, banned, fraud in db.execute("SELECT key, name, banned, fraud FROM workers")
+        for key, name, banned, fraud in store_rows(run, "SELECT key, name, banned, fraud FROM workers")
     }
     bad = {k for k, (name, _, _) in workers.items() if name.startswith("adversary-")}
     good = set(workers) - bad
@@ -342,15 +248,16 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
     # An honest worker may only be refused for being late (a loaded machine), never for its work.
     marks = ",".join("?" * len(good))
     honest = {
-        r for (r,) in db.execute(f"SELECT DISTINCT reason FROM rejections WHERE worker IN ({marks})", tuple(good))
+        r for (r,) in store_rows(run, f"SELECT DISTINCT reason FROM rejections WHERE worker IN ({marks})", tuple(good))
     }
     assert honest <= {"stale", "duplicate", "in_progress", "slot_closed"}, honest
     reasons = {
         name: r
-        for name, r in db.execute(
+        for name, r in store_rows(
+            run,
             "SELECT workers.name, GROUP_CONCAT(DISTINCT rejections.reason) FROM rejections "
             "JOIN workers ON workers.key = rejections.worker WHERE workers.name LIKE 'adversary-%' "
-            "AND rejections.reason NOT IN ('stale', 'duplicate', 'in_progress', 'slot_closed') GROUP BY workers.name"
+            "AND rejections.reason NOT IN ('stale', 'duplicate', 'in_progress', 'slot_closed') GROUP BY workers.name",
         )
     }
     assert reasons == {
@@ -367,18 +274,18 @@ def test_adversarial_workers_are_banned_and_none_of_their_work_is_trained(easy_b
         gid for line in (run / "consumed.jsonl").read_text().splitlines() for gid in json.loads(line)["group_ids"]
     ]
     marks = ",".join("?" * len(consumed))
-    rows = db.execute(f"SELECT worker, verdict FROM groups WHERE id IN ({marks})", consumed).fetchall()
+    rows = store_rows(run, f"SELECT worker, verdict FROM groups WHERE id IN ({marks})", tuple(consumed))
     assert len(rows) == len(consumed) and all(json.loads(v)["ok"] for _, v in rows if v is not None)
     assert all(v is not None for w, v in rows if w in bad)
     assert {w for w, _ in rows} & good
     for w, v in rows:
         if w in bad:
             assert json.loads(v)["stats"]["sampling_margin_max"] == 0.0
-    assert not db.execute("SELECT COUNT(*) FROM groups WHERE state = 'rejected' AND step IS NOT NULL").fetchone()[0]
+    assert not store_rows(run, "SELECT COUNT(*) FROM groups WHERE state = 'rejected' AND step IS NOT NULL")[0][0]
     # The terminal said who was banned and why; the metrics count it.
     for kind in kinds:
         assert f"banned: worker adversary-{kinds.index(kind)}-{kind}" in proc.stdout, proc.stdout
-    last = [r for r in metrics(run) if "time/step" in r][-1]
+    last = train_steps(run)[-1]
     assert last["workers/banned"] == 3 and last["rejected/sampling"] >= 2 and last["rejected/toploc"] >= 2
     assert json.loads((run / "summary.json").read_text())["steps"] == 8
 
@@ -391,14 +298,10 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     from swarmrl.config import read_key_file
 
     run = tmp_path / "run"
-    swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "8",
+    swarmrl_rl(
+        run,
+        easy_base,
+        8,
         # One built-in worker holding one lease at a time: the endpoint worker starts after it (its
         # own `swarmrl serve` first), and in a CI run on machine E with two built-in workers none of
         # its groups was trained (most likely they had taken every step's work by then).
@@ -415,15 +318,16 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
         *EASY,
         timeout=600,
     )
-    db = sqlite3.connect(run / "orchestrator.sqlite")
-    names = dict(db.execute("SELECT key, name FROM workers"))
+    names = dict(store_rows(run, "SELECT key, name FROM workers"))
     trusted = read_key_file(run / "trusted_keys.txt")
     assert [names[k] for k in trusted] == ["worker-openai-0"] and len(names) == 2
     consumed = [
         gid for line in (run / "consumed.jsonl").read_text().splitlines() for gid in json.loads(line)["group_ids"]
     ]
     marks = ",".join("?" * len(consumed))
-    rows = db.execute(f"SELECT worker, proofs, verdict, payload FROM groups WHERE id IN ({marks})", consumed).fetchall()
+    rows = store_rows(
+        run, f"SELECT worker, proofs, verdict, payload FROM groups WHERE id IN ({marks})", tuple(consumed)
+    )
     mine = [r for r in rows if r[0] in trusted]
     theirs = [r for r in rows if r[0] not in trusted]
     # The endpoint worker's groups were trained on: no proofs, declared as the server's.
@@ -435,19 +339,20 @@ def test_a_trusted_endpoint_worker_trains_alongside_workers_that_prove(easy_base
     # Some of the endpoint worker's groups got the logprob check; none failed it; nobody was refused for fraud.
     checked = [
         json.loads(v)
-        for (v,) in db.execute(
+        for (v,) in store_rows(
+            run,
             f"SELECT verdict FROM groups WHERE verdict IS NOT NULL AND worker IN ({','.join('?' * len(trusted))})",
             tuple(trusted),
         )
     ]
     assert checked and all(v["ok"] and v["stats"]["chunks"] == 0 for v in checked)
-    assert db.execute("SELECT SUM(fraud) FROM workers").fetchone()[0] == 0
+    assert store_rows(run, "SELECT SUM(fraud) FROM workers")[0][0] == 0
     # Every new version went into the server through its reload endpoint.
     log = (run / "logs" / "worker-openai-0.log").read_text()
     assert log.count("loaded into http://127.0.0.1:") >= 2 and "this key is trusted" in log
-    steps = [r for r in metrics(run) if "time/step" in r]
+    steps = train_steps(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert _processes_of(run) == []
+    assert processes_of(run) == []
 
 
 LORA_FILES = ["adapter_config.json", "adapter_model.safetensors"]
@@ -457,14 +362,10 @@ def test_swarmrl_rl_with_lora_publishes_adapters_that_workers_use_and_the_valida
     from swarmrl.protocol.manifest import content_digest
 
     run = tmp_path / "run"
-    swarmrl(
-        "rl",
-        "--run-dir",
-        str(run),
-        "--model.path",
-        str(easy_base),
-        "--trainer.steps",
-        "3",
+    swarmrl_rl(
+        run,
+        easy_base,
+        3,
         "--trainer.lora.rank",
         "8",
         "--trainer.lr",
@@ -484,9 +385,8 @@ def test_swarmrl_rl_with_lora_publishes_adapters_that_workers_use_and_the_valida
     # Workers loaded adapter versions (merged into the base they hold) and their work passed.
     logs = (run / "logs" / "worker-0.log").read_text() + (run / "logs" / "worker-1.log").read_text()
     assert re.search(r"policy v[123] loaded", logs), logs
-    with sqlite3.connect(run / "orchestrator.sqlite") as db:
-        verdicts = [json.loads(v) for (v,) in db.execute("SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
-        versions = {v for (v,) in db.execute("SELECT DISTINCT policy_version FROM groups")}
+    verdicts = [json.loads(v) for (v,) in store_rows(run, "SELECT verdict FROM groups WHERE verdict IS NOT NULL")]
+    versions = {v for (v,) in store_rows(run, "SELECT DISTINCT policy_version FROM groups")}
     assert verdicts and all(v["reason"] is None for v in verdicts), [v for v in verdicts if v["reason"]][:3]
     assert versions & {1, 2, 3}, versions  # adapter versions were sampled and validated, not only the base
     # The checkpoint holds the adapters, not the base.
