@@ -216,6 +216,7 @@ def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_worker
     from swarmrl.protocol.signing import public_key_hex
     from swarmrl.transport.broadcast import ShardServer
 
+    from harness import wait_for
     from orchestrator_harness import (
         TRAINER_KEY,
         OrchestratorProcess,
@@ -250,12 +251,11 @@ def scenario(root: Path, *, phase_s: float = 12.0, keys: int = 20, honest_worker
         threading.Thread(target=trainer_loop, args=(trainer, stop), daemon=True).start()
         honest = Honest(workers)
         # Warm up until the honest keys are proven (validated work), as in a run under way.
-        deadline = time.monotonic() + 120
         honest.running.set()
-        while not all(w.client.me()["proven"] for w in workers):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"honest workers not proven after 120 s: {[w.client.me() for w in workers]}")
-            time.sleep(0.5)
+        records = lambda: str([w.client.me() for w in workers])  # noqa: E731
+        wait_for(
+            lambda: all(w.client.me()["proven"] for w in workers), 120, "honest keys proven", log=records, every=0.5
+        )
         honest.running.clear()
         worst = [0.0]
         threading.Thread(target=healthz_loop, args=(orch.url, stop, worst), daemon=True).start()
