@@ -52,7 +52,7 @@ from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import GroupIn, Lease, LeaseReply, SampleIn, SubmitIn, request_body
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_policy
 from swarmrl.transport.filesystem import atomic_write_text
 
 
@@ -172,37 +172,21 @@ class Worker:
         try:
             t0 = time.monotonic()
             sources = [*self._relays(), policy["url"]]
-            try:
-                folder = fetch_version(
-                    version,
-                    sources,
-                    self.cache / "policies",
-                    public_key=key,
-                    scores=self.scores,
-                    keep=2,
-                    parallel=self.parallel,
-                    timeout_s=self.timeout_s,
-                    expected_digest=digest,
-                    log=notes.append,
-                    manifest=policy["manifest"],  # the relays' copies are bounded by it; the origin's is not needed
-                )
-                # A LoRA run's version is an adapter: merged into the base it names (fetched once,
-                # checked against the digest the trainer signed), so the sampler sees plain weights.
-                base = fetch_base(
-                    policy["manifest"],
-                    sources,
-                    self.cache / "policies",
-                    public_key=key,
-                    verified=self.bases,
-                    scores=self.scores,
-                    keep=2,
-                    parallel=self.parallel,
-                    timeout_s=self.timeout_s,
-                )
-            except (BroadcastError, OSError, ValueError):
-                raise
-            except Exception as e:  # noqa: BLE001 - the sources are untrusted: whatever a fetch raises is a failed load
-                raise BroadcastError(f"fetching it failed ({type(e).__name__}: {e})") from None
+            # A LoRA run's version is an adapter: merged into the base it names (fetched once,
+            # checked against the digest the trainer signed), so the sampler sees plain weights.
+            folder, base = fetch_policy(
+                version,
+                policy["manifest"],
+                sources,
+                self.cache / "policies",
+                public_key=key,
+                verified=self.bases,
+                scores=self.scores,
+                keep=2,
+                parallel=self.parallel,
+                timeout_s=self.timeout_s,
+                log=notes.append,
+            )
             if self.server is None and self.vllm is None:
                 model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
             else:

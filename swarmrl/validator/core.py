@@ -43,7 +43,7 @@ from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
-from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_base, fetch_version
+from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_policy
 from swarmrl.validator.checks import sampling_margins, token_logprobs
 
 
@@ -239,31 +239,17 @@ class Validator:
         key = self.trainer_key() if callable(self.trainer_key) else self.trainer_key
         key = key or str(policy["manifest"].get("public_key", ""))
         sources, keep = [*self.relays, policy["url"]], max(2, len(self.models) + 2)
-        try:
-            folder = fetch_version(
-                version,
-                sources,
-                self.cache / "policies",
-                public_key=key,
-                scores=self.scores,
-                keep=keep,
-                expected_digest=digest,
-                manifest=policy["manifest"],  # the relays' copies are bounded by it; the origin's is not needed
-            )
-            # A LoRA adapter is merged into the base its signed manifest names, exactly as workers do.
-            base = fetch_base(
-                policy["manifest"],
-                sources,
-                self.cache / "policies",
-                public_key=key,
-                verified=self.bases,
-                scores=self.scores,
-                keep=keep,
-            )
-        except (BroadcastError, OSError, ValueError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the sources are untrusted: whatever a fetch raises is a failed load
-            raise BroadcastError(f"fetching policy v{version} failed ({type(e).__name__}: {e})") from None
+        # A LoRA adapter is merged into the base its signed manifest names, exactly as workers do.
+        folder, base = fetch_policy(
+            version,
+            policy["manifest"],
+            sources,
+            self.cache / "policies",
+            public_key=key,
+            verified=self.bases,
+            scores=self.scores,
+            keep=keep,
+        )
         model, _ = load_policy(folder, device=self.device, dtype=getattr(torch, dtype), base=base)
         self.models[(version, dtype)] = (digest, model.eval())
         if dtype == "bfloat16" and not self._warned_bf16 and self.calibrated is None:

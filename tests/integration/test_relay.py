@@ -554,6 +554,7 @@ def test_a_worker_and_a_validator_take_any_error_of_a_fetch_for_a_failed_load(tm
     """F1's last line of defence: whatever else an untrusted source makes fetch_version raise is
     a failed load, said in one line and retried later, not the end of the worker or validator."""
     import swarmrl.inference.worker as worker_module
+    import swarmrl.transport.broadcast.policy as policy_module
     import swarmrl.validator.core as validator_module
     from swarmrl.config import ValidatorConfig
     from swarmrl.protocol.messages import ClaimedGroup
@@ -562,8 +563,8 @@ def test_a_worker_and_a_validator_take_any_error_of_a_fetch_for_a_failed_load(tm
     def fetch_version_raising(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
 
-    monkeypatch.setattr(worker_module, "fetch_version", fetch_version_raising)
-    monkeypatch.setattr(validator_module, "fetch_version", fetch_version_raising)
+    # Both roles load a version through broadcast.fetch_policy, which calls fetch_version.
+    monkeypatch.setattr(policy_module, "fetch_version", fetch_version_raising)
     publish_version(fake_model(tmp_path / "m1", kib=64), tmp_path / "origin", 1, key=KEY, shard_size=64 << 10)
     policy = {"version": 1, "url": "http://127.0.0.1:9", "manifest": published_manifest(tmp_path / "origin", 1)}
     logs: list[str] = []

@@ -24,17 +24,18 @@ version folder exists only when complete. Standard library HTTP only (`http.serv
 `http.client`); signatures with the `cryptography` package, as in `swarmrl.protocol.signing`.
 
 Modules: publish (the origin writes versions), origin (`ShardServer`), download (manifests and
-shards from the fastest sources), install (`mirror_version` for relays, `fetch_version` for
-workers and validators; `fetch_base` for the base of a LoRA adapter version), common (shared
-helpers). The manifest itself, its schema and its
+shards from the fastest sources), install (`mirror_version` for relays, `fetch_version`), policy
+(`fetch_policy`, what workers and validators load: a version and, for a LoRA adapter, its base
+through `fetch_base`), common (shared helpers). The manifest itself, its schema and its
 signature check, is part of the protocol: swarmrl/protocol/manifest.py.
 """
 
 from swarmrl.protocol.manifest import BroadcastError
 from swarmrl.transport.broadcast.common import INSTALLED_MANIFEST
 from swarmrl.transport.broadcast.download import SourceScores, download_shards, fetch_manifest, list_versions
-from swarmrl.transport.broadcast.install import fetch_base, fetch_version, mirror_version
+from swarmrl.transport.broadcast.install import fetch_version, mirror_version
 from swarmrl.transport.broadcast.origin import ShardRequestHandler, ShardServer
+from swarmrl.transport.broadcast.policy import fetch_base, fetch_policy
 from swarmrl.transport.broadcast.publish import (
     prune_versions,
     publish_version,
@@ -51,6 +52,7 @@ __all__ = [
     "SourceScores",
     "download_shards",
     "fetch_base",
+    "fetch_policy",
     "fetch_manifest",
     "fetch_version",
     "list_versions",
