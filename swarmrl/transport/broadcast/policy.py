@@ -18,43 +18,26 @@ def fetch_policy(
     *,
     public_key: str,
     verified: set | None = None,
-    scores=None,
-    keep: int = 2,
-    parallel: int = 4,
-    timeout_s: float = 10.0,
-    log=lambda msg: None,
+    **fetch,
 ) -> tuple[Path, Path | None]:
     """A policy version as a worker or validator loads it: `fetch_version` of the version the
     orchestrator announced (`manifest`, whose digest it must have: the relays' copies are bounded
     by it and the origin is not asked for it), then, for a LoRA adapter, `fetch_base` of the base
-    it names. (folder, base or None). The sources are untrusted: whatever else a fetch raises is a
-    BroadcastError naming the version, so that a caller has three kinds of failed load to handle
-    (BroadcastError, OSError, ValueError), never a lying relay's exception type."""
+    it names (`verified`: fetch_base's). `fetch`: what both take (scores, keep, parallel,
+    timeout_s, log). (folder, base or None). The sources are untrusted: whatever else a fetch
+    raises is a BroadcastError naming the version, so that a caller has three kinds of failed load
+    to handle (BroadcastError, OSError, ValueError), never a lying relay's exception type."""
     try:
         folder = fetch_version(
             version,
             sources,
             dest_root,
             public_key=public_key,
-            scores=scores,
-            keep=keep,
-            parallel=parallel,
-            timeout_s=timeout_s,
             expected_digest=manifest_digest(manifest),
-            log=log,
             manifest=manifest,
+            **fetch,
         )
-        base = fetch_base(
-            manifest,
-            sources,
-            dest_root,
-            public_key=public_key,
-            verified=verified,
-            scores=scores,
-            keep=keep,
-            parallel=parallel,
-            timeout_s=timeout_s,
-        )
+        base = fetch_base(manifest, sources, dest_root, public_key=public_key, verified=verified, **fetch)
     except (BroadcastError, OSError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - the sources are untrusted: whatever a fetch raises is a failed load
