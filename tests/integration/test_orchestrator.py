@@ -37,7 +37,10 @@ pytestmark = pytest.mark.timeout(180)
 
 TOK = build_char_tokenizer()
 ANSWERS = answers()
-POLICY: Path = None  # policy v0 of the module's run, set by the fixture
+# Policy v0 of the newest run made here (every run's v0 is build_tiny_policy(seed=0)): the weights
+# the hand-written groups' proofs are built with. Set by hand_run_dir, which every test's run goes
+# through, so a test runs alone or first on an xdist worker as well as after the module's fixture.
+POLICY: Path = None
 # Hand-written completions: cheap checks only, and no bans (many tests here send bad work on purpose).
 # Leasing mechanics with hand-made workers: every key counts as proven (the new keys' shared cap
 # is tested in tests/test_admission.py), its own allowance still applies.
@@ -51,7 +54,10 @@ def stored_groups(orch: OrchestratorProcess, lease: dict) -> list[dict]:
 
 
 def hand_run_dir(root: Path, *overrides: str) -> Path:
-    return make_run_dir(root, *HAND_WRITTEN, *overrides)
+    global POLICY
+    run = make_run_dir(root, *HAND_WRITTEN, *overrides)
+    POLICY = run / "policies" / "v000000"
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +70,6 @@ def orch(tmp_path_factory):
         "--sampling.prompts_per_step",
         "1000",
     )
-    global POLICY
-    POLICY = run / "policies" / "v000000"
     proc = OrchestratorProcess(run).start()
     yield proc
     proc.stop()
