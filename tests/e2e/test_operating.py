@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness import metrics, run_store, store_rows
+from runs import EASY
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- tests/e2e/test_operating.py runs the next block as written -->"
@@ -57,10 +58,26 @@ def test_the_rehearsal_block_names_every_role():
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="the rehearsal makes its certificates with openssl")
-def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
+def seed_the_base_cache(root: Path, easy_base: Path) -> bool:
+    """Put the session's easy base where the rehearsal's `rl --prepare` looks for its base, when
+    the rehearsal's SFT recipe is the easy base's (the same cache key): the minute of SFT it would
+    spend is the one the session already spent (`swarmrl sft` builds both the same way; the build
+    itself is tested by the easy_base fixture). False, and nothing copied, when the recipes differ."""
+    from swarmrl.config import load_config
+    from swarmrl.sft.warmstart import base_cache_key
+
+    cfg = load_config(root / "configs" / "rehearsal.toml")
+    if base_cache_key(cfg) != base_cache_key(load_config(None, [*EASY, "--sft.steps", "150"])):
+        return False
+    shutil.copytree(easy_base, root / cfg.model.base_cache_dir / base_cache_key(cfg))
+    return True
+
+
+def test_every_role_started_by_hand_as_docs_operating_says(tmp_path, easy_base):
     if not all(_free(p) for p in (8410, 8411, 8412)):
         pytest.skip("the rehearsal's ports 8410-8412 are taken on this machine")
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    seeded = seed_the_base_cache(tmp_path, easy_base)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     # `swarmrl` as installed for this interpreter (a venv's console script, or the module).
@@ -77,6 +94,7 @@ def test_every_role_started_by_hand_as_docs_operating_says(tmp_path):
     )
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}{logs}"
+    assert ("building the built-in base model" in proc.stdout + proc.stderr) != seeded, "the base cache was not used"
     run = tmp_path / "runs" / "rehearsal"
     rows = metrics(run)
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4], rows
