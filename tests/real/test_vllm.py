@@ -28,7 +28,7 @@ from swarmrl.eval.runner import chat_ids
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 
-from harness import free_port, store_rows
+from harness import RunHandle, answers, free_port, read_url_file, store_rows, wait_for
 from runs import swarmrl
 
 pytestmark = pytest.mark.timeout(1200)
@@ -99,18 +99,8 @@ def vllm(real_model, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:
-        while True:
-            if proc.poll() is not None:
-                tail = (root / "server.log").read_text(errors="replace")[-3000:]
-                pytest.fail(f"vLLM exited with code {proc.returncode} while starting:\n{tail}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - started > 600:
-                pytest.fail(f"vLLM did not answer within 600 s (log: {root / 'server.log'})")
-            time.sleep(1)
+        said = root / "server.log"
+        wait_for(lambda: answers(url + "/v1/models"), 600, "vLLM to answer", proc=proc, log=said, every=1)
         print(f"vLLM answered {time.monotonic() - started:.1f} s after starting", file=sys.stderr)
         yield {"url": url, "root": root, "log": root / "server.log", "proc": proc}
     finally:
@@ -225,55 +215,27 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     key = public_key_hex(load_or_create_key(cache / "key.pem"))
     (tmp_path / "trusted.txt").write_text(f"{key}  # the vLLM worker\n")
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rl = subprocess.Popen(
-        [sys.executable, "-m", "swarmrl.cli", "rl", "--run-dir", str(run), "--model.path", str(real_model)]
-        + ["--tasks.source", str(tasks), "--tasks.eval_source", str(tasks), "--eval.every", "0", "--eval.samples", "1"]
-        + ["--sampling.prompts_per_step", "2", "--sampling.group_size", "4", "--sampling.max_new_tokens", "16"]
-        + ["--sampling.worker_batch_prompts", "2", "--trainer.steps", "2", "--trainer.micro_batch_size", "8"]
-        + ["--trainer.lr", "1e-4", "--trainer.warmup_steps", "0", "--async.workers", "1", "--async.bound", "0"]
-        + ["--trainer.keep_versions", "1"]  # 0.5 GB a version: keep the disk to what the test needs
-        + ["--orchestrator.trusted_keys_file", str(tmp_path / "trusted.txt"), "--validator.trusted_rate", "1"]
-        + ["--logging.progress", "false"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    worker = None
-    try:
-        deadline = time.monotonic() + 300
-        while not ((run / "orchestrator.json").exists() and (run / "trainer.pub").exists()):
-            assert rl.poll() is None and time.monotonic() < deadline, rl.stdout.read() if rl.poll() is not None else ""
-            time.sleep(1)
-        url = json.loads((run / "orchestrator.json").read_text())["url"]
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "swarmrl.cli", "worker", "--orchestrator", url, "--key-file", str(cache / "key.pem")]
-            + ["--cache-dir", str(cache), "--name", "vllm-0", "--trainer-key", str(run / "trainer.pub")]
-            + [
-                "--engine",
-                "openai",
-                "--endpoint",
-                vllm["url"] + "/v1",
-                "--load",
-                "vllm",
-                "--endpoint-dtype",
-                "float32",
-            ],
-            stdout=open(tmp_path / "worker.log", "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        out, _ = rl.communicate(timeout=1100)
-        assert rl.returncode == 0, out
-    finally:
-        if rl.poll() is None:
-            rl.kill()
-        if worker is not None:
+    argv = ["rl", "--run-dir", str(run), "--model.path", str(real_model), "--logging.progress", "false"]
+    argv += ["--tasks.source", str(tasks), "--tasks.eval_source", str(tasks), "--eval.every", "0"]
+    argv += ["--eval.samples", "1", "--sampling.prompts_per_step", "2", "--sampling.group_size", "4"]
+    argv += ["--sampling.max_new_tokens", "16", "--sampling.worker_batch_prompts", "2", "--trainer.steps", "2"]
+    argv += ["--trainer.micro_batch_size", "8", "--trainer.lr", "1e-4", "--trainer.warmup_steps", "0"]
+    argv += ["--async.workers", "1", "--async.bound", "0"]
+    argv += ["--trainer.keep_versions", "1"]  # 0.5 GB a version: keep the disk to what the test needs
+    argv += ["--orchestrator.trusted_keys_file", str(tmp_path / "trusted.txt"), "--validator.trusted_rate", "1"]
+    with RunHandle(*argv, log=tmp_path / "rl.log") as rl:
+        info, pub = run / "orchestrator.json", run / "trainer.pub"
+        rl.wait_for(lambda: info.exists() and pub.exists(), 300, "orchestrator.json and trainer.pub")
+        home = ["--key-file", str(cache / "key.pem"), "--cache-dir", str(cache), "--name", "vllm-0"]
+        engine = ["--engine", "openai", "--endpoint", vllm["url"] + "/v1", "--load", "vllm"]
+        worker_args = [*home, "--trainer-key", str(pub), *engine, "--endpoint-dtype", "float32"]
+        orchestrator = ["--orchestrator", read_url_file(info)]
+        with RunHandle("worker", *orchestrator, *worker_args, log=tmp_path / "worker.log") as worker:
+            assert rl.wait(timeout=1100) == 0, rl.out()
             try:
-                worker.wait(timeout=60)  # it leaves when the run is over
+                worker.proc.wait(timeout=60)  # it leaves when the run is over
             except subprocess.TimeoutExpired:
-                worker.kill()
+                pass  # leaving the block stops it
     log = (tmp_path / "worker.log").read_text()
     loaded = [
         int(line.split()[1][1:]) for line in log.splitlines() if line.startswith("policy v") and " loaded into " in line
