@@ -52,6 +52,7 @@ from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import GroupIn, Lease, LeaseReply, SampleIn, SubmitIn, request_body
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
+from swarmrl.protocol.tls import TLSError
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_policy
 from swarmrl.transport.filesystem import atomic_write_text
 
@@ -563,7 +564,9 @@ def run_worker(
     )
     try:
         worker.run()
-    except (Unavailable, Refused, SwarmrlError) as e:  # WrongPrecision, EndpointError, VllmUnavailable, ...
+    except TLSError:
+        raise  # a setting to fix (--ca-file): swarmrl.cli says so and exits 2, as for any bad flag
+    except SwarmrlError as e:  # refused, unreachable, WrongPrecision, EndpointError, VllmUnavailable, ...
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from swarmrl.config import ValidatorConfig
 from swarmrl.errors import SwarmrlError
-from swarmrl.protocol.client import Refused, Unavailable, ValidatorClient, retrying
+from swarmrl.protocol.client import ValidatorClient, retrying
 from swarmrl.protocol.messages import Claim
+from swarmrl.protocol.tls import TLSError
 from swarmrl.validator.core import Validator
 
 
@@ -167,9 +168,8 @@ def run_external(
                 rate = validator.prefill_tokens / max(validator.prefill_seconds, 1e-9)
                 print(f"validator: {checked} groups checked (prefill {rate:.0f} tok/s)", flush=True)
                 last = time.monotonic()
-    except (Refused, SwarmrlError) as e:  # WrongPrecision, any error meant for the user
-        print(f"swarmrl validator: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except Unavailable as e:
+    except TLSError:
+        raise  # a setting to fix (--ca-file): swarmrl.cli says so and exits 2, as for any bad flag
+    except SwarmrlError as e:  # refused, unreachable, WrongPrecision, any error meant for the user
         print(f"swarmrl validator: {e}", file=sys.stderr)
         raise SystemExit(1) from None
