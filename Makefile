@@ -111,10 +111,11 @@ demo: $(STAMP)
 	$(BIN)/swarmrl rl
 
 # Tests by cost tier (tests/unit, tests/integration, tests/e2e; docs/architecture.md, "Working on
-# swarmrl"), on JOBS pytest-xdist workers: most tests wait on processes and sockets, so two workers
-# on 2 cores finish sooner (measured there). Tests marked `serial` measure throughput under load and
+# swarmrl"), on JOBS pytest-xdist workers: most tests wait on processes and sockets (a test keeps
+# about 0.5-0.75 of a core busy), so three workers on 2 cores fill the waits (measured there:
+# docs/architecture.md, "What the suite costs"). Tests marked `serial` measure throughput under load and
 # run alone afterwards. `make test` runs the linters first and prints the 25 slowest tests.
-JOBS ?= 2
+JOBS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
 # The real tier needs the real assets and the vLLM environment; SWARMRL_REQUIRE_VLLM makes a
