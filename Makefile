@@ -116,6 +116,8 @@ demo: $(STAMP)
 # docs/architecture.md, "What the suite costs"). Tests marked `serial` measure throughput under load and
 # run alone afterwards. `make test` runs the linters first and prints the 25 slowest tests.
 JOBS ?= 3
+# The unit tier waits on nothing (pure computation): one worker a core.
+UNIT_JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --durations=25
 
 # The real tier needs the real assets and the vLLM environment; SWARMRL_REQUIRE_VLLM makes a
@@ -127,7 +129,7 @@ test: $(STAMP) sandbox browser openssl compiler real-assets vllm-env verifiers-e
 	$(REAL_ENV) $(PYTEST) -m serial tests
 
 test-unit: $(STAMP)
-	$(PYTEST) -n $(JOBS) tests/unit
+	$(PYTEST) -n $(UNIT_JOBS) tests/unit
 
 test-integration: $(STAMP) sandbox openssl compiler
 	$(PYTEST) -n $(JOBS) -m "not serial" tests/integration
