@@ -143,6 +143,8 @@ def main(settings: Settings, cfg: None) -> None:
                 seed=settings.seed,
                 previous_lr=settings.previous_lr,
                 work_dir=Path(work),
+                # each stage takes minutes on a real model: say so as it ends, even into a file
+                log=lambda line: print(line, flush=True),
             )
         except (RuntimeError, ValueError) as e:
             fail(str(e))

@@ -60,6 +60,22 @@ def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_pa
             assert page.locator("#chart-reward polyline").count() >= 1
             assert page.locator("#versions tbody tr").count() >= 2
             assert "step" in page.text_content("#run")
+            # A float32 run has no sequential test: every key's evidence cell says so.
+            cells = page.locator("#workers tbody td.evidence").all_text_contents()
+            assert cells and set(cells) == {"no test"}, cells
+            # The cell of a calibrated run's key, drawn by the page's own code from a dashboard
+            # entry: the closest test leads, as a share of its bound, and the bar is capped at full.
+            drawn = page.evaluate(
+                """() => {
+                const c = evidenceCell([
+                  {engine: "builtin", test: "mant_typ", score: 2.0, bound: 25.0, peak: 3.0, groups: 40},
+                  {engine: "builtin", test: "lp_mean", score: 12.5, bound: 25.0, peak: 12.5, groups: 40}]);
+                const over = evidenceCell([{engine: "vllm", test: "g", score: 30, bound: 25, peak: 30, groups: 9}]);
+                return [c.querySelector(".ev-label").textContent, c.dataset.share, c.title.split("\\n").length,
+                        over.querySelector(".ev-fill").style.width, over.querySelector(".ev-fill").className];
+                }"""
+            )
+            assert drawn == ["50% builtin/lp_mean", "0.5000", 2, "100.0%", "ev-fill ev-over"], drawn
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000

@@ -108,6 +108,26 @@ function renderRun(run) {
   for (const [label, value] of parts) box.append(label, el("b", value));
 }
 
+// A key's evidence (calibrated runs, proofs/evidence.py): the closest of its sequential tests as
+// a bar of score / bound (full = banned), every test in the cell's tooltip and its list.
+function evidenceCell(tests) {
+  const cell = el("td", null, "evidence");
+  if (!tests || !tests.length) { cell.textContent = "no test"; cell.classList.add("muted"); return cell; }
+  const share = (t) => (t.bound > 0 ? t.score / t.bound : 0);
+  const sorted = [...tests].sort((a, b) => share(b) - share(a));
+  const top = sorted[0];
+  const pct = Math.max(0, Math.min(1, share(top))) * 100;
+  const bar = el("span", null, "ev-bar");
+  const fill = el("i", null, pct >= 100 ? "ev-fill ev-over" : pct >= 25 ? "ev-fill ev-warn" : "ev-fill");
+  fill.style.width = `${pct.toFixed(1)}%`;
+  bar.append(fill);
+  cell.append(bar, el("span", `${pct.toFixed(0)}% ${top.engine}/${top.test}`, "ev-label"));
+  cell.title = sorted.map((t) => `${t.engine} ${t.test}: ${fmt(t.score)} / ${fmt(t.bound)} ` +
+                                 `(peak ${fmt(t.peak)}, ${t.groups} groups)`).join("\n");
+  cell.dataset.share = (pct / 100).toFixed(4);
+  return cell;
+}
+
 function renderWorkers(doc) {
   const body = document.querySelector("#workers tbody");
   body.replaceChildren();
@@ -120,7 +140,8 @@ function renderWorkers(doc) {
     const status = w.banned ? "banned" : w.trusted ? "trusted" : "ok";
     row.append(el("td", i + 1, "num"), el("td", w.fingerprint, "key"), el("td", w.name),
                el("td", w.accepted, "num"), el("td", w.validated, "num"), el("td", w.rejected, "num"),
-               el("td", why), el("td", status, `status status-${status}`), el("td", ago(w.last_seen_s)));
+               el("td", why), evidenceCell(w.evidence), el("td", status, `status status-${status}`),
+               el("td", ago(w.last_seen_s)));
     body.append(row);
   });
 }
