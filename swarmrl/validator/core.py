@@ -39,12 +39,13 @@ from transformers import DynamicCache
 from swarmrl.config import ValidatorConfig
 from swarmrl.envs.episode import runs, turn_seed
 from swarmrl.errors import WrongPrecision
+from swarmrl.inference import native
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.proofs.toploc import ProofError, decode, verify_proofs_many
 from swarmrl.protocol.manifest import manifest_digest
 from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_policy
-from swarmrl.validator.checks import sampling_margins, token_logprobs
+from swarmrl.validator.checks import sampling_margins, seeded_rows, token_logprobs
 
 
 @dataclass
@@ -229,6 +230,9 @@ class Validator:
         # the orchestrator), None when the run has no limits file.
         self.calibrated: dict[str, dict] | None = None
         self._cpu_noted = False
+        # The built-in engine's C kernels (compiled for this CPU on first use; None where they
+        # cannot be): the sampling and logprob checks run through its seeded-choice pass.
+        self.kernels = native.decode_attention_lib() if str(device).startswith("cpu") else None
 
     # ---- policies ----------------------------------------------------------------------------
     def model(self, version: int, policy: dict, dtype: str = "float32"):
@@ -276,14 +280,25 @@ class Validator:
     def reports(self, outs: list[tuple], samples: list[ClaimedSample], temperatures: list[float]) -> list[SampleReport]:
         """Every check of every completion; the sampling and TOPLOC work is batched."""
         lengths = [len(s.token_ids) for s in samples]
-        tokens = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long)
-        logits = torch.cat([lg for _, lg in outs])
-        seeds = torch.tensor([s.seed for s, n in zip(samples, lengths) for _ in range(n)], dtype=torch.int64)
-        steps = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
-        temps = torch.tensor([t for t, n in zip(temperatures, lengths) for _ in range(n)])[:, None]
-        margins = sampling_margins(logits, tokens, seeds, steps, temps)
+        if self.kernels is not None and all(t > 0 for t in temperatures) and all(lg.is_cpu for _, lg in outs):
+            # One pass per completion's logits in the engine's C kernel (checks.seeded_rows).
+            margins, logp = seeded_rows(
+                self.kernels,
+                [lg for _, lg in outs],
+                [torch.tensor(s.token_ids, dtype=torch.long) for s in samples],
+                [s.seed for s in samples],
+                temperatures,
+            )
+        else:
+            tokens = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long)
+            logits = torch.cat([lg for _, lg in outs])
+            seeds = torch.tensor([s.seed for s, n in zip(samples, lengths) for _ in range(n)], dtype=torch.int64)
+            steps = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+            temps = torch.tensor([t for t, n in zip(temperatures, lengths) for _ in range(n)])[:, None]
+            margins = sampling_margins(logits, tokens, seeds, steps, temps)
+            logp = token_logprobs(logits, tokens, temps)
         reported = torch.tensor([x for s in samples for x in s.logprobs])
-        diffs = reported - token_logprobs(logits, tokens, temps)
+        diffs = reported - logp
         errs = diffs.abs()
         items = []
         decoded = []

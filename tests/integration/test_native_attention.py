@@ -12,6 +12,8 @@ from families import FAMILIES, build_family, check_steps_against_transformers, c
 
 from swarmrl.inference import native, seeded
 from swarmrl.inference.decoder import SlotDecoder
+from swarmrl.inference.seeded import seeded_choice
+from swarmrl.validator.checks import sampling_margins, seeded_rows, token_logprobs
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: the decoder uses torch's attention"
@@ -239,3 +241,32 @@ def test_the_engine_draws_the_same_completions_with_and_without_the_kernels():
     for a, b in zip(outs["c"], outs["torch"], strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_the_validators_kernel_pass_gives_the_torch_checks_margins_and_logprobs(tmp_path, temp):
+    """`seeded_rows` (the validator's path where the engine's C kernels build) against the torch
+    forms on a real vocabulary's size: the seeded choice has margin exactly 0, every other token
+    the same margin and every token the same logprob to float32 rounding."""
+    lib = _kernel(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    vocab, lengths, seeds = 49_152, [7, 1, 12, 5], [11, 2**40 + 5, 0, 987654321]
+    logits = [torch.randn(n, vocab, generator=gen) * 3 for n in lengths]
+    tokens = []
+    for lg, seed in zip(logits, seeds):
+        steps = torch.arange(lg.shape[0])
+        chosen = seeded_choice(lg, torch.full_like(steps, seed), steps, temp)
+        other = torch.randint(0, vocab, chosen.shape, generator=gen)
+        tokens.append(torch.where(steps % 2 == 0, chosen, other))  # honest and edited tokens mixed
+    margins, logps = seeded_rows(lib, logits, tokens, seeds, [temp] * len(lengths))
+    flat_tok = torch.cat(tokens)
+    flat_seed = torch.cat([torch.full((n,), s) for n, s in zip(lengths, seeds)])
+    flat_step = torch.cat([torch.arange(n) for n in lengths])
+    temps = torch.full((sum(lengths), 1), temp)
+    want_m = sampling_margins(torch.cat(logits), flat_tok, flat_seed, flat_step, temps)
+    want_lp = token_logprobs(torch.cat(logits), flat_tok, temps)
+    honest = flat_step % 2 == 0
+    assert torch.equal(margins[honest], torch.zeros(int(honest.sum())))
+    assert (margins[~honest] > 0).all()
+    assert torch.allclose(margins, want_m, atol=1e-5, rtol=0)
+    assert torch.allclose(logps, want_lp, atol=2e-5, rtol=0)
