@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 from pathlib import Path
 
 from swarmrl.config import load_config
@@ -31,6 +32,8 @@ STATS = (
     "logprob_bias",
 )
 
+
+BUCKET = 20  # versions per row of the drift view
 
 SHOWN = ("mant_err_group", "logprob_err_max", "sampling_margin_max")  # the table's worst-statistics column
 
@@ -71,6 +74,7 @@ def report(run: Path) -> list[dict]:
             "states": collections.Counter(),
             "worst": {},
             "versions": [],
+            "by_version": collections.defaultdict(list),  # version bucket -> passed groups' group statistic
             "checked_before_ban": None,
             "evidence": [],
         }
@@ -92,6 +96,9 @@ def report(run: Path) -> list[dict]:
             e["refused"]["at its ban"] += 1
         elif verdict.get("stats"):
             e["checked"] += 1
+            x = verdict["stats"].get("mant_err_group")
+            if isinstance(x, (int, float)):
+                e["by_version"][r["policy_version"] // BUCKET * BUCKET].append(float(x))
             for k in STATS:
                 x = verdict["stats"].get(k)
                 if isinstance(x, (int, float)):
@@ -118,6 +125,11 @@ def report(run: Path) -> list[dict]:
     for e in entries.values():
         e["versions"] = [min(e["versions"]), max(e["versions"])] if e["versions"] else []
         e["refused"], e["states"] = dict(e["refused"]), dict(e["states"])
+        # Drift: does honest work move away from the calibrated version as the policy learns?
+        e["by_version"] = {
+            f"v{b}-v{b + BUCKET - 1}": {"groups": len(xs), "median": statistics.median(xs), "max": max(xs)}
+            for b, xs in sorted(e["by_version"].items())
+        }
         if e["banned"]:
             # fully checked before the ban: the hard refusals, and the groups that passed them,
             # each of which went into every sequential test of its engine
@@ -146,6 +158,13 @@ def markdown(entries: list[dict]) -> str:
         trained = e["states"].get("consumed", 0)
         cells = [e["name"], f"{e['accepted']} ({e['checked']})", trained, refused, worst, peak, ended]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "Group statistic of passed groups by version (drift from the calibrated version):", ""]
+    for e in entries:
+        if e["by_version"] and not e["banned"]:
+            cells = [
+                f"{k}: median {d['median']:.2f}, max {d['max']:.2f} ({d['groups']})" for k, d in e["by_version"].items()
+            ]
+            lines.append(f"- {e['name']}: " + "; ".join(cells))
     return "\n".join(lines)
 
 

@@ -47,6 +47,17 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-s
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
 
+def compile_flags() -> list[str]:
+    """`COMPILE_FLAGS`, with -march=native replaced by the x86-64-v3 level (AVX2 + FMA, what the
+    AMD EPYC kind without AVX-512 has) where torch's kernels are forced to AVX2
+    (`ATEN_CPU_CAPABILITY=avx2`): a machine of one kind then runs every kernel of the other's,
+    ours included, so that honest work and the validator's limits can be measured across kinds
+    on one machine (docs/validation.md)."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "avx2" and platform.machine() == "x86_64":
+        return ["-march=x86-64-v3" if f == "-march=native" else f for f in COMPILE_FLAGS]
+    return list(COMPILE_FLAGS)
+
+
 def _cpu_id() -> str:
     """What -march=native depends on: the CPU's model and flags (a cache shared by machines of
     different kinds must not hand one of them the other's library)."""
@@ -64,7 +75,7 @@ def _build(source: Path, cache: Path) -> Path:
         raise RuntimeError("no C compiler (cc or gcc; set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_id()]).encode()
+        "\0".join([source.read_text(), *compile_flags(), *LINK_FLAGS, version, _cpu_id()]).encode()
     ).hexdigest()[:16]
     lib = cache / f"{source.stem}-{key}.so"
     if lib.exists():
@@ -73,7 +84,7 @@ def _build(source: Path, cache: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         obj, out = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in (
-            [cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+            [cc, *compile_flags(), "-c", str(source), "-o", str(obj)],
             [cc, str(obj), *LINK_FLAGS, "-o", str(out)],
         ):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -270,3 +270,24 @@ def test_the_validators_kernel_pass_gives_the_torch_checks_margins_and_logprobs(
     assert (margins[~honest] > 0).all()
     assert torch.allclose(margins, want_m, atol=1e-5, rtol=0)
     assert torch.allclose(logps, want_lp, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump to read the built library")
+def test_forced_avx2_kernels_build_ours_for_avx2_too(tmp_path, monkeypatch):
+    """With torch's kernels forced to AVX2, ours are built for the x86-64-v3 level: no AVX-512
+    (zmm) instruction in the library, and a separate cache entry from the native build."""
+    import platform
+    import subprocess
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 only")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert "-march=x86-64-v3" in native.compile_flags() and "-march=native" not in native.compile_flags()
+    forced = native._build(native.SOURCE, tmp_path)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert native.compile_flags() == native.COMPILE_FLAGS
+    own = native._build(native.SOURCE, tmp_path)
+    assert forced != own
+    listing = subprocess.run(["objdump", "-d", str(forced)], capture_output=True, text=True, check=True).stdout
+    assert "zmm" not in listing
+    assert native.load(forced).threaded  # and it loads and runs on torch's threads like the native one
