@@ -54,8 +54,15 @@ HARD = {
     "mant_err_group": ("group_mant_err_max", 1.5, 0.1),
     "sampling_margin_max": ("sampling_margin", 2.0, 0.05),
     "logprob_err_max": ("logprob_tol", 2.0, 0.005),
-    "logprob_bias": ("logprob_bias_max", 2.0, 0.005),
 }
+# The group's signed mean logprob error (`logprob_bias`) is evidence only, never a hard limit. A
+# trained policy's completions in a group collapse onto the same few tokens, so its errors are
+# one completion's counted eight times, not eight measurements: on SmolLM2-135M in bf16 (machine
+# Z, LoRA lr 5e-4) honest groups measured at most 0.017 at v0 and 0.058 by v23, two honest
+# groups of 632 were refused by the limit fitted at v0 (0.04), and that limit refused no cheat
+# of the catalogue that another limit did not already refuse (edited logprobs: logprob_tol).
+# A file chosen with it is chosen again when it is loaded (`load_limits`).
+RETIRED_LIMITS = ("logprob_bias_max",)
 
 
 class LimitsError(SwarmrlError, ValueError):
@@ -363,7 +370,30 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:
             raise LimitsError(f"validator.limits_file {p}: engine {engine}'s evidence is malformed ({e})") from None
         if not isinstance(entry.get("limits"), dict):
             raise LimitsError(f"validator.limits_file {p}: engine {engine} has no limits")
+    if any(k in entry["limits"] for entry in data["engines"].values() for k in RETIRED_LIMITS):
+        data = _chosen_again(p, data)
     return data
+
+
+def _chosen_again(p: Path, data: dict) -> dict:
+    """A file whose limits were chosen under an earlier rule (one of RETIRED_LIMITS among them),
+    chosen again from the statistics it measured with its own false-ban rate and horizon: a limit
+    retired because it refused honest work leaves cheats it alone refused to a new evidence test,
+    which only a new choice makes (the replays of `swarmrl calibrate --measured` are left out)."""
+    m = data.get("measured") or {}
+    if not (m.get("honest") and m.get("cheats")):
+        raise LimitsError(
+            f"validator.limits_file {p} was chosen with {', '.join(RETIRED_LIMITS)}, which this version no longer "
+            "applies, and holds no measured statistics to choose again from: run swarmrl calibrate again"
+        )
+    chosen = choose_limits(
+        m["honest"],
+        m["cheats"],
+        false_ban_rate=float(data.get("false_ban_rate", 1e-6)),
+        horizon=int(data.get("horizon", 100_000)),
+        max_groups_to_ban=float(data.get("max_groups_to_ban", 64.0)),
+    )
+    return {**data, **chosen, "chosen_again": f"on load: {', '.join(RETIRED_LIMITS)} retired"}
 
 
 # What a bf16 run on a model without a calibration is told (docs/validation.md, "Calibrating a run").

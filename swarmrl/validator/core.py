@@ -456,16 +456,6 @@ class Validator:
                     f"{r.logprob_err_max:.3g} (tolerance {lim['logprob_tol']})",
                     stats,
                 )
-        bias_max = lim.get("logprob_bias_max")  # calibrated runs only (proofs/limits.py)
-        if bias_max is not None and stats["logprob_bias"] > bias_max:
-            return Verdict(
-                item.id,
-                False,
-                "logprobs",
-                f"the group's reported logprobs are off by {stats['logprob_bias']:.3g} per token on average, one "
-                f"way (at most {bias_max}): they are not what policy v{item.policy_version} gives",
-                stats,
-            )
         return Verdict(item.id, True, stats=stats)
 
     def check(

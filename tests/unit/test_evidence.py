@@ -105,6 +105,10 @@ def test_hard_limits_sit_beyond_the_honest_worst():
     assert lim["exp_mismatches_max"] == 8
     assert not any(refused_by_hard(s, lim) for s in honest)
     assert refused_by_hard(_stats(1.3), lim) and refused_by_hard(_stats(0.5, logprob=0.5), lim)
+    # The signed mean logprob error is evidence only: a trained policy's collapsed completions
+    # make it one completion's error, which drifted past a limit fitted at v0 on the real model.
+    assert "logprob_bias_max" not in lim
+    assert not refused_by_hard(_stats(0.5, bias=0.06), lim)
 
 
 def _calibration(n_honest: int, shift: float, seed: int = 0):
@@ -165,6 +169,24 @@ def test_a_limits_file_for_another_model_or_dtype_is_refused(tmp_path):
     f.write_text("{}")
     with pytest.raises(LimitsError, match="not a limits file"):
         load_limits(f, dtype="bfloat16", digest=None)
+
+
+def test_a_file_chosen_with_the_retired_bias_limit_is_chosen_again_when_loaded(tmp_path):
+    f = tmp_path / "limits.json"
+    honest, cheats = _calibration(200, 0.3)
+    old = {"format": FORMAT, "dtype": "bfloat16", "model": {"digest": "a" * 64}, **choose_limits(honest, cheats)}
+    old["engines"]["builtin"]["limits"]["logprob_bias_max"] = 0.04
+    old["engines"]["builtin"]["evidence"] = []  # as if the bias limit had refused the cheat alone
+    old["measured"] = {"honest": honest, "cheats": cheats}
+    f.write_text(json.dumps(old))
+    data = load_limits(f, dtype="bfloat16", digest="a" * 64)
+    entry = data["engines"]["builtin"]
+    assert "logprob_bias_max" not in entry["limits"] and "retired" in data["chosen_again"]
+    assert entry["evidence"], "the cheat the retired limit refused gets its test back"
+    del old["measured"]
+    f.write_text(json.dumps(old))
+    with pytest.raises(LimitsError, match="no measured statistics to choose again from: run swarmrl calibrate"):
+        load_limits(f, dtype="bfloat16", digest="a" * 64)
 
 
 def test_a_bf16_run_on_its_own_model_needs_a_calibration(tmp_path):
