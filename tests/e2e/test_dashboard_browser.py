@@ -72,10 +72,11 @@ def test_dashboard_renders_updates_and_shows_the_banned_worker(easy_base, tmp_pa
                   {engine: "builtin", test: "lp_mean", score: 12.5, bound: 25.0, peak: 12.5, groups: 40}]);
                 const over = evidenceCell([{engine: "vllm", test: "g", score: 30, bound: 25, peak: 30, groups: 9}]);
                 return [c.querySelector(".ev-label").textContent, c.dataset.share, c.title.split("\\n").length,
-                        over.querySelector(".ev-fill").style.width, over.querySelector(".ev-fill").className];
+                        parseFloat(over.querySelector(".ev-fill").style.width),
+                        over.querySelector(".ev-fill").className];
                 }"""
             )
-            assert drawn == ["50% builtin/lp_mean", "0.5000", 2, "100.0%", "ev-fill ev-over"], drawn
+            assert drawn == ["50% builtin/lp_mean", "0.5000", 2, 100, "ev-fill ev-over"], drawn
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
