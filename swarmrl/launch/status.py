@@ -84,6 +84,15 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     groups = "  ".join(f"{k} {n}" for k, n in v["groups"].items())
     reasons = ", ".join(f"{k} {n}" for k, n in sorted(v["rejections"].items(), key=lambda kv: -kv[1])) or "none"
     console.print(Text(f"validation ({v['mode']}): {groups}\nrejections: {reasons}"))
+    for engine, d in (v.get("drift") or {}).items():
+        console.print(
+            Text(
+                f"drift {engine}: {'ALARM, ' if d['alarm'] else ''}{d['above']} of the last {d['window']} passed "
+                f"groups above the calibration's honest 90th percentile of {d['statistic']} "
+                f"(at most {d['expected_at_most']:g} expected): "
+                + ("measure the limits again near the current version" if d["alarm"] else "within the calibration")
+            )
+        )
     versions = doc["broadcast"]["versions"][:5]
     if versions:
         shown = ", ".join(

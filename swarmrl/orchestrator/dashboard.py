@@ -156,6 +156,8 @@ def build(orch, *, now: float | None = None) -> dict:
             },
             "rejections": reasons,
             "mode": cfg.validator.mode,
+            # Per engine: does the run's passed work still look like the calibration's honest work?
+            "drift": orch.validation.drift_report(),
         },
         "broadcast": {"versions": versions},
     }

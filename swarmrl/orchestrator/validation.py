@@ -5,23 +5,33 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 
 from swarmrl.config import Config
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
-from swarmrl.proofs.evidence import EvidenceModel, group_llr
+from swarmrl.proofs.evidence import DriftReference, EvidenceModel, group_llr
 from swarmrl.protocol.messages import ClaimedGroup
 from swarmrl.protocol.rollouts import Group
+
+# The drift watch (`ValidationQueue.drift_report`): passed groups per engine it looks back over,
+# how many it needs before it judges, how often it judges, and how unlikely the excess over the
+# calibration's 90th percentile must be under honest work as calibrated to raise the alarm.
+DRIFT_WINDOW = 200
+DRIFT_MIN_GROUPS = 100
+DRIFT_EVERY = 20
+DRIFT_P = 1e-6
 
 
 class ValidationQueue:
     """The validation queue and what its verdicts do to a worker (accepted counts, the
     uninformative streak, fraud, bans).
 
-    Owns no state in memory: the groups' states, claims, verdicts, workers' counts and bans are
-    in the store, and every change is one store transaction (its lock). The methods taking `db`
+    Owns no state in memory but the drift watch (a warning, rebuilt after a restart): the groups'
+    states, claims, verdicts, workers' counts and bans are in the store, and every change is one
+    store transaction (its lock). The methods taking `db`
     run inside their caller's transaction (submissions settle and reject through them, batches
     read `metrics`). Calls leasing (`expire`) when it bans a key."""
 
@@ -43,6 +53,19 @@ class ValidationQueue:
         self.evidence = {
             name: [EvidenceModel.from_dict(d) for d in e.get("evidence") or []] for name, e in self.accepted.items()
         }
+        # Whether the run's work still looks like the honest work the calibration measured, per
+        # engine, on the group statistic and each evidence test's: in memory (a warning, not a
+        # verdict: nothing is refused or banned by it, and a restart starts it afresh).
+        measured = ((limits or {}).get("measured") or {}).get("honest") or {}
+        self.drift_refs: dict[str, list[DriftReference]] = {}
+        for name in self.accepted:
+            honest = measured.get(name) or []
+            stats = dict.fromkeys(["mant_err_group", *(m.statistic for m in self.evidence.get(name, []))])
+            if len(honest) >= 20:
+                self.drift_refs[name] = [DriftReference.of(st, [float(g.get(st, 0.0)) for g in honest]) for st in stats]
+        self._recent: dict[str, deque] = {name: deque(maxlen=DRIFT_WINDOW) for name in self.drift_refs}
+        self._seen = dict.fromkeys(self.drift_refs, 0)
+        self._drift: dict[str, dict] = {}
 
     def engine_refusal(self, engine: str) -> str | None:
         """Why this run refuses proofs from `engine` (None: it accepts them). Only runs with a limits
@@ -158,6 +181,52 @@ class ValidationQueue:
         self.log(f"banned: worker {self._name(db, row['worker'])}: {detail}; {refused} of its untrained groups refused")
         return True
 
+    def _watch(self, engine: str, worker: str, stats: dict) -> None:
+        """One more passed group for the drift watch of its engine; judged every DRIFT_EVERY."""
+        recent = self._recent.get(engine)
+        if recent is None:
+            return
+        recent.append((worker, stats))
+        self._seen[engine] += 1
+        if len(recent) < DRIFT_MIN_GROUPS or self._seen[engine] % DRIFT_EVERY:
+            return
+        worst: dict | None = None
+        for ref in self.drift_refs[engine]:
+            values = [float(s.get(ref.statistic, 0.0)) for _, s in recent]
+            above, p = ref.surprise(values)
+            if worst is None or p < worst["p"]:
+                keys = {w for w, s in recent if float(s.get(ref.statistic, 0.0)) > ref.level}
+                worst = {
+                    "statistic": ref.statistic,
+                    "level": ref.level,
+                    "window": len(values),
+                    "above": above,
+                    "expected_at_most": round(ref.share * len(values), 1),
+                    "p": p,
+                    "keys": len(keys),
+                }
+        was = self._drift.get(engine, {}).get("alarm", False)
+        assert worst is not None  # every watched engine has at least the group statistic
+        worst["alarm"] = worst["p"] < DRIFT_P
+        self._drift[engine] = worst
+        if worst["alarm"] and not was:
+            self.log(
+                f"validation drift: engine {engine}: {worst['above']} of the last {worst['window']} passed groups "
+                f"(from {worst['keys']} keys) have {worst['statistic']} above the calibration's honest 90th "
+                f"percentile {worst['level']:.3g}, where honest work as calibrated puts at most "
+                f"{worst['expected_at_most']:g} (probability {worst['p']:.1e}): the limits file no longer describes "
+                "this run's work, and honest keys' evidence rises with it. Measure the limits again near the "
+                "current version (swarmrl calibrate --model on a version folder) before trusting bans; a "
+                "cheating key's groups count here too until it is banned"
+            )
+        elif was and not worst["alarm"]:
+            self.log(f"validation drift: engine {engine}: its passed groups are within the calibration again")
+
+    def drift_report(self) -> dict[str, dict]:
+        """Per engine the drift watch's last judgement (the statistic furthest from the
+        calibration), for the dashboard; empty without a limits file that measured honest work."""
+        return {name: dict(d) for name, d in self._drift.items()}
+
     def metrics(self, db) -> dict[str, float]:
         """Rejections by reason, banned workers and groups awaiting the validator, for a batch's metrics."""
         m = {f"rejected/{reason}": float(n) for reason, n in self.store.rejection_counts(db).items()}
@@ -218,6 +287,8 @@ class ValidationQueue:
                 verdict = json.dumps({"ok": v["ok"], "reason": v.get("reason"), "stats": v.get("stats", {})})
                 if v["ok"] and self._weigh(db, row, v.get("stats") or {}, verdict):
                     continue  # its key was banned by the evidence: the group was refused with its others
+                if v["ok"]:
+                    self._watch(row["engine"], row["worker"], v.get("stats") or {})
                 if v["ok"]:
                     state = "queued" if row["informative"] else "uninformative"
                     self.store.set_verdict(db, v["id"], state, verdict)

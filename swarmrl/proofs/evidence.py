@@ -184,3 +184,41 @@ def simulate_ban(models: list[EvidenceModel], groups: list[dict]) -> int | None:
             if scores[j] >= m.bound:
                 return i
     return None
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
+
+
+@dataclass(frozen=True)
+class DriftReference:
+    """What a run's calibration says about one statistic of honest work, to notice when the
+    run's work no longer looks like it (the policy moved on, or the workers run otherwise than the
+    calibration did): honest groups fall above `level` (the calibration's 90th percentile) with
+    probability at most `share` (a 99 % upper confidence bound on the share it saw above it)."""
+
+    statistic: str
+    level: float
+    share: float
+
+    @classmethod
+    def of(cls, statistic: str, honest: list[float], q: float = 0.9, confidence: float = 0.99) -> DriftReference:
+        xs = sorted(honest)
+        level = _quantile(xs, q)
+        return cls(statistic, level, upper_bound(sum(x > level for x in xs), len(xs), confidence))
+
+    def surprise(self, values: list[float]) -> tuple[int, float]:
+        """(how many of `values` lie above the level, the probability of at least that many among
+        honest work as calibrated): a small probability says the calibration no longer describes
+        the work these values came from."""
+        above = sum(v > self.level for v in values)
+        return above, binomial_tail(above, len(values), self.share)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from swarmrl.config import Config
+from swarmrl.config import Config, load_config
 from swarmrl.proofs.evidence import (
     EvidenceModel,
     ban_bound,
@@ -272,3 +272,54 @@ def test_ban_times_over_drawn_sequences_and_honest_keys_that_never_climb():
     assert t["int8"]["median"] == pytest.approx(expected, rel=0.6)
     h = honest_peaks(chosen, "builtin", honest["builtin"], runs=5, length=5000)
     assert h["refused"] == 0 and h["banned"] == 0 and h["peak_share"] < 1
+
+
+def test_binomial_tail_by_hand():
+    from swarmrl.proofs.evidence import binomial_tail
+
+    assert binomial_tail(0, 5, 0.3) == 1.0 and binomial_tail(6, 5, 0.3) == 0.0
+    assert binomial_tail(5, 5, 0.5) == pytest.approx(1 / 32)
+    assert binomial_tail(1, 3, 0.5) == pytest.approx(7 / 8)  # 1 - P(0) = 1 - 1/8
+    assert binomial_tail(2, 4, 0.1) == pytest.approx(6 * 0.01 * 0.81 + 4 * 0.001 * 0.9 + 0.0001)
+
+
+def test_a_drift_reference_notices_work_that_left_the_calibration():
+    from swarmrl.proofs.evidence import DriftReference
+
+    honest = [i / 100 for i in range(100)]  # 0.00 .. 0.99: the 90th percentile is 0.89
+    ref = DriftReference.of("mant_err_group", honest)
+    assert ref.level == pytest.approx(0.89)
+    assert 0.10 < ref.share < 0.2  # 10 of 100 above it, bounded above at 99 %
+    same = [(i % 100) / 100 for i in range(200)]  # honest work as calibrated: 20 of 200 above
+    above, p = ref.surprise(same)
+    assert above == 20 and p > 0.5
+    moved = [v + 0.3 for v in same]  # the whole distribution shifted up: 80 of 200 above
+    above, p = ref.surprise(moved)
+    assert above == 80 and p < 1e-9
+
+
+def test_the_drift_watch_warns_once_when_passed_work_leaves_the_calibration_and_once_when_back():
+    import random as rnd
+
+    from swarmrl.orchestrator.validation import DRIFT_EVERY, DRIFT_MIN_GROUPS, ValidationQueue
+
+    rng = rnd.Random(0)
+    honest = [_stats(rng.gauss(0.6, 0.08)) for _ in range(200)]
+    limits = {"engines": {"builtin": {"limits": {}, "evidence": []}}, "measured": {"honest": {"builtin": honest}}}
+    said: list[str] = []
+    queue = ValidationQueue(None, load_config(None), None, None, said.append, limits)
+    for i in range(DRIFT_MIN_GROUPS + DRIFT_EVERY):  # honest work as calibrated, from two keys
+        queue._watch("builtin", f"k{i % 2}", _stats(rng.gauss(0.6, 0.08)))
+    report = queue.drift_report()["builtin"]
+    assert not report["alarm"] and report["statistic"] == "mant_err_group" and said == []
+    for i in range(100):  # the policy moved: every key's work sits higher
+        queue._watch("builtin", f"k{i % 2}", _stats(rng.gauss(0.9, 0.08)))
+    report = queue.drift_report()["builtin"]
+    assert report["alarm"] and report["keys"] == 2 and report["p"] < 1e-6
+    assert len(said) == 1 and "swarmrl calibrate" in said[0] and "engine builtin" in said[0]
+    for _ in range(200):
+        queue._watch("builtin", "k0", _stats(rng.gauss(0.6, 0.08)))
+    assert not queue.drift_report()["builtin"]["alarm"]
+    assert len(said) == 2 and "within the calibration again" in said[1]
+    queue._watch("vllm", "k0", _stats(0.6))  # an engine the calibration did not measure: not watched
+    assert "vllm" not in queue.drift_report()
