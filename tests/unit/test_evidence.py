@@ -323,3 +323,25 @@ def test_the_drift_watch_warns_once_when_passed_work_leaves_the_calibration_and_
     assert len(said) == 2 and "within the calibration again" in said[1]
     queue._watch("vllm", "k0", _stats(0.6))  # an engine the calibration did not measure: not watched
     assert "vllm" not in queue.drift_report()
+
+
+def test_swarmrl_status_prints_each_engines_drift():
+    from rich.console import Console
+
+    from swarmrl.launch.status import render
+
+    doc = {
+        "run": {"run_id": "r", "finished": False, "latest_version": 3, "next_step": 4, "total_steps": 8,
+                "async_bound": 2, "prompts_per_step": 8, "group_size": 8, "time": 0.0},
+        "progress": [], "workers": [], "workers_total": 0, "broadcast": {"versions": []},
+        "validation": {"groups": {}, "rejections": {}, "mode": "in-process", "drift": {
+            "vllm": {"statistic": "mant_err_group", "level": 2.15, "window": 200, "above": 135,
+                     "expected_at_most": 34.2, "p": 1e-50, "keys": 1, "alarm": True},
+            "builtin": {"statistic": "mant_err_group", "level": 2.08, "window": 200, "above": 13,
+                        "expected_at_most": 34.2, "p": 0.99, "keys": 1, "alarm": False}}},
+    }  # fmt: skip
+    console = Console(record=True, width=200)
+    render(doc, console=console)
+    text = console.export_text()
+    assert "drift vllm: ALARM, 135 of the last 200 passed groups" in text and "measure the limits again" in text
+    assert "drift builtin: 13 of the last 200" in text and "within the calibration" in text
