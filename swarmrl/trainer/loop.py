@@ -413,6 +413,13 @@ def run_trainer(
             }
             atomic_write_text(rd.root / "trainer_summary.json", json.dumps(summary, indent=1))
             print(f"held-out accuracy after: {after['eval/accuracy']:.3f}", flush=True)
+        if dist.is_initialized():
+            # Every rank tears its process group down together, after rank 0's final evaluation:
+            # a rank that destroyed its gloo group while rank 0 was still evaluating was seen to
+            # abort at exit ("terminate called without an active exception", SIGABRT), which
+            # torchrun reports as the run failing. Only on the normal path: after an error the
+            # other ranks may never arrive.
+            dist.barrier()
         return summary
     finally:
         if server is not None:
