@@ -31,9 +31,9 @@ class ValidationQueue:
 
     Owns no state in memory but the drift watch (a warning, rebuilt after a restart): the groups'
     states, claims, verdicts, workers' counts and bans are in the store, and every change is one
-    store transaction (its lock). The methods taking `db`
-    run inside their caller's transaction (submissions settle and reject through them, batches
-    read `metrics`). Calls leasing (`expire`) when it bans a key."""
+    store transaction (its lock). The methods taking `db` run inside their caller's transaction
+    (submissions settle and reject through them, batches read `metrics`). Calls leasing
+    (`expire`) when it bans a key."""
 
     def __init__(
         self,
@@ -289,7 +289,6 @@ class ValidationQueue:
                     continue  # its key was banned by the evidence: the group was refused with its others
                 if v["ok"]:
                     self._watch(row["engine"], row["worker"], v.get("stats") or {})
-                if v["ok"]:
                     state = "queued" if row["informative"] else "uninformative"
                     self.store.set_verdict(db, v["id"], state, verdict)
                     self.settled(db, row["worker"], bool(row["informative"]), validated=True)

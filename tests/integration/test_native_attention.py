@@ -268,8 +268,12 @@ def test_the_validators_kernel_pass_gives_the_torch_checks_margins_and_logprobs(
     honest = flat_step % 2 == 0
     assert torch.equal(margins[honest], torch.zeros(int(honest.sum())))
     assert (margins[~honest] > 0).all()
-    assert torch.allclose(margins, want_m, atol=1e-5, rtol=0)
-    assert torch.allclose(logps, want_lp, atol=2e-5, rtol=0)
+    # Bounded by the arithmetic, not by this CPU: scores reach ~40 here (float32 spacing ~4e-6), a
+    # tie the two logf's break differently moves a margin by a few spacings, and the log-sum-exp
+    # of 49,152 terms summed in another order (vector width differs between AVX2 and AVX-512)
+    # by ~sqrt(V) roundings of the sum; 1e-4 is still 50x under the tightest logprob tolerance.
+    assert torch.allclose(margins, want_m, atol=1e-4, rtol=0)
+    assert torch.allclose(logps, want_lp, atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump to read the built library")
