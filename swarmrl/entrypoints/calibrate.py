@@ -158,10 +158,12 @@ def _write(data: dict, settings: Settings) -> None:
     import json
     from pathlib import Path
 
+    from swarmrl.transport.filesystem import atomic_write_text
     from swarmrl.validator.calibrate import report
 
     out = Path(settings.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    # Whole or not at all: a running orchestrator may be watching this path (limits_reload.py).
+    atomic_write_text(out, json.dumps(data, indent=1))
     print(report(data))
     print(f"wrote {out}: set validator.limits_file = {json.dumps(str(out.resolve()))}")

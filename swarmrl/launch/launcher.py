@@ -415,7 +415,7 @@ def _base_with_limits(rd: RunDir, cfg: Config, train: list[dict], log) -> tuple[
         limits = _builtin_limits(cfg, base, train, log)
         cfg = cfg.model_copy(update={"validator": cfg.validator.model_copy(update={"limits_file": str(limits)})})
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-    run_limits(cfg, cfg.model.path or base)
+    run_limits(cfg, cfg.model.path or base, rd.root)
     return cfg, base
 
 

@@ -84,6 +84,11 @@ def _base_of(path: Path, base: str | Path | None) -> Path:
     return base
 
 
+def base_folder(path: str | Path) -> Path:
+    """The base model folder a LoRA adapter folder applies to (v000000 beside it)."""
+    return _base_of(Path(path), None)
+
+
 def load_policy(
     path: str | Path,
     *,

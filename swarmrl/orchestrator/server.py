@@ -40,6 +40,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     from transformers import AutoConfig, AutoTokenizer
 
     from swarmrl.config import load_config
+    from swarmrl.orchestrator.limits_reload import LimitsReload
     from swarmrl.orchestrator.service import Orchestrator
     from swarmrl.proofs.limits import run_limits
     from swarmrl.rewards import registry
@@ -55,7 +56,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
     # A bf16 run on its own model judges by its calibration, or does not start (LimitsError).
-    limits = run_limits(cfg, cfg.model.path or base)
+    limits = run_limits(cfg, cfg.model.path or base, run_dir)
     if limits is not None:
         log(
             f"validator limits: {cfg.validator.limits_file} ({limits['dtype']}, measured on CPU kind "
@@ -63,7 +64,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
             + ", ".join(n for n, e in limits["engines"].items() if not e.get("refused"))
             + ")"
         )
-    return Orchestrator(
+    orch = Orchestrator(
         cfg,
         run_dir,
         tokenizer=tokenizer,
@@ -74,6 +75,10 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
         log=log,
         limits=limits,
     )
+    if cfg.validator.limits_file:
+        # Measured again while the run goes on (the drift watch asks for it): taken when it changes.
+        orch.limits_reload = LimitsReload(cfg, run_dir, cfg.model.path or base, orch.validation, log)
+    return orch
 
 
 def serve(
@@ -92,6 +97,7 @@ def serve(
     orchestrator and sits above it."""
     import uvicorn
 
+    from swarmrl.orchestrator import limits_reload
     from swarmrl.orchestrator.app import create_app
     from swarmrl.protocol.tls import server_context
     from swarmrl.transport.connlimit import SourceSlots, guarded_h11
@@ -135,6 +141,7 @@ def serve(
     )
     server = uvicorn.Server(config)
     thread = stop = None
+    watch = orch.limits_reload and limits_reload.start(orch.limits_reload)
     if orch.cfg.validator.mode == "in-process":
         if start_validator is None:
             raise ValueError('validator.mode is "in-process" but no validator was given to run in this process')
@@ -144,6 +151,8 @@ def serve(
     try:
         server.run(sockets=[sock])
     finally:
+        if watch:
+            watch[1].set()
         if stop is not None:
             stop.set()
             thread.join(timeout=30)  # let a check in progress record its verdicts

@@ -115,6 +115,12 @@ class Orchestrator:
             )
         self.leasing = Leasing(self.store, cfg, self.rows, tokenizer, self.counters, self.gate)
         self.validation = ValidationQueue(self.store, cfg, self.counters, self.leasing, log, limits)
+        # Scores summed under another file's tests (a run resumed with a new file) start again.
+        if self.validation.restart_evidence():
+            log(
+                "validator limits: the evidence tests differ from those this run's scores were summed under: "
+                "they start again at 0"
+            )
         self.submissions = Submissions(
             self.store,
             cfg,
@@ -129,6 +135,8 @@ class Orchestrator:
             hidden_size=hidden_size,
         )
         self.batches = Batches(self.store, cfg, self.counters, self.validation, self.leasing, log)
+        # validator.limits_file read again when it changes (limits_reload.py; set by server.py).
+        self.limits_reload = None
 
     def close(self) -> None:
         self.lanes.close()

@@ -599,6 +599,13 @@ class Store:
         )
         return score
 
+    def restart_evidence(self, db: Db) -> int:
+        """Every key's CUSUM back to 0 (groups, peak and the statistic's sums kept); returns how
+        many keys had a score above 0."""
+        n = db.execute("SELECT COUNT(DISTINCT worker) FROM evidence WHERE score > 0").fetchone()[0]
+        db.execute("UPDATE evidence SET score = 0")
+        return int(n)
+
     def evidence_scores(self, db: Db, worker: str) -> list[tuple[str, str, float]]:
         """(engine, test, score) of each of the worker's evidence tests."""
         return [tuple(r) for r in db.execute("SELECT engine, test, score FROM evidence WHERE worker = ?", (worker,))]

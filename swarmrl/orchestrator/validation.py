@@ -13,6 +13,7 @@ from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 from swarmrl.proofs.evidence import DriftReference, EvidenceModel, group_llr
+from swarmrl.proofs.limits import evidence_identity
 from swarmrl.protocol.messages import ClaimedGroup
 from swarmrl.protocol.rollouts import Group
 
@@ -45,6 +46,9 @@ class ValidationQueue:
         limits: dict | None = None,
     ):
         self.store, self.cfg, self.counters, self.leasing, self.log = store, cfg, counters, leasing, log
+        self._set_limits(limits)
+
+    def _set_limits(self, limits: dict | None) -> None:
         # The run's limits file (proofs/limits.py, loaded and checked by the service):
         # the hard limits validators apply per engine, and the evidence models applied here.
         self.limits = limits
@@ -66,6 +70,33 @@ class ValidationQueue:
         self._recent: dict[str, deque] = {name: deque(maxlen=DRIFT_WINDOW) for name in self.drift_refs}
         self._seen = dict.fromkeys(self.drift_refs, 0)
         self._drift: dict[str, dict] = {}
+
+    def replace_limits(self, limits: dict) -> int | None:
+        """Judge by another limits file from now on (measured again near the current version, as
+        the drift watch asks; orchestrator/limits_reload.py). Validators get its hard limits with
+        their next claim; the drift watch starts afresh against its honest work. Returns what
+        `restart_evidence` does."""
+        with self.store.lock:  # no verdict is weighed half by one file, half by the other
+            self._set_limits(limits)
+            return self.restart_evidence()
+
+    def restart_evidence(self) -> int | None:
+        """When the evidence models differ from those the store's scores were summed under (a
+        new file, at a reload or a restart), every key's CUSUM starts again at 0 (its groups and
+        peak stay, for the record). A file is measured again because the old one stopped
+        describing honest work (the drift watch): scores summed under it are not evidence that a
+        key cheats, and an honest key whose score drift had raised must not carry it into bounds
+        fitted elsewhere. A cheating key pays with the groups a new ban takes (tens); a key
+        cannot make the operator reload. Returns the number of keys whose score restarted, None
+        when the tests are those the scores were summed under (they carry on)."""
+        if self.limits is None:
+            return None
+        ident = evidence_identity(self.limits)
+        with self.store.tx() as db:
+            if Store.get_meta(db, "evidence_models") == ident:
+                return None
+            Store.set_meta(db, "evidence_models", ident)
+            return self.store.restart_evidence(db)
 
     def engine_refusal(self, engine: str) -> str | None:
         """Why this run refuses proofs from `engine` (None: it accepts them). Only runs with a limits

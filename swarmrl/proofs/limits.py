@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,9 +72,14 @@ class LimitsError(SwarmrlError, ValueError):
 
 def model_digest(folder: str | Path) -> str:
     """sha256 over a model folder's weights and config (name and sha256 of each `*.safetensors`,
-    `*.bin` and `config.json`, in name order): the same weights give the same digest wherever they are."""
+    `*.bin`, `config.json` and a LoRA adapter's `adapter_config.json`, in name order): the same
+    weights give the same digest wherever they are."""
     root = Path(folder)
-    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json")
+    files = sorted(
+        p
+        for p in root.iterdir()
+        if p.suffix in (".safetensors", ".bin") or p.name in ("config.json", "adapter_config.json")
+    )
     if not files:
         raise LimitsError(f"{root} holds no model weights (*.safetensors or *.bin): not a model folder")
     outer = hashlib.sha256()
@@ -337,9 +343,11 @@ def honest_peaks(chosen: dict, engine: str, honest: list[dict], *, runs: int = 2
     return {"runs": runs, "length": length, "peak_share": peak, "refused": refused, "banned": banned}
 
 
-def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:
+def load_limits(path: str | Path, *, dtype: str, digest: str | None, policies: Path | None = None) -> dict:
     """A limits file for a run sampling in `dtype` on the model of content digest `digest` (None:
-    not checked, e.g. the built-in model, whose folder is made by the run). Raises LimitsError
+    not checked, e.g. the built-in model, whose folder is made by the run), or on one of the
+    run's own versions (`policies`: the run directory's policies/, which the trainer writes: a
+    file measured on `policies/vNNNNNN` names that version, see `version_of`). Raises LimitsError
     naming what differs and the command that makes the right one."""
     p = Path(path)
     try:
@@ -356,11 +364,12 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:
             f"(sampling.dtype): run swarmrl calibrate --dtype {dtype} for this model"
         )
     have = (data.get("model") or {}).get("digest")
-    if digest is not None and have != digest:
+    if digest is not None and have != digest and not _a_run_version(p, data.get("model") or {}, digest, policies):
         raise LimitsError(
             f"validator.limits_file {p} was calibrated on another model (content digest {str(have)[:12]}…, "
-            f"this run's model is {digest[:12]}…): limits do not carry over between models; run swarmrl "
-            "calibrate on this model"
+            f"this run's model is {digest[:12]}…, and no version of this run has that digest): limits do not "
+            "carry over between models; run swarmrl calibrate on this model, or on a version of this run "
+            "(--model RUN_DIR/policies/vNNNNNN)"
         )
     for engine, entry in (data.get("engines") or {}).items():
         try:
@@ -373,6 +382,40 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None) -> dict:
     if any(k in entry["limits"] for entry in data["engines"].values() for k in RETIRED_LIMITS):
         data = _chosen_again(p, data)
     return data
+
+
+def evidence_identity(limits: dict) -> str:
+    """sha256 of a limits file's evidence models, per engine: what a key's CUSUM is summed
+    under. Two files with the same identity score keys alike (their hard limits may differ)."""
+    models = {name: e.get("evidence") or [] for name, e in sorted((limits.get("engines") or {}).items())}
+    return hashlib.sha256(json.dumps(models, sort_keys=True).encode()).hexdigest()
+
+
+def version_of(folder: str | Path) -> int | None:
+    """The policy version a folder holds when it is a run's version folder (named vNNNNNN, as
+    under a run directory's policies/ and a worker's cache), else None."""
+    m = re.fullmatch(r"v(\d{6})", Path(folder).resolve().name)
+    return int(m.group(1)) if m else None
+
+
+def _a_run_version(p: Path, model: dict, start_digest: str, policies: Path | None) -> bool:
+    """Whether a limits file measured on a policy version (`model["version"]`) was measured on
+    this run's: the version folder the trainer wrote has the file's content digest, and an
+    adapter's base is this run's starting model. A policy keeps drifting from the weights the
+    limits were first measured on (docs/validation.md, 'Drift'); an operator measures them
+    again on a later version, and the run takes that file at start or while it runs."""
+    version = model.get("version")
+    if version is None or policies is None:
+        return False
+    folder = Path(policies) / f"v{int(version):06d}"
+    if not folder.is_dir():
+        raise LimitsError(
+            f"validator.limits_file {p} was calibrated on policy version {version}, which this run's "
+            f"{policies} does not hold (pruned, or another run's version): calibrate on a version this run keeps"
+        )
+    if model.get("base_digest") not in (None, start_digest):
+        return False
+    return model_digest(folder) == model.get("digest")
 
 
 def _chosen_again(p: Path, data: dict) -> dict:
@@ -407,15 +450,17 @@ NO_CALIBRATION = (
 )
 
 
-def run_limits(cfg, model_folder: str | Path | None) -> dict | None:
+def run_limits(cfg, model_folder: str | Path | None, run_dir: str | Path | None = None) -> dict | None:
     """The limits file a run validates with, checked against its model and dtype (None: the run
     has none and may go without: float32, or the built-in model whose limits ship in the config).
-    `model_folder` is the run's starting model (None: not at hand, its digest is not checked).
+    `model_folder` is the run's starting model (None: not at hand, its digest is not checked);
+    `run_dir`, where the run has one, lets a file measured on one of its versions through.
     Raises LimitsError with the command to run."""
     v = cfg.validator
     if v.limits_file:
         digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
-        data = load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest)
+        policies = Path(run_dir) / "policies" if run_dir is not None else None
+        data = load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest, policies=policies)
         _check_sampling(v.limits_file, data.get("sampling"), cfg.sampling)
         if all(e.get("refused") for e in data["engines"].values()):
             # No worker could submit a proven group: say why now, not as every group's refusal.

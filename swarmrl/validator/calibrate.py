@@ -35,7 +35,7 @@ from swarmrl.config import ValidatorConfig
 from swarmrl.config.training import LORA_TARGETS_DEFAULT
 from swarmrl.inference.engine import build_engine
 from swarmrl.model.altered import quantised, stepped
-from swarmrl.model.checkpoint import load_policy
+from swarmrl.model.checkpoint import base_folder, is_adapter, load_policy, save_policy
 from swarmrl.proofs.limits import (
     FORMAT,
     ban_times,
@@ -45,6 +45,7 @@ from swarmrl.proofs.limits import (
     model_digest,
     replay_bans,
     separation,
+    version_of,
 )
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.messages import ClaimedGroup, ClaimedSample
@@ -180,7 +181,14 @@ class Calibration:
         self.g, self.max_new, self.temp = group_size, max_new_tokens, temperature
         self.full, self.tok = load_policy(model_folder, dtype=torch.float32)
         self.full.eval()
-        self.model = self.full if dtype == "float32" else copy.deepcopy(self.full).to(getattr(torch, dtype)).eval()
+        self.adapter = is_adapter(model_folder)
+        if self.adapter and dtype != "float32":
+            # A LoRA version: workers and validators merge the adapter in the run's dtype
+            # (load_policy), which is not the float32 merge rounded: measure what they run.
+            self.model = load_policy(model_folder, dtype=getattr(torch, dtype))[0].eval()
+        else:
+            self.model = self.full if dtype == "float32" else copy.deepcopy(self.full).to(getattr(torch, dtype)).eval()
+        self.work_dir = work_dir
         self.vcfg = ValidatorConfig(batch_groups=batch_groups)
         self.validator = Validator(self.vcfg, work_dir)
         self.texts, self.rng = prompts, random.Random(seed)
@@ -222,9 +230,10 @@ class Calibration:
         if name == "vllm":
             from swarmrl.inference.vllm_engine import VllmEngine
 
-            return VllmEngine(
-                Path(self.folder), dtype=self.dtype, stop_token_ids=[self.tok.eos_token_id], max_batch=max_batch
-            )
+            folder = Path(self.folder)
+            if self.adapter:  # as a vLLM worker loads a LoRA version: merged, saved whole (inference/worker.py)
+                folder = save_policy(self.model, self.tok, self.work_dir / "merged")
+            return VllmEngine(folder, dtype=self.dtype, stop_token_ids=[self.tok.eos_token_id], max_batch=max_batch)
         return build_engine(self.model, self.tok, kind=name, max_batch=max_batch)
 
     def honest(self, engine_name: str, groups: int, max_batch: int) -> tuple[list[dict], list[ClaimedGroup], dict]:
@@ -328,6 +337,10 @@ def calibrate(
             "digest": digest,
             "folder": str(model_folder),
             "layers": int(getattr(cal.full.config, "num_hidden_layers", 0)),
+            # A run's version folder (policies/vNNNNNN): a run takes the file for that version of
+            # its own (proofs/limits.py, `load_limits`); an adapter's base must be the run's.
+            **({"version": version_of(model_folder)} if version_of(model_folder) is not None else {}),
+            **({"base_digest": model_digest(base_folder(model_folder))} if cal.adapter else {}),
         },
         "dtype": dtype,
         "cpu": {"kind": cpu_kind(), "threads": torch.get_num_threads()},

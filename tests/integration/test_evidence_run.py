@@ -8,6 +8,7 @@ The run's ban_after is 1000 (adversary_world.SHARED), so a ban here is the seque
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -65,7 +66,7 @@ def world(tmp_path_factory):
         model=root / "tiny",
         before_start=calibrate_v0,
     )
-    w.limits = json.loads(limits.read_text())
+    w.limits, w.limits_file = json.loads(limits.read_text()), limits
     yield from closed_clean(w)
 
 
@@ -135,3 +136,45 @@ def test_a_cheat_declaring_an_engine_the_calibration_did_not_measure_is_refused_
     entry.write_text(json.dumps({"expires_at": lease["expires_at"], "submission": adv.generate(lease)}))
     with pytest.raises(RefusedEngine, match="refuses this worker's engine: .*it accepts builtin"):
         adv.deliver(entry)
+
+
+def test_limits_measured_again_on_a_later_version_are_taken_while_the_run_goes_on(world):
+    """The drift watch asks for limits measured near the current version: written over the run's
+    file, the running orchestrator checks them like a start and judges by them (its in-process
+    validator with its next claim); a file that does not pass is logged and changes nothing."""
+    from swarmrl.proofs.limits import model_digest
+    from swarmrl.validator.calibrate import rechosen
+
+    from adversary_world import train_a_little
+    from harness import wait_for
+
+    log = world.run / "orchestrator.log"
+    v2 = world.run / "policies" / "v000002"  # a later version the trainer wrote, other weights than v0
+    train_a_little(world.run / "policies" / "v000000", v2, steps=2)
+    # As `swarmrl calibrate --measured` does it: the limits chosen again (another false-ban rate,
+    # so other bounds) from the statistics measured, stamped as measured on v2.
+    data = rechosen(world.limits, false_ban_rate=1e-5, horizon=100_000, max_groups_to_ban=64.0)
+    data["model"] = {**world.limits["model"], "digest": model_digest(v2), "version": 2}
+    before = httpx.get(f"{world.orch.url}/v1/dashboard", timeout=10).json()
+    raised = sum(any(r["score"] > 0 for r in w.get("evidence") or []) for w in before["workers"])
+
+    def written(doc: dict) -> None:  # whole or not at all, as `swarmrl calibrate` writes it
+        tmp = world.limits_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, world.limits_file)
+
+    written({**data, "dtype": "float32"})
+    wait_for(lambda: "is not taken, the run keeps its limits" in log.read_text(), 30, "the refusal", log=log)
+    assert "calibrated for float32" in log.read_text()
+    written(data)
+    line = wait_for(
+        lambda: next((x for x in log.read_text().splitlines() if "validator limits: now" in x), None), 30, "the reload",
+        log=log,
+    )  # fmt: skip
+    assert "measured on policy version 2" in line and f"so {raised} keys' evidence scores start again" in line
+    assert data["engines"]["builtin"]["evidence"][0]["bound"] != world.limits["engines"]["builtin"]["evidence"][0][
+        "bound"]  # fmt: skip
+    honest_round(world)
+    honest_clean(world)  # still judged, and passed, under the new file
+    rows = evidence_of(world, "honest")
+    assert {r["bound"] for r in rows} == {m["bound"] for m in data["engines"]["builtin"]["evidence"]}, rows

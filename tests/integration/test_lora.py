@@ -13,6 +13,7 @@ the trainer trains adapters only and its checkpoints hold them and their optimiz
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -338,6 +339,47 @@ def test_run_dir_adapters_load_with_their_base_beside_them(world, tmp_path):
         (lonely / name).write_bytes((world.run / "policies" / "v000001" / name).read_bytes())
     with pytest.raises(FileNotFoundError, match="needs its base model, policy version 0"):
         load_policy(lonely)
+
+
+def test_limits_measured_on_an_adapter_version_are_what_its_run_takes(tmp_path):
+    """The drift watch asks for limits measured near the current version; in a LoRA run that is an
+    adapter: `calibrate` merges it as workers and validators do (in the run's dtype, not the
+    float32 merge rounded), stamps the version and its base, and the run whose policies/ hold that
+    adapter takes the file (another run, or none, does not)."""
+    import torch
+
+    from swarmrl.proofs.limits import LimitsError, model_digest, run_limits
+    from swarmrl.validator.calibrate import Calibration, calibrate
+
+    model, tok = build_tiny_policy(seed=0)
+    base, adapter = tmp_path / "run" / "policies" / "v000000", tmp_path / "run" / "policies" / "v000004"
+    save_policy(model, tok, base)
+    train_adapter(base, adapter, steps=4, lr=1e-2)
+    prompts = [f"What is {a} + {a + 1}?" for a in range(32)]
+    cal = Calibration(str(adapter), prompts, dtype="bfloat16", group_size=2, max_new_tokens=8, temperature=1.0,
+                      batch_groups=4, seed=0, work_dir=tmp_path / "work")  # fmt: skip
+    merged_in_bf16 = load_policy(adapter, dtype=torch.bfloat16)[0].state_dict()
+    rounded = {k: v.to(torch.bfloat16) for k, v in cal.full.state_dict().items()}
+    assert all(torch.equal(v, merged_in_bf16[k]) for k, v in cal.model.state_dict().items())
+    assert any(not torch.equal(v, rounded[k]) for k, v in merged_in_bf16.items())  # the difference is real
+    data = calibrate(str(adapter), prompts, dtype="bfloat16", engines=["builtin"], groups=16, cheat_groups=4,
+                     group_size=2, max_new_tokens=8, cheats=("int4_per_32",), work_dir=tmp_path / "work",
+                     log=lambda *_: None)  # fmt: skip
+    assert data["model"] | {"folder": None} == {
+        "digest": model_digest(adapter),
+        "folder": None,
+        "layers": model.config.num_hidden_layers,
+        "version": 4,
+        "base_digest": model_digest(base),
+    }
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps(data))
+    cfg = load_config(None, ["--sampling.dtype", "bfloat16", "--model.path", str(base),
+                             "--sampling.group_size", "2", "--sampling.max_new_tokens", "8",
+                             "--sampling.temperature", "1.0", "--validator.limits_file", str(limits)])  # fmt: skip
+    assert run_limits(cfg, base, tmp_path / "run")["model"]["version"] == 4
+    with pytest.raises(LimitsError, match="another model"):
+        run_limits(cfg, base)
 
 
 # ---- the trainer --------------------------------------------------------------------------------

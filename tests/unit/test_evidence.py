@@ -345,3 +345,40 @@ def test_swarmrl_status_prints_each_engines_drift():
     text = console.export_text()
     assert "drift vllm: ALARM, 135 of the last 200 passed groups" in text and "measure the limits again" in text
     assert "drift builtin: 13 of the last 200" in text and "within the calibration" in text
+
+
+def test_a_limits_file_measured_on_a_version_of_the_run_is_taken_by_that_run_alone(tmp_path):
+    from swarmrl.proofs.limits import version_of
+
+    run = tmp_path / "run"
+    base, adapter = run / "policies" / "v000000", run / "policies" / "v000012"
+    for folder, files in (
+        (base, {"config.json": b"{}", "model.safetensors": b"base weights"}),
+        (adapter, {"adapter_config.json": b'{"r": 16}', "adapter_model.safetensors": b"lora"}),
+    ):
+        folder.mkdir(parents=True)
+        for name, content in files.items():
+            (folder / name).write_bytes(content)
+    assert version_of(adapter) == 12 and version_of(tmp_path) is None
+    digest = model_digest(adapter)
+    (adapter / "adapter_config.json").write_bytes(b'{"r": 8}')  # the adapter's scaling is part of its weights
+    assert model_digest(adapter) != digest
+    f = tmp_path / "limits.json"
+    _write(f, model={"digest": model_digest(adapter), "version": 12, "base_digest": model_digest(base)})
+    cfg = Config.model_validate(
+        {"model": {"path": str(base)}, "sampling": {"dtype": "bfloat16"}, "validator": {"limits_file": str(f)}}
+    )
+    assert run_limits(cfg, base, run)["model"]["version"] == 12
+    with pytest.raises(LimitsError, match=r"another model .*--model RUN_DIR/policies/vNNNNNN"):
+        run_limits(cfg, base)  # no run to look in: only the starting model's digest would do
+    other = tmp_path / "other" / "policies" / "v000012"  # another run's adapter of the same name
+    other.mkdir(parents=True)
+    (other / "adapter_model.safetensors").write_bytes(b"other lora")
+    with pytest.raises(LimitsError, match="another model"):
+        run_limits(cfg, base, tmp_path / "other")
+    _write(f, model={"digest": model_digest(adapter), "version": 12, "base_digest": "c" * 64})
+    with pytest.raises(LimitsError, match="another model"):  # this adapter, on another base
+        run_limits(cfg, base, run)
+    _write(f, model={"digest": model_digest(adapter), "version": 13})
+    with pytest.raises(LimitsError, match="policy version 13, which this run's .* does not hold"):
+        run_limits(cfg, base, run)

@@ -55,9 +55,28 @@ def orch(tmp_path):
     o.close()
 
 
-def make_orchestrator(tmp_path, *overrides: str) -> Orchestrator:
+def make_orchestrator(tmp_path, *overrides: str, limits: dict | None = None) -> Orchestrator:
+    cfg = orchestrator_config(tmp_path, *overrides)
+    logs: list[str] = []
+    o = Orchestrator(
+        cfg,
+        tmp_path,
+        tokenizer=TOKENIZER,
+        vocab_size=len(TOKENIZER),
+        hidden_size=64,
+        trainer_token="t",
+        validator_token="v",
+        pool=InlinePool(),
+        log=logs.append,
+        limits=limits,
+    )
+    o.logs = logs
+    return o
+
+
+def orchestrator_config(tmp_path, *overrides: str):
     (tmp_path / "trusted.txt").write_text(TRUSTED + "\n")
-    cfg = load_config(
+    return load_config(
         None,
         [
             *TINY_GROUPS,
@@ -74,20 +93,6 @@ def make_orchestrator(tmp_path, *overrides: str) -> Orchestrator:
             *overrides,
         ],
     )
-    logs: list[str] = []
-    o = Orchestrator(
-        cfg,
-        tmp_path,
-        tokenizer=TOKENIZER,
-        vocab_size=len(TOKENIZER),
-        hidden_size=64,
-        trainer_token="t",
-        validator_token="v",
-        pool=InlinePool(),
-        log=logs.append,
-    )
-    o.logs = logs
-    return o
 
 
 def completion(orch, problem_id: str, right: bool) -> dict:
@@ -358,3 +363,93 @@ def test_a_restarted_origin_moves_every_version_it_holds_to_its_new_url(orch):
     with orch.store.tx() as db:
         urls = [orch.store.policy(db, v)["url"] for v in (0, 1, 2)]
     assert urls == ["http://127.0.0.1:2000"] * 3
+
+
+def _limits_file(path, folder, *, spread: float, version: int | None = None, dtype: str = "bfloat16") -> dict:
+    """A limits file measured on `folder` (a run's version when `version` is given), its honest
+    group statistic spread by `spread` and int8 work 0.3 above it."""
+    import random
+
+    from swarmrl.proofs.limits import FORMAT, choose_limits, model_digest
+
+    rng = random.Random(0)
+
+    def stats(group: float) -> dict:
+        return {"exp_mismatches_max": 4, "mant_err_mean_max": group + 0.3, "mant_err_median_max": 1.0,
+                "mant_err_group": group, "sampling_margin_max": 0.0, "logprob_err_max": 0.01,
+                "logprob_err_mean": 0.001, "logprob_bias": 0.001}  # fmt: skip
+
+    honest = {"builtin": [stats(rng.gauss(0.6, spread)) for _ in range(200)]}
+    cheats = {"int8": [stats(rng.gauss(0.9, spread)) for _ in range(64)], "int4": [stats(4.0) for _ in range(16)]}
+    model = {"digest": model_digest(folder), **({"version": version} if version is not None else {})}
+    data = {"format": FORMAT, "dtype": dtype, "model": model, **choose_limits(honest, cheats)}
+    path.write_text(json.dumps(data))
+    return data
+
+
+def test_a_limits_file_written_again_is_taken_by_the_running_orchestrator(tmp_path):
+    """The drift watch asks for limits measured near the current version: written over the run's
+    file, they are checked like a run's start, then judged by (validators get them with their
+    next claim); a file that does not pass leaves the run's limits as they were."""
+    from swarmrl.orchestrator.limits_reload import LimitsReload
+    from swarmrl.proofs.limits import run_limits
+
+    versions = {}
+    for v, weights in ((0, b"v0"), (3, b"v3")):
+        folder = versions[v] = tmp_path / "policies" / f"v{v:06d}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(weights)
+    f = tmp_path / "limits.json"
+    first = _limits_file(f, versions[0], spread=0.08)
+    flags = ("--sampling.dtype", "bfloat16", "--model.path", str(versions[0]), "--validator.limits_file", str(f))
+    cfg = orchestrator_config(tmp_path, *flags)
+    o = make_orchestrator(tmp_path, *flags, limits=run_limits(cfg, versions[0], tmp_path))
+    try:
+        reload = LimitsReload(o.cfg, tmp_path, versions[0], o.validation, o.logs.append)
+        test = o.validation.evidence["builtin"][0].name
+        with o.store.tx() as db:
+            o.store.add_evidence(db, OTHER, "builtin", test, 5.0, 0.9)
+        assert not reload.check(), "an unchanged file is not read again"
+
+        def rewrite(**kw) -> dict:
+            data = _limits_file(f, **kw)
+            time.sleep(0.01)  # a new modification time even on coarse clocks
+            f.touch()
+            return data
+
+        # Refused, with what is wrong; the run keeps its limits and every key its score.
+        for kw, said in (
+            ({"folder": versions[0], "spread": 0.08, "dtype": "float32"}, "calibrated for float32"),
+            ({"folder": versions[3], "spread": 0.08}, "another model"),  # v3's weights, not said to be v3
+            ({"folder": versions[3], "spread": 0.08, "version": 7}, "policy version 7, which this run's"),
+        ):
+            rewrite(**kw)
+            assert not reload.check()
+            assert "is not taken, the run keeps its limits" in o.logs[-1] and said in o.logs[-1], o.logs[-1]
+            assert o.validation.limits["engines"] == first["engines"]
+        with o.store.read() as db:
+            assert o.store.evidence_scores(db, OTHER) == [("builtin", test, 5.0)]
+
+        # Measured on the run's v3: taken; its tests differ, so scores start again (peak kept).
+        second = rewrite(folder=versions[3], spread=0.12, version=3)
+        assert reload.check()
+        assert "measured on policy version 3" in o.logs[-1] and "1 keys' evidence scores start again" in o.logs[-1]
+        claim = o.claim_validation(4)
+        assert claim["calibrated"]["builtin"] == second["engines"]["builtin"]["limits"] != first["engines"][
+            "builtin"]["limits"]  # fmt: skip
+        with o.store.read() as db:
+            assert [r[2] for r in o.store.evidence_scores(db, OTHER)] == [0.0]
+            assert o.store.evidence(db)[OTHER][0]["peak"] == 5.0
+
+        # The same evidence tests with another hard limit: the scores carry on.
+        with o.store.tx() as db:
+            o.store.add_evidence(db, OTHER, "builtin", o.validation.evidence["builtin"][0].name, 2.0, 0.9)
+        data = json.loads(f.read_text())
+        data["engines"]["builtin"]["limits"]["group_mant_err_max"] += 0.5
+        f.write_text(json.dumps(data))
+        assert reload.check() and "evidence score carries on" in o.logs[-1]
+        with o.store.read() as db:
+            assert [r[2] for r in o.store.evidence_scores(db, OTHER)] == [2.0]
+    finally:
+        o.close()
