@@ -84,6 +84,14 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     groups = "  ".join(f"{k} {n}" for k, n in v["groups"].items())
     reasons = ", ".join(f"{k} {n}" for k, n in sorted(v["rejections"].items(), key=lambda kv: -kv[1])) or "none"
     console.print(Text(f"validation ({v['mode']}): {groups}\nrejections: {reasons}"))
+    lim = v.get("limits")
+    if lim:
+        console.print(
+            Text(
+                f"limits: measured on policy version {lim['measured_on']} ({lim['dtype']}, CPU kind {lim['cpu']}); "
+                f"engines accepted: {', '.join(lim['engines']) or 'none'}"
+            )
+        )
     for engine, d in (v.get("drift") or {}).items():
         console.print(
             Text(

@@ -158,6 +158,8 @@ def build(orch, *, now: float | None = None) -> dict:
             "mode": cfg.validator.mode,
             # Per engine: does the run's passed work still look like the calibration's honest work?
             "drift": orch.validation.drift_report(),
+            # The limits file judged by now: measured on which version, dtype and CPU kind.
+            "limits": orch.validation.limits_summary(),
         },
         "broadcast": {"versions": versions},
     }

@@ -247,11 +247,25 @@ class ValidationQueue:
                 f"percentile {worst['level']:.3g}, where honest work as calibrated puts at most "
                 f"{worst['expected_at_most']:g} (probability {worst['p']:.1e}): the limits file no longer describes "
                 "this run's work, and honest keys' evidence rises with it. Measure the limits again near the "
-                "current version (swarmrl calibrate --model on a version folder) before trusting bans; a "
-                "cheating key's groups count here too until it is banned"
+                "current version before trusting bans: swarmrl calibrate --model RUN_DIR/policies/vNNNNNN with "
+                "the run's settings, --out the run's validator.limits_file (the run takes it when it is "
+                "written). A cheating key's groups count here too until it is banned"
             )
         elif was and not worst["alarm"]:
             self.log(f"validation drift: engine {engine}: its passed groups are within the calibration again")
+
+    def limits_summary(self) -> dict | None:
+        """What the run judges by now, for the dashboard and `swarmrl status` (None: no limits file)."""
+        if self.limits is None:
+            return None
+        model = self.limits.get("model") or {}
+        return {
+            "measured_on": model.get("version", 0),  # the policy version; 0: the run's starting model
+            "dtype": self.limits.get("dtype"),
+            "cpu": (self.limits.get("cpu") or {}).get("kind"),
+            "engines": sorted(self.accepted),
+            "created": self.limits.get("created"),
+        }
 
     def drift_report(self) -> dict[str, dict]:
         """Per engine the drift watch's last judgement (the statistic furthest from the

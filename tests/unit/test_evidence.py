@@ -338,13 +338,15 @@ def test_swarmrl_status_prints_each_engines_drift():
             "vllm": {"statistic": "mant_err_group", "level": 2.15, "window": 200, "above": 135,
                      "expected_at_most": 34.2, "p": 1e-50, "keys": 1, "alarm": True},
             "builtin": {"statistic": "mant_err_group", "level": 2.08, "window": 200, "above": 13,
-                        "expected_at_most": 34.2, "p": 0.99, "keys": 1, "alarm": False}}},
+                        "expected_at_most": 34.2, "p": 0.99, "keys": 1, "alarm": False}},
+            "limits": {"measured_on": 30, "dtype": "bfloat16", "cpu": "avx512", "engines": ["builtin", "vllm"]}},
     }  # fmt: skip
     console = Console(record=True, width=200)
     render(doc, console=console)
     text = console.export_text()
     assert "drift vllm: ALARM, 135 of the last 200 passed groups" in text and "measure the limits again" in text
     assert "drift builtin: 13 of the last 200" in text and "within the calibration" in text
+    assert "limits: measured on policy version 30 (bfloat16, CPU kind avx512); engines accepted: builtin, vllm" in text
 
 
 def test_a_limits_file_measured_on_a_version_of_the_run_is_taken_by_that_run_alone(tmp_path):

@@ -435,6 +435,7 @@ def test_a_limits_file_written_again_is_taken_by_the_running_orchestrator(tmp_pa
         second = rewrite(folder=versions[3], spread=0.12, version=3)
         assert reload.check()
         assert "measured on policy version 3" in o.logs[-1] and "1 keys' evidence scores start again" in o.logs[-1]
+        assert o.validation.limits_summary()["measured_on"] == 3  # what the dashboard and swarmrl status show
         claim = o.claim_validation(4)
         assert claim["calibrated"]["builtin"] == second["engines"]["builtin"]["limits"] != first["engines"][
             "builtin"]["limits"]  # fmt: skip

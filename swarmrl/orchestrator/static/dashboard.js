@@ -154,6 +154,10 @@ function renderValidation(v) {
   for (const [state, n] of Object.entries(v.groups)) row(`groups ${state}`, n);
   const reasons = Object.entries(v.rejections).sort((a, b) => b[1] - a[1]);
   row("rejections", reasons.length ? reasons.map(([r, n]) => `${r} ${n}`).join(", ") : "none");
+  if (v.limits) {
+    row("limits", `measured on v${v.limits.measured_on} (${v.limits.dtype}, CPU kind ${v.limits.cpu}); ` +
+        `engines ${v.limits.engines.join(", ") || "none"}`);
+  }
   for (const [engine, d] of Object.entries(v.drift || {})) {
     row(`drift ${engine}`, `${d.alarm ? "ALARM: " : ""}${d.above} of ${d.window} above the calibrated ` +
         `${d.statistic} q90 (at most ${d.expected_at_most} expected)`);
