@@ -31,19 +31,25 @@ POLL_S = 5.0
 class LimitsReload:
     """`validator.limits_file` for one run: `check()` takes it again when it changed."""
 
-    def __init__(self, cfg, run_dir: Path, model_folder: str | Path, validation, log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        model_folder: str | Path,
+        validation,
+        log: Callable[[str], None],
+        stamp: tuple | None = None,
+    ):
+        """`stamp`: `stamp_of` the file as it was before the run's limits were read from it (a file
+        written while the orchestrator started is then taken at the first look)."""
         self.cfg, self.run_dir, self.model_folder = cfg, Path(run_dir), model_folder
         self.validation, self.log = validation, log
         self.path = Path(cfg.validator.limits_file)
-        self.stamp = self._stamp()  # what the run started with
+        self.stamp = stamp if stamp is not None else stamp_of(self.path)
         self.reloads = 0
 
-    def _stamp(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+    def _stamp(self) -> tuple | None:
+        return stamp_of(self.path)
 
     def check(self) -> bool:
         """Take the file again if it changed since it was last looked at; True when the run now
@@ -57,10 +63,20 @@ class LimitsReload:
             return False
         try:
             limits = run_limits(self.cfg, self.model_folder, self.run_dir)
-        except LimitsError as e:
+            dropped = sorted(
+                set(self.validation.accepted) - {n for n, e in limits["engines"].items() if not e.get("refused")}
+            )
+            if dropped:
+                # Groups of that engine may wait for the validator: judged by another engine's limits
+                # they would count as fraud against honest keys. Dropping an engine is a restart.
+                raise LimitsError(
+                    f"it does not accept {', '.join(dropped)}, which this run accepts and whose groups may be "
+                    f"waiting: measure it too (--engines), or restart the run to drop it"
+                )
+            restarted = self.validation.replace_limits(limits)
+        except (LimitsError, KeyError, TypeError, ValueError) as e:
             self.log(f"validator limits: {self.path} changed but is not taken, the run keeps its limits: {e}")
             return False
-        restarted = self.validation.replace_limits(limits)
         self.reloads += 1
         model = limits.get("model") or {}
         measured_on = f"policy version {model['version']}" if "version" in model else "the starting model"
@@ -82,7 +98,18 @@ class LimitsReload:
             try:
                 self.check()
             except Exception as e:  # noqa: BLE001 - a reading error must not end the run's watch
+                self.stamp = None  # looked at again next time, not only once the file changes
                 self.log(f"validator limits: could not check {self.path}: {type(e).__name__}: {e}")
+
+
+def stamp_of(path: Path) -> tuple | None:
+    """What tells a rewritten file from the one read: its inode (`swarmrl calibrate` renames a new
+    file into place), modification and change times and size; None when it is not there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size
 
 
 def start(reload: LimitsReload, every_s: float = POLL_S) -> tuple[threading.Thread, threading.Event]:

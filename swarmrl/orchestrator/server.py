@@ -40,7 +40,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     from transformers import AutoConfig, AutoTokenizer
 
     from swarmrl.config import load_config
-    from swarmrl.orchestrator.limits_reload import LimitsReload
+    from swarmrl.orchestrator.limits_reload import LimitsReload, stamp_of
     from swarmrl.orchestrator.service import Orchestrator
     from swarmrl.proofs.limits import run_limits
     from swarmrl.rewards import registry
@@ -56,6 +56,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
     # A bf16 run on its own model judges by its calibration, or does not start (LimitsError).
+    stamp = stamp_of(Path(cfg.validator.limits_file)) if cfg.validator.limits_file else None
     limits = run_limits(cfg, cfg.model.path or base, run_dir)
     if limits is not None:
         log(
@@ -77,7 +78,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     )
     if cfg.validator.limits_file:
         # Measured again while the run goes on (the drift watch asks for it): taken when it changes.
-        orch.limits_reload = LimitsReload(cfg, run_dir, cfg.model.path or base, orch.validation, log)
+        orch.limits_reload = LimitsReload(cfg, run_dir, cfg.model.path or base, orch.validation, log, stamp)
     return orch
 
 
@@ -141,11 +142,11 @@ def serve(
     )
     server = uvicorn.Server(config)
     thread = stop = None
-    watch = orch.limits_reload and limits_reload.start(orch.limits_reload)
     if orch.cfg.validator.mode == "in-process":
         if start_validator is None:
             raise ValueError('validator.mode is "in-process" but no validator was given to run in this process')
         thread, stop = start_validator(orch, run_dir)
+    watch = orch.limits_reload and limits_reload.start(orch.limits_reload)
     atomic_write_text(run_dir / "orchestrator.json", json.dumps({"url": url, "pid": os.getpid()}))
     print(f"orchestrator listening on {url} (validator: {orch.cfg.validator.mode})", flush=True)
     try:

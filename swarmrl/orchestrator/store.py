@@ -599,11 +599,14 @@ class Store:
         )
         return score
 
-    def restart_evidence(self, db: Db) -> int:
-        """Every key's CUSUM back to 0 (groups, peak and the statistic's sums kept); returns how
-        many keys had a score above 0."""
-        n = db.execute("SELECT COUNT(DISTINCT worker) FROM evidence WHERE score > 0").fetchone()[0]
-        db.execute("UPDATE evidence SET score = 0")
+    def restart_evidence(self, db: Db, engines: Sequence[str]) -> int:
+        """Every key's CUSUM of these declared engines back to 0 (groups, peak and the statistic's
+        sums kept); returns how many keys had a score above 0 there."""
+        marks = ",".join("?" * len(engines))
+        n = db.execute(
+            f"SELECT COUNT(DISTINCT worker) FROM evidence WHERE score > 0 AND engine IN ({marks})", tuple(engines)
+        ).fetchone()[0]
+        db.execute(f"UPDATE evidence SET score = 0 WHERE engine IN ({marks})", tuple(engines))
         return int(n)
 
     def evidence_scores(self, db: Db, worker: str) -> list[tuple[str, str, float]]:

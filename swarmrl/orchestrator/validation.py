@@ -49,26 +49,26 @@ class ValidationQueue:
         self._set_limits(limits)
 
     def _set_limits(self, limits: dict | None) -> None:
+        """Everything this queue derives from a limits file, built first and assigned together:
+        a file that fails halfway (a malformed statistic) changes nothing."""
         # The run's limits file (proofs/limits.py, loaded and checked by the service):
         # the hard limits validators apply per engine, and the evidence models applied here.
-        self.limits = limits
         engines = (limits or {}).get("engines", {})
-        self.accepted = {name: e for name, e in engines.items() if not e.get("refused")}
-        self.evidence = {
-            name: [EvidenceModel.from_dict(d) for d in e.get("evidence") or []] for name, e in self.accepted.items()
-        }
+        accepted = {name: e for name, e in engines.items() if not e.get("refused")}
+        evidence = {name: [EvidenceModel.from_dict(d) for d in e.get("evidence") or []] for name, e in accepted.items()}
         # Whether the run's work still looks like the honest work the calibration measured, per
         # engine, on the group statistic and each evidence test's: in memory (a warning, not a
         # verdict: nothing is refused or banned by it, and a restart starts it afresh).
         measured = ((limits or {}).get("measured") or {}).get("honest") or {}
-        self.drift_refs: dict[str, list[DriftReference]] = {}
-        for name in self.accepted:
+        drift_refs: dict[str, list[DriftReference]] = {}
+        for name in accepted:
             honest = measured.get(name) or []
-            stats = dict.fromkeys(["mant_err_group", *(m.statistic for m in self.evidence.get(name, []))])
+            stats = dict.fromkeys(["mant_err_group", *(m.statistic for m in evidence.get(name, []))])
             if len(honest) >= 20:
-                self.drift_refs[name] = [DriftReference.of(st, [float(g.get(st, 0.0)) for g in honest]) for st in stats]
-        self._recent: dict[str, deque] = {name: deque(maxlen=DRIFT_WINDOW) for name in self.drift_refs}
-        self._seen = dict.fromkeys(self.drift_refs, 0)
+                drift_refs[name] = [DriftReference.of(st, [float(g.get(st, 0.0)) for g in honest]) for st in stats]
+        self.limits, self.accepted, self.evidence, self.drift_refs = limits, accepted, evidence, drift_refs
+        self._recent: dict[str, deque] = {name: deque(maxlen=DRIFT_WINDOW) for name in drift_refs}
+        self._seen = dict.fromkeys(drift_refs, 0)
         self._drift: dict[str, dict] = {}
 
     def replace_limits(self, limits: dict) -> int | None:
@@ -81,22 +81,29 @@ class ValidationQueue:
             return self.restart_evidence()
 
     def restart_evidence(self) -> int | None:
-        """When the evidence models differ from those the store's scores were summed under (a
-        new file, at a reload or a restart), every key's CUSUM starts again at 0 (its groups and
-        peak stay, for the record). A file is measured again because the old one stopped
-        describing honest work (the drift watch): scores summed under it are not evidence that a
-        key cheats, and an honest key whose score drift had raised must not carry it into bounds
-        fitted elsewhere. A cheating key pays with the groups a new ban takes (tens); a key
-        cannot make the operator reload. Returns the number of keys whose score restarted, None
-        when the tests are those the scores were summed under (they carry on)."""
+        """Per engine, when its evidence tests differ from those the store's scores were summed
+        under (a new file, at a reload or a restart), each key's CUSUM for that engine starts
+        again at 0 (its groups and peak stay, for the record). A file is measured again because
+        the old one stopped describing honest work (the drift watch): scores summed under it are
+        not evidence that a key cheats, and an honest key whose score drift had raised must not
+        carry it into bounds fitted elsewhere. What a cheating key gains is the groups a new ban
+        takes (tens); to make an operator measure again it would have to send enough work the
+        drift watch counts, every group of which adds to its own evidence. Returns the number of
+        keys whose score restarted, None when no engine's tests changed (scores carry on), and
+        None for a store whose scores were summed before the tests were recorded (a run started
+        by an earlier version and resumed: its file is the one it ran with)."""
         if self.limits is None:
             return None
-        ident = evidence_identity(self.limits)
+        now = evidence_identity(self.limits)
         with self.store.tx() as db:
-            if Store.get_meta(db, "evidence_models") == ident:
+            was = Store.get_meta(db, "evidence_models")
+            Store.set_meta(db, "evidence_models", now)
+            if not isinstance(was, dict):
                 return None
-            Store.set_meta(db, "evidence_models", ident)
-            return self.store.restart_evidence(db)
+            changed = sorted(e for e in set(now) | set(was) if now.get(e) != was.get(e))
+            if not changed:
+                return None
+            return self.store.restart_evidence(db, changed)
 
     def engine_refusal(self, engine: str) -> str | None:
         """Why this run refuses proofs from `engine` (None: it accepts them). Only runs with a limits
@@ -303,6 +310,8 @@ class ValidationQueue:
                 prow = self.store.policy(db, v)
                 if prow is not None:
                     policies[str(v)] = {"url": prow["url"], "manifest": json.loads(prow["manifest"])}
+            # The file judged by now, read under the lock a reload takes (limits_reload.py).
+            limits, accepted = self.limits, self.accepted
         items = [
             ClaimedGroup.of(r["id"], Group.from_json(r["payload"]), json.loads(r["proofs"] or "[]")).model_dump()
             for r in rows
@@ -314,8 +323,8 @@ class ValidationQueue:
             "min_version": lo,
             "config": cfg.validator.model_dump(),
             "dtype": cfg.sampling.dtype,
-            "calibrated": {name: e["limits"] for name, e in self.accepted.items()} if self.limits else None,
-            "calibrated_cpu": (self.limits.get("cpu") or {}).get("kind") if self.limits else None,
+            "calibrated": {name: e["limits"] for name, e in accepted.items()} if limits else None,
+            "calibrated_cpu": (limits.get("cpu") or {}).get("kind") if limits else None,
         }
 
     def record_verdicts(self, verdicts: list[dict], retry: list[int] = ()) -> dict:

@@ -75,20 +75,33 @@ def model_digest(folder: str | Path) -> str:
     `*.bin`, `config.json` and a LoRA adapter's `adapter_config.json`, in name order): the same
     weights give the same digest wherever they are."""
     root = Path(folder)
-    files = sorted(
-        p
-        for p in root.iterdir()
-        if p.suffix in (".safetensors", ".bin") or p.name in ("config.json", "adapter_config.json")
-    )
+    files = sorted(p for p in root.iterdir() if _digested(p.name))
     if not files:
         raise LimitsError(f"{root} holds no model weights (*.safetensors or *.bin): not a model folder")
-    outer = hashlib.sha256()
+    named = []
     for p in files:
         inner = hashlib.sha256()
         with open(p, "rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
                 inner.update(block)
-        outer.update(f"{p.name}\0{inner.hexdigest()}\n".encode())
+        named.append((p.name, inner.hexdigest()))
+    return _digest_of(named)
+
+
+def manifest_model_digest(manifest: dict) -> str:
+    """`model_digest` of the folder a broadcast manifest describes, from the sha256 of each file
+    it lists (the trainer signs them): a version's digest after its folder was pruned."""
+    return _digest_of(sorted((f["name"], f["sha256"]) for f in manifest["files"] if _digested(f["name"])))
+
+
+def _digested(name: str) -> bool:
+    return Path(name).suffix in (".safetensors", ".bin") or name in ("config.json", "adapter_config.json")
+
+
+def _digest_of(named: list[tuple[str, str]]) -> str:
+    outer = hashlib.sha256()
+    for name, sha in named:
+        outer.update(f"{name}\0{sha}\n".encode())
     return outer.hexdigest()
 
 
@@ -343,12 +356,12 @@ def honest_peaks(chosen: dict, engine: str, honest: list[dict], *, runs: int = 2
     return {"runs": runs, "length": length, "peak_share": peak, "refused": refused, "banned": banned}
 
 
-def load_limits(path: str | Path, *, dtype: str, digest: str | None, policies: Path | None = None) -> dict:
+def load_limits(path: str | Path, *, dtype: str, digest: str | None, run_dir: Path | None = None) -> dict:
     """A limits file for a run sampling in `dtype` on the model of content digest `digest` (None:
     not checked, e.g. the built-in model, whose folder is made by the run), or on one of the
-    run's own versions (`policies`: the run directory's policies/, which the trainer writes: a
-    file measured on `policies/vNNNNNN` names that version, see `version_of`). Raises LimitsError
-    naming what differs and the command that makes the right one."""
+    versions of the run in `run_dir` (a file measured on `policies/vNNNNNN` names that version,
+    see `version_of`). Raises LimitsError naming what differs and the command that makes the
+    right one."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -364,7 +377,7 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None, policies: P
             f"(sampling.dtype): run swarmrl calibrate --dtype {dtype} for this model"
         )
     have = (data.get("model") or {}).get("digest")
-    if digest is not None and have != digest and not _a_run_version(p, data.get("model") or {}, digest, policies):
+    if digest is not None and have != digest and not _a_run_version(p, data.get("model") or {}, digest, run_dir):
         raise LimitsError(
             f"validator.limits_file {p} was calibrated on another model (content digest {str(have)[:12]}…, "
             f"this run's model is {digest[:12]}…, and no version of this run has that digest): limits do not "
@@ -379,16 +392,25 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None, policies: P
             raise LimitsError(f"validator.limits_file {p}: engine {engine}'s evidence is malformed ({e})") from None
         if not isinstance(entry.get("limits"), dict):
             raise LimitsError(f"validator.limits_file {p}: engine {engine} has no limits")
+    try:  # the drift watch reads the honest statistics: all numbers, or the file is refused whole
+        for groups in ((data.get("measured") or {}).get("honest") or {}).values():
+            for g in groups:
+                [float(v) for v in g.values()]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise LimitsError(f"validator.limits_file {p}: its measured honest statistics are malformed ({e})") from None
     if any(k in entry["limits"] for entry in data["engines"].values() for k in RETIRED_LIMITS):
         data = _chosen_again(p, data)
     return data
 
 
-def evidence_identity(limits: dict) -> str:
-    """sha256 of a limits file's evidence models, per engine: what a key's CUSUM is summed
-    under. Two files with the same identity score keys alike (their hard limits may differ)."""
-    models = {name: e.get("evidence") or [] for name, e in sorted((limits.get("engines") or {}).items())}
-    return hashlib.sha256(json.dumps(models, sort_keys=True).encode()).hexdigest()
+def evidence_identity(limits: dict) -> dict[str, str]:
+    """Per accepted engine, sha256 of its evidence models: what a key's CUSUM for that engine is
+    summed under. Files with the same identity score keys alike (their hard limits may differ)."""
+    return {
+        name: hashlib.sha256(json.dumps(e.get("evidence") or [], sort_keys=True).encode()).hexdigest()
+        for name, e in sorted((limits.get("engines") or {}).items())
+        if not e.get("refused")
+    }
 
 
 def version_of(folder: str | Path) -> int | None:
@@ -398,24 +420,53 @@ def version_of(folder: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _a_run_version(p: Path, model: dict, start_digest: str, policies: Path | None) -> bool:
+def _a_run_version(p: Path, model: dict, start_digest: str, run_dir: Path | None) -> bool:
     """Whether a limits file measured on a policy version (`model["version"]`) was measured on
-    this run's: the version folder the trainer wrote has the file's content digest, and an
+    this run's: that version, as the trainer wrote it, has the file's content digest, and an
     adapter's base is this run's starting model. A policy keeps drifting from the weights the
     limits were first measured on (docs/validation.md, 'Drift'); an operator measures them
     again on a later version, and the run takes that file at start or while it runs."""
     version = model.get("version")
-    if version is None or policies is None:
+    if version is None or run_dir is None:
         return False
-    folder = Path(policies) / f"v{int(version):06d}"
-    if not folder.is_dir():
-        raise LimitsError(
-            f"validator.limits_file {p} was calibrated on policy version {version}, which this run's "
-            f"{policies} does not hold (pruned, or another run's version): calibrate on a version this run keeps"
-        )
     if model.get("base_digest") not in (None, start_digest):
         return False
-    return model_digest(folder) == model.get("digest")
+    try:
+        have = _version_digest(Path(run_dir), int(version))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LimitsError(
+            f"validator.limits_file {p}: could not read policy version {version} of this run ({e})"
+        ) from None
+    if have is None:
+        raise LimitsError(
+            f"validator.limits_file {p} was calibrated on policy version {version}, which this run never "
+            "published (another run's version?): calibrate on a version of this run"
+        )
+    return have == model.get("digest")
+
+
+def _version_digest(run_dir: Path, version: int) -> str | None:
+    """A version's content digest as this run's trainer wrote it: its folder under policies/
+    while the trainer keeps it, else the signed manifest the orchestrator's store keeps of every
+    version published (versions are pruned after a few steps, and a run resumed later must still
+    take the file it took). None: this run has no such version."""
+    folder = run_dir / "policies" / f"v{version:06d}"
+    if folder.is_dir():
+        return model_digest(folder)
+    store = run_dir / "orchestrator.sqlite"
+    if not store.exists():
+        return None
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"file:{store.resolve()}?mode=ro", uri=True, timeout=30)
+        try:
+            row = db.execute("SELECT manifest FROM policies WHERE version = ?", (version,)).fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise OSError(f"{store}: {e}") from None
+    return manifest_model_digest(json.loads(row[0])) if row else None
 
 
 def _chosen_again(p: Path, data: dict) -> dict:
@@ -459,8 +510,9 @@ def run_limits(cfg, model_folder: str | Path | None, run_dir: str | Path | None 
     v = cfg.validator
     if v.limits_file:
         digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
-        policies = Path(run_dir) / "policies" if run_dir is not None else None
-        data = load_limits(v.limits_file, dtype=cfg.sampling.dtype, digest=digest, policies=policies)
+        data = load_limits(
+            v.limits_file, dtype=cfg.sampling.dtype, digest=digest, run_dir=Path(run_dir) if run_dir else None
+        )
         _check_sampling(v.limits_file, data.get("sampling"), cfg.sampling)
         if all(e.get("refused") for e in data["engines"].values()):
             # No worker could submit a proven group: say why now, not as every group's refusal.

@@ -382,5 +382,25 @@ def test_a_limits_file_measured_on_a_version_of_the_run_is_taken_by_that_run_alo
     with pytest.raises(LimitsError, match="another model"):  # this adapter, on another base
         run_limits(cfg, base, run)
     _write(f, model={"digest": model_digest(adapter), "version": 13})
-    with pytest.raises(LimitsError, match="policy version 13, which this run's .* does not hold"):
+    with pytest.raises(LimitsError, match="policy version 13, which this run never published"):
         run_limits(cfg, base, run)
+    # Pruned by the trainer a few steps later: the signed manifest the store keeps still names it
+    # (a run resumed after that takes the file it took).
+    import hashlib
+    import shutil
+
+    from swarmrl.orchestrator.store import Store
+    from swarmrl.proofs.limits import manifest_model_digest
+
+    files = [{"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in adapter.iterdir()]
+    files.append({"name": "tokenizer.json", "sha256": "0" * 64})  # not part of the weights
+    assert manifest_model_digest({"files": files}) == model_digest(adapter)
+    _write(f, model={"digest": model_digest(adapter), "version": 12, "base_digest": model_digest(base)})
+    shutil.rmtree(adapter)
+    with pytest.raises(LimitsError, match="policy version 12, which this run never published"):
+        run_limits(cfg, base, run)
+    store = Store(run / "orchestrator.sqlite")
+    with store.tx() as db:
+        db.execute("INSERT INTO policies VALUES (12, 'http://x', ?, 0)", (json.dumps({"files": files}),))
+    store.close()
+    assert run_limits(cfg, base, run)["model"]["version"] == 12

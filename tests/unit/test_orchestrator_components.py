@@ -5,7 +5,9 @@ The HTTP behaviour is tested against a real process in test_orchestrator.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from functools import partial
 
 import pytest
 
@@ -365,7 +367,9 @@ def test_a_restarted_origin_moves_every_version_it_holds_to_its_new_url(orch):
     assert urls == ["http://127.0.0.1:2000"] * 3
 
 
-def _limits_file(path, folder, *, spread: float, version: int | None = None, dtype: str = "bfloat16") -> dict:
+def _limits_file(
+    path, folder, *, spread: float, version: int | None = None, dtype: str = "bfloat16", engines=("builtin", "vllm")
+) -> dict:
     """A limits file measured on `folder` (a run's version when `version` is given), its honest
     group statistic spread by `spread` and int8 work 0.3 above it."""
     import random
@@ -379,11 +383,13 @@ def _limits_file(path, folder, *, spread: float, version: int | None = None, dty
                 "mant_err_group": group, "sampling_margin_max": 0.0, "logprob_err_max": 0.01,
                 "logprob_err_mean": 0.001, "logprob_bias": 0.001}  # fmt: skip
 
-    honest = {"builtin": [stats(rng.gauss(0.6, spread)) for _ in range(200)]}
+    honest = {e: [stats(rng.gauss(0.6, spread)) for _ in range(200)] for e in engines}
     cheats = {"int8": [stats(rng.gauss(0.9, spread)) for _ in range(64)], "int4": [stats(4.0) for _ in range(16)]}
     model = {"digest": model_digest(folder), **({"version": version} if version is not None else {})}
     data = {"format": FORMAT, "dtype": dtype, "model": model, **choose_limits(honest, cheats)}
     path.write_text(json.dumps(data))
+    _limits_file.mtime_ns = getattr(_limits_file, "mtime_ns", time.time_ns()) + 1_000_000_000
+    os.utime(path, ns=(_limits_file.mtime_ns, _limits_file.mtime_ns))  # seen as new on any clock
     return data
 
 
@@ -412,17 +418,14 @@ def test_a_limits_file_written_again_is_taken_by_the_running_orchestrator(tmp_pa
             o.store.add_evidence(db, OTHER, "builtin", test, 5.0, 0.9)
         assert not reload.check(), "an unchanged file is not read again"
 
-        def rewrite(**kw) -> dict:
-            data = _limits_file(f, **kw)
-            time.sleep(0.01)  # a new modification time even on coarse clocks
-            f.touch()
-            return data
+        rewrite = partial(_limits_file, f)
 
         # Refused, with what is wrong; the run keeps its limits and every key its score.
         for kw, said in (
             ({"folder": versions[0], "spread": 0.08, "dtype": "float32"}, "calibrated for float32"),
             ({"folder": versions[3], "spread": 0.08}, "another model"),  # v3's weights, not said to be v3
-            ({"folder": versions[3], "spread": 0.08, "version": 7}, "policy version 7, which this run's"),
+            ({"folder": versions[3], "spread": 0.08, "version": 7}, "policy version 7, which this run never"),
+            ({"folder": versions[3], "spread": 0.08, "version": 3, "engines": ("builtin",)}, "does not accept vllm"),
         ):
             rewrite(**kw)
             assert not reload.check()
@@ -449,8 +452,21 @@ def test_a_limits_file_written_again_is_taken_by_the_running_orchestrator(tmp_pa
         data = json.loads(f.read_text())
         data["engines"]["builtin"]["limits"]["group_mant_err_max"] += 0.5
         f.write_text(json.dumps(data))
+        os.utime(f, ns=(time.time_ns() + 10**10,) * 2)
         assert reload.check() and "evidence score carries on" in o.logs[-1]
         with o.store.read() as db:
             assert [r[2] for r in o.store.evidence_scores(db, OTHER)] == [2.0]
     finally:
+        o.close()
+    # Resumed with the file it stopped with, the scores carry on; so they do for a store whose
+    # scores were summed before the tests were recorded (a run started by an earlier version).
+    for forget in (False, True):
+        o = make_orchestrator(tmp_path, *flags, limits=run_limits(cfg, versions[0], tmp_path))
+        if forget:
+            with o.store.tx() as db:
+                db.execute("DELETE FROM meta WHERE key = 'evidence_models'")
+            o.close()
+            o = make_orchestrator(tmp_path, *flags, limits=run_limits(cfg, versions[0], tmp_path))
+        with o.store.read() as db:
+            assert [r[2] for r in o.store.evidence_scores(db, OTHER)] == [2.0]
         o.close()
