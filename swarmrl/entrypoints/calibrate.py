@@ -26,7 +26,9 @@ RUN_CONFIG = None
 
 class Settings(RoleSettings):
     model: str | None = None
-    """model folder (Hugging Face format); default: the built-in base model (built on first use, like `swarmrl rl`)"""
+    """model folder (Hugging Face format), or a run's version RUN_DIR/policies/vNNNNNN to measure the limits
+    again near it (a LoRA adapter is merged into v000000 beside it; a running run takes the file written over
+    its validator.limits_file); default: the built-in base model (built on first use, like `swarmrl rl`)"""
     dtype: str = "bfloat16"
     """the run's inference precision (sampling.dtype): float32 or bfloat16"""
     engines: str = "builtin"
