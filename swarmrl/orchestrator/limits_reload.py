@@ -46,15 +46,11 @@ class LimitsReload:
         self.validation, self.log = validation, log
         self.path = Path(cfg.validator.limits_file)
         self.stamp = stamp if stamp is not None else stamp_of(self.path)
-        self.reloads = 0
-
-    def _stamp(self) -> tuple | None:
-        return stamp_of(self.path)
 
     def check(self) -> bool:
         """Take the file again if it changed since it was last looked at; True when the run now
         judges by it. Never raises for the file's content: a refused file is logged."""
-        stamp = self._stamp()
+        stamp = stamp_of(self.path)
         if stamp == self.stamp:
             return False
         self.stamp = stamp
@@ -77,7 +73,6 @@ class LimitsReload:
         except (LimitsError, KeyError, TypeError, ValueError) as e:
             self.log(f"validator limits: {self.path} changed but is not taken, the run keeps its limits: {e}")
             return False
-        self.reloads += 1
         model = limits.get("model") or {}
         measured_on = f"policy version {model['version']}" if "version" in model else "the starting model"
         accepted = ", ".join(n for n, e in limits["engines"].items() if not e.get("refused")) or "none"

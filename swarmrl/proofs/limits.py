@@ -453,20 +453,22 @@ def _version_digest(run_dir: Path, version: int) -> str | None:
     folder = run_dir / "policies" / f"v{version:06d}"
     if folder.is_dir():
         return model_digest(folder)
-    store = run_dir / "orchestrator.sqlite"
-    if not store.exists():
+    if not (run_dir / "orchestrator.sqlite").exists():
         return None
     import sqlite3
 
+    from swarmrl.orchestrator.store import Store  # the run's store, read as an operator's script reads it
+
     try:
-        db = sqlite3.connect(f"file:{store.resolve()}?mode=ro", uri=True, timeout=30)
+        store = Store.read_only(run_dir / "orchestrator.sqlite")
         try:
-            row = db.execute("SELECT manifest FROM policies WHERE version = ?", (version,)).fetchone()
+            with store.read() as db:
+                row = store.policy(db, version)
         finally:
-            db.close()
+            store.close()
     except sqlite3.Error as e:
-        raise OSError(f"{store}: {e}") from None
-    return manifest_model_digest(json.loads(row[0])) if row else None
+        raise OSError(f"{run_dir / 'orchestrator.sqlite'}: {e}") from None
+    return manifest_model_digest(json.loads(row["manifest"])) if row else None
 
 
 def _chosen_again(p: Path, data: dict) -> dict:
