@@ -29,6 +29,7 @@ from swarmrl.launch.plan import children as children_of
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.lora import check_lora_config
+from swarmrl.orchestrator.limits_reload import published_by
 from swarmrl.proofs.limits import LimitsError, cpu_kind, run_limits
 from swarmrl.protocol.signing import load_or_create_key, public_key_hex
 from swarmrl.protocol.tls import make_loopback_certificates, trust_ca_file
@@ -415,7 +416,7 @@ def _base_with_limits(rd: RunDir, cfg: Config, train: list[dict], log) -> tuple[
         limits = _builtin_limits(cfg, base, train, log)
         cfg = cfg.model_copy(update={"validator": cfg.validator.model_copy(update={"limits_file": str(limits)})})
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-    run_limits(cfg, cfg.model.path or base, rd.root)
+    run_limits(cfg, cfg.model.path or base, rd.root, published_by(rd.root))
     return cfg, base
 
 

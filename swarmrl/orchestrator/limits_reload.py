@@ -16,11 +16,14 @@ a half-written or mistaken file never leaves a run without limits.
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from swarmrl.orchestrator.store import Store
 from swarmrl.proofs.limits import LimitsError, run_limits
 
 # How often the file's size and modification time are looked at (a stat: nothing is read while
@@ -58,7 +61,7 @@ class LimitsReload:
             self.log(f"validator limits: {self.path} is gone; the run keeps judging by the limits it has")
             return False
         try:
-            limits = run_limits(self.cfg, self.model_folder, self.run_dir)
+            limits = run_limits(self.cfg, self.model_folder, self.run_dir, published_by(self.run_dir))
             dropped = sorted(
                 set(self.validation.accepted) - {n for n, e in limits["engines"].items() if not e.get("refused")}
             )
@@ -95,6 +98,30 @@ class LimitsReload:
             except Exception as e:  # noqa: BLE001 - a reading error must not end the run's watch
                 self.stamp = None  # looked at again next time, not only once the file changes
                 self.log(f"validator limits: could not check {self.path}: {type(e).__name__}: {e}")
+
+
+def published_by(run_dir: str | Path) -> Callable[[int], dict | None]:
+    """`published(version)` for `run_limits`: the signed manifest this run's store keeps of a
+    version it published (a version the trainer has pruned is known by it), read through a
+    read-only store as an operator's script reads it; None when the store or the version is not
+    there. A store that cannot be read raises OSError naming it."""
+    path = Path(run_dir) / "orchestrator.sqlite"
+
+    def published(version: int) -> dict | None:
+        if not path.exists():
+            return None
+        try:
+            store = Store.read_only(path)
+            try:
+                with store.read() as db:
+                    row = store.policy(db, version)
+            finally:
+                store.close()
+        except sqlite3.Error as e:
+            raise OSError(f"{path}: {e}") from None
+        return json.loads(row["manifest"]) if row else None
+
+    return published
 
 
 def stamp_of(path: Path) -> tuple | None:

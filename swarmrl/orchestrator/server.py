@@ -40,7 +40,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     from transformers import AutoConfig, AutoTokenizer
 
     from swarmrl.config import load_config
-    from swarmrl.orchestrator.limits_reload import LimitsReload, stamp_of
+    from swarmrl.orchestrator.limits_reload import LimitsReload, published_by, stamp_of
     from swarmrl.orchestrator.service import Orchestrator
     from swarmrl.proofs.limits import run_limits
     from swarmrl.rewards import registry
@@ -57,7 +57,7 @@ def build_orchestrator(run_dir: str | Path, *, log=print):
     model_cfg = AutoConfig.from_pretrained(base, local_files_only=True)
     # A bf16 run on its own model judges by its calibration, or does not start (LimitsError).
     stamp = stamp_of(Path(cfg.validator.limits_file)) if cfg.validator.limits_file else None
-    limits = run_limits(cfg, cfg.model.path or base, run_dir)
+    limits = run_limits(cfg, cfg.model.path or base, run_dir, published_by(run_dir))
     if limits is not None:
         log(
             f"validator limits: {cfg.validator.limits_file} ({limits['dtype']}, measured on CPU kind "

@@ -27,6 +27,7 @@ import math
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -356,12 +357,21 @@ def honest_peaks(chosen: dict, engine: str, honest: list[dict], *, runs: int = 2
     return {"runs": runs, "length": length, "peak_share": peak, "refused": refused, "banned": banned}
 
 
-def load_limits(path: str | Path, *, dtype: str, digest: str | None, run_dir: Path | None = None) -> dict:
+def load_limits(
+    path: str | Path,
+    *,
+    dtype: str,
+    digest: str | None,
+    run_dir: Path | None = None,
+    published: Callable[[int], dict | None] | None = None,
+) -> dict:
     """A limits file for a run sampling in `dtype` on the model of content digest `digest` (None:
     not checked, e.g. the built-in model, whose folder is made by the run), or on one of the
     versions of the run in `run_dir` (a file measured on `policies/vNNNNNN` names that version,
-    see `version_of`). Raises LimitsError naming what differs and the command that makes the
-    right one."""
+    see `version_of`). `published(version)`: the signed manifest the run's store keeps of a
+    version it published (None: never published), for versions the trainer has pruned; given by
+    the orchestrator's layer, which owns the store. Raises LimitsError naming what differs and
+    the command that makes the right one."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -377,7 +387,11 @@ def load_limits(path: str | Path, *, dtype: str, digest: str | None, run_dir: Pa
             f"(sampling.dtype): run swarmrl calibrate --dtype {dtype} for this model"
         )
     have = (data.get("model") or {}).get("digest")
-    if digest is not None and have != digest and not _a_run_version(p, data.get("model") or {}, digest, run_dir):
+    if (
+        digest is not None
+        and have != digest
+        and not _a_run_version(p, data.get("model") or {}, digest, run_dir, published)
+    ):
         raise LimitsError(
             f"validator.limits_file {p} was calibrated on another model (content digest {str(have)[:12]}…, "
             f"this run's model is {digest[:12]}…, and no version of this run has that digest): limits do not "
@@ -420,7 +434,9 @@ def version_of(folder: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _a_run_version(p: Path, model: dict, start_digest: str, run_dir: Path | None) -> bool:
+def _a_run_version(
+    p: Path, model: dict, start_digest: str, run_dir: Path | None, published: Callable[[int], dict | None] | None
+) -> bool:
     """Whether a limits file measured on a policy version (`model["version"]`) was measured on
     this run's: that version, as the trainer wrote it, has the file's content digest, and an
     adapter's base is this run's starting model. A policy keeps drifting from the weights the
@@ -432,7 +448,7 @@ def _a_run_version(p: Path, model: dict, start_digest: str, run_dir: Path | None
     if model.get("base_digest") not in (None, start_digest):
         return False
     try:
-        have = _version_digest(Path(run_dir), int(version))
+        have = _version_digest(Path(run_dir), int(version), published)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LimitsError(
             f"validator.limits_file {p}: could not read policy version {version} of this run ({e})"
@@ -445,7 +461,7 @@ def _a_run_version(p: Path, model: dict, start_digest: str, run_dir: Path | None
     return have == model.get("digest")
 
 
-def _version_digest(run_dir: Path, version: int) -> str | None:
+def _version_digest(run_dir: Path, version: int, published: Callable[[int], dict | None] | None) -> str | None:
     """A version's content digest as this run's trainer wrote it: its folder under policies/
     while the trainer keeps it, else the signed manifest the orchestrator's store keeps of every
     version published (versions are pruned after a few steps, and a run resumed later must still
@@ -453,22 +469,8 @@ def _version_digest(run_dir: Path, version: int) -> str | None:
     folder = run_dir / "policies" / f"v{version:06d}"
     if folder.is_dir():
         return model_digest(folder)
-    if not (run_dir / "orchestrator.sqlite").exists():
-        return None
-    import sqlite3
-
-    from swarmrl.orchestrator.store import Store  # the run's store, read as an operator's script reads it
-
-    try:
-        store = Store.read_only(run_dir / "orchestrator.sqlite")
-        try:
-            with store.read() as db:
-                row = store.policy(db, version)
-        finally:
-            store.close()
-    except sqlite3.Error as e:
-        raise OSError(f"{run_dir / 'orchestrator.sqlite'}: {e}") from None
-    return manifest_model_digest(json.loads(row["manifest"])) if row else None
+    manifest = published(version) if published is not None else None
+    return manifest_model_digest(manifest) if manifest else None
 
 
 def _chosen_again(p: Path, data: dict) -> dict:
@@ -503,17 +505,26 @@ NO_CALIBRATION = (
 )
 
 
-def run_limits(cfg, model_folder: str | Path | None, run_dir: str | Path | None = None) -> dict | None:
+def run_limits(
+    cfg,
+    model_folder: str | Path | None,
+    run_dir: str | Path | None = None,
+    published: Callable[[int], dict | None] | None = None,
+) -> dict | None:
     """The limits file a run validates with, checked against its model and dtype (None: the run
     has none and may go without: float32, or the built-in model whose limits ship in the config).
     `model_folder` is the run's starting model (None: not at hand, its digest is not checked);
-    `run_dir`, where the run has one, lets a file measured on one of its versions through.
-    Raises LimitsError with the command to run."""
+    `run_dir`, where the run has one, lets a file measured on one of its versions through
+    (`published`: see `load_limits`). Raises LimitsError with the command to run."""
     v = cfg.validator
     if v.limits_file:
         digest = model_digest(model_folder) if model_folder is not None and Path(model_folder).is_dir() else None
         data = load_limits(
-            v.limits_file, dtype=cfg.sampling.dtype, digest=digest, run_dir=Path(run_dir) if run_dir else None
+            v.limits_file,
+            dtype=cfg.sampling.dtype,
+            digest=digest,
+            run_dir=Path(run_dir) if run_dir else None,
+            published=published,
         )
         _check_sampling(v.limits_file, data.get("sampling"), cfg.sampling)
         if all(e.get("refused") for e in data["engines"].values()):

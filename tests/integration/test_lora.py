@@ -348,6 +348,7 @@ def test_limits_measured_on_an_adapter_version_are_what_its_run_takes(tmp_path):
     adapter takes the file (another run, or none, does not)."""
     import torch
 
+    from swarmrl.orchestrator.limits_reload import published_by
     from swarmrl.proofs.limits import LimitsError, model_digest, run_limits
     from swarmrl.validator.calibrate import Calibration, calibrate
 
@@ -377,7 +378,7 @@ def test_limits_measured_on_an_adapter_version_are_what_its_run_takes(tmp_path):
     cfg = load_config(None, ["--sampling.dtype", "bfloat16", "--model.path", str(base),
                              "--sampling.group_size", "2", "--sampling.max_new_tokens", "8",
                              "--sampling.temperature", "1.0", "--validator.limits_file", str(limits)])  # fmt: skip
-    assert run_limits(cfg, base, tmp_path / "run")["model"]["version"] == 4
+    assert run_limits(cfg, base, tmp_path / "run", published_by(tmp_path / "run"))["model"]["version"] == 4
     with pytest.raises(LimitsError, match="another model"):
         run_limits(cfg, base)
 

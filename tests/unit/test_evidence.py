@@ -389,6 +389,7 @@ def test_a_limits_file_measured_on_a_version_of_the_run_is_taken_by_that_run_alo
     import hashlib
     import shutil
 
+    from swarmrl.orchestrator.limits_reload import published_by
     from swarmrl.orchestrator.store import Store
     from swarmrl.proofs.limits import manifest_model_digest
 
@@ -398,9 +399,11 @@ def test_a_limits_file_measured_on_a_version_of_the_run_is_taken_by_that_run_alo
     _write(f, model={"digest": model_digest(adapter), "version": 12, "base_digest": model_digest(base)})
     shutil.rmtree(adapter)
     with pytest.raises(LimitsError, match="policy version 12, which this run never published"):
-        run_limits(cfg, base, run)
+        run_limits(cfg, base, run, published_by(run))
     store = Store(run / "orchestrator.sqlite")
     with store.tx() as db:
         db.execute("INSERT INTO policies VALUES (12, 'http://x', ?, 0)", (json.dumps({"files": files}),))
     store.close()
-    assert run_limits(cfg, base, run)["model"]["version"] == 12
+    with pytest.raises(LimitsError, match="policy version 12, which this run never published"):
+        run_limits(cfg, base, run)  # the proofs layer alone does not read the orchestrator's store
+    assert run_limits(cfg, base, run, published_by(run))["model"]["version"] == 12
