@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -33,6 +34,8 @@ from swarmrl.protocol.messages import (
 from swarmrl.protocol.signing import WrongRun, public_key_hex, sign_headers
 from swarmrl.protocol.tls import TLSError, explain, tls_failure
 
+M = TypeVar("M", bound=BaseModel)
+
 
 class Unavailable(SwarmrlError, RuntimeError):
     """The orchestrator could not be reached or asked us to come back later (`status`: the HTTP
@@ -55,8 +58,14 @@ class ProtocolMismatch(SwarmrlError, RuntimeError):
 
 def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
     """The reply, after checking it has `model`'s shape (callers keep reading it as a dict)."""
+    _parsed(model, reply, what)
+    return reply
+
+
+def _parsed(model: type[M], reply: dict, what: str) -> M:
+    """The reply as `model` (ProtocolMismatch, naming the first field that differs, when it is not)."""
     try:
-        model.model_validate(reply)
+        return model.model_validate(reply)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ())) or "<reply>"
@@ -65,7 +74,6 @@ def _checked(model: type[BaseModel], reply: dict, what: str) -> dict:
             f"({where}: {first.get('msg')}): run the same swarmrl version as the orchestrator "
             "(GET /v1/status says its protocol_version)"
         ) from None
-    return reply
 
 
 def service_url(url: str, flag: str = "--orchestrator") -> str:
@@ -183,8 +191,9 @@ class TrainerClient(_Client):
     def _post(self, path: str, payload: dict | None = None) -> dict:
         return self._send("POST", path, json.dumps(payload or {}).encode(), self.auth)
 
-    def batch(self, step: int) -> dict:
-        return _checked(Batch, self._post(f"/v1/trainer/batches/{step}"), f"batch {step}")
+    def batch(self, step: int) -> Batch:
+        """Batch `step`, frozen (`ready`, its groups as rollout records) or what it still lacks."""
+        return _parsed(Batch, self._post(f"/v1/trainer/batches/{step}"), f"batch {step}")
 
     def publish(self, version: int, url: str, manifest: dict) -> dict:
         return _checked(

@@ -219,8 +219,8 @@ class _Link:
                 if e.code == "no_signal":
                     raise RunStopped(self._with_accuracy(e.detail)) from None
                 raise RuntimeError(e.detail) from None
-            if resp["ready"]:
-                return Batch.model_validate(resp)
+            if resp.ready:
+                return resp
             if time.monotonic() - last > report_s:  # a standalone trainer may wait for workers to join
                 last = time.monotonic()
                 print(f"waiting {last - t0:.0f} s for batch {step}: {waiting_note(resp)}", flush=True)
@@ -235,16 +235,16 @@ class _Link:
         return f"{message}\nHeld-out accuracy before RL: {self.accuracy_before:.3f} (measured by this trainer)."
 
 
-def waiting_note(resp: dict) -> str:
+def waiting_note(resp: Batch) -> str:
     """What a not-ready batch reply says: informative groups queued of those needed, and, from an
     orchestrator that counts them, how many groups had all-equal rewards (no signal): a run
     heading for the no_signal stop shows it here first."""
-    note = f"{resp['queued']}/{resp['needed']} informative groups"
-    seen, same = resp.get("groups_seen"), resp.get("groups_all_equal")
+    note = f"{resp.queued}/{resp.needed} informative groups"
+    seen, same = resp.groups_seen, resp.groups_all_equal
     if not seen or same is None:
         return note
     note += f"; {same} of the {seen} groups sampled so far had all-equal rewards (no signal)"
-    streak, limit = resp.get("all_equal_streak"), resp.get("all_equal_limit")
+    streak, limit = resp.all_equal_streak, resp.all_equal_limit
     if streak and limit:
         note += f", the last {streak} in a row: the run stops with no_signal at {limit} in a row"
     return note

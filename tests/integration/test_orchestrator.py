@@ -316,11 +316,11 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
     try:
         t, w = trainer_of(orch), new_worker(orch)
         publish(orch, 0)
-        assert t.batch(0)["ready"] is False
+        assert t.batch(0).ready is False
         a, b = w.lease(0)["lease"], w.lease(0)["lease"]  # v0 can feed batches 0 and 1
         w.submit({"lease_id": a["lease_id"], "groups": [group(p, 0, 1) for p in a["prompts"]]})
         b0 = t.batch(0)
-        assert b0["ready"] and len(b0["groups"]) == 2
+        assert b0.ready and len(b0.groups) == 2
         assert t.batch(0) == b0  # asking again returns the frozen batch
         with pytest.raises(Refused) as e:
             t.batch(5)
@@ -330,14 +330,14 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         w.submit({"lease_id": b["lease_id"], "groups": [group(p, 0, 1) for p in b["prompts"]]})  # late, still allowed
         assert w.lease(1)["lease"] is None  # back-pressure: 4 queued cover both batches v1 can feed
         b1 = t.batch(1)  # first in, first out: the v1 groups, submitted before the late v0 ones
-        assert b1["ready"] and b1["metrics"]["off_policy/max"] == 0.0
+        assert b1.ready and b1.metrics["off_policy/max"] == 0.0
         publish(orch, 2)
-        assert t.batch(2)["ready"] is False  # the two v0 groups are now too old for batch 2
+        assert t.batch(2).ready is False  # the two v0 groups are now too old for batch 2
         lease_and_submit(w, 2)
         b2 = t.batch(2)
-        assert b2["metrics"]["off_policy/dropped"] == 2.0
-        assert b2["metrics"]["off_policy/max"] == 0.0
-        ids = b0["group_ids"] + b1["group_ids"] + b2["group_ids"]
+        assert b2.metrics["off_policy/dropped"] == 2.0
+        assert b2.metrics["off_policy/max"] == 0.0
+        ids = b0.group_ids + b1.group_ids + b2.group_ids
         assert len(ids) == len(set(ids)) == 6
         assert store_rows(orch.run_dir, "SELECT COUNT(*) FROM groups WHERE state = 'stale'")[0][0] == 2
         assert store_rows(orch.run_dir, "SELECT step, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY step") == [
@@ -348,9 +348,9 @@ def test_batches_are_fifo_frozen_and_respect_the_bound(tmp_path):
         # Uninformative groups (all right) are stored and counted, never batched.
         uninformative = lease_and_submit(w, 2, right=2)
         assert [a["informative"] for a in uninformative["accepted"]] == [False, False]
-        assert t.batch(3)["ready"] is False
+        assert t.batch(3).ready is False
         lease_and_submit(w, 2)
-        m3 = t.batch(3)["metrics"]
+        m3 = t.batch(3).metrics
         assert m3["batch/uninformative_groups"] == 2.0 and m3["batch/scored_groups"] == 4.0
         assert m3["reward/task_mean_all"] == 0.75 and m3["reward/task_mean"] == 0.5
         # A trainer resumed from an older checkpoint announces an older version: work sampled
@@ -608,9 +608,9 @@ def test_a_run_without_signal_is_refused_with_no_signal_after_the_default_bound(
             assert len(reply["accepted"]) == 8 and not any(a["informative"] for a in reply["accepted"])
             if n < 64:
                 waiting = t.batch(0)
-                assert not waiting["ready"] and waiting["queued"] == 0 and waiting["needed"] == 16
-                assert (waiting["groups_seen"], waiting["groups_all_equal"]) == (n, n)
-                assert (waiting["all_equal_streak"], waiting["all_equal_limit"]) == (n, 64)
+                assert not waiting.ready and waiting.queued == 0 and waiting.needed == 16
+                assert (waiting.groups_seen, waiting.groups_all_equal) == (n, n)
+                assert (waiting.all_equal_streak, waiting.all_equal_limit) == (n, 64)
         with pytest.raises(Refused) as e:
             t.batch(0)
         assert e.value.status == 409 and e.value.code == "no_signal"

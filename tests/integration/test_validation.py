@@ -239,7 +239,7 @@ def test_a_banned_worker_is_refused_and_its_unchecked_groups_are_rechecked(tmp_p
         assert "banned: worker adv" in world.orch.log()
         # Nothing of it reaches the trainer; the honest groups do.
         batch = world.trainer.batch(0)
-        assert batch["ready"] is False or all(g["worker"] != record["worker"] for g in batch["groups"])
+        assert batch.ready is False or all(g.worker != record["worker"] for g in batch.groups)
         honest_clean(world)
     finally:
         world.close()

@@ -190,7 +190,7 @@ def trainer_loop(t: TrainerClient, stop: threading.Event) -> None:
     step = 0
     while not stop.is_set():
         try:
-            if t.batch(step)["ready"]:
+            if t.batch(step).ready:
                 step += 1
                 continue
         except (Refused, Unavailable):

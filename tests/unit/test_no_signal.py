@@ -11,6 +11,7 @@ from swarmrl.entrypoints import trainer as trainer_entry
 from swarmrl.launch import fatal
 from swarmrl.launch.launcher import ChildDied, Children
 from swarmrl.protocol.client import Refused
+from swarmrl.protocol.messages import Batch
 from swarmrl.trainer import loop
 from swarmrl.transport.filesystem import RunDir
 
@@ -48,18 +49,18 @@ WAITING = {
 
 
 def test_the_trainer_says_while_it_waits_how_many_groups_had_no_signal():
-    note = loop.waiting_note(WAITING)
+    note = loop.waiting_note(Batch(**WAITING))
     assert note == (
         "0/2 informative groups; 40 of the 40 groups sampled so far had all-equal rewards (no signal), "
         "the last 40 in a row: the run stops with no_signal at 51 in a row"
     )
     # An orchestrator that does not count them (or nothing sampled yet): the plain count.
-    assert loop.waiting_note({"queued": 1, "needed": 2}) == "1/2 informative groups"
-    assert loop.waiting_note({**WAITING, "groups_seen": 0}) == "0/2 informative groups"
+    assert loop.waiting_note(Batch(ready=False, step=0, queued=1, needed=2)) == "1/2 informative groups"
+    assert loop.waiting_note(Batch(**{**WAITING, "groups_seen": 0})) == "0/2 informative groups"
 
 
 def test_the_trainer_stops_on_no_signal_with_the_message_and_its_held_out_accuracy(capsys):
-    link = link_with(FakeClient([WAITING, WAITING]), accuracy_before=0.0)
+    link = link_with(FakeClient([Batch(**WAITING), Batch(**WAITING)]), accuracy_before=0.0)
     with pytest.raises(loop.RunStopped) as e:
         link.pull(0, poll_s=0.0, report_s=0.0)
     assert str(e.value).startswith(NO_SIGNAL)
