@@ -37,7 +37,8 @@ class Settings(RoleSettings):
     """bearer token for the endpoint (default: $OPENAI_API_KEY if set)"""
     benchmark: str
     """a JSONL/parquet file, or a built-in set: 'arithmetic' or 'instructions' (their held-out split, as --config
-    sets it) or 'code'"""
+    sets it) or 'code'; several, comma-separated, are evaluated one after the other on one loaded model, each into
+    OUTPUT_DIR/NAME/ (NAME: the set's name or the file's name without its suffix)"""
     format: Literal["auto", "schema", "math", "code", "mcq", "ifeval"] = "auto"
     """the file's format (auto: decided from the first row's fields; ifeval: IFEval/IFBench rows with
     instruction_id_list and kwargs, reported as prompt- and instruction-level strict and loose accuracy)"""
@@ -89,30 +90,55 @@ class Settings(RoleSettings):
             self.streams = default_streams(self.device) if self.model else 1
         if self.streams < 1 or (self.streams > 1 and (not self.model or not self.device.startswith("cpu"))):
             raise ValueError(f"--streams {self.streams}: give 1, or more with --model on a CPU (one per core)")
+        names = [name_of(b) for b in self.benchmarks]
+        if not names:
+            raise ValueError("--benchmark is empty: give a file or a built-in set")
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(
+                f"--benchmark names {', '.join(twice)} twice (each writes OUTPUT_DIR/NAME/): give each once, "
+                "or rename one of the files"
+            )
         return self
 
+    @property
+    def benchmarks(self) -> list[str]:
+        """The benchmarks in the order given (`--benchmark a.jsonl,code`)."""
+        return [b.strip() for b in self.benchmark.split(",") if b.strip()]
 
-def _rows(settings: Settings, cfg: Config) -> list[dict]:
-    """The benchmark's problems: a built-in set or a file."""
+
+def name_of(benchmark: str) -> str:
+    """Where a benchmark's results go when several are evaluated: a built-in set's name, or the
+    file's name without its suffix (aime24.jsonl -> aime24)."""
+    if benchmark in BUILTIN_SOURCES or benchmark == "code":
+        return benchmark
+    name = Path(benchmark).name
+    for suffix in (".jsonl", ".json", ".parquet"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _rows(settings: Settings, cfg: Config, benchmark: str) -> list[dict]:
+    """A benchmark's problems: a built-in set or a file."""
     from swarmrl.eval.formats import load_benchmark
 
     try:
-        if settings.benchmark in BUILTIN_SOURCES:  # the held-out split `swarmrl rl` evaluates on
+        if benchmark in BUILTIN_SOURCES:  # the held-out split `swarmrl rl` evaluates on
             from swarmrl.tasks.source import builtin_rows
 
-            rows = builtin_rows(cfg.tasks, settings.benchmark, cfg.tasks.eval_size, "test")
-        elif settings.benchmark == "code":
+            rows = builtin_rows(cfg.tasks, benchmark, cfg.tasks.eval_size, "test")
+        elif benchmark == "code":
             from swarmrl.tasks import code as code_tasks
 
             rows = code_tasks.generate()
         else:
-            rows = load_benchmark(settings.benchmark, settings.format)
+            rows = load_benchmark(benchmark, settings.format)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if settings.limit is not None:
         rows = rows[: settings.limit]
     if not rows:
-        fail(f"{settings.benchmark} has no problems")
+        fail(f"{benchmark} has no problems")
     if settings.extract != "boxed":
         rows = [_with_extract(row, settings.extract) for row in rows]
     return rows
@@ -146,13 +172,15 @@ def _backend(settings: Settings):
 
 
 def main(settings: Settings, cfg: Config) -> None:
-    """Load the benchmark, pick the backend, run, write results.jsonl and summary.json."""
-    from swarmrl.eval.runner import EvalSettings, evaluate_rows, progress_bar
+    """Load the benchmarks (all of them first: a bad file fails before any sampling), pick the
+    backend once, run each, write results.jsonl and summary.json for each."""
+    from swarmrl.eval.runner import EvalSettings
     from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
     from swarmrl.rewards.registry import open_graders, preload_for
     from swarmrl.sandbox.runner import SandboxUnavailable
 
-    rows = _rows(settings, cfg)
+    benchmarks = {b: _rows(settings, cfg, b) for b in settings.benchmarks}
+    every_row = [row for rows in benchmarks.values() for row in rows]
     sampling = EvalSettings(
         k=settings.k,
         temperature=settings.temperature,
@@ -162,31 +190,48 @@ def main(settings: Settings, cfg: Config) -> None:
     )
     try:
         backend = _backend(settings)
-        graders = open_graders(rows, cfg.sandbox)
+        graders = open_graders(every_row, cfg.sandbox)
     except (ValueError, OSError, SandboxUnavailable) as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - e.g. an unreachable endpoint (httpx errors)
         fail(f"{type(e).__name__}: {e}")
-    print(f"evaluating {len(rows)} problems x {settings.k} samples on {backend.describe()}", file=sys.stderr)
     out = Path(settings.output_dir)
+    several = len(benchmarks) > 1
+    summaries = {}
+    try:
+        with VerifierPool(settings.workers, 5.0, preload=(*DEFAULT_PRELOAD, *preload_for(every_row))) as pool:
+            for benchmark, rows in benchmarks.items():
+                where = out / name_of(benchmark) if several else out
+                summaries[name_of(benchmark)] = _evaluate(
+                    settings, benchmark, rows, backend, sampling, pool, graders, where
+                )
+    finally:
+        graders.close()
+    if several:
+        (out / "summary.json").write_text(json.dumps({"benchmarks": summaries}, indent=1) + "\n")
+
+
+def _evaluate(settings: Settings, benchmark: str, rows, backend, sampling, pool, graders, out: Path) -> dict:
+    """One benchmark on the loaded backend: OUT/results.jsonl and OUT/summary.json; the summary."""
+    from swarmrl.eval.runner import evaluate_rows, progress_bar
+
+    what = f"{benchmark}: {len(rows)} problems x {settings.k} samples on {backend.describe()}"
+    print(f"evaluating {what}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with VerifierPool(settings.workers, 5.0, preload=(*DEFAULT_PRELOAD, *preload_for(rows))) as pool:
-            results, summary = evaluate_rows(
-                rows, backend, sampling, pool=pool, graders=graders, progress=progress_bar(len(rows), "eval")
-            )
+        results, summary = evaluate_rows(
+            rows, backend, sampling, pool=pool, graders=graders, progress=progress_bar(len(rows), "eval")
+        )
     except ValueError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - a failing endpoint mid-run: say so, no traceback
         fail(f"evaluation stopped: {type(e).__name__}: {e}")
-    finally:
-        graders.close()
     with open(out / "results.jsonl", "w", encoding="utf-8") as handle:
         for r in results:
             handle.write(json.dumps(r, ensure_ascii=False) + "\n")
     summary = {
         **summary,
-        "benchmark": settings.benchmark,
+        "benchmark": benchmark,
         "backend": backend.describe(),
         "settings": {
             "k": settings.k,
@@ -199,3 +244,4 @@ def main(settings: Settings, cfg: Config) -> None:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
+    return summary

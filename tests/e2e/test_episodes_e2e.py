@@ -43,7 +43,7 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
     groups = [(json.loads(p), v) for p, v in store_rows(run, "SELECT payload, verdict FROM groups")]
     assert groups and all(g["task_type"] == "env:guess" for g, _ in groups)
     checked = [json.loads(v) for _, v in groups if v is not None]
-    assert checked and all(v["ok"] for v in checked), checked
+    assert checked and all(v["ok"] for v in checked), [v for v in checked if not v["ok"]]
     # Some episodes went past their first turn, and every one is at most 4 model turns.
     turns = [model_turns(s["model_mask"]) for g, _ in groups for s in g["samples"]]
     assert max(turns) > 1 and max(turns) <= 4

@@ -115,24 +115,20 @@ def test_benchmark_files_in_each_format(tmp_path):
             }
         ],
     }
+    paths = []
     for name, rows in files.items():
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        summary, results = run_eval(
-            tmp_path / f"out-{name}",
-            "--model",
-            str(model),
-            "--benchmark",
-            str(path),
-            "--k",
-            "2",
-            "--max-tokens",
-            "12",
-            "--sandbox.workers",
-            "1",
-            "--length-target",
-            "10",
-        )
+        paths.append(tmp_path / f"{name}.jsonl")
+        paths[-1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The three files in one process, one after the other on the one loaded model.
+    out = tmp_path / "out"
+    swarmrl("eval", "--output-dir", str(out), "--model", str(model), "--benchmark", ",".join(map(str, paths)),
+            "--k", "2", "--max-tokens", "12", "--sandbox.workers", "1", "--length-target", "10")  # fmt: skip
+    combined = json.loads((out / "summary.json").read_text())["benchmarks"]
+    assert list(combined) == list(files)  # in the order given, each named after its file
+    for name, rows in files.items():
+        summary = json.loads((out / name / "summary.json").read_text())
+        results = [json.loads(line) for line in (out / name / "results.jsonl").read_text().splitlines()]
+        assert summary == combined[name] and summary["benchmark"] == str(tmp_path / f"{name}.jsonl")
         assert summary["problems"] == 1 and summary["errors"] == 0, summary
         assert summary["length/target"] == 10 and 0 <= summary["length/within_10pct"] <= 1
         lengths = results[0]["lengths"]
@@ -155,3 +151,7 @@ def test_eval_errors_are_clear(tmp_path):
     assert "--k must be at least 1" in refused("--model", str(tmp_path), "--benchmark", "code", "--k", "0")
     said = refused("--endpoint", "http://127.0.0.1:9/v1", "--benchmark", "code", "--streams", "2")
     assert "--streams 2: give 1, or more with --model on a CPU" in said
+    said = refused("--model", str(tmp_path), "--benchmark", f"code,{tmp_path}/a/code.jsonl")
+    assert "--benchmark names code twice" in said
+    # A bad file among several fails before any model is loaded (tmp_path is no checkpoint).
+    assert "format" in refused("--model", str(tmp_path), "--benchmark", f"code,{bad}").lower()

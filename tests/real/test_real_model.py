@@ -84,15 +84,16 @@ def test_the_built_in_engine_runs_the_real_llama_and_agrees_with_transformers(po
 
 
 def test_eval_on_gsm8k_aime_and_humaneval_with_the_models_template(real_model, real_data, tmp_path):
-    for name, limit in (("gsm8k-test.jsonl", 2), ("aime2025.jsonl", 1), ("humaneval.jsonl", 2)):
-        out = tmp_path / name
-        swarmrl(
-            "eval", "--model", str(real_model), "--benchmark", str(real_data / name), "--limit", str(limit),
-            "--k", "1", "--max-tokens", "24", "--temperature", "0", "--output-dir", str(out),
-        )  # fmt: skip
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["errors"] == 0 and summary["problems"] == limit, summary
-        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    names = ("gsm8k-test", "aime2025", "humaneval")
+    out = tmp_path / "out"
+    swarmrl(
+        "eval", "--model", str(real_model), "--benchmark", ",".join(str(real_data / f"{n}.jsonl") for n in names),
+        "--limit", "2", "--k", "1", "--max-tokens", "24", "--temperature", "0", "--output-dir", str(out),
+    )  # fmt: skip
+    for name in names:  # one process, the model loaded once
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert summary["errors"] == 0 and summary["problems"] == 2, summary
+        rows = [json.loads(line) for line in (out / name / "results.jsonl").read_text().splitlines()]
         assert all(r["completions"][0].strip() for r in rows)  # the model wrote something under its template
 
 
