@@ -32,7 +32,10 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
     steps = [r for r in records if "reward/mean" in r]
     assert len(steps) == 2
     for r in steps:
-        assert 1.0 <= r["episode/turns_mean"] <= 4.0 and 0.0 < r["episode/observation_token_share"] < 1.0
+        # A batch whose every episode ended at its first turn (all found at once, or no guess made)
+        # has no observation tokens: seen once in 10 runs. Multi-turn episodes are asserted over
+        # the whole run below.
+        assert 1.0 <= r["episode/turns_mean"] <= 4.0 and 0.0 <= r["episode/observation_token_share"] < 1.0
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2]  # before and after
     assert all(1.0 <= r["eval/episode/turns_mean"] <= 4.0 for r in evals)
@@ -44,7 +47,8 @@ def test_a_run_on_episodes_replays_validates_trains_and_reports_turns(easy_base,
     assert groups and all(g["task_type"] == "env:guess" for g, _ in groups)
     checked = [json.loads(v) for _, v in groups if v is not None]
     assert checked and all(v["ok"] for v in checked), [v for v in checked if not v["ok"]]
-    # Some episodes went past their first turn, and every one is at most 4 model turns.
+    # Some episodes went past their first turn (observations between turns), and every one is at
+    # most 4 model turns.
     turns = [model_turns(s["model_mask"]) for g, _ in groups for s in g["samples"]]
     assert max(turns) > 1 and max(turns) <= 4
     # The orchestrator's reward: 1 - 0.25 per turn after the first for a found number, else 0.

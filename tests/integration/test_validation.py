@@ -11,8 +11,6 @@ that the honest worker sharing the run has no rejection at all.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
@@ -24,6 +22,7 @@ from swarmrl.protocol.client import Refused
 from swarmrl.protocol.signing import public_key_hex, sign_headers
 
 from adversary_world import World, attack, honest_clean, honest_round, lease_of, settled
+from harness import RunHandle
 from orchestrator_harness import closed_clean
 
 pytestmark = pytest.mark.timeout(300)
@@ -280,40 +279,20 @@ def test_a_key_on_a_clean_streak_is_sampled_and_any_failure_sends_it_back_to_ful
 # ---- the validator as its own process ------------------------------------------------------------------
 def test_an_external_validator_process_judges_the_groups(tmp_path):
     world = World(tmp_path, "--validator.mode", "external")
-    proc = None
     try:
         honest_round(world)
         adv = world.worker("adv", "cherry_pick")
         adv.client.submit(adv.generate(lease_of(adv)))
         time.sleep(0.5)
         assert world.honest.client.me()["awaiting_validation"] == 2  # nobody validates in-process
-        log = open(tmp_path / "validator.log", "wb")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "swarmrl.cli",
-                "validator",
-                "--orchestrator",
-                world.orch.url,
-                "--token-file",
-                str(world.run / "validator.token"),
-                "--cache-dir",
-                str(tmp_path / "vcache"),
-                "--threads",
-                "1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        assert settled(adv)["rejections"] == {"sampling": 2}
-        honest_clean(world)
+        token = ["--token-file", str(world.run / "validator.token")]
+        home = ["--cache-dir", str(tmp_path / "vcache"), "--threads", "1"]
+        with RunHandle("validator", "--orchestrator", world.orch.url, *token, *home, log=tmp_path / "validator.log"):
+            assert settled(adv)["rejections"] == {"sampling": 2}
+            honest_clean(world)
         # A wrong token is refused, with a message that says which file holds the right one.
         r = httpx.post(world.orch.url + "/v1/validator/claim", json={}, headers={"authorization": "Bearer nope"})
         assert r.status_code == 401 and "validator.token" in r.json()["detail"]
         assert public_key_hex(adv.key) == adv.client.key_hex
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
         world.close()

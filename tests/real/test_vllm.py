@@ -218,7 +218,10 @@ def test_a_trusted_vllm_worker_in_a_real_rl_run_loads_each_version_in_place(vllm
     argv = ["rl", "--run-dir", str(run), "--model.path", str(real_model), "--logging.progress", "false"]
     argv += ["--tasks.source", str(tasks), "--tasks.eval_source", str(tasks), "--eval.every", "0"]
     argv += ["--eval.samples", "1", "--sampling.prompts_per_step", "2", "--sampling.group_size", "4"]
-    argv += ["--sampling.max_new_tokens", "16", "--sampling.worker_batch_prompts", "2", "--trainer.steps", "2"]
+    # Leases of one prompt, one open per key: the built-in worker cannot take a whole batch of
+    # v1 prompts in one lease before the vLLM worker has loaded v1 (a race seen in CI).
+    argv += ["--sampling.max_new_tokens", "16", "--sampling.worker_batch_prompts", "1", "--trainer.steps", "2"]
+    argv += ["--orchestrator.max_open_leases", "1"]
     argv += ["--trainer.micro_batch_size", "8", "--trainer.lr", "1e-4", "--trainer.warmup_steps", "0"]
     argv += ["--async.workers", "1", "--async.bound", "0"]
     argv += ["--trainer.keep_versions", "1"]  # 0.5 GB a version: keep the disk to what the test needs
