@@ -88,6 +88,7 @@ def test_honest_bf16_work_is_never_refused_and_gathers_no_ban(world):
 
 
 def test_an_int8_worker_is_banned_by_the_evidence_of_its_groups(world):
+    honest_round(world)  # honest work judged beside the int8 key's (and the test stands alone)
     adv = world.worker("int8", "int8_weights")
     sent = 0
 
