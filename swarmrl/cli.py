@@ -1,9 +1,10 @@
 """The `swarmrl` command: one subcommand per module of `swarmrl.entrypoints`; `swarmrl --help` lists them.
 
-Every subcommand's flags are its module's settings model, plus two for all of them: `--config FILE`
+Every subcommand's flags are its module's settings model, plus three for all of them: `--config FILE`
 (the run config for the commands that build one, as `swarmrl rl`; otherwise a TOML file of the
-command's own settings, which its flags override) and `--dry-run` (print what the command would run
-with, checked, and exit 0 without starting anything).
+command's own settings, which its flags override), `--dry-run` (print what the command would run
+with, checked, and exit 0 without starting anything) and `--plugin MODULE` (imported before the
+flags are read, so a plug-in's engine or task source can be named by them: docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import ModuleType
 
 from pydantic import BaseModel, ValidationError
 
+from swarmrl import plugins
 from swarmrl.config import Config
 from swarmrl.entrypoints import MODULES
 from swarmrl.entrypoints.common import CaFileSettings, fail, run_config, run_dir_config
@@ -53,6 +55,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         sp.add_argument("--config", metavar="FILE", help=module.CONFIG_HELP if from_flags else SETTINGS_FILE_HELP)
         # Required flags are enforced by argparse only where they cannot come from a settings file.
         add_settings_flags(sp, module.Settings, groups=getattr(module, "GROUPS", None), required=from_flags)
+        sp.add_argument(
+            plugins.FLAG,
+            metavar="MODULE",
+            action="append",
+            help="import this plug-in first (repeat for several): a module that registers task sources, environments, "
+            "engines or task types (docs/plugins.md)"
+            + ("; added to the run config's plugins, so every role of the run imports it" if from_flags else ""),
+        )
         sp.add_argument(
             "--dry-run",
             action="store_true",
@@ -100,6 +110,10 @@ def resolve(
     cfg = None
     if module.RUN_CONFIG == "flags":
         cfg = run_config(args.config, extra, getattr(settings, "run_dir", None))
+        # `--plugin` on the command line joins the run's plug-ins: every role of the run imports it.
+        named = [p for p in plugins.loaded() if p not in cfg.plugins]
+        if named:
+            cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *named]})
     return settings, cfg
 
 
@@ -137,6 +151,12 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # plug-ins first: they may register the engines and sources the flags below name
+        named, argv = plugins.split_argv(argv)
+        plugins.load(named, where=plugins.FLAG)
+    except SwarmrlError as e:
+        fail(str(e))
     parser, parsers = build_parser()
     args, extra = parser.parse_known_args(argv)
     settings, cfg = resolve(args.command, args, extra, parsers[args.command])

@@ -71,23 +71,25 @@ class AdversarialWorker(Worker):
             return False
         if self.kind == "old_version":
             self.frozen = self.sampler
-        elif self.kind in WEIGHT_CHEATS and fresh and self.vllm is None:
+        elif self.kind in WEIGHT_CHEATS and fresh and self.session.in_process_model:
             self.sampler.model = _altered(self.kind, self.sampler.model)
         return True
 
-    def _engine(self) -> str:
+    def _declared(self, lease: Lease) -> dict:
         # int8_declaring_vllm: whatever it runs, it claims vLLM (whose bf16 limit was once looser).
-        return "vllm" if self.kind == "int8_declaring_vllm" else super()._engine()
+        return {"engine": "vllm"} if self.kind == "int8_declaring_vllm" else super()._declared(lease)
 
-    def _load_vllm(self, folder: Path, tok) -> str:
-        """vLLM: the weight cheats write the altered version beside the real one and load that."""
+    def _load(self, folder: Path, base: Path | None, version: int):
+        """An engine that loads folders (vLLM): the weight cheats write the altered version beside
+        the real one and load that."""
         self.folder = folder
-        if self.kind in WEIGHT_CHEATS:
-            model, tok = load_policy(folder, dtype=getattr(torch, self.dtype))
+        if self.kind in WEIGHT_CHEATS and not self.session.in_process_model:
+            model, tok = load_policy(folder, dtype=getattr(torch, self.dtype), base=base)
             folder = save_policy(_altered(self.kind, model), tok, self.cache / "altered" / folder.name)
+            base = None
             for old in sorted(folder.parent.iterdir())[:-2]:  # a full model per version: keep two
                 shutil.rmtree(old, ignore_errors=True)
-        return super()._load_vllm(folder, tok)
+        return super()._load(folder, base, version)
 
     def _policy_model(self):
         """The claimed version's model, for a careful cheat's own prefill: the sampler's on the
@@ -223,7 +225,7 @@ class AdversarialWorker(Worker):
                 GroupIn.model_construct(
                     slot=p.slot,
                     policy_version=self.version,
-                    engine=self._engine(),
+                    **self._declared(lease),
                     samples=[
                         SampleIn.model_construct(
                             token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason, proofs=encode(pr)

@@ -23,6 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from swarmrl import plugins
 from swarmrl.config.base import ADVERSARY_KINDS, Section
 from swarmrl.config.services import BroadcastConfig, LoggingConfig, OrchestratorConfig, ValidatorConfig, read_key_file
 from swarmrl.config.task import LengthConfig, ModelConfig, RewardsConfig, SamplingConfig, SandboxConfig, TasksConfig
@@ -43,6 +44,11 @@ class Config(Section):
     """Run directory; None: a new folder under runs/."""
     seed: int = 0
     """Global seed (sampling seeds, trainer RNG)."""
+    plugins: list[str] = Field(default_factory=list)
+    """Modules to import before anything else is resolved (installed packages or on PYTHONPATH), which
+    register the run's own task sources, environments, engine backends or task types
+    (docs/plugins.md). Every process of the run imports them; workers and validators learn them
+    from the orchestrator and stop, naming the module, when one is not installed on their machine."""
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig = TasksConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -295,6 +301,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     for key, text in _split_overrides(overrides or []):
         _set_dotted(data, key, text)
+    # Plug-ins first: the sections below may name what they register (a task source, an engine).
+    names = data.get("plugins", [])
+    if not isinstance(names, list):
+        raise ConfigError(f'plugins: give a list of module names, e.g. plugins = ["my_pkg.plugin"] (got {names!r})')
+    try:
+        plugins.load(names, where="the run config's plugins")
+    except plugins.PluginError as e:
+        raise ConfigError(str(e)) from e.__cause__
     try:
         return Config.model_validate(data)
     except ValidationError as e:

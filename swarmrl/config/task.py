@@ -33,10 +33,7 @@ class ModelConfig(Section):
     compute in `sampling.dtype`, the run's inference precision."""
 
 
-# The procedural task sets built into swarmrl (swarmrl/tasks/<name>.py), by `tasks.source` name.
-BUILTIN_SOURCES = ("arithmetic", "instructions")
-# Built-in multi-turn tasks (swarmrl/tasks/episodes.py): episodes of the environment of that name.
-ENV_SOURCES = ("calculator", "guess")
+# `tasks.source = "mix"`: several registered sources in one run (swarmrl/tasks/registry.py).
 MIX = "mix"
 # The IFEval instruction types the built-in instruction generator writes constraints for
 # (swarmrl/tasks/instructions.py, TEMPLATES; a unit test keeps the two equal), named here so that
@@ -69,17 +66,23 @@ INSTRUCTION_TEMPLATES = (
 
 class TasksConfig(Section):
     source: str = "arithmetic"
-    """"arithmetic" (procedural math) or "instructions" (procedural instruction following:
-    plain requests with IFEval constraints, docs/instructions.md) for a built-in task; "mix" for
-    several built-in ones in one run (`mix`); "calculator" or "guess" for multi-turn episodes of
-    the built-in environments (docs/environments.md); or a path to tasks in the INTELLECT-2 RL
+    """A registered task source (swarmrl/tasks/registry.py): the built-in "arithmetic" (procedural
+    math), "instructions" (procedural instruction following: plain requests with IFEval
+    constraints, docs/instructions.md), "calculator" or "guess" (multi-turn episodes of the
+    built-in environments, docs/environments.md), or one a plug-in registers (docs/plugins.md);
+    "mix" for several registered ones in one run (`mix`); or a path to tasks in the INTELLECT-2 RL
     dataset schema: a .jsonl/.parquet file or a local Hugging Face dataset folder (rows whose
     task_type is "env:NAME" are episodes of environment NAME)."""
+    options: dict = Field(default_factory=dict)
+    """Settings of a plug-in task source, checked by its own options model when the rows are made
+    (e.g. `{dataset = "leg_counting"}`); in a mix, one table per source:
+    `{my_source = {dataset = "x"}}`. The built-in sources take theirs from the fields below."""
     mix: dict[str, float] = Field(default_factory=dict)
-    """With `source = "mix"`: the built-in sources of the run and their weights, e.g.
-    `{arithmetic = 0.5, instructions = 0.5}`. Each source gets its weight's share of `train_size`
-    (normalised over the weights, at least one problem) and its own `eval_size` held-out problems,
-    reported as `eval/accuracy/<source>` beside the overall `eval/accuracy`."""
+    """With `source = "mix"`: the registered sources of the run and their weights, e.g.
+    `{arithmetic = 0.5, instructions = 0.5}` (episode sources run alone). Each source gets its
+    weight's share of `train_size` (normalised over the weights, at least one problem) and its own
+    `eval_size` held-out problems, reported as `eval/accuracy/<source>` beside the overall
+    `eval/accuracy`."""
     types: list[str] = Field(default_factory=list)
     """Task types beyond the built-in ones (verifiable_math, prime_rl_code, multiple_choice), as
     "module:ATTRIBUTE" naming a swarmrl.rewards.registry.TaskType in a module on the Python path;
@@ -134,10 +137,6 @@ class TasksConfig(Section):
                     "{arithmetic = 0.5, instructions = 0.5}"
                 )
             for name, weight in self.mix.items():
-                if name not in BUILTIN_SOURCES:
-                    raise ValueError(
-                        f"tasks.mix: {name!r} is not a built-in source; mix any of: {', '.join(BUILTIN_SOURCES)}"
-                    )
                 if not (weight > 0 and math.isfinite(weight)):
                     raise ValueError(
                         f"tasks.mix.{name} = {weight}: weights must be positive numbers (leave a source out "
@@ -146,7 +145,7 @@ class TasksConfig(Section):
         elif self.mix:
             raise ValueError(
                 f'tasks.mix is set but tasks.source = "{self.source}": set tasks.source = "mix" to mix '
-                "built-in sources, or remove tasks.mix"
+                "registered sources, or remove tasks.mix"
             )
         unknown = [name for name in self.instruction_types if name not in INSTRUCTION_TEMPLATES]
         if unknown:
@@ -155,13 +154,6 @@ class TasksConfig(Section):
                 f"{', '.join(map(repr, unknown))}; it writes: {', '.join(INSTRUCTION_TEMPLATES)}"
             )
         return self
-
-    def sources(self) -> dict[str, float]:
-        """The built-in sources of this run and their weights (summing to 1); empty for a file."""
-        if self.source == MIX:
-            total = sum(self.mix.values())
-            return {name: weight / total for name, weight in self.mix.items()}
-        return {self.source: 1.0} if self.source in BUILTIN_SOURCES else {}
 
 
 # The no-signal stop must not end an honest hard run: a base solving NO_SIGNAL_ACCURACY of its

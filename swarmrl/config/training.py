@@ -252,6 +252,13 @@ class AsyncConfig(Section):
     (orchestrator and validator, relays, workers) the rest, when any are left. The trainer is
     the critical path; left to the scheduler, the trainer got 86% of a core on the default run
     with 19% of the machine idle (docs/benchmarks.md, issue 30)."""
+    worker_engine: str = "builtin"
+    """The engine backend of the `workers` (`swarmrl worker --engine`): "builtin", or one a plug-in
+    registers (docs/plugins.md) that proves its work. vLLM and endpoint workers have their own
+    counts below."""
+    worker_engine_options: dict = Field(default_factory=dict)
+    """That engine's options by field name (e.g. `{max_model_len = 4096}`), passed to each worker as
+    its flags; checked by the engine's options model before anything starts."""
     worker_nice: int = Field(10, ge=0, le=19)
     """Scheduling niceness of the workers `swarmrl rl` starts. The trainer is the critical path
     (workers sample the next batch while it trains), so on a machine where they share cores

@@ -30,12 +30,14 @@ def run_config(path: str | None, overrides: list[str], run_dir: str | None = Non
     overrides; the run's task types are loaded, so an unknown one fails now."""
     from swarmrl.config import ConfigError, load_config
     from swarmrl.rewards import registry
+    from swarmrl.tasks.source import check_source
 
     try:
         cfg = load_config(path, overrides)
         if run_dir:
             cfg = cfg.model_copy(update={"run_dir": run_dir})
         registry.load(cfg.tasks.types)
+        check_source(cfg.tasks)
         return cfg
     except (ConfigError, ValueError) as e:
         fail(str(e))

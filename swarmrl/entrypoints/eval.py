@@ -11,7 +11,6 @@ from typing import Literal
 from pydantic import model_validator
 
 from swarmrl.config import Config
-from swarmrl.config.task import BUILTIN_SOURCES
 from swarmrl.entrypoints.common import fail
 from swarmrl.entrypoints.flags import RoleSettings, flag
 
@@ -36,9 +35,9 @@ class Settings(RoleSettings):
     api_key: str | None = None
     """bearer token for the endpoint (default: $OPENAI_API_KEY if set)"""
     benchmark: str
-    """a JSONL/parquet file, or a built-in set: 'arithmetic' or 'instructions' (their held-out split, as --config
-    sets it) or 'code'; several, comma-separated, are evaluated one after the other on one loaded model, each into
-    OUTPUT_DIR/NAME/ (NAME: the set's name or the file's name without its suffix)"""
+    """a JSONL/parquet file, or a registered task source: 'arithmetic', 'instructions' or a plug-in's (its held-out
+    split, as --config sets it) or 'code'; several, comma-separated, are evaluated one after the other on one
+    loaded model, each into OUTPUT_DIR/NAME/ (NAME: the set's name or the file's name without its suffix)"""
     format: Literal["auto", "schema", "math", "code", "mcq", "ifeval"] = "auto"
     """the file's format (auto: decided from the first row's fields; ifeval: IFEval/IFBench rows with
     instruction_id_list and kwargs, reported as prompt- and instruction-level strict and loose accuracy)"""
@@ -110,7 +109,9 @@ class Settings(RoleSettings):
 def name_of(benchmark: str) -> str:
     """Where a benchmark's results go when several are evaluated: a built-in set's name, or the
     file's name without its suffix (aime24.jsonl -> aime24)."""
-    if benchmark in BUILTIN_SOURCES or benchmark == "code":
+    from swarmrl.tasks import registry as sources
+
+    if sources.find(benchmark) is not None or benchmark == "code":
         return benchmark
     name = Path(benchmark).name
     for suffix in (".jsonl", ".json", ".parquet"):
@@ -121,12 +122,11 @@ def name_of(benchmark: str) -> str:
 def _rows(settings: Settings, cfg: Config, benchmark: str) -> list[dict]:
     """A benchmark's problems: a built-in set or a file."""
     from swarmrl.eval.formats import load_benchmark
+    from swarmrl.tasks import registry as sources
 
     try:
-        if benchmark in BUILTIN_SOURCES:  # the held-out split `swarmrl rl` evaluates on
-            from swarmrl.tasks.source import builtin_rows
-
-            rows = builtin_rows(cfg.tasks, benchmark, cfg.tasks.eval_size, "test")
+        if sources.find(benchmark) is not None:  # its held-out split, the one `swarmrl rl` evaluates on
+            rows = sources.source_rows(cfg.tasks, benchmark, cfg.tasks.eval_size, "test")
         elif benchmark == "code":
             from swarmrl.tasks import code as code_tasks
 

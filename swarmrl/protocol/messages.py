@@ -311,6 +311,10 @@ class Status(_Out):
     total_steps: int
     protocol_version: int
     run_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="what every signed request of this run is bound to")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="modules the run's roles import (its own environments, task sources; docs/plugins.md)",
+    )
 
 
 class ClaimedSample(_Out):

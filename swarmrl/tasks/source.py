@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from swarmrl.config import Config
-from swarmrl.config.task import BUILTIN_SOURCES, ENV_SOURCES, MIX
+from swarmrl.config.task import MIX
 from swarmrl.data.loading import load_tasks
 from swarmrl.envs import registry as envs
 from swarmrl.rewards import registry
 from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING
 from swarmrl.rewards.length import with_length_target
-from swarmrl.tasks import arithmetic, episodes, instructions
-
-
-def builtin_rows(tasks, name: str, n: int, split: str) -> list[dict]:
-    """`n` rows of one split of the built-in source `name` ("arithmetic", "instructions"), as
-    the run's tasks config sets it."""
-    if name == "arithmetic":
-        return arithmetic.generate(
-            n, digits=tasks.digits, ops=tasks.ops, split=split, seed=tasks.seed, **arithmetic.options(tasks)
-        )
-    if name == "instructions":
-        return instructions.generate(n, split=split, seed=tasks.seed, **instructions.options(tasks))
-    if name == "calculator":
-        return episodes.calculator_rows(
-            n, digits=tasks.digits, split=split, held_out_fraction=tasks.held_out_fraction, seed=tasks.seed
-        )
-    if name == "guess":
-        return episodes.guess_rows(n, high=tasks.guess_high, split=split, turn_cost=tasks.guess_turn_cost)
-    raise ValueError(f"{name!r} is not a built-in task source; one of: {', '.join(BUILTIN_SOURCES)}")
+from swarmrl.tasks import registry as sources
 
 
 def mix_sizes(weights: dict[str, float], total: int) -> dict[str, int]:
@@ -73,18 +56,44 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
     return with_instruction_reward(train, cfg.rewards.instruction_reward), held
 
 
+def check_source(tasks) -> None:
+    """Fail now, naming the problem, for a `tasks.source` (or mix) that names no registered source
+    and no file, a source that cannot be mixed, or options its source's model refuses."""
+    if tasks.source == MIX:
+        for name in tasks.mix:
+            source = sources.get(name)
+            if not source.mixable:
+                mixable = [n for n in sources.names() if sources.get(n).mixable]
+                raise ValueError(f"tasks.mix: {name!r} runs alone, not in a mix; mix any of: {', '.join(mixable)}")
+            sources.options_of(source, tasks.options.get(name, {}))
+        return
+    if (source := sources.find(tasks.source)) is not None:
+        sources.options_of(source, tasks.options)
+        return
+    if not Path(tasks.source).exists():
+        raise ValueError(
+            f"tasks.source {tasks.source!r} is neither a registered task source ({', '.join(sources.names())}, "
+            "or one a plug-in registers: docs/plugins.md) nor a file or dataset folder that exists"
+        )
+    if tasks.options:
+        raise ValueError("tasks.options is for a registered task source, not for a file: remove it")
+
+
 def _task_rows(cfg: Config, log) -> tuple[list[dict], list[dict]]:
     t = cfg.tasks
-    if t.source in BUILTIN_SOURCES or t.source in ENV_SOURCES:
-        return builtin_rows(t, t.source, t.train_size, "train"), builtin_rows(t, t.source, t.eval_size, "test")
+    check_source(t)
     if t.source == MIX:
         train, held = [], []
         for name, n in mix_sizes(t.mix, t.train_size).items():
             # Each source's held-out set is the one a run of that source alone evaluates on, so
             # a mixed run's eval/accuracy/arithmetic compares with an arithmetic run's accuracy.
-            train += [{**row, "source": name} for row in builtin_rows(t, name, n, "train")]
-            held += [{**row, "source": name} for row in builtin_rows(t, name, t.eval_size, "test")]
+            train += [{**row, "source": name} for row in sources.source_rows(t, name, n, "train")]
+            held += [{**row, "source": name} for row in sources.source_rows(t, name, t.eval_size, "test")]
         return train, held
+    if sources.find(t.source) is not None:
+        return sources.source_rows(t, t.source, t.train_size, "train"), sources.source_rows(
+            t, t.source, t.eval_size, "test"
+        )
     result = load_tasks(
         t.source, solve_rate_column=t.solve_rate_column, solve_rate_range=t.solve_rate_range, checks=row_checks()
     )

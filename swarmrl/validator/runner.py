@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmrl import plugins
 from swarmrl.config import ValidatorConfig
 from swarmrl.errors import SwarmrlError
 from swarmrl.protocol.client import ValidatorClient, retrying
@@ -150,6 +151,12 @@ def run_external(
         torch.set_num_threads(threads)
     token = Path(token_file).read_text().strip()
     source = HttpSource(orchestrator, token)
+    status = retrying(source.client.status, what="status", give_up_s=source.unreachable_s, log=source.log)
+    try:  # the run's plug-ins (its environments replay episodes here) before the first claim
+        plugins.follow(status.get("plugins", []), where="the run's plugins")
+    except SwarmrlError as e:
+        print(f"swarmrl validator: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     validator = Validator(cfg, cache_dir, device=device, dtype=dtype, relays=relays, trainer_key=trainer_key)
     print(f"validator: checking groups for {orchestrator}", flush=True)
     checked, last = 0, time.monotonic()

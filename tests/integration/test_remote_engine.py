@@ -297,7 +297,7 @@ def test_restart_mode_reports_a_server_that_dies_with_its_log(tmp_path):
         (["--engine", "openai", "--endpoint", "http://x", "--load", "restart"], "needs --server-command with {model}"),
         (
             ["--engine", "openai", "--endpoint", "http://x", "--adversary", "replay"],
-            "not through an OpenAI-compatible endpoint",
+            "not through --engine openai, whose groups carry no proofs",
         ),
         (
             ["--engine", "openai", "--endpoint", "http://x", "--endpoint-key-file", "/nonexistent/key"],

@@ -17,8 +17,9 @@ import pytest
 from test_serve import Server
 
 from swarmrl.config import ConfigError, load_config
+from swarmrl.inference.backends import OpenAIOptions
 from swarmrl.inference.engine import build_engine
-from swarmrl.inference.remote import EndpointError, EndpointSettings
+from swarmrl.inference.remote import EndpointError
 from swarmrl.inference.worker import Worker
 from swarmrl.model.checkpoint import load_policy
 from swarmrl.protocol.client import TrainerClient
@@ -61,13 +62,14 @@ class Fleet:
             trainer.publish(v, self.origin.url, manifest)
             self.policy[v] = {"version": v, "url": self.origin.url, "manifest": manifest}
         (root / "serve").mkdir()
-        (root / "serve" / "token").write_text("reload-secret\n")
+        self.token = root / "serve" / "token"
+        self.token.write_text("reload-secret\n")
         self.serve = Server(policies / "v000000", root / "serve", "--reload-token-file", str(root / "serve" / "token"))
 
     def worker(self, name: str) -> Worker:
         """An endpoint worker on the shared server; its key is in the trusted file for "trusted"."""
         d = self.root / name
-        settings = EndpointSettings(self.serve.url, load="reload", api_key="reload-secret")
+        options = OpenAIOptions(endpoint=self.serve.url, load="reload", endpoint_key_file=str(self.token))
         w = Worker(
             self.orch.url,
             key_file=d / "key.pem",
@@ -75,7 +77,8 @@ class Fleet:
             name=name,
             log=lambda *_: None,
             trainer_key=public_key_hex(TRAINER_KEY),
-            endpoint=settings,
+            engine="openai",
+            engine_options=options,
         )
         w.client.register(name)
         return w

@@ -21,7 +21,8 @@ from pathlib import Path
 from vllm_rows import read_spec
 
 from swarmrl.adversary.workers import AdversarialWorker
-from swarmrl.inference.worker import VllmSettings, Worker
+from swarmrl.inference.backends import VllmOptions
+from swarmrl.inference.worker import Worker
 
 
 def main() -> None:
@@ -38,14 +39,15 @@ def main() -> None:
             log=lambda msg, loaded=loaded: loaded.append(msg),
             trainer_key=spec["trainer_key"],
             dtype=spec.get("dtype", "float32"),
-            vllm=VllmSettings(kv_cache_gib=1.0),
+            engine="vllm",
+            engine_options=VllmOptions(kv_cache_gib=1.0),
         )
         w = (
             AdversarialWorker(spec["orchestrator"], kind=kind, **common)
             if kind
             else Worker(spec["orchestrator"], **common)
         )
-        w.sampler = engine  # None for the first: it starts vLLM
+        w.session.engine = w.sampler = engine  # None for the first: it starts vLLM
         w.client.register(w.name)
         if kind == "old_version":
             assert w._ensure_policy(policies["0"])

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2] / "swarmrl"
 
 # Lower layers never import higher ones; rooms in the same layer do not import each other.
 LAYERS = {
-    "errors": -1,  # swarmrl/errors.py: the base of errors meant for the user, under every layer
+    "errors": -2,  # swarmrl/errors.py: the base of errors meant for the user, under every layer
+    "plugins": -1,  # swarmrl/plugins.py: imports the run's plug-ins (outside modules) before the config
     "config": 0,
     "protocol": 0,
     "data": 1,

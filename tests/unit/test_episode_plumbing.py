@@ -26,7 +26,8 @@ from swarmrl.protocol.messages import ClaimedSample, SampleIn
 from swarmrl.protocol.rollouts import Group, Sample
 from swarmrl.sft.warmstart import encode_episode_example
 from swarmrl.tasks.episodes import calculator_rows, calculator_traces, guess_rows, guess_traces
-from swarmrl.tasks.source import builtin_rows, episode_spec, model_input, row_checks
+from swarmrl.tasks.registry import source_rows
+from swarmrl.tasks.source import episode_spec, model_input, row_checks
 from swarmrl.trainer.batch import build_train_batch
 from swarmrl.validator.core import SampleReport, merge_reports, split_turns
 
@@ -225,7 +226,7 @@ def test_calculator_and_guess_rows_are_valid_tasks_and_the_lease_hides_the_answe
     assert episode_spec(cfg, {"task_type": "verifiable_math", "verification_info": "{}"}, [1]) is None
     # The turn cost travels in the task row, which the trusted side holds and replays from.
     costly = Config.model_validate({"tasks": {"source": "guess", "guess_turn_cost": 0.1}})
-    (row,) = builtin_rows(costly.tasks, "guess", 1, "train")
+    (row,) = source_rows(costly.tasks, "guess", 1, "train")
     assert json.loads(row["verification_info"]) == {"low": 1, "high": 16, "turn_cost": 0.1}
     assert "turn_cost" not in guess_rows(1)[0]["verification_info"]
 

