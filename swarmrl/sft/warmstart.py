@@ -13,7 +13,9 @@ import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,6 +107,60 @@ def _calculator_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[i
     return [encode_episode_example(tokenizer, r["prompt"], r["turns"], r["observations"]) for r in traces]
 
 
+def _guess_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """The guessing game's warm start (`tasks.source = "guess"`): games played by bisection."""
+    max_turns = min(GUESS.max_turns, cfg.tasks.max_turns or GUESS.max_turns)
+    games = episodes.guess_traces(cfg.sft.examples, high=cfg.tasks.guess_high, max_turns=max_turns, seed=cfg.sft.seed)
+    return [encode_episode_example(tokenizer, g["prompt"], g["turns"], g["observations"]) for g in games]
+
+
+def _arithmetic_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Worked arithmetic traces (every other source's warm start: the base's one skill)."""
+    rows = arithmetic.generate(
+        cfg.sft.examples,
+        digits=cfg.tasks.digits,
+        ops=cfg.tasks.ops,
+        split="train",
+        seed=cfg.sft.seed + 1000,
+        with_trace=True,
+        slip_rate=cfg.sft.slip_rate,
+        verbosity=tuple(cfg.sft.verbosity),
+    )
+    # With length control, each prompt names a target drawn independently of how verbose its
+    # trace is: the base sees the instruction but does not follow it (RL's job to learn).
+    # `sft.target_match` of them name the target nearest the trace's own length instead.
+    target_rng = random.Random(cfg.sft.seed + 2000)
+    lengths = [_sft_target(tokenizer, r["trace"], cfg, target_rng) for r in rows]
+    return [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """How the built-in tiny base is warm started for a run's task source: its examples, what its
+    cache key adds to the arithmetic key, and the name its metadata records."""
+
+    task: str
+    examples: Callable[[Config, Any], list[tuple[list[int], list[int]]]]
+    key: Callable[[Config, str], str]
+    uses_tool: bool = False
+
+
+ARITHMETIC_WARM_START = WarmStart("arithmetic", _arithmetic_examples, lambda cfg, key: key)
+WARM_STARTS = {
+    "calculator": WarmStart(
+        "calculator", _calculator_examples, lambda cfg, key: f"calc-{key}-tool{cfg.sft.tool_rate:g}", uses_tool=True
+    ),
+    "guess": WarmStart(
+        "guess", _guess_examples, lambda cfg, key: f"guess{cfg.tasks.guess_high}-t{cfg.tasks.max_turns or 0}-{key}"
+    ),
+}
+"""Warm starts by task source; any other source (a plug-in's too) starts from the arithmetic one."""
+
+
+def warm_start(cfg: Config) -> WarmStart:
+    return WARM_STARTS.get(cfg.tasks.source, ARITHMETIC_WARM_START)
+
+
 def _sft_target(tokenizer, trace: str, cfg: Config, rng: random.Random) -> int | None:
     """The length target a training prompt names (None without length control)."""
     if not cfg.length.enabled:
@@ -130,10 +186,7 @@ def base_cache_key(cfg: Config) -> str:
         key += f"-mb{s.micro_batches}"
     if s.verbosity != [0]:
         key += "-v" + "".join(str(level) for level in s.verbosity)
-    if t.source == "calculator":
-        key = f"calc-{key}-tool{s.tool_rate:g}"
-    elif t.source == "guess":
-        key = f"guess{t.guess_high}-t{t.max_turns or 0}-{key}"
+    key = warm_start(cfg).key(cfg, key)
     if cfg.length.enabled:
         key += "-len" + "-".join(str(n) for n in cfg.length.targets)
         if s.target_match:
@@ -158,31 +211,8 @@ def train_sft(
     # Initialised in float32 (the same starting weights), then trained in the chosen precision.
     model = model.to(getattr(torch, cfg.sft.dtype))
     model.train()
-    if cfg.tasks.source == "calculator":
-        examples = _calculator_examples(cfg, tokenizer)
-    elif cfg.tasks.source == "guess":
-        max_turns = min(GUESS.max_turns, cfg.tasks.max_turns or GUESS.max_turns)
-        games = episodes.guess_traces(
-            cfg.sft.examples, high=cfg.tasks.guess_high, max_turns=max_turns, seed=cfg.sft.seed
-        )
-        examples = [encode_episode_example(tokenizer, g["prompt"], g["turns"], g["observations"]) for g in games]
-    else:
-        rows = arithmetic.generate(
-            cfg.sft.examples,
-            digits=cfg.tasks.digits,
-            ops=cfg.tasks.ops,
-            split="train",
-            seed=cfg.sft.seed + 1000,
-            with_trace=True,
-            slip_rate=cfg.sft.slip_rate,
-            verbosity=tuple(cfg.sft.verbosity),
-        )
-        # With length control, each prompt names a target drawn independently of how verbose its
-        # trace is: the base sees the instruction but does not follow it (RL's job to learn).
-        # `sft.target_match` of them name the target nearest the trace's own length instead.
-        target_rng = random.Random(cfg.sft.seed + 2000)
-        lengths = [_sft_target(tokenizer, r["trace"], cfg, target_rng) for r in rows]
-        examples = [encode_example(tokenizer, r["prompt"], r["trace"], n) for r, n in zip(rows, lengths)]
+    recipe = warm_start(cfg)
+    examples = recipe.examples(cfg, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.99), weight_decay=0.01)
     warmup = max(1, cfg.sft.steps // 20)
 
@@ -219,8 +249,8 @@ def train_sft(
         "target_match": cfg.sft.target_match if cfg.length.enabled else None,
         "digits": cfg.tasks.digits,
         "ops": cfg.tasks.ops,
-        "task": cfg.tasks.source if cfg.tasks.source in ("calculator", "guess") else "arithmetic",
-        "tool_rate": cfg.sft.tool_rate if cfg.tasks.source == "calculator" else None,
+        "task": recipe.task,
+        "tool_rate": cfg.sft.tool_rate if recipe.uses_tool else None,
         "seconds": round(time.time() - t0, 1),
     }
     return save_policy(model, tokenizer, out_dir, extra_files={"swarmrl_sft.json": json.dumps(meta, indent=1)})
