@@ -13,9 +13,16 @@ from swarmrl.config.base import Section
 
 class ModelConfig(Section):
     path: str | None = None
-    """HF model folder to start from (any local causal LM). None: the project's tiny Qwen2 warm
+    """The model to start from: a Hugging Face model folder (any causal LM) or a Hub id such as
+    "HuggingFaceTB/SmolLM2-135M-Instruct", read from the Hugging Face cache (downloaded into it when
+    the hub is reachable and HF_HUB_OFFLINE is not set). None: the project's tiny Qwen2 warm
     started by `swarmrl sft`, built on first use and cached under `base_cache_dir`. `~` and
     `$VARS` are expanded (configs/smollm2-135m.toml points into the real assets' cache)."""
+    revision: str | None = None
+    """With a Hub id: the branch, tag or commit to start from (default: the main branch).
+    `swarmrl rl` pins it to the commit it resolved to in the run's config.toml, and every version's
+    signed manifest names the id and that commit, so the run starts from the same weights wherever
+    and whenever it is resumed."""
 
     @field_validator("path")
     @classmethod

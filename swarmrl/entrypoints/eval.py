@@ -26,8 +26,8 @@ OVERRIDE_SECTIONS = ("tasks", "sandbox")
 
 class Settings(RoleSettings):
     model: str | None = flag(None, exclusive="source")
-    """local HF checkpoint folder, sampled with the project's seeded sampler (its fast engine for Qwen2/2.5, Qwen3
-    and Llama/SmolLM models, the model's own forward for others)"""
+    """local HF checkpoint folder or Hub id (from the Hugging Face cache), sampled with the project's seeded
+    sampler (its fast engine for Qwen2/2.5, Qwen3 and Llama/SmolLM models, the model's own forward for others)"""
     endpoint: str | None = flag(None, exclusive="source")
     """OpenAI-compatible server URL, e.g. http://127.0.0.1:8080/v1 (swarmrl serve, vLLM, SGLang)"""
     served_model: str | None = None
@@ -158,11 +158,12 @@ def _backend(settings: Settings):
     from swarmrl.eval.runner import EndpointBackend, ModelBackend
 
     if settings.model:
-        if not os.path.isdir(settings.model):
-            fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
-        return ModelBackend.from_path(
-            settings.model, device=settings.device, dtype=settings.dtype, streams=settings.streams
-        )
+        from swarmrl.model.hub import resolve
+
+        folder = resolve(
+            settings.model, what="--model"
+        ).folder  # HubError (printed by the CLI) names the id and the cache
+        return ModelBackend.from_path(folder, device=settings.device, dtype=settings.dtype, streams=settings.streams)
     return EndpointBackend(
         settings.endpoint,
         model=settings.served_model,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -20,7 +19,7 @@ RUN_CONFIG = None
 
 class Settings(TlsServeSettings):
     model: str
-    """local HF checkpoint folder (a swarmrl policy or any causal LM)"""
+    """local HF checkpoint folder (a swarmrl policy or any causal LM) or Hub id (from the Hugging Face cache)"""
     host: str = "127.0.0.1"
     """bind address (0.0.0.0 to serve other machines)"""
     port: int = 8080
@@ -83,14 +82,14 @@ class Settings(TlsServeSettings):
 
 
 def main(settings: Settings, cfg: None) -> None:
+    from swarmrl.model.hub import resolve
     from swarmrl.serve.app import serve
 
-    if not os.path.isdir(settings.model):
-        fail(f"--model {settings.model} is not a folder; pass a local Hugging Face checkpoint folder")
     s = settings
+    folder = resolve(s.model, what="--model").folder  # HubError (printed by the CLI) names the id and the cache
     try:
         serve(
-            s.model,
+            str(folder),
             host=s.host,
             port=s.port,
             device=s.device,

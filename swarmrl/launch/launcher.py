@@ -30,6 +30,7 @@ from swarmrl.launch.plan import Child, endpoint_dir, engine_flags, placement
 from swarmrl.launch.plan import children as children_of
 from swarmrl.launch.progress import Progress
 from swarmrl.model.checkpoint import load_tokenizer
+from swarmrl.model.hub import is_hub_id, resolve
 from swarmrl.model.lora import check_lora_config
 from swarmrl.orchestrator.limits_reload import published_by
 from swarmrl.proofs.limits import LimitsError, cpu_kind, run_limits
@@ -399,6 +400,19 @@ def prepared_next_steps(cfg: Config, root: Path) -> str:
     return "\n".join(lines)
 
 
+def _pin_model(cfg: Config, log) -> Config:
+    """A Hub id in model.path resolved now (HubError naming the id and the cache otherwise), and
+    its commit written into model.revision: the run, its resumes and its signed versions name the
+    weights it started from, whatever the branch points at later."""
+    if not (cfg.model.path and is_hub_id(cfg.model.path)):
+        return cfg
+    resolved = resolve(cfg.model.path, cfg.model.revision)
+    log(f"model.path {cfg.model.path}: Hub commit {resolved.commit or 'unknown'} ({resolved.folder})")
+    if resolved.commit is None:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": resolved.commit})})
+
+
 def _preflight(cfg: Config) -> None:
     """Checks of the config alone, before anything is written: LoRA targets the model lacks, and
     a bf16 run on its own model without a limits file (LimitsError naming `swarmrl calibrate`)."""
@@ -425,7 +439,7 @@ def _base_with_limits(rd: RunDir, cfg: Config, train: list[dict], log) -> tuple[
         limits = _builtin_limits(cfg, base, train, log)
         cfg = cfg.model_copy(update={"validator": cfg.validator.model_copy(update={"limits_file": str(limits)})})
         atomic_write_text(rd.root / "config.toml", cfg.to_toml())
-    run_limits(cfg, cfg.model.path or base, rd.root, published_by(rd.root))
+    run_limits(cfg, base, rd.root, published_by(rd.root))
     return cfg, base
 
 
@@ -482,7 +496,7 @@ def prepare(rd: RunDir, cfg: Config, log) -> Config:
     base model, its limits file and policies/v000000. Returns the config the run uses."""
     if (rd.root / "metrics.jsonl").exists():
         raise FileExistsError(f"{rd.root} already holds a run; pass --resume to continue it, or a new --run-dir")
-    cfg = cfg.model_copy(update={"run_dir": str(rd.root)})
+    cfg = _pin_model(cfg.model_copy(update={"run_dir": str(rd.root)}), log)
     # Fail here, with the config's own words, rather than in a child process later.
     _preflight(cfg)  # LoRA targets the model lacks, a bf16 run without limits: before the base is even built
     train, held_out = task_rows(cfg, log=log)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from swarmrl.config import Config, LoRAConfig
 from swarmrl.model.checkpoint import ADAPTER_WEIGHTS, atomic_folder, tiny_qwen2_config
+from swarmrl.model.hub import resolve
 from swarmrl.model.tokenizer import build_char_tokenizer
 
 FIELD = "trainer.lora.target_modules"
@@ -52,7 +53,7 @@ def model_skeleton(cfg: Config) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model.path:
-        path = Path(cfg.model.path)
+        path = resolve(cfg.model.path, cfg.model.revision).folder
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path: {path} is not a Hugging Face model folder (no config.json)")
         config = AutoConfig.from_pretrained(path, local_files_only=True)

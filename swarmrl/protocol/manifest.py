@@ -12,7 +12,8 @@ version the adapter applies to and that version's `content_digest` (the sha256 o
 names, sizes and sha256s, so a republished base with the same bytes keeps its digest). The field
 is signed with the rest, so no relay can point an adapter at other weights; a receiver merges
 the adapter only into a base whose signed manifest has that content digest. Full versions carry
-no `base` field, and their manifests are unchanged. Pure functions: no files, no network
+no `base` field, and their manifests are unchanged. A run that started from a Hub model id also
+signs `source` into every version: the id and the commit it resolved to. Pure functions: no files, no network
 (swarmrl.transport.broadcast does those)."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ MAX_SHARDS = 100_000  # shard names have five digits
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", re.ASCII)
 _HEX64 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX128 = re.compile(r"[0-9a-f]{128}", re.ASCII)
+_COMMIT = re.compile(r"[0-9a-f]{40}", re.ASCII)
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}", re.ASCII)
 
 _FIELDS = {
     "format",
@@ -114,6 +117,17 @@ def content_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
+def check_source(source, bad) -> None:
+    """Raises bad(message) unless `source` names the Hub model a run started from: exactly
+    `hub_id` (ORG/NAME) and `revision` (the 40-hex commit it resolved to)."""
+    if not isinstance(source, dict) or set(source) != {"hub_id", "revision"}:
+        raise bad("source must be an object with exactly hub_id and revision (the Hub model the run started from)")
+    if not isinstance(source["hub_id"], str) or not _REPO_ID.fullmatch(source["hub_id"]):
+        raise bad(f"source.hub_id must be a Hub id (ORG/NAME), got {source['hub_id']!r}")
+    if not isinstance(source["revision"], str) or not _COMMIT.fullmatch(source["revision"]):
+        raise bad(f"source.revision must be a 40-hex commit, got {source['revision']!r}")
+
+
 def check_base(base, version, bad) -> None:
     """Raises bad(message) unless `base` is an adapter version's base field: exactly `version`
     (below the adapter's own `version`) and `digest` (the base's content_digest)."""
@@ -149,7 +163,7 @@ def check_manifest_shape(manifest, where: str) -> None:
     missing = sorted(_FIELDS - set(manifest))
     if missing:
         raise bad(f"missing field(s) {', '.join(missing)}: not a {FORMAT} manifest")
-    unknown = sorted(set(manifest) - _FIELDS - {"signature", "base"})
+    unknown = sorted(set(manifest) - _FIELDS - {"signature", "base", "source"})
     if unknown:
         raise bad(f"unknown field(s) {', '.join(map(str, unknown))}")
     v, parent = manifest["version"], manifest["parent"]
@@ -159,6 +173,8 @@ def check_manifest_shape(manifest, where: str) -> None:
         raise bad(f"parent must be null or an int in 0..999999, got {parent!r}")
     if "base" in manifest:
         check_base(manifest["base"], v, bad)
+    if "source" in manifest:
+        check_source(manifest["source"], bad)
     created = manifest["created"]
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
         raise bad(f"created must be a unix time (a number), got {created!r}")

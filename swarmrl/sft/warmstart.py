@@ -23,6 +23,7 @@ from swarmrl.config import Config
 from swarmrl.envs.builtin import GUESS
 from swarmrl.envs.episode import chat_framing
 from swarmrl.model.checkpoint import build_tiny_policy, save_policy
+from swarmrl.model.hub import resolve
 from swarmrl.tasks import arithmetic, episodes
 from swarmrl.tasks.source import model_input
 
@@ -259,7 +260,7 @@ def train_sft(
 def ensure_base_model(cfg: Config, *, log=print) -> Path:
     """`model.path` if set, else the cached built-in base (trained here on first use)."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return resolve(cfg.model.path, cfg.model.revision).folder  # a folder, or a Hub id's snapshot
     path = Path(cfg.model.base_cache_dir) / base_cache_key(cfg)
     if (path / "config.json").exists():
         return path

@@ -28,6 +28,7 @@ from swarmrl.config import load_config
 from swarmrl.errors import SwarmrlError
 from swarmrl.eval.training import evaluate
 from swarmrl.model.checkpoint import load_policy, save_policy
+from swarmrl.model.hub import hub_source
 from swarmrl.model.lora import save_adapter
 from swarmrl.protocol.client import Refused, TrainerClient, Unavailable, retrying
 from swarmrl.protocol.manifest import content_digest
@@ -162,6 +163,7 @@ class _Link:
                 shard_size=self.cfg.broadcast.shard_size,
                 base=base,
                 patch_from=None if lora else self._patch_from(root, version),
+                source=hub_source(self.cfg),
             )
 
         try:
@@ -194,7 +196,12 @@ class _Link:
         held = published_manifest(root, 0)
         if held is None:
             held = publish_version(
-                self.rd.version_path(0), root, 0, key=self.key, shard_size=self.cfg.broadcast.shard_size
+                self.rd.version_path(0),
+                root,
+                0,
+                key=self.key,
+                shard_size=self.cfg.broadcast.shard_size,
+                source=hub_source(self.cfg),
             )
         return {"version": 0, "digest": content_digest(held)}
 

@@ -18,16 +18,19 @@ from pathlib import Path
 import torch
 
 from harness import RunHandle, metrics, pids, processes_of, run_store, store_rows, train_steps, wait_for
+from hub_cache import lay_out, offline_env
 from runs import EASY, swarmrl, swarmrl_rl
 
 
 def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path):
-    """One run carries two tests' assertions (issue 27): the plain end-to-end checks, and issue 18's
-    run with every service on https (a CA made for the run; children trust it)."""
-    run = tmp_path / "run"
+    """One run carries three tests' assertions (issue 27): the plain end-to-end checks, issue 18's
+    run with every service on https (a CA made for the run; children trust it), and issue 52's
+    model.path as a Hub id, resolved offline from a Hugging Face cache laid out from the base."""
+    run, hub = tmp_path / "run", tmp_path / "hub"
+    commit = lay_out(hub, "Org/EasyBase", easy_base)
     proc = swarmrl_rl(
         run,
-        easy_base,
+        "Org/EasyBase",
         4,
         "--async.bound",
         "1",
@@ -44,7 +47,12 @@ def test_rl_runs_end_to_end_over_tls_and_respects_the_bound(easy_base, tmp_path)
         "--broadcast.patch_max_share",
         "1.0",
         *EASY,
+        env=offline_env(hub),
     )
+    # The id was pinned to the commit it resolved to, and every version signs it.
+    assert f'path = "Org/EasyBase"\nrevision = "{commit}"' in (run / "config.toml").read_text()
+    for manifest in (run / "broadcast").glob("v*/manifest.json"):
+        assert json.loads(manifest.read_text())["source"] == {"hub_id": "Org/EasyBase", "revision": commit}
     summary = json.loads((run / "summary.json").read_text())
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "max_off_policy"):
         assert key in summary, key

@@ -18,6 +18,7 @@ from swarmrl.protocol.manifest import (
     BroadcastError,
     canonical,
     check_base,
+    check_source,
     check_version,
     is_int,
     is_plain_name,
@@ -87,6 +88,7 @@ def publish_version(
     shard_size: int = 1 << 20,
     base: dict | None = None,
     patch_from: dict | None = None,
+    source: dict | None = None,
 ) -> dict:
     """Shard and sign HF folder `model_dir` as root/vNNNNNN (written whole, atomically); return the manifest.
 
@@ -98,6 +100,9 @@ def publish_version(
     `base` ({"version": b, "digest": content_digest of version b's manifest}) marks the folder as
     a LoRA adapter that applies to version b: the manifest names it, under the signature.
 
+    `source` ({"hub_id": ..., "revision": 40-hex commit}) names the Hub model the run started from,
+    under the signature too.
+
     Versions are immutable: an existing root/vNNNNNN with the same content (same files, shard size,
     parent, base and key) is returned as is; with other content, BroadcastError (use unpublish_version
     first to replace it on purpose)."""
@@ -106,6 +111,8 @@ def publish_version(
         check_version(parent, "parent")
     if base is not None:
         check_base(base, version, lambda msg: BroadcastError(f"cannot publish {version_name(version)}: {msg}"))
+    if source is not None:
+        check_source(source, lambda msg: BroadcastError(f"cannot publish {version_name(version)}: {msg}"))
     if not is_int(shard_size) or shard_size <= 0:
         raise BroadcastError(f"shard_size must be a positive int (bytes), got {shard_size!r}")
     if not isinstance(key, Ed25519PrivateKey):
@@ -141,6 +148,8 @@ def publish_version(
         }
         if base is not None:
             m["base"] = {"version": base["version"], "digest": base["digest"]}
+        if source is not None:
+            m["source"] = {"hub_id": source["hub_id"], "revision": source["revision"]}
         m["signature"] = key.sign(canonical(m)).hex()
         return m
 
