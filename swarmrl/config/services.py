@@ -338,6 +338,11 @@ class ValidatorConfig(Section):
 class LoggingConfig(Section):
     wandb_project: str | None = None
     """Log to Weights & Biases under this project when wandb is installed; never required."""
+    tensorboard: bool = False
+    """Write every metric of metrics.jsonl as TensorBoard scalars to <run-dir>/tensorboard/ while
+    `swarmrl rl` runs (`tensorboard --logdir RUN_DIR/tensorboard`); needs the tensorboard package
+    (`pip install tensorboard`, or swarmrl[tensorboard]): a run that asks for it without it does
+    not start. A resumed run rewrites the folder's scalars from metrics.jsonl."""
     plots: bool = True
     """Write PNG plots to <run-dir>/plots at the end."""
     progress: bool = True

@@ -28,7 +28,7 @@ from swarmrl.config import Config, ConfigError, read_key_file
 from swarmrl.launch import fatal, torchrun
 from swarmrl.launch.plan import Child, endpoint_dir, engine_flags, placement
 from swarmrl.launch.plan import children as children_of
-from swarmrl.launch.progress import Progress
+from swarmrl.launch.progress import Progress, check_tensorboard
 from swarmrl.model.checkpoint import load_tokenizer
 from swarmrl.model.hub import is_hub_id, resolve
 from swarmrl.model.lora import check_lora_config
@@ -417,6 +417,7 @@ def _preflight(cfg: Config) -> None:
     """Checks of the config alone, before anything is written: LoRA targets the model lacks, and
     a bf16 run on its own model without a limits file (LimitsError naming `swarmrl calibrate`)."""
     check_lora_config(cfg)
+    check_tensorboard(cfg)
     try:
         engine_flags(cfg)
     except ValidationError as e:

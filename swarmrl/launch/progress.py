@@ -1,8 +1,10 @@
-"""Where a run's metrics go while it runs: the terminal (rich), and wandb when configured."""
+"""Where a run's metrics go while it runs: the terminal (rich), and wandb and TensorBoard when
+configured, each fed the same records of metrics.jsonl."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from swarmrl.config import Config
 from swarmrl.protocol.reasons import FRAUD_REASONS
@@ -16,6 +18,7 @@ class Progress:
         self.enabled = enabled
         self._progress = None
         self._wandb = None
+        self._tensorboard = None
 
     def __enter__(self) -> Progress:
         if self.live:
@@ -44,11 +47,25 @@ class Progress:
                 self._wandb = wandb.init(
                     project=self.cfg.logging.wandb_project, config=self.cfg.model_dump(mode="json", by_alias=True)
                 )
+        if self.cfg.logging.tensorboard and self.cfg.run_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step 0: the records are written again from the first on every start of the
+            # launcher (a resume reads metrics.jsonl from its start), and TensorBoard drops the
+            # earlier session's events instead of showing each step twice.
+            self._tensorboard = SummaryWriter(str(tensorboard_dir(self.cfg.run_dir)), purge_step=0)
+            self._tensorboard.add_text("config", "```toml\n" + self.cfg.to_toml() + "\n```", 0)
         return self
 
     def update(self, r: dict) -> None:
+        scalars = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in r.items() if isinstance(v, (int, float))}, step=r["step"])
+            self._wandb.log(scalars, step=r["step"])
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                if name != "step":
+                    self._tensorboard.add_scalar(name, value, global_step=int(r["step"]))
+            self._tensorboard.flush()
         if "time/step" in r:
             info = (
                 f"reward {r['reward/mean']:.2f}  acc {r['reward/task_mean_all']:.2f}  "
@@ -87,3 +104,21 @@ class Progress:
             self._progress.stop()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def tensorboard_dir(run_dir) -> Path:
+    return Path(run_dir) / "tensorboard"
+
+
+def check_tensorboard(cfg: Config) -> None:
+    """A run that asks for TensorBoard has its package, or does not start."""
+    if cfg.logging.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "logging.tensorboard = true needs the tensorboard package: pip install tensorboard "
+                "(or swarmrl[tensorboard]), or set logging.tensorboard = false"
+            ) from None

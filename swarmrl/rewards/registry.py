@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from swarmrl.data.schema import CODE, MATH
 from swarmrl.rewards.choice import MULTIPLE_CHOICE, check_choice, choice_task_reward
 from swarmrl.rewards.code import open_code_grader, parse_test_cases
+from swarmrl.rewards.gym import REASONING_GYM, check_gym, gym_task_reward
 from swarmrl.rewards.instructions import INSTRUCTION_FOLLOWING, check_instructions, instructions_task_reward
 from swarmrl.rewards.math import ground_truth_text, math_task_reward
 
@@ -75,6 +76,8 @@ BUILTIN = (
         grade=instructions_task_reward,
         preload=("swarmrl.rewards.instructions.preload",),  # its language and sentence models
     ),
+    # reasoning-gym's procedural problems, graded by each dataset's own scorer (rewards/gym.py).
+    TaskType(REASONING_GYM, check=check_gym, grade=gym_task_reward, preload=("reasoning_gym",)),
 )
 
 _TYPES: dict[str, TaskType] = {t.name: t for t in BUILTIN}

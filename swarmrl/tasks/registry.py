@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ValidationError
 
 from swarmrl.tasks import arithmetic, episodes, instructions
+from swarmrl.tasks.gym import GymOptions, gym_rows
 
 RowsFn = Callable[..., list[dict]]
 
@@ -60,6 +61,12 @@ BUILTIN = (
     TaskSource("instructions", _instructions, help="plain requests with IFEval constraints (docs/instructions.md)"),
     TaskSource("calculator", _calculator, mixable=False, help="episodes of the calculator environment"),
     TaskSource("guess", _guess, mixable=False, help="episodes of the guess-the-number environment"),
+    TaskSource(
+        "reasoning_gym",
+        gym_rows,
+        GymOptions,
+        help="any reasoning-gym dataset by name with its config, graded by its own scorer (tasks.options)",
+    ),
 )
 
 _SOURCES: dict[str, TaskSource] = {s.name: s for s in BUILTIN}

@@ -20,7 +20,7 @@ import pytest
 
 from swarmrl.envs.episode import runs as mask_runs
 
-from harness import store_rows, train_steps
+from harness import metrics, store_rows, train_steps
 from orchestrator_harness import OrchestratorProcess, make_run_dir
 from runs import EASY, swarmrl
 
@@ -66,7 +66,7 @@ def test_a_plugins_environment_source_and_engine_run_through_swarmrl_rl(installe
     env = {"PYTHONPATH": str(installed)}
     args = ["rl", "--config", str(config), "--run-dir", str(run), "--model.path", str(easy_base)]
     args += ["--trainer.steps", "2", *EASY, "--tasks.eval_size", "6", "--sampling.max_new_tokens", "96"]
-    args += ["--validator.rate", "1.0"]
+    args += ["--validator.rate", "1.0", "--logging.tensorboard", "true"]
     swarmrl(*args, env=env, timeout=600)
 
     assert [r["step"] for r in train_steps(run)] == [1, 2]
@@ -84,6 +84,13 @@ def test_a_plugins_environment_source_and_engine_run_through_swarmrl_rl(installe
     logs = [(run / "logs" / f"worker-{i}.log").read_text() for i in (0, 1)]
     assert all("counted engine from-the-config: load 1, policy v0" in log for log in logs), logs[0][-2000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    # The same run's metrics as TensorBoard scalars (logging.tensorboard), read back with its own reader.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    for name in ("reward/mean", "eval/accuracy", "loss/policy"):
+        written = [(r["step"], r[name]) for r in metrics(run) if name in r]
+        assert [(e.step, pytest.approx(e.value)) for e in events.Scalars(name)] == written, name
 
 
 def test_without_the_package_every_role_stops_and_names_it(installed, tmp_path, monkeypatch):

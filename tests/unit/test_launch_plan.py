@@ -89,3 +89,43 @@ def test_dry_run_prints_the_processes_after_the_config(capsys, tmp_path):
     lines = [line.strip("# ").split(":")[0] for line in tail.strip().splitlines()]
     assert lines == ["orchestrator", "trainer", "worker-0", "worker-1", "relay-0"]
     assert f"swarmrl orchestrator --run-dir {tmp_path / 'run'}" in tail
+
+
+def test_the_workers_get_the_runs_plugins_engine_and_its_options_as_flags(tmp_path):
+    plan = _plan(tmp_path, "--async.worker_engine", "vllm", "--async.worker_engine_options", "{kv_cache_gib = 2}")
+    worker = next(c for c in plan if c.name == "worker-0")
+    at = worker.args.index("--engine")
+    assert worker.args[at : at + 4] == ("--engine", "vllm", "--vllm-kv-cache-gib", "2.0")
+    # The default engine without options adds nothing; the run's plug-ins go first, before any flag.
+    (worker,) = [c for c in _plan(tmp_path, "--plugins", '["tomli_w"]') if c.name == "worker-0"]
+    assert "--engine" not in worker.args and worker.args[:3] == ("worker", "--plugin", "tomli_w")
+
+
+def test_an_engine_without_proofs_or_with_bad_options_is_refused_before_anything_starts(tmp_path):
+    import pytest
+
+    from swarmrl.config import ConfigError
+    from swarmrl.launch.launcher import _preflight
+
+    for flags, needle in [
+        (("--async.worker_engine", "openai"), "builds no proofs"),
+        (("--async.worker_engine", "nope"), "no engine backend named 'nope'"),
+        (("--async.worker_engine", "vllm", "--async.worker_engine_options", "{kv_cache_gib = 0}"), "kv_cache_gib"),
+        (("--async.worker_engine_options", "{x = 1}"), "async.worker_engine_options for engine 'builtin'"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            _preflight(load_config(None, list(flags)))
+
+
+def test_tensorboard_without_its_package_is_refused_before_anything_starts(monkeypatch):
+    import sys
+
+    import pytest
+
+    from swarmrl.launch.progress import check_tensorboard
+
+    cfg = load_config(None, ["--logging.tensorboard", "true"])
+    check_tensorboard(cfg)  # installed here (the dev extra)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not
+    with pytest.raises(ValueError, match="needs the tensorboard package: pip install tensorboard"):
+        check_tensorboard(cfg)
