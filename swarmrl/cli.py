@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:  # plug-ins first: they may register the engines and sources the flags below name
         named, argv = plugins.split_argv(argv)
+        if argv[:2] == ["tasks", "filter"]:  # the spelling docs/usage.md uses for `swarmrl filter`
+            argv = ["filter", *argv[2:]]
         plugins.load(named, where=plugins.FLAG)
     except SwarmrlError as e:
         fail(str(e))

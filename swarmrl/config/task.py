@@ -125,6 +125,13 @@ class TasksConfig(Section):
     """Keep rows whose solve rate lies in [lo, hi]. Seed run: [0.1, 0.8] (INTELLECT-2 report)."""
     seed: int = 0
     """Seed for task generation and shuffling."""
+    retire_after: int = Field(0, ge=0)
+    """Online difficulty filtering: retire a training problem once it has given this many groups in
+    a row whose rewards are all equal (all solved or none: no signal for GRPO), counting groups of
+    proven or trusted keys only; leases skip retired problems (orchestrator/curriculum.py). 0: never
+    retire. The counts are kept in the run's store, so a restart or resume keeps them."""
+    retire_max_share: float = Field(0.9, gt=0.0, lt=1.0)
+    """At most this share of the training problems is ever retired (the rest stay in rotation)."""
     max_turns: int | None = Field(None, ge=1)
     """Episodes: model turns at most (None: each environment's own `max_turns`). An episode's
     tokens after the prompt, turns and observations together, are at most

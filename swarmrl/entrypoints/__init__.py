@@ -32,6 +32,7 @@ from swarmrl.entrypoints import (
     worker,
 )
 from swarmrl.entrypoints import eval as eval_command
+from swarmrl.entrypoints import filter as filter_command
 
 # In the order `swarmrl --help` lists them.
 MODULES = {
@@ -41,6 +42,7 @@ MODULES = {
     "serve": serve,
     "eval": eval_command,
     "tasks": tasks,
+    "filter": filter_command,
     "orchestrator": orchestrator,
     "trainer": trainer,
     "worker": worker,

@@ -119,7 +119,7 @@ def name_of(benchmark: str) -> str:
     return name
 
 
-def _rows(settings: Settings, cfg: Config, benchmark: str) -> list[dict]:
+def benchmark_rows(settings: Settings, cfg: Config, benchmark: str) -> list[dict]:
     """A benchmark's problems: a built-in set or a file."""
     from swarmrl.eval.formats import load_benchmark
     from swarmrl.tasks import registry as sources
@@ -154,7 +154,7 @@ def _with_extract(row: dict, mode: str) -> dict:
     return {**row, "verification_info": json.dumps({**info, "extract": mode})}
 
 
-def _backend(settings: Settings):
+def backend_for(settings: Settings):
     from swarmrl.eval.runner import EndpointBackend, ModelBackend
 
     if settings.model:
@@ -180,7 +180,7 @@ def main(settings: Settings, cfg: Config) -> None:
     from swarmrl.rewards.registry import open_graders, preload_for
     from swarmrl.sandbox.runner import SandboxUnavailable
 
-    benchmarks = {b: _rows(settings, cfg, b) for b in settings.benchmarks}
+    benchmarks = {b: benchmark_rows(settings, cfg, b) for b in settings.benchmarks}
     every_row = [row for rows in benchmarks.values() for row in rows]
     sampling = EvalSettings(
         k=settings.k,
@@ -190,7 +190,7 @@ def main(settings: Settings, cfg: Config) -> None:
         seed=settings.seed,
     )
     try:
-        backend = _backend(settings)
+        backend = backend_for(settings)
         graders = open_graders(every_row, cfg.sandbox)
     except (ValueError, OSError, SandboxUnavailable) as e:
         fail(str(e))

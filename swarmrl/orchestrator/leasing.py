@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from swarmrl.config import Config
 from swarmrl.envs import registry as envs
+from swarmrl.orchestrator import curriculum
 from swarmrl.orchestrator.admission import (
     Standing,
     UnprovenLimits,
@@ -74,6 +75,7 @@ class Leasing:
 
     def __init__(self, store: Store, cfg: Config, rows: Sequence[dict], tokenizer, counters: Counters, gate: Gate):
         self.store, self.cfg, self.rows, self.tokenizer = store, cfg, rows, tokenizer
+        curriculum.ensure_table(store)  # problems retired for giving no signal (tasks.retire_after)
         self.counters, self.gate = counters, gate
         self._perms: dict[int, list[int]] = {}
         self._refused: dict[str, tuple[float, ApiError]] = {}
@@ -112,12 +114,15 @@ class Leasing:
         out = self.store.take_reissued(db, n)
         cursor = Store.get_meta(db, "task_cursor", 0)
         length = self.cfg.length
+        # Problems retired for giving no signal are skipped (never all of them: curriculum.py).
+        skip = curriculum.retired(db) if self.cfg.tasks.retire_after else set()
         while len(out) < n:
             epoch, i = divmod(cursor, len(self.rows))
             target = (
                 random.Random(f"{self.cfg.seed}-target-{cursor}").choice(length.targets) if length.enabled else None
             )
-            out.append((self._perm(epoch)[i], target))
+            if self._perm(epoch)[i] not in skip:
+                out.append((self._perm(epoch)[i], target))
             cursor += 1
         Store.set_meta(db, "task_cursor", cursor)
         return out

@@ -23,6 +23,7 @@ from swarmrl.envs import registry as envs
 from swarmrl.envs.base import Environment, Reply
 from swarmrl.envs.episode import Episode, EpisodeRejected, Responses, chat_framing, replay, respond_here, runs
 from swarmrl.model.tokenizer import decode_completion
+from swarmrl.orchestrator import curriculum
 from swarmrl.orchestrator.admission import (
     Busy,
     GradingLanes,
@@ -524,6 +525,18 @@ class Submissions:
                 )
                 if not full:
                     self.validation.settled(db, key, informative, validated=False)
+                if (
+                    self.cfg.tasks.retire_after
+                    and proven
+                    and curriculum.record(
+                        db,
+                        slot_rows[c.slot]["problem"],
+                        informative,
+                        after=self.cfg.tasks.retire_after,
+                        limit=curriculum.max_retired(len(self.rows), self.cfg.tasks.retire_max_share),
+                    )
+                ):
+                    self.counters.count("tasks/retired")
                 accepted.append(
                     {
                         "slot": c.slot,

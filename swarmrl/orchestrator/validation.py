@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 
 from swarmrl.config import Config
+from swarmrl.orchestrator import curriculum
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
@@ -284,6 +285,8 @@ class ValidationQueue:
         m = {f"rejected/{reason}": float(n) for reason, n in self.store.rejection_counts(db).items()}
         m["workers/banned"] = float(self.store.worker_count(db, banned=True))
         m["validator/pending"] = float(self.store.count_groups(db, ("pending", "validating")))
+        if self.cfg.tasks.retire_after:
+            m["tasks/retired"] = float(curriculum.retired_count(db))  # problems leases now skip
         return m
 
     def claim_validation(self, max_groups: int) -> dict:

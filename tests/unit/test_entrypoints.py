@@ -35,6 +35,8 @@ FLAGS = {
     "relay": "--upstream --cache-dir --host --port --keep --trainer-key --startup-tries --url-file --max-bytes-per-s "
     "--tls-cert --tls-key --ca-file",
     "assets": "--cache --wheels --force --gguf --output --dtype",
+    "filter": "--input --output --model --endpoint --band --k --temperature --max-tokens --seed --limit --format "
+    "--extract",
     "calibrate": "--model --dtype --engines --prompts --groups --cheat-groups --group-size --max-new-tokens "
     "--temperature --max-batch --batch-groups --threads --false-ban-rate --horizon --max-groups-to-ban --seed "
     "--measured --out",
@@ -55,6 +57,7 @@ MINIMAL = {
     "validator": ["--orchestrator", "http://127.0.0.1:8000", "--token-file", "tok"],
     "relay": ["--upstream", "http://127.0.0.1:8001", "--cache-dir", "c"],
     "assets": ["--cache", "c"],
+    "filter": ["--input", "rows.jsonl", "--output", "kept.jsonl", "--model", "m"],
     "calibrate": [],
 }
 

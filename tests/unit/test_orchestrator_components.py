@@ -470,3 +470,78 @@ def test_a_limits_file_written_again_is_taken_by_the_running_orchestrator(tmp_pa
         with o.store.read() as db:
             assert [r[2] for r in o.store.evidence_scores(db, OTHER)] == [2.0]
         o.close()
+
+
+def test_problems_without_signal_are_retired_and_never_leased_again(tmp_path):
+    """tasks.retire_after 1: a problem whose group had no signal is retired at once, up to
+    retire_max_share of them (4 of 8 here); the leases after skip it; the count is a batch metric
+    and survives a restart (it is in the store)."""
+    flags = ("--tasks.retire_after", "1", "--tasks.train_size", "8", "--tasks.retire_max_share", "0.5")
+    o = make_orchestrator(tmp_path, *flags)
+    try:
+        o.publish(0, "http://x/v0", {"version": 0})
+        o.register(TRUSTED, "t")
+        retired: list[str] = []
+        for _ in range(3):  # 3 leases of 2 prompts, every group all wrong (no signal)
+            lease = o.lease(TRUSTED, 0)["lease"]
+            assert not {p["problem_id"] for p in lease["prompts"]} & set(retired)  # never a retired one
+            groups = [
+                GroupIn(
+                    slot=p["slot"],
+                    policy_version=0,
+                    engine="openai",
+                    samples=[completion(o, p["problem_id"], False)] * 2,
+                )
+                for p in lease["prompts"]
+            ]
+            o.submit(TRUSTED, lease["lease_id"], groups)
+            o.record_verdicts([{"id": item["id"], "ok": True} for item in o.claim_validation(10)["items"]])
+            retired += [p["problem_id"] for p in lease["prompts"]][: 4 - len(retired)]
+        assert o.totals()["tasks/retired"] == 4  # the cap: half of the 8 problems
+        ids = {r["problem_id"] for r in o.rows}
+        live = ids - set(retired)
+        leased = set()
+        for _ in range(2):  # the next leases (2 fit in the queue) take problems still in rotation
+            lease = o.lease(TRUSTED, 0)["lease"]
+            leased |= {p["problem_id"] for p in lease["prompts"]}
+            groups = [
+                GroupIn(
+                    slot=p["slot"],
+                    policy_version=0,
+                    engine="openai",
+                    samples=[completion(o, p["problem_id"], r) for r in (True, False)],
+                )  # noqa: E501
+                for p in lease["prompts"]
+            ]
+            o.submit(TRUSTED, lease["lease_id"], groups)
+            o.record_verdicts([{"id": item["id"], "ok": True} for item in o.claim_validation(10)["items"]])
+        assert leased and leased <= live
+        with o.store.read() as db:
+            assert o.validation.metrics(db)["tasks/retired"] == 4.0
+    finally:
+        o.close()
+    again = make_orchestrator(tmp_path, *flags)  # a restart: the store remembers
+    try:
+        assert again.build_batch(0)["ready"] and again.build_batch(1)["ready"]  # the trainer takes both
+        again.publish(1, "http://x/v1", {"version": 1})
+        lease = again.lease(TRUSTED, 1)["lease"]
+        assert not {p["problem_id"] for p in lease["prompts"]} & set(retired)
+    finally:
+        again.close()
+
+
+def test_a_streak_retires_at_its_length_resets_on_signal_and_stops_at_the_cap():
+    import sqlite3
+
+    from swarmrl.orchestrator import curriculum
+
+    db = sqlite3.connect(":memory:")
+    db.execute(curriculum.SCHEMA)
+    assert curriculum.max_retired(10, 0.9) == 9 and curriculum.max_retired(1, 0.9) == 0
+    steps = [curriculum.record(db, 7, informative, after=3, limit=1) for informative in (False, False, True, False)]
+    assert steps == [False, False, False, False]  # the informative group reset the streak at 2
+    assert curriculum.record(db, 7, False, after=3, limit=1) is False  # streak 2 again
+    assert curriculum.record(db, 7, False, after=3, limit=1) is True  # 3 in a row: retired
+    assert curriculum.retired(db) == {7}
+    assert [curriculum.record(db, 8, False, after=1, limit=1) for _ in range(2)] == [False, False]  # the cap: 1
+    assert db.execute("SELECT groups, streak FROM problems WHERE problem = 8").fetchone() == (2, 2)
