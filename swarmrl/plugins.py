@@ -26,8 +26,11 @@ import importlib.util
 import re
 import sys
 from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from swarmrl.errors import SwarmrlError
+
+T = TypeVar("T")
 
 FLAG = "--plugin"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -122,3 +125,38 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return found, rest
+
+
+class Registry(Generic[T]):
+    """Entries of one kind by name (task sources, engine backends): the built-in ones and the ones
+    plug-ins add, with no difference between them. The last registration of a name wins."""
+
+    def __init__(self, kind: str, entry_type: type, builtin: Iterable[T] = ()):
+        self.kind, self.entry_type = kind, entry_type
+        self._entries: dict[str, T] = {}
+        for entry in builtin:
+            self.register(entry)
+
+    def register(self, entry: T) -> T:
+        if not isinstance(entry, self.entry_type):
+            raise TypeError(f"register() takes a {self.entry_type.__qualname__}, got {type(entry).__name__}")
+        self._entries[entry.name] = entry  # type: ignore[attr-defined]
+        return entry
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entries(self) -> list[T]:
+        return list(self._entries.values())
+
+    def find(self, name: str) -> T | None:
+        return self._entries.get(name)
+
+    def get(self, name: str) -> T:
+        """The entry called `name`; ValueError listing the registered ones otherwise."""
+        if name not in self._entries:
+            raise ValueError(
+                f"no {self.kind} named {name!r}; registered: {', '.join(self.names())} (a plug-in adds its own: "
+                "docs/plugins.md)"
+            )
+        return self._entries[name]

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swarmrl.plugins import Registry
+
 if TYPE_CHECKING:  # the registry is read to build the worker's flags: no torch for --help
     from swarmrl.inference.engine import RolloutEngine
 
@@ -103,39 +105,21 @@ class EngineBackend:
         return {self.prefix + name: name for name in self.options.model_fields}
 
 
-_BACKENDS: dict[str, EngineBackend] = {}
+BACKENDS: Registry[EngineBackend] = Registry("engine backend", EngineBackend)
+names, get, backends = BACKENDS.names, BACKENDS.get, BACKENDS.entries
 
 
 def register(backend: EngineBackend) -> EngineBackend:
     """Add an engine backend (or replace one of the same name: the last registration wins). Its
     flags may not collide with another backend's."""
-    if not isinstance(backend, EngineBackend):
-        raise TypeError(f"register() takes a swarmrl.inference.backends.EngineBackend, got {type(backend).__name__}")
-    for other in _BACKENDS.values():
-        if other.name != backend.name and (clash := set(other.flag_fields()) & set(backend.flag_fields())):
-            raise ValueError(
-                f"engine backend {backend.name!r}: its option(s) {', '.join(sorted(clash))} would be the same flags "
-                f"as engine {other.name!r}'s: give it another flag_prefix"
-            )
-    _BACKENDS[backend.name] = backend
-    return backend
-
-
-def names() -> list[str]:
-    return list(_BACKENDS)
-
-
-def get(name: str) -> EngineBackend:
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"no engine backend named {name!r}; registered: {', '.join(names())} (a plug-in adds its own: "
-            "docs/plugins.md)"
-        )
-    return _BACKENDS[name]
-
-
-def backends() -> list[EngineBackend]:
-    return list(_BACKENDS.values())
+    if isinstance(backend, EngineBackend):
+        for other in backends():
+            if other.name != backend.name and (clash := set(other.flag_fields()) & set(backend.flag_fields())):
+                raise ValueError(
+                    f"engine backend {backend.name!r}: its option(s) {', '.join(sorted(clash))} would be the same "
+                    f"flags as engine {other.name!r}'s: give it another flag_prefix"
+                )
+    return BACKENDS.register(backend)
 
 
 # ---- built-in: the seeded sampler in this process ---------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
 
+from swarmrl.plugins import Registry
 from swarmrl.tasks import arithmetic, episodes, instructions
 from swarmrl.tasks.gym import GymOptions, gym_rows
 
@@ -69,33 +70,8 @@ BUILTIN = (
     ),
 )
 
-_SOURCES: dict[str, TaskSource] = {s.name: s for s in BUILTIN}
-
-
-def register(source: TaskSource) -> TaskSource:
-    """Add a task source (or replace one of the same name: the last registration wins)."""
-    if not isinstance(source, TaskSource):
-        raise TypeError(f"register() takes a swarmrl.tasks.registry.TaskSource, got {type(source).__name__}")
-    _SOURCES[source.name] = source
-    return source
-
-
-def names() -> list[str]:
-    return sorted(_SOURCES)
-
-
-def find(name: str) -> TaskSource | None:
-    return _SOURCES.get(name)
-
-
-def get(name: str) -> TaskSource:
-    """The source called `name`; ValueError listing the registered ones otherwise."""
-    if name not in _SOURCES:
-        raise ValueError(
-            f"{name!r} is not a registered task source; registered: {', '.join(names())} "
-            "(a plug-in adds its own: docs/plugins.md)"
-        )
-    return _SOURCES[name]
+SOURCES: Registry[TaskSource] = Registry("task source", TaskSource, BUILTIN)
+register, names, find, get = SOURCES.register, SOURCES.names, SOURCES.find, SOURCES.get
 
 
 def options_of(source: TaskSource, options: dict) -> BaseModel | None:
@@ -124,4 +100,4 @@ def weights(tasks) -> dict[str, float]:
     if tasks.source == "mix":
         total = sum(tasks.mix.values())
         return {name: weight / total for name, weight in tasks.mix.items()}
-    return {tasks.source: 1.0} if tasks.source in _SOURCES else {}
+    return {tasks.source: 1.0} if find(tasks.source) is not None else {}

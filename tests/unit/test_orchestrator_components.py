@@ -105,6 +105,22 @@ def completion(orch, problem_id: str, right: bool) -> dict:
     return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop"}
 
 
+def submit_lease(o, key: str, right: tuple[bool, ...], version: int = 0) -> tuple[dict, dict]:
+    """Lease for `key` and submit a group per prompt whose completions are right or wrong as
+    `right` says (an openai-engine group: a trusted key's); (the lease, the reply)."""
+    lease = o.lease(key, version)["lease"]
+    groups = [
+        GroupIn(
+            slot=p["slot"],
+            policy_version=version,
+            engine="openai",
+            samples=[completion(o, p["problem_id"], r) for r in right],
+        )
+        for p in lease["prompts"]
+    ]
+    return lease, o.submit(key, lease["lease_id"], groups)
+
+
 def test_a_group_goes_from_lease_to_batch(orch):
     assert orch.lease(TRUSTED, 0)["lease"] is None  # no policy published yet
     orch.publish(0, "http://x/v0", {"version": 0})
@@ -326,17 +342,8 @@ def test_a_run_without_signal_is_refused_once_the_streak_reaches_the_limit(tmp_p
         o.register(TRUSTED, "t")
         record_trainer_metrics(o, 0, {"eval/accuracy": 0.0})  # what the trainer reports before step 1
         for i in range(2):  # 2 leases of 2 prompts, every completion wrong: 4 all-equal groups
-            lease = o.lease(TRUSTED, 0)["lease"]
-            groups = [
-                GroupIn(
-                    slot=p["slot"],
-                    policy_version=0,
-                    engine="openai",
-                    samples=[completion(o, p["problem_id"], False)] * 2,
-                )
-                for p in lease["prompts"]
-            ]
-            assert not any(a["informative"] for a in o.submit(TRUSTED, lease["lease_id"], groups)["accepted"])
+            _, reply = submit_lease(o, TRUSTED, (False, False))
+            assert not any(a["informative"] for a in reply["accepted"])
             if i == 0:  # pending groups count once the validator passes them
                 assert o.build_batch(0)["groups_seen"] == 0
             claim = o.claim_validation(10)
@@ -483,18 +490,8 @@ def test_problems_without_signal_are_retired_and_never_leased_again(tmp_path):
         o.register(TRUSTED, "t")
         retired: list[str] = []
         for _ in range(3):  # 3 leases of 2 prompts, every group all wrong (no signal)
-            lease = o.lease(TRUSTED, 0)["lease"]
+            lease, _ = submit_lease(o, TRUSTED, (False, False))
             assert not {p["problem_id"] for p in lease["prompts"]} & set(retired)  # never a retired one
-            groups = [
-                GroupIn(
-                    slot=p["slot"],
-                    policy_version=0,
-                    engine="openai",
-                    samples=[completion(o, p["problem_id"], False)] * 2,
-                )
-                for p in lease["prompts"]
-            ]
-            o.submit(TRUSTED, lease["lease_id"], groups)
             o.record_verdicts([{"id": item["id"], "ok": True} for item in o.claim_validation(10)["items"]])
             retired += [p["problem_id"] for p in lease["prompts"]][: 4 - len(retired)]
         assert o.totals()["tasks/retired"] == 4  # the cap: half of the 8 problems
@@ -502,18 +499,8 @@ def test_problems_without_signal_are_retired_and_never_leased_again(tmp_path):
         live = ids - set(retired)
         leased = set()
         for _ in range(2):  # the next leases (2 fit in the queue) take problems still in rotation
-            lease = o.lease(TRUSTED, 0)["lease"]
+            lease, _ = submit_lease(o, TRUSTED, (True, False))
             leased |= {p["problem_id"] for p in lease["prompts"]}
-            groups = [
-                GroupIn(
-                    slot=p["slot"],
-                    policy_version=0,
-                    engine="openai",
-                    samples=[completion(o, p["problem_id"], r) for r in (True, False)],
-                )  # noqa: E501
-                for p in lease["prompts"]
-            ]
-            o.submit(TRUSTED, lease["lease_id"], groups)
             o.record_verdicts([{"id": item["id"], "ok": True} for item in o.claim_validation(10)["items"]])
         assert leased and leased <= live
         with o.store.read() as db:
@@ -524,7 +511,7 @@ def test_problems_without_signal_are_retired_and_never_leased_again(tmp_path):
     try:
         assert again.build_batch(0)["ready"] and again.build_batch(1)["ready"]  # the trainer takes both
         again.publish(1, "http://x/v1", {"version": 1})
-        lease = again.lease(TRUSTED, 1)["lease"]
+        lease, _ = submit_lease(again, TRUSTED, (True, False), version=1)
         assert not {p["problem_id"] for p in lease["prompts"]} & set(retired)
     finally:
         again.close()
