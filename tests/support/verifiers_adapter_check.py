@@ -9,12 +9,10 @@ import re
 
 import verifiers as vf
 from datasets import Dataset
+from episode_script import assert_forgery_refused, check, play
 
 from swarmrl.envs import registry
-from swarmrl.envs.episode import Episode, EpisodeRejected, replay, run_episode
 from swarmrl.envs.verifiers_env import from_verifiers, rows
-
-STOP = 0
 
 
 class Guess(vf.MultiTurnEnv):
@@ -34,33 +32,6 @@ class Guess(vf.MultiTurnEnv):
 
 def solved(completion, **kwargs) -> float:
     return 1.0 if any(m["role"] == "user" and m["content"] == "correct" for m in completion) else 0.0
-
-
-def encode(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(chr(i) for i in ids if i != STOP)
-
-
-def play(env, task, *said, max_turns):
-    queue = list(said)
-    return run_episode(
-        env,
-        task,
-        0,
-        [],
-        lambda ctx, budget: encode(queue.pop(0)) + [STOP],
-        encode,
-        decode,
-        max_turns=max_turns,
-        max_tokens=300,
-    )
-
-
-def check(env, task, ep, max_turns):
-    return replay(env, task, 0, ep, encode, decode, stop_ids={STOP}, max_turns=max_turns, max_tokens=300)
 
 
 def main() -> None:
@@ -84,14 +55,7 @@ def main() -> None:
     assert env.reward(task, ["1", "2", "3"], 0) == (0.0, "the rubric gave 0")
 
     # A worker that edits the environment's answer ("lower" for "higher") is refused.
-    obs = encode("higher")
-    at = next(i for i in range(len(found.tokens)) if found.tokens[i : i + len(obs)] == obs)
-    forged = found.tokens[:at] + encode("lower_") + found.tokens[at + len(obs) :]
-    try:
-        check(env, task, Episode(forged, found.model_mask, found.turns, True), 5)
-        raise AssertionError("an edited observation passed the replay")
-    except EpisodeRejected as e:
-        assert e.reason == "observation_mismatch", e
+    assert_forgery_refused(env, task, found, "higher", "lower_", max_turns=5)
     print(json.dumps({"ok": True, "turns": found.turns, "observations": found.observations}))
 
 
