@@ -184,7 +184,12 @@ class AdversarialWorker(Worker):
         for g in sub.groups:
             for s in g.samples:
                 ids = list(s.token_ids)
-                if len(ids) < 2:
+                if len(ids) < 2 and getattr(s, "model_mask", None) is None and ids and ids[-1] in stop:
+                    # Only the stop token (the model ended at once): nothing in the middle to
+                    # change, so the cheat claims a token before it. Left alone, such a group was
+                    # an honest one and passed (seen once in CI on the tiny policy through vLLM).
+                    ids.insert(0, ids[0])
+                elif len(ids) < 2:
                     continue
                 t = (len(ids) - 1) // 2
                 new = (ids[t] + 1) % vocab

@@ -37,7 +37,7 @@ def run_config(path: str | None, overrides: list[str], run_dir: str | None = Non
         if run_dir:
             cfg = cfg.model_copy(update={"run_dir": run_dir})
         registry.load(cfg.tasks.types)
-        check_source(cfg.tasks)
+        check_source(cfg.tasks, files=False)  # a file is read (and its absence said) when the run is prepared
         return cfg
     except (ConfigError, ValueError) as e:
         fail(str(e))

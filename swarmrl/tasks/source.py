@@ -56,9 +56,11 @@ def task_rows(cfg: Config, *, log=print) -> tuple[list[dict], list[dict]]:
     return with_instruction_reward(train, cfg.rewards.instruction_reward), held
 
 
-def check_source(tasks) -> None:
+def check_source(tasks, *, files: bool = True) -> None:
     """Fail now, naming the problem, for a `tasks.source` (or mix) that names no registered source
-    and no file, a source that cannot be mixed, or options its source's model refuses."""
+    and no file, a source that cannot be mixed, or options its source's model refuses. `files`
+    False leaves a file source unchecked (a config checked on another machine than its data's,
+    as `--dry-run` does: the rows are read when the run is prepared)."""
     if tasks.source == MIX:
         for name in tasks.mix:
             source = sources.get(name)
@@ -70,7 +72,7 @@ def check_source(tasks) -> None:
     if (source := sources.find(tasks.source)) is not None:
         sources.options_of(source, tasks.options)
         return
-    if not Path(tasks.source).exists():
+    if files and not Path(tasks.source).exists():
         raise ValueError(
             f"tasks.source {tasks.source!r} is neither a registered task source ({', '.join(sources.names())}, "
             "or one a plug-in registers: docs/plugins.md) nor a file or dataset folder that exists"

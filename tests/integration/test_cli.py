@@ -56,6 +56,7 @@ def test_help_lists_every_command(tmp_path):
         "sft",
         "score",
         "tasks",
+        "filter",
         "orchestrator",
         "trainer",
         "worker",
