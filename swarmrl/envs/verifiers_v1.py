@@ -234,3 +234,51 @@ def rows_v1(env, name: str) -> list[dict]:
             }
         )
     return out
+
+
+def load(name: str, config: dict, max_turns: int | None = None) -> Environment:
+    """The verifiers environment `config` names (as `vf.resolve_env_config` takes it, e.g.
+    {"taskset": {"id": "my_env", ...}}), loaded as verifiers loads environments and adapted:
+    the build function `in_process` gives its child."""
+    vf = _vf()
+    return from_verifiers_v1(vf.load_environment(vf.resolve_env_config(config)), name, max_turns=max_turns)
+
+
+def in_process(
+    name: str,
+    config: dict,
+    *,
+    python: str = ".venv-verifiers/bin/python",
+    max_turns: int = DEFAULT_MAX_TURNS,
+    path: list[str] | tuple[str, ...] = (),
+    timeout_s: float = 30.0,
+) -> Environment:
+    """The verifiers environment `config` names, run by `python` (a virtual environment with
+    verifiers and the environment's package installed) in a process of its own
+    (swarmrl/envs/process.py), for a run whose own venv cannot import verifiers. Register it in
+    a plug-in; `python -m swarmrl.envs.verifiers_v1 NAME CONFIG`, run by that interpreter, writes
+    its task rows."""
+    from swarmrl.envs.process import from_process
+
+    args = {"name": name, "config": config, "max_turns": max_turns}
+    return from_process(
+        name, python, "swarmrl.envs.verifiers_v1:load", args, max_turns=max_turns, path=path, timeout_s=timeout_s
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m swarmrl.envs.verifiers_v1 NAME CONFIG`: the environment's tasks as swarmrl task
+    rows (JSONL on stdout), for `tasks.source`."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        raise SystemExit("usage: python -m swarmrl.envs.verifiers_v1 NAME CONFIG_JSON > rows.jsonl")
+    vf = _vf()
+    env = vf.load_environment(vf.resolve_env_config(json.loads(args[1])))
+    for row in rows_v1(env, args[0]):
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,11 @@ is the expected answer, for people and the check.
 
 The answer read from a completion, in order: the last ``\\boxed{...}`` of the answer region
 (after ``</think>``), else the last ``<answer>...</answer>`` (reasoning-gym's own convention),
-else the region's last non-empty line. A partial score (some scorers give 0.01 for a wrong but
-well-formed answer, fractions for partly right ones) is the reward as it is.
+else the region's last non-empty line. A row made with ``extract = "last_number"`` (the task
+source's option, for numeric datasets asked of a model never taught a format) is read as math rows
+with that extraction are: the last ``\\boxed{}``, else the last number written. A partial score
+(some scorers give 0.01 for a wrong but well-formed answer, fractions for partly right ones) is
+the reward as it is.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import json
 import re
 
 from swarmrl.rewards.answer import answer_region, boxed_contents, missing_answer_reason
+from swarmrl.rewards.math import extract_last_number
 
 REASONING_GYM = "reasoning_gym"
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+EXTRACTS = ("answer", "last_number")
+"""How a row's answer is read: "answer" (boxed, <answer> tags, else the last line) or "last_number"."""
 INSTALL = "pip install reasoning-gym (or swarmrl[gym])"
 
 
@@ -59,6 +65,8 @@ def check_gym(info: dict) -> str | None:
         return f"index {info['index']} is outside the dataset's size {info['size']}"
     if info["dataset"] not in _gym().factory.DATASETS:
         return f"reasoning-gym has no dataset {info['dataset']!r}"
+    if info.get("extract", "answer") not in EXTRACTS:
+        return f"a reasoning_gym task's extract must be one of {', '.join(EXTRACTS)}, got {info.get('extract')!r}"
     return None
 
 
@@ -78,7 +86,7 @@ def extract(completion: str) -> str | None:
 
 
 def gym_task_reward(info: dict, completion: str) -> tuple[float, str | None]:
-    answer = extract(completion)
+    answer = extract_last_number(completion) if info.get("extract") == "last_number" else extract(completion)
     if answer is None:
         return 0.0, missing_answer_reason(completion, "answer")
     entry = entry_of(info)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +31,10 @@ class GymOptions(BaseModel):
     """the dataset's seed (default: tasks.seed)."""
     suffix: str = ""
     """text appended to every question (e.g. " Give the final answer in \\boxed{}.")."""
+    extract: Literal["answer", "last_number"] = "answer"
+    """how a completion's answer is read: "answer" (the last \\boxed{}, else the last <answer> tag,
+    else the last line: reasoning-gym's convention) or "last_number" (the last \\boxed{}, else the
+    last number written: numeric datasets asked of a model never taught a format)."""
 
 
 def _held_out(question: str, fraction: float) -> bool:
@@ -62,7 +67,7 @@ def gym_rows(tasks, options: GymOptions, n: int, split: str) -> list[dict]:
                 "size": size,
                 "index": index,
                 "answer": str(entry["answer"]),
-            }
+            } | ({"extract": options.extract} if options.extract != "answer" else {})
             rows.append(
                 {
                     "problem_id": f"rg-{options.dataset}-{seed}-{index}",

@@ -76,3 +76,20 @@ def test_a_row_that_names_no_dataset_is_refused_by_the_check():
     assert "no dataset 'nope'" in check({**good, "dataset": "nope"})
     assert "outside the dataset's size" in check({**good, "index": 10})
     assert "needs seed" in check({**good, "seed": "0"})
+    assert "extract must be one of answer, last_number" in check({**good, "extract": "boxed"})
+
+
+def test_extract_last_number_grades_the_last_number_a_chatty_answer_writes():
+    options = '{dataset = "gcd", config = {min_value = 1, max_value = 20}, extract = "last_number"}'
+    train, _ = rows(options, train=8, held=2)
+    grader = registry.get("reasoning_gym")
+    for row in train:
+        info = json.loads(row["verification_info"])
+        assert info["extract"] == "last_number" and grader.check(info) is None
+        right, wrong = info["answer"], str(int(info["answer"]) + 1)
+        assert grader.grade(info, f"The GCD of these is {right}.") == (1.0, None)
+        assert grader.grade(info, f"It is {right}, no, {wrong}.")[0] < 1.0  # the last number counts
+        assert grader.grade(info, f"\\boxed{{{right}}} not {wrong}") == (1.0, None)  # a box first
+        # The same sentence under the default reading is the whole last line, which the scorer refuses.
+        assert grader.grade({k: v for k, v in info.items() if k != "extract"}, f"The GCD is {right}.")[0] < 1.0
+    assert "extract" not in json.loads(rows(LEGS, train=2, held=1)[0][0]["verification_info"])
