@@ -5,7 +5,8 @@ in each role (swarmrl/envs/process.py): the workers play its episodes and prove 
 orchestrator replays every episode through its own copy and grades it with the task's rewards, the
 validator checks every group, the trainer trains. The task rows are the environment's own, written
 by `python -m swarmrl.envs.verifiers_v1` in that venv. Skipped without .venv-verifiers unless
-SWARMRL_REQUIRE_VERIFIERS=1 (CI's `make test`)."""
+SWARMRL_REQUIRE_VERIFIERS=1 (CI's `make test`). CI runs it on verifiers 0.3.1's `verifiers.v1`;
+SWARMRL_VERIFIERS_PYTHON=/path/to/venv/bin/python runs it on another (0.4.0: docs/environments.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from runs import EASY, swarmrl
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
-PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
+# $SWARMRL_VERIFIERS_PYTHON: another verifiers venv (the plug-in reads it too), e.g. one of 0.4.0.
+PYTHON = Path(os.environ.get("SWARMRL_VERIFIERS_PYTHON") or ROOT / ".venv-verifiers" / "bin" / "python")
 
 
 @pytest.fixture
