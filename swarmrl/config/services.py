@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,6 +20,12 @@ class OrchestratorConfig(Section):
     and a late submission is refused."""
     max_request_bytes: int = Field(8 << 20, ge=1024)
     """Largest request body accepted; bigger ones get 413 before being parsed."""
+    keep_payload_steps: Annotated[int, Field(ge=0)] | Literal["all"] = 8
+    """Once a group has been trained on (or dropped as stale or all-equal) and its batch is older
+    than both the trainer's second-newest checkpoint and this many steps, its tokens and proofs
+    leave the store and an audit summary stays (sender, problem, version, rewards, lengths, the
+    payload's SHA-256): the store grows with the run's steps, not its tokens (docs/scale.md).
+    "all" keeps every payload."""
     max_clock_skew_s: float = Field(60.0, gt=0)
     """A signed request whose timestamp is further than this from the orchestrator's clock is
     refused (and nonces are remembered this long, so a replay is always caught)."""

@@ -84,6 +84,16 @@ def render(doc: dict, *, steps: int = 10, workers: int = 20, console: Console | 
     groups = "  ".join(f"{k} {n}" for k, n in v["groups"].items())
     reasons = ", ".join(f"{k} {n}" for k, n in sorted(v["rejections"].items(), key=lambda kv: -kv[1])) or "none"
     console.print(Text(f"validation ({v['mode']}): {groups}\nrejections: {reasons}"))
+    st = doc.get("store")
+    if st:
+        mb = 1 << 20
+        console.print(
+            Text(
+                f"store: {st['bytes'] / mb:.1f} MB (+ {st['wal_bytes'] / mb:.1f} MB log, "
+                f"{st['free_bytes'] / mb:.1f} MB free); tokens and proofs of {st['groups_with_payload']} groups "
+                f"({st['payload_bytes'] / mb:.1f} MB), {st['groups_pruned']} groups trained on and pruned to summaries"
+            )
+        )
     lim = v.get("limits")
     if lim:
         console.print(

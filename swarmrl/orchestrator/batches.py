@@ -13,6 +13,7 @@ from swarmrl.envs.episode import Episode, episode_metrics, runs
 from swarmrl.orchestrator.counters import Counters
 from swarmrl.orchestrator.errors import WAITING, ApiError
 from swarmrl.orchestrator.leasing import Leasing
+from swarmrl.orchestrator.retention import is_summary, prune_payloads, prune_through, release_free_pages
 from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol.rollouts import Group
@@ -168,6 +169,7 @@ class Batches:
         once the last `sampling.no_signal_limit()` groups in a row all had all-equal rewards."""
         cfg = self.cfg
         want, k = cfg.sampling.prompts_per_step, cfg.async_.bound
+        refusal: str | None = None
         with self.store.tx() as db:
             row = self.store.batch(db, step)
             if row is not None:
@@ -180,12 +182,15 @@ class Batches:
             if stale:
                 self.counters.count("off_policy_dropped", stale)
             ids = self.store.queued_ids(db, want)
-            if len(ids) == want:
-                return self._freeze(db, step, ids)
-            signal = self._signal(db)
-            refusal = self._no_signal(db, signal)
-            if refusal is None:
-                return {"ready": False, "step": step, "queued": len(ids), "needed": want, **signal}
+            frozen = self._freeze(db, step, ids) if len(ids) == want else None
+            if frozen is None:
+                signal = self._signal(db)
+                refusal = self._no_signal(db, signal)
+                if refusal is None:
+                    return {"ready": False, "step": step, "queued": len(ids), "needed": want, **signal}
+        if frozen is not None:
+            release_free_pages(self.store)  # what pruning freed goes back to the file system
+            return frozen
         # Raised once the transaction has committed: the stale groups it dropped stay dropped.
         raise ApiError(409, "no_signal", refusal)
 
@@ -201,6 +206,13 @@ class Batches:
         metrics.update(self.validation.metrics(db))
         self.store.save_batch(db, step, json.dumps(ids), json.dumps(metrics), time.time())
         Store.set_meta(db, "next_step", step + 1)
+        keep = self.cfg.orchestrator.keep_payload_steps
+        through = None if keep == "all" else prune_through(step, self.cfg.trainer.checkpoint_every, keep)
+        if through is not None:  # in this transaction: a kill -9 leaves the batch and its pruning, or neither
+            pruned, freed = prune_payloads(db, through)
+            if pruned:
+                self.counters.count("groups_pruned", pruned)
+                self.counters.count("payload_bytes_pruned", freed)
         row = self.store.batch(db, step)
         self.counters.count("batches_built")
         return self._batch_response(db, row)
@@ -235,11 +247,20 @@ class Batches:
 
     def _batch_response(self, db, row) -> dict:
         ids = json.loads(row["group_ids"])
+        payloads = self.store.payloads(db, ids)
+        if any(map(is_summary, payloads)):
+            raise ApiError(
+                410,
+                "batch_pruned",
+                f"batch {row['step']}'s tokens were pruned (orchestrator.keep_payload_steps): the trainer's "
+                "checkpoints after it should have been kept; resume from a newer checkpoint, or run with "
+                'keep_payload_steps = "all" to keep every payload',
+            )
         return {
             "ready": True,
             "step": row["step"],
             "group_ids": ids,
-            "groups": [Group.from_json(p) for p in self.store.payloads(db, ids)],
+            "groups": [Group.from_json(p) for p in payloads],
             "metrics": json.loads(row["metrics"]),
         }
 

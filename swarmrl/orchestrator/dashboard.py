@@ -19,6 +19,7 @@ from typing import Annotated
 
 from fastapi import Depends, Response
 
+from swarmrl.orchestrator import retention
 from swarmrl.orchestrator.errors import ApiError, body_schema, json_body
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.protocol.messages import Dashboard, MetricsIn, Recorded
@@ -85,6 +86,7 @@ def build(orch, *, now: float | None = None) -> dict:
         ).fetchall()
         trainer_metrics = store.get_meta(db, "trainer_metrics", {})
         evidence = store.evidence(db)
+        footprint = retention.footprint(store, db)
     # One point per step as metrics.jsonl counts them: batch n's figures at step n + 1 (the
     # version trained on it), the trainer's held-out figures at the version they evaluated (0:
     # before any training).
@@ -162,6 +164,7 @@ def build(orch, *, now: float | None = None) -> dict:
             "limits": orch.validation.limits_summary(),
         },
         "broadcast": {"versions": versions},
+        "store": footprint,
     }
 
 

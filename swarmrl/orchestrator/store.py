@@ -2,7 +2,8 @@
 
 Everything the run cannot afford to lose or double-count lives here: registered workers, seen
 nonces, leases and their slots (one slot = one prompt = one group), accepted groups with their
-trusted rewards, and the frozen content of every batch. All of the orchestrator's SQL is here; its
+trusted rewards, and the frozen content of every batch. All of the orchestrator's SQL is here
+(and in retention.py: what leaves the store once a group is trained on); its
 logic (service.py and its components) calls the named methods below. One logical operation is one
 transaction: a method without a `db` argument is one by itself, and the methods taking `db` run
 inside their caller's `with store.tx() as db:`, which groups them. So a `kill -9` at any instant
@@ -31,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from swarmrl.protocol.signing import new_run_id
+
+_FLAG = "INTEGER NOT NULL DEFAULT 0"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -104,6 +107,9 @@ class Store:
         self.lock = threading.RLock()
         self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self.db.row_factory = sqlite3.Row
+        if not self.db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+            # A new store: pages freed by pruning go back to the file system (retention.py).
+            self.db.execute("PRAGMA auto_vacuum = INCREMENTAL")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={os.environ.get('SWARMRL_SQLITE_SYNC', 'NORMAL')}")
         self.db.executescript(SCHEMA)
@@ -135,14 +141,13 @@ class Store:
         earlier swarmrl versions keep working)."""
         added = {
             "workers": [
-                ("fraud", "INTEGER NOT NULL DEFAULT 0"),
-                ("expired", "INTEGER NOT NULL DEFAULT 0"),
-                ("validated", "INTEGER NOT NULL DEFAULT 0"),
+                *[(name, _FLAG) for name in ("fraud", "expired", "validated")],
                 # Groups passed by the full check since the key's last fraud rejection: what earns
                 # sampled validation (validator.sample_after), reset by any failure.
-                ("clean_streak", "INTEGER NOT NULL DEFAULT 0"),
+                ("clean_streak", _FLAG),
             ],
-            "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT")],
+            # pruned: 1 once the payload is an audit summary (retention.py) and the proofs are gone.
+            "groups": [("proofs", "TEXT"), ("claimed", "REAL"), ("verdict", "TEXT"), ("pruned", _FLAG)],
             # Leases of earlier versions have no source: they count as source '' until they end.
             "leases": [("source", "TEXT")],
             "penalties": [("source", "TEXT")],
@@ -713,7 +718,7 @@ class Store:
         return [
             p
             for (p,) in db.execute(
-                "SELECT payload FROM groups WHERE state = 'uninformative' ORDER BY id DESC LIMIT ?", (n,)
+                "SELECT payload FROM groups WHERE state = 'uninformative' AND pruned = 0 ORDER BY id DESC LIMIT ?", (n,)
             ).fetchall()
         ]
 

@@ -479,6 +479,17 @@ class DashboardBroadcast(_Out):
     versions: list[DashboardVersion] = Field(description="the newest 20 policy versions")
 
 
+class DashboardStore(_Out):
+    """What the orchestrator's store holds (orchestrator.keep_payload_steps bounds it)."""
+
+    bytes: int = Field(description="the SQLite file's size (pages in use and free)")
+    wal_bytes: int = Field(description="its write-ahead log's size")
+    free_bytes: int = Field(description="free pages, reused before the file grows")
+    groups_with_payload: int = Field(description="groups whose tokens and proofs are still held")
+    payload_bytes: int = Field(description="the bytes of those tokens and proofs")
+    groups_pruned: int = Field(description="groups trained on whose tokens left (an audit summary stays)")
+
+
 class Dashboard(_Out):
     """GET /v1/dashboard: everything public about the run, rebuilt at most every
     orchestrator.dashboard_cache_s."""
@@ -492,6 +503,7 @@ class Dashboard(_Out):
     workers_total: int
     validation: DashboardValidation
     broadcast: DashboardBroadcast
+    store: DashboardStore | None = Field(None, description="the store's size and what it holds")
 
 
 def _shape(t) -> object:

@@ -18,36 +18,20 @@ from swarmrl.config.task import (
     all_equal_chance,
     default_uninformative_limit,
 )
-from swarmrl.model.tokenizer import build_char_tokenizer
 from swarmrl.orchestrator.batches import no_signal_message
 from swarmrl.orchestrator.dashboard import record_trainer_metrics
 from swarmrl.orchestrator.errors import ApiError
-from swarmrl.orchestrator.service import Orchestrator
 from swarmrl.protocol.messages import GroupIn
 from swarmrl.protocol.rollouts import Group, Sample
-from swarmrl.rewards.pool import Outcome
 
-from runs import TINY_GROUPS
-
-TRUSTED, OTHER = "a" * 64, "b" * 64
-TOKENIZER = build_char_tokenizer()
-
-
-class InlinePool:
-    """A verifier pool that grades in this process (a call that raises is its error, as in the real pool)."""
-
-    def map(self, fn, calls):
-        return [self._call(fn, args) for args in calls]
-
-    @staticmethod
-    def _call(fn, args) -> Outcome:
-        try:
-            return Outcome(fn(*args), None, 0.0)
-        except Exception as e:
-            return Outcome(None, f"{type(e).__name__}: {e}", 0.0)
-
-    def close(self) -> None:
-        pass
+from orchestrator_steps import (
+    OTHER,
+    TOKENIZER,
+    TRUSTED,
+    make_orchestrator,
+    orchestrator_config,
+    train_steps_through,
+)
 
 
 @pytest.fixture
@@ -55,46 +39,6 @@ def orch(tmp_path):
     o = make_orchestrator(tmp_path)
     yield o
     o.close()
-
-
-def make_orchestrator(tmp_path, *overrides: str, limits: dict | None = None) -> Orchestrator:
-    cfg = orchestrator_config(tmp_path, *overrides)
-    logs: list[str] = []
-    o = Orchestrator(
-        cfg,
-        tmp_path,
-        tokenizer=TOKENIZER,
-        vocab_size=len(TOKENIZER),
-        hidden_size=64,
-        trainer_token="t",
-        validator_token="v",
-        pool=InlinePool(),
-        log=logs.append,
-        limits=limits,
-    )
-    o.logs = logs
-    return o
-
-
-def orchestrator_config(tmp_path, *overrides: str):
-    (tmp_path / "trusted.txt").write_text(TRUSTED + "\n")
-    return load_config(
-        None,
-        [
-            *TINY_GROUPS,
-            "--validator.rate",
-            "1.0",
-            "--validator.trusted_rate",
-            "1.0",
-            "--validator.ban_after",
-            "1",
-            "--orchestrator.grading_lanes",
-            "1",
-            "--orchestrator.trusted_keys_file",
-            str(tmp_path / "trusted.txt"),
-            *overrides,
-        ],
-    )
 
 
 def completion(orch, problem_id: str, right: bool) -> dict:
@@ -532,3 +476,47 @@ def test_a_streak_retires_at_its_length_resets_on_signal_and_stops_at_the_cap():
     assert curriculum.retired(db) == {7}
     assert [curriculum.record(db, 8, False, after=1, limit=1) for _ in range(2)] == [False, False]  # the cap: 1
     assert db.execute("SELECT groups, streak FROM problems WHERE problem = 8").fetchone() == (2, 2)
+
+
+def test_the_store_grows_with_steps_not_tokens_once_groups_are_trained_on(tmp_path):
+    """orchestrator.keep_payload_steps: groups of 400-token and of 100-token completions over 60
+    steps with payloads pruned once trained on (checkpoints every 5 steps, no step kept beyond
+    them), and 400-token groups with every payload kept. The pruned stores hold the tokens of the
+    newest batches only and grow by the same bytes a step whatever the completions' length; a
+    batch a resume could ask for again is served whole, an older one is refused naming the
+    setting; what stays of a pruned group is its audit summary."""
+    sizes = {}
+    for name, keep, tokens in (("pruned", "0", 400), ("short", "0", 100), ("kept", "all", 400)):
+        (tmp_path / name).mkdir()
+        overrides = ["--sampling.max_new_tokens", "512", "--trainer.checkpoint_every", "5"]
+        o = make_orchestrator(tmp_path / name, *overrides, "--orchestrator.keep_payload_steps", keep)
+        try:
+            o.admit_registration(TRUSTED, "127.0.0.1")
+            o.authenticate(TRUSTED, "nonce-t", time.time(), registering=True)
+            o.register(TRUSTED, "t")
+            sizes[name] = train_steps_through(o, range(60), tokens=tokens)
+            if name == "pruned":
+                # Batch 59 was asked for by a trainer 59 steps in, whose newest checkpoints are of
+                # steps 55 and 50: a resume from either asks for batches 50.., which stay whole.
+                assert len(o.build_batch(50)["groups"]) == 2
+                with pytest.raises(ApiError) as refused:
+                    o.build_batch(49)
+                assert refused.value.status == 410 and "keep_payload_steps" in refused.value.message
+                with o.store.read() as db:
+                    kept = db.execute("SELECT payload FROM groups WHERE pruned = 0").fetchall()
+                    summary = json.loads(db.execute("SELECT payload FROM groups WHERE pruned = 1").fetchone()[0])
+                assert len(kept) == 2 * 10  # batches 50-59
+                assert summary["lengths"] == [400, 400] and summary["rewards"][0] > summary["rewards"][1]
+                assert summary["worker"] == TRUSTED and len(summary["payload_sha256"]) == 64
+                assert o.totals()["groups_pruned"] == 2 * 50
+        finally:
+            o.close()
+    pruned, kept = sizes["pruned"], sizes["kept"]
+    assert pruned[-1]["groups_with_payload"] <= 2 * 10 and kept[-1]["groups_with_payload"] == 120
+    assert pruned[-1]["groups_pruned"] == 100 and kept[-1]["groups_pruned"] == 0
+    # File growth from step 20 to 60 (pages in use, as the file is once freed pages are released).
+    used = lambda f: f["bytes"] - f["free_bytes"]  # noqa: E731
+    grown = {name: used(f[-1]) - used(f[19]) for name, f in sizes.items()}
+    assert grown["kept"] > 40 * 2 * 400 * 4  # every token's id and logprob stayed
+    # Pruned: a summary, a batch and a lease a step (about 4 KB here), the same for 4x the tokens.
+    assert grown["pruned"] < grown["kept"] / 3 and grown["pruned"] < 1.25 * grown["short"] + 16384, grown
