@@ -2,6 +2,8 @@
 process, each SIGKILLed once at a different point of a run and restarted (the trainer with
 --resume, from its newest checkpoint), beside two workers fetching through the relay. The run
 ends; no group is lost or trained twice; no version number is published with other weights.
+Payloads are pruned as soon as retention allows (orchestrator.keep_payload_steps = 0, a
+checkpoint every step): the resumed trainer still gets every batch it asks for, whole.
 benchmarks/rehearse_swarm.py --chaos does the same at random moments, in network namespaces."""
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_pat
     cfg = load_config(
         None,
         [*EASY, "--trainer.steps", str(steps), "--trainer.checkpoint_every", "1", "--validator.mode", "external"]
-        + ["--run_dir", str(run)],
+        + ["--run_dir", str(run), "--orchestrator.keep_payload_steps", "0"],
     )
     (run / "config.toml").write_text(cfg.to_toml())
     shutil.copytree(easy_base, run / "policies" / "v000000")
@@ -97,6 +99,13 @@ def test_each_trusted_role_killed_and_restarted_loses_nothing(easy_base, tmp_pat
     assert len(ids) == len(set(ids))  # no group trained twice
     consumed = dict(store_rows(run, "SELECT id, step FROM groups WHERE state = 'consumed'"))
     assert sorted(consumed) == sorted(ids)
+    # Trained groups of old batches kept only their audit summary; nothing untrained lost its tokens.
+    pruned = dict(store_rows(run, "SELECT id, step FROM groups WHERE pruned = 1"))
+    assert pruned and all(consumed.get(i, -1) <= steps - 2 for i in pruned), pruned
+    waiting = store_rows(
+        run, "SELECT COUNT(*) FROM groups WHERE pruned = 1 AND state NOT IN ('consumed', 'stale', 'uninformative')"
+    )
+    assert waiting == [(0,)]
     states = dict(store_rows(run, "SELECT state, COUNT(*) FROM groups GROUP BY state"))
     assert set(states) <= {"consumed", "queued", "stale", "uninformative", "pending", "validating"}, states
     # The resumed trainer redid the steps after its checkpoint and got the same weights: every
