@@ -47,12 +47,16 @@ from swarmrl.inference.remote import EndpointError
 from swarmrl.proofs.toploc import build_proofs_many, encode
 from swarmrl.protocol.client import Refused, Unavailable, WorkerClient, retrying
 from swarmrl.protocol.manifest import manifest_digest
-from swarmrl.protocol.messages import GroupIn, Lease, LeaseReply, SampleIn, SubmitIn, request_body
+from swarmrl.protocol.messages import GroupIn, Lease, LeaseReply, SampleIn, SubmitIn, request_body, submission_parts
 from swarmrl.protocol.rules import termination_problem
 from swarmrl.protocol.signing import load_or_create_key
 from swarmrl.protocol.tls import TLSError
 from swarmrl.transport.broadcast import BroadcastError, SourceScores, fetch_policy
 from swarmrl.transport.filesystem import atomic_write_text
+
+PART_BYTES = 4 << 20
+"""A submission is sent in parts of at most this many bytes (half the orchestrator's default
+request limit); a part refused as too large is halved until it holds one group."""
 
 
 def _log(msg: str) -> None:
@@ -93,6 +97,7 @@ class Worker:
         # run_id pins the run: an orchestrator serving another one is refused (WrongRun).
         self.client = WorkerClient(orchestrator, self.key, run_id=run_id)
         self.cache = Path(cache_dir)
+        self.part_bytes = PART_BYTES
         self.outbox = self.cache / "outbox"
         self.outbox.mkdir(parents=True, exist_ok=True)
         self.name, self.device = name, device
@@ -357,46 +362,82 @@ class Worker:
                 )
 
     def deliver(self, path: Path) -> dict | None:
-        """Send one outbox entry until it is accepted, refused, or its lease has expired."""
+        """Send one outbox entry until it is accepted, refused, or its lease has expired: its
+        groups in parts of at most `part_bytes` (a lease's groups together can exceed the
+        orchestrator's request limit), the entry rewritten without each part once it is answered,
+        so a restarted worker sends only what is left. The verdicts of every part together."""
         try:
             entry = json.loads(path.read_text())
             expires, submission = entry["expires_at"], entry["submission"]
+            groups = list(submission["groups"])
         except (ValueError, KeyError, TypeError) as e:
             # A torn write (power loss) must not stop the worker on every start.
             path.rename(path.with_suffix(".corrupt"))
             self.log(f"outbox entry {path.name} is unreadable ({e}); moved aside")
             return None
+        budget, verdicts = self.part_bytes, {"accepted": [], "rejected": []}
+        while groups:
+            part = submission_parts({**submission, "groups": groups}, budget)[0]
+            try:
+                result = self._send(part, expires)
+            except Refused as e:
+                if e.code != "too_large":
+                    raise
+                if len(part["groups"]) > 1:  # the orchestrator's limit is below ours: smaller parts
+                    budget = max(1, len(json.dumps(part)) // 2)
+                    continue
+                slot = part["groups"][0].get("slot")
+                self.log(
+                    f"lease {submission['lease_id'][:8]}: the group of slot {slot} alone is over the orchestrator's "
+                    f"request limit ({e.detail}); dropped. Raise orchestrator.max_request_bytes for groups this long"
+                )
+                result = {"accepted": [], "rejected": []}
+            if result is None:  # the whole lease was refused or expired: nothing more to send
+                path.unlink(missing_ok=True)
+                return None
+            groups = groups[len(part["groups"]) :]
+            for k in verdicts:
+                verdicts[k] += result[k]
+            if groups:
+                atomic_write_text(
+                    path, json.dumps({"expires_at": expires, "submission": {**submission, "groups": groups}})
+                )
+        path.unlink(missing_ok=True)
+        return verdicts
+
+    def _send(self, part: dict, expires: float) -> dict | None:
+        """One part of a submission, retried until the orchestrator answers it: its verdicts, or
+        None when the lease is refused or expired. Raises Refused("too_large") for the caller."""
         delay = 0.2
         while True:
             try:
-                result = self.client.submit(submission)
+                result = self.client.submit(part)
             except Refused as e:
                 if e.code == "clock_skew" and time.time() < expires:
                     # Not a verdict on the work: retry (signed afresh) until the clocks agree.
-                    self.log(f"lease {submission['lease_id'][:8]}: {e.detail}")
+                    self.log(f"lease {part['lease_id'][:8]}: {e.detail}")
                     time.sleep(min(5.0, delay))
                     delay = min(5.0, delay * 2)
                     continue
-                self.log(f"lease {submission['lease_id']} refused: {e}")
-                path.unlink(missing_ok=True)
+                if e.code == "too_large":
+                    raise
+                self.log(f"lease {part['lease_id']} refused: {e}")
                 return None
             except Unavailable as e:
                 if delay == 0.2:
-                    self.log(f"submitting lease {submission['lease_id'][:8]}: {e}; kept in the outbox, retrying")
+                    self.log(f"submitting lease {part['lease_id'][:8]}: {e}; kept in the outbox, retrying")
                 # A 429 (a busy grading lane) comes from an orchestrator that holds the lease and
                 # may keep it past its deadline for us: it says 410 once it is really gone.
                 if time.time() > expires and e.status != 429:
                     self.log(
-                        f"lease {submission['lease_id']} expired while the orchestrator was unreachable "
+                        f"lease {part['lease_id']} expired while the orchestrator was unreachable "
                         f"({e}); dropping its groups"
                     )
-                    path.unlink(missing_ok=True)
                     return None
                 self._watchdog()
                 time.sleep(e.retry_after or delay)
                 delay = min(5.0, delay * 2)
                 continue
-            path.unlink(missing_ok=True)
             for r in result["rejected"]:
                 self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
             refused = [r for r in result["rejected"] if r["reason"] == "engine_refused"]

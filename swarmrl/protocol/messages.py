@@ -285,6 +285,24 @@ class SlotRejected(_Out):
     detail: str
 
 
+def submission_parts(submission: dict, budget: int) -> list[dict]:
+    """A submission's body split into bodies of the same lease whose groups, in order, take at
+    most `budget` bytes of JSON each (a group larger than that alone is a part by itself): the
+    orchestrator accepts a lease's slots over several requests."""
+    parts: list[dict] = []
+    head = len(json.dumps({**submission, "groups": []}))
+    size = 0
+    for group in submission["groups"]:
+        n = len(json.dumps(group))
+        if parts and size + 2 + n <= budget:  # json.dumps puts ", " between list items
+            parts[-1]["groups"].append(group)
+            size += 2 + n
+        else:
+            parts.append({**submission, "groups": [group]})
+            size = head + n
+    return parts
+
+
 class SubmitReply(_Out):
     """POST /v1/rollouts: a verdict per submitted slot."""
 

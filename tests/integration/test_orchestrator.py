@@ -437,6 +437,61 @@ def test_a_finished_group_survives_an_orchestrator_restart(tmp_path):
         orch.stop()
 
 
+def test_a_lease_over_the_request_limit_goes_in_parts_and_a_dropped_upload_resumes(tmp_path):
+    """Two groups that together exceed orchestrator.max_request_bytes: the worker's first request
+    (both) is refused 413, it halves its parts and sends one group per request; the orchestrator
+    is killed after the first part is accepted, and the outbox entry then holds only the second,
+    which is delivered after the restart. Each group is stored exactly once."""
+    from swarmrl.inference.worker import Worker
+
+    publish_dir = hand_run_dir(tmp_path / "run")
+    orch = OrchestratorProcess(publish_dir).start()
+    try:
+        worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
+        worker.client.register("w")
+        publish(orch, 0)
+        lease = worker.client.lease(0)["lease"]
+        groups = [group(p, 0, 1) for p in lease["prompts"]]
+        one = max(len(json.dumps({"lease_id": lease["lease_id"], "groups": [g]})) for g in groups)
+        both = len(json.dumps({"lease_id": lease["lease_id"], "groups": groups}))
+    finally:
+        orch.stop()
+    limit = (one + both) // 2  # room for one group, not for two
+    assert one < limit < both and limit >= 1024
+    config = publish_dir / "config.toml"
+    config.write_text(config.read_text().replace("max_request_bytes = 8388608", f"max_request_bytes = {limit}", 1))
+    orch.start()
+    try:
+        path = worker.outbox / f"{lease['lease_id']}.json"
+        path.write_text(
+            json.dumps(
+                {"expires_at": time.time() + 600, "submission": {"lease_id": lease["lease_id"], "groups": groups}}
+            )
+        )
+        real, sent, left = worker.client.submit, [], []
+
+        def submit(body: dict) -> dict:
+            result = real(body)  # a 413 raises here, before anything is recorded
+            sent.append([g["slot"] for g in body["groups"]])
+            if len(sent) == 1:  # the connection drops after the first part is answered
+                orch.kill9()
+                threading.Timer(1.5, orch.start).start()
+            else:
+                left.append([g["slot"] for g in json.loads(path.read_text())["submission"]["groups"]])
+            return result
+
+        worker.client.submit = submit
+        result = worker.deliver(path)
+        assert sent == [[groups[0]["slot"]], [groups[1]["slot"]]]
+        assert left == [[groups[1]["slot"]]]  # after the restart only the unsent group was left
+        assert result is not None and len(result["accepted"]) == 2 and not result["rejected"]
+        assert not path.exists()
+        stored = store_rows(orch.run_dir, "SELECT slot FROM groups WHERE lease_id = ?", (lease["lease_id"],))
+        assert sorted(stored) == sorted((g["slot"],) for g in groups)
+    finally:
+        orch.stop()
+
+
 def test_worker_key_file_is_private_and_stable(tmp_path):
     from swarmrl.protocol.signing import AuthError, load_or_create_key, public_key_hex
 
