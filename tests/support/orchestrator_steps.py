@@ -87,6 +87,17 @@ def long_completion(orch, problem_id: str, right: bool, tokens: int) -> dict:
     return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop"}
 
 
+def submit_groups(o, key: str, version: int, samples) -> tuple[dict, dict]:
+    """Lease for `key` and submit a group per prompt, its completions `samples(problem_id)` (an
+    openai-engine group: a trusted key's); (the lease, the reply)."""
+    lease = o.lease(key, version)["lease"]
+    groups = [
+        GroupIn(slot=p["slot"], policy_version=version, engine="openai", samples=samples(p["problem_id"]))
+        for p in lease["prompts"]
+    ]
+    return lease, o.submit(key, lease["lease_id"], groups)
+
+
 def train_steps_through(o, steps: range, tokens: int) -> list[dict]:
     """Steps of a run driven through the orchestrator's components: publish the version, lease,
     submit a group of a right and a wrong completion per prompt, pass the validator, build the
@@ -94,17 +105,9 @@ def train_steps_through(o, steps: range, tokens: int) -> list[dict]:
     seen = []
     for step in steps:
         o.publish(step, f"http://x/v{step}", {"version": step})
-        lease = o.lease(TRUSTED, step)["lease"]
-        groups = [
-            GroupIn(
-                slot=p["slot"],
-                policy_version=step,
-                engine="openai",
-                samples=[long_completion(o, p["problem_id"], r, tokens) for r in (True, False)],
-            )
-            for p in lease["prompts"]
-        ]
-        assert len(o.submit(TRUSTED, lease["lease_id"], groups)["accepted"]) == 2
+        pair = lambda problem: [long_completion(o, problem, r, tokens) for r in (True, False)]  # noqa: E731
+        _, reply = submit_groups(o, TRUSTED, step, pair)
+        assert len(reply["accepted"]) == 2
         items = o.claim_validation(10)["items"]
         o.record_verdicts([{"id": item["id"], "ok": True} for item in items])
         assert o.build_batch(step)["ready"]

@@ -30,6 +30,7 @@ from orchestrator_steps import (
     TRUSTED,
     make_orchestrator,
     orchestrator_config,
+    submit_groups,
     train_steps_through,
 )
 
@@ -52,17 +53,7 @@ def completion(orch, problem_id: str, right: bool) -> dict:
 def submit_lease(o, key: str, right: tuple[bool, ...], version: int = 0) -> tuple[dict, dict]:
     """Lease for `key` and submit a group per prompt whose completions are right or wrong as
     `right` says (an openai-engine group: a trusted key's); (the lease, the reply)."""
-    lease = o.lease(key, version)["lease"]
-    groups = [
-        GroupIn(
-            slot=p["slot"],
-            policy_version=version,
-            engine="openai",
-            samples=[completion(o, p["problem_id"], r) for r in right],
-        )
-        for p in lease["prompts"]
-    ]
-    return lease, o.submit(key, lease["lease_id"], groups)
+    return submit_groups(o, key, version, lambda problem: [completion(o, problem, r) for r in right])
 
 
 def test_a_group_goes_from_lease_to_batch(orch):
