@@ -20,6 +20,12 @@ class OrchestratorConfig(Section):
     and a late submission is refused."""
     max_request_bytes: int = Field(8 << 20, ge=1024)
     """Largest request body accepted; bigger ones get 413 before being parsed."""
+    max_group_bytes: int = Field(64 << 20, ge=1024)
+    """Largest group (its JSON, proofs included) a worker may send in pieces when it is over
+    max_request_bytes (POST /v1/rollouts/upload): 16 completions of 32,000 tokens are about 20 MB."""
+    max_upload_bytes_per_source: int = Field(256 << 20, ge=1024)
+    """Unfinished uploads from one address hold at most this many bytes of the run directory's
+    disk (429 beyond); an upload is deleted when its lease ends."""
     keep_payload_steps: Annotated[int, Field(ge=0)] | Literal["all"] = 8
     """Once a group has been trained on (or dropped as stale or all-equal) and its batch is older
     than both the trainer's second-newest checkpoint and this many steps, its tokens and proofs

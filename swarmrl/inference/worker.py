@@ -30,10 +30,12 @@ only a key the orchestrator trusts may submit (docs/engines.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,7 +58,9 @@ from swarmrl.transport.filesystem import atomic_write_text
 
 PART_BYTES = 4 << 20
 """A submission is sent in parts of at most this many bytes (half the orchestrator's default
-request limit); a part refused as too large is halved until it holds one group."""
+request limit), a group larger than that in pieces of it (POST /v1/rollouts/upload); after a 413,
+one group a part, then pieces halved down to MIN_PIECE_BYTES."""
+MIN_PIECE_BYTES = 256
 
 
 def _log(msg: str) -> None:
@@ -379,17 +383,23 @@ class Worker:
         while groups:
             part = submission_parts({**submission, "groups": groups}, budget)[0]
             try:
-                result = self._send(part, expires)
+                if len(json.dumps(part)) > budget:  # one group alone over the budget: in pieces
+                    result = self._upload(submission["lease_id"], part["groups"][0], expires, budget)
+                else:
+                    result = self._send(part, expires)
             except Refused as e:
                 if e.code != "too_large":
                     raise
-                if len(part["groups"]) > 1:  # the orchestrator's limit is below ours: smaller parts
-                    budget = max(1, len(json.dumps(part)) // 2)
+                # The orchestrator's limit is below ours: one group a part, then smaller pieces.
+                if len(part["groups"]) > 1:
+                    budget = len(json.dumps({**part, "groups": part["groups"][:1]}))
                     continue
-                slot = part["groups"][0].get("slot")
+                if budget > MIN_PIECE_BYTES:
+                    budget = max(MIN_PIECE_BYTES, min(budget, len(json.dumps(part))) // 2)
+                    continue
                 self.log(
-                    f"lease {submission['lease_id'][:8]}: the group of slot {slot} alone is over the orchestrator's "
-                    f"request limit ({e.detail}); dropped. Raise orchestrator.max_request_bytes for groups this long"
+                    f"lease {submission['lease_id'][:8]}: even {budget}-byte pieces are over the orchestrator's "
+                    f"request limit ({e.detail}); the group of slot {part['groups'][0].get('slot')} is dropped"
                 )
                 result = {"accepted": [], "rejected": []}
             if result is None:  # the whole lease was refused or expired: nothing more to send
@@ -405,52 +415,76 @@ class Worker:
         path.unlink(missing_ok=True)
         return verdicts
 
+    def _upload(self, lease_id: str, group: dict, expires: float, piece_bytes: int) -> dict | None:
+        """One group too large for a request, in pieces of `piece_bytes` (POST /v1/rollouts/upload):
+        each piece retried until answered, the next starting where the orchestrator says it has
+        got to (after a dropped connection too). The group's verdicts, or None as `_send`."""
+        data = json.dumps(group).encode()  # ASCII (json.dumps' default): any byte offset is a character's
+        piece = {"lease_id": lease_id, "slot": group.get("slot"), "total": len(data)}
+        piece["sha256"] = hashlib.sha256(data).hexdigest()
+        offset = 0
+        while True:
+            chunk = data[offset : offset + piece_bytes].decode()
+            reply = self._retrying(partial(self.client.upload, {**piece, "offset": offset, "data": chunk}), expires)
+            if reply is None:
+                return None
+            if reply.get("result") is not None:
+                return self._verdicts(reply["result"])
+            offset = reply["received"]
+
     def _send(self, part: dict, expires: float) -> dict | None:
-        """One part of a submission, retried until the orchestrator answers it: its verdicts, or
-        None when the lease is refused or expired. Raises Refused("too_large") for the caller."""
+        """One part of a submission, answered: its verdicts, or None when the lease is refused or
+        expired. Raises Refused("too_large") for the caller to send smaller parts."""
+        result = self._retrying(partial(self.client.submit, part), expires)
+        return None if result is None else self._verdicts(result)
+
+    def _retrying(self, call, expires: float) -> dict | None:
+        """`call()` until the orchestrator answers it (through clock skew, a busy lane or an
+        orchestrator away until the lease's expiry): its reply, or None when it refuses the
+        lease or the lease expired meanwhile. A 413 is raised for the caller."""
         delay = 0.2
         while True:
             try:
-                result = self.client.submit(part)
+                return call()
             except Refused as e:
                 if e.code == "clock_skew" and time.time() < expires:
                     # Not a verdict on the work: retry (signed afresh) until the clocks agree.
-                    self.log(f"lease {part['lease_id'][:8]}: {e.detail}")
+                    self.log(f"submitting: {e.detail}")
                     time.sleep(min(5.0, delay))
                     delay = min(5.0, delay * 2)
                     continue
                 if e.code == "too_large":
                     raise
-                self.log(f"lease {part['lease_id']} refused: {e}")
+                self.log(f"submission refused: {e}")
                 return None
             except Unavailable as e:
                 if delay == 0.2:
-                    self.log(f"submitting lease {part['lease_id'][:8]}: {e}; kept in the outbox, retrying")
+                    self.log(f"submitting: {e}; kept in the outbox, retrying")
                 # A 429 (a busy grading lane) comes from an orchestrator that holds the lease and
                 # may keep it past its deadline for us: it says 410 once it is really gone.
                 if time.time() > expires and e.status != 429:
-                    self.log(
-                        f"lease {part['lease_id']} expired while the orchestrator was unreachable "
-                        f"({e}); dropping its groups"
-                    )
+                    self.log(f"the lease expired while the orchestrator was unreachable ({e}); dropping its groups")
                     return None
                 self._watchdog()
                 time.sleep(e.retry_after or delay)
                 delay = min(5.0, delay * 2)
-                continue
-            for r in result["rejected"]:
-                self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
-            refused = [r for r in result["rejected"] if r["reason"] == "engine_refused"]
-            if refused:
-                # Every further group would be refused the same way: stop and say which engine to run.
-                raise RefusedEngine(f"the orchestrator refuses this worker's engine: {refused[0]['detail']}")
-            if not self.backend.proves and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
-                # Taken off the trusted keys meanwhile: every further group would be more fraud.
-                raise EndpointError(
-                    "the orchestrator refused this worker's groups for having no proofs: its key "
-                    f"{self.client.key_hex} is no longer trusted (orchestrator.trusted_keys_file)"
-                )
-            return result
+
+    def _verdicts(self, result: dict) -> dict:
+        """The orchestrator's verdicts on submitted groups, logged; stops the worker on a refusal
+        that every further group would get too."""
+        for r in result["rejected"]:
+            self.log(f"slot {r['slot']} rejected: {r['reason']}: {r['detail']}")
+        refused = [r for r in result["rejected"] if r["reason"] == "engine_refused"]
+        if refused:
+            # Every further group would be refused the same way: stop and say which engine to run.
+            raise RefusedEngine(f"the orchestrator refuses this worker's engine: {refused[0]['detail']}")
+        if not self.backend.proves and any(r["reason"] == "proofs_missing" for r in result["rejected"]):
+            # Taken off the trusted keys meanwhile: every further group would be more fraud.
+            raise EndpointError(
+                "the orchestrator refused this worker's groups for having no proofs: its key "
+                f"{self.client.key_hex} is no longer trusted (orchestrator.trusted_keys_file)"
+            )
+        return result
 
     def flush_outbox(self) -> int:
         sent = 0

@@ -8,6 +8,7 @@ Endpoints (all JSON; errors are {"error": code, "detail": message} with a 4xx st
     POST /v1/workers/register         signed by the worker key: join the run
     POST /v1/leases                   signed: get problems to sample (or "no work now, retry")
     POST /v1/rollouts                 signed: submit the groups of a lease (with TOPLOC proofs)
+    POST /v1/rollouts/upload          signed: one group too large for a request, in pieces
     POST /v1/workers/me               signed: this key's record (accepted, rejections by reason, ban)
     POST /v1/validator/claim          validator (bearer token): groups to check, with their policies
     POST /v1/validator/verdicts       validator: the verdicts on claimed groups
@@ -57,6 +58,8 @@ from swarmrl.protocol.messages import (
     Status,
     SubmitIn,
     SubmitReply,
+    UploadIn,
+    UploadReply,
     VerdictsIn,
     WorkerRecord,
 )
@@ -284,6 +287,18 @@ def create_app(orch: Orchestrator) -> SizeLimit:
         key, auth, body = who
         orch.authenticate(key, auth["nonce"], auth["ts"])
         return orch.submit(key, body.lease_id, body.groups)
+
+    @app.post(
+        "/v1/rollouts/upload",
+        responses=responses,
+        response_model=UploadReply,
+        response_model_exclude_none=True,
+        openapi_extra=body_schema(UploadIn),
+    )
+    def upload(who: tuple = Depends(signed(UploadIn))) -> dict:
+        key, auth, body = who
+        orch.authenticate(key, auth["nonce"], auth["ts"])
+        return orch.upload(key, auth["source"], body)
 
     @app.post("/v1/workers/me", responses=responses, response_model=WorkerRecord)
     def me(who: tuple = Depends(signed())) -> dict:

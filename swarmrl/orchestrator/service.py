@@ -28,16 +28,19 @@ reach the client as JSON. The rules it enforces:
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from swarmrl.config import Config
 from swarmrl.orchestrator.admission import GradingLanes, GradingMeter
 from swarmrl.orchestrator.batches import Batches
 from swarmrl.orchestrator.counters import Counters
+from swarmrl.orchestrator.errors import ApiError
 from swarmrl.orchestrator.gate import Gate
 from swarmrl.orchestrator.leasing import Leasing
 from swarmrl.orchestrator.store import Store
 from swarmrl.orchestrator.submissions import Submissions
+from swarmrl.orchestrator.uploads import Uploads, parse_group
 from swarmrl.orchestrator.validation import ValidationQueue
 from swarmrl.protocol import PROTOCOL_VERSION
 from swarmrl.rewards.pool import DEFAULT_PRELOAD, VerifierPool
@@ -135,6 +138,7 @@ class Orchestrator:
             hidden_size=hidden_size,
         )
         self.batches = Batches(self.store, cfg, self.counters, self.validation, self.leasing, log)
+        self.uploads = Uploads(run_dir, o.max_group_bytes, o.max_upload_bytes_per_source)
         # validator.limits_file read again when it changes (limits_reload.py; set by server.py).
         self.limits_reload = None
 
@@ -237,6 +241,29 @@ class Orchestrator:
 
     def submit(self, key: str, lease_id: str, groups: list) -> dict:
         return self.submissions.submit(key, lease_id, groups)
+
+    def upload(self, key: str, source: str, body) -> dict:
+        """A piece of one group (uploads.py): checked against the key's open lease and slot before
+        a byte is written; the whole group, once it has arrived, submitted as `submit` does."""
+        now = time.time()
+        self.uploads.sweep(now)
+        with self.store.read() as db:
+            lease = self.store.lease_row(db, body.lease_id)
+            slot = self.store.lease_slots(db, body.lease_id).get(body.slot) if lease is not None else None
+        if lease is None or lease["worker"] != key:
+            raise ApiError(404, "unknown_lease", f"no lease {body.lease_id} of this key")
+        if lease["state"] != "open" or lease["expires"] < now:
+            raise ApiError(410, "lease_expired", f"lease {body.lease_id} has ended: lease again")
+        if slot is None or slot["state"] != "open":
+            raise ApiError(409, "slot_not_open", f"slot {body.slot} of lease {body.lease_id} is not open for a group")
+        received, whole = self.uploads.append(
+            key=key, source=source, lease_id=body.lease_id, slot=body.slot, expires=lease["expires"], body=body
+        )
+        if whole is None:
+            return {"received": received, "total": body.total}
+        self.counters.count("uploads_completed")
+        group = parse_group(whole, body.slot)
+        return {"received": received, "total": body.total, "result": self.submit(key, body.lease_id, [group])}
 
     # ---- validator (validation.py) -----------------------------------------------------------
     def claim_validation(self, max_groups: int) -> dict:

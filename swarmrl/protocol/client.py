@@ -28,6 +28,7 @@ from swarmrl.protocol.messages import (
     Status,
     SubmitIn,
     SubmitReply,
+    UploadReply,
     WorkerRecord,
     request_body,
 )
@@ -178,6 +179,10 @@ class WorkerClient(_Client):
         """POST /v1/rollouts: a submission built as `SubmitIn`, or its body (an outbox entry's)."""
         body = request_body(submission) if isinstance(submission, SubmitIn) else submission
         return _checked(SubmitReply, self._signed("/v1/rollouts", body), "submit")
+
+    def upload(self, piece: dict) -> dict:
+        """POST /v1/rollouts/upload: a piece of one group's JSON (UploadIn's fields)."""
+        return _checked(UploadReply, self._signed("/v1/rollouts/upload", piece), "upload")
 
     def me(self) -> dict:
         return _checked(WorkerRecord, self._signed("/v1/workers/me", {}), "me")

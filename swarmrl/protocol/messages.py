@@ -102,6 +102,17 @@ class SubmitIn(_In):
     groups: list[GroupIn] = Field(min_length=1, max_length=MAX_GROUPS)
 
 
+class UploadIn(_In):
+    """POST /v1/rollouts/upload: a piece of one group's JSON (orchestrator/uploads.py)."""
+
+    lease_id: str = Field(pattern=_LEASE_ID)
+    slot: int = Field(ge=0, le=MAX_GROUPS)
+    offset: int = Field(ge=0, le=1 << 40, description="where this piece starts in the group's JSON (bytes)")
+    total: int = Field(ge=1, le=1 << 40, description="the group's JSON, in bytes")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the group's whole JSON")
+    data: str = Field(min_length=1, description="the piece: ASCII JSON text (json.dumps' default)")
+
+
 def request_body(message: BaseModel) -> dict:
     """What a client sends of a request it built as `message`: the fields it set, in the model's
     order, and any extra field it added (a scripted cheat's claimed reward); a field it left
@@ -308,6 +319,14 @@ class SubmitReply(_Out):
 
     accepted: list[SlotAccepted]
     rejected: list[SlotRejected]
+
+
+class UploadReply(_Out):
+    """POST /v1/rollouts/upload: how far the group has arrived; the verdict once it is whole."""
+
+    received: int = Field(description="bytes of the group received so far: the next piece starts here")
+    total: int
+    result: SubmitReply | None = Field(None, description="once the last piece arrived: as POST /v1/rollouts answers")
 
 
 # ---- what trusted roles read -----------------------------------------------------------------

@@ -10,6 +10,7 @@ would pick, so the full check is exercised in test_validation.py instead.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -488,6 +489,115 @@ def test_a_lease_over_the_request_limit_goes_in_parts_and_a_dropped_upload_resum
         assert not path.exists()
         stored = store_rows(orch.run_dir, "SELECT slot FROM groups WHERE lease_id = ?", (lease["lease_id"],))
         assert sorted(stored) == sorted((g["slot"],) for g in groups)
+    finally:
+        orch.stop()
+
+
+def limited_orchestrator(tmp_path, **settings) -> tuple[OrchestratorProcess, Path]:
+    """An orchestrator whose config sets `settings` of [orchestrator] (the default.toml lines
+    replaced), and its run directory."""
+    run = hand_run_dir(tmp_path / "run")
+    config = run / "config.toml"
+    text = config.read_text()
+    for name, value in settings.items():
+        text, n = re.subn(rf"(?m)^{name} = .*$", f"{name} = {value}", text, count=1)
+        assert n == 1, name
+    config.write_text(text)
+    return OrchestratorProcess(run).start(), run
+
+
+def test_a_group_over_the_request_limit_goes_in_pieces_and_resumes_after_a_restart(tmp_path):
+    """A lease whose each group is larger than max_request_bytes: the worker's part is refused
+    413, it halves until its pieces fit and uploads each group in pieces (POST
+    /v1/rollouts/upload); the orchestrator is killed after the first piece is answered and
+    restarted, and the worker goes on from the offset the orchestrator kept. Both groups are
+    accepted and stored once; nothing is left in the uploads folder."""
+    from swarmrl.inference.worker import Worker
+
+    orch, run = limited_orchestrator(tmp_path)
+    try:  # the version is published and the lease taken under the default limit (a manifest is > 1 KB)
+        worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
+        worker.client.register("w")
+        publish(orch, 0)
+        lease = worker.client.lease(0)["lease"]
+    finally:
+        orch.stop()
+    config = run / "config.toml"
+    config.write_text(re.sub(r"(?m)^max_request_bytes = .*$", "max_request_bytes = 1024", config.read_text(), count=1))
+    orch.start()
+    try:
+        groups = [group(p, 0, 1) for p in lease["prompts"]]
+        assert all(len(json.dumps(g)) > 1024 for g in groups)  # each needs pieces
+        path = worker.outbox / f"{lease['lease_id']}.json"
+        path.write_text(
+            json.dumps(
+                {"expires_at": time.time() + 600, "submission": {"lease_id": lease["lease_id"], "groups": groups}}
+            )
+        )
+        real, pieces = worker.client.upload, []
+
+        def upload(piece: dict) -> dict:
+            reply = real(piece)
+            pieces.append((piece["slot"], piece["offset"], reply["received"]))
+            if len(pieces) == 1:  # the connection drops after the first piece is answered
+                orch.kill9()
+                threading.Timer(1.5, orch.start).start()
+            return reply
+
+        worker.client.upload = upload
+        result = worker.deliver(path)
+        assert result is not None and len(result["accepted"]) == 2 and not result["rejected"], result
+        first = [p for p in pieces if p[0] == groups[0]["slot"]]
+        # After the restart the second piece started where the first ended: nothing sent twice.
+        assert first[0][1] == 0 and first[1][1] == first[0][2] and len(first) >= 2
+        assert all(b[1] == a[2] for a, b in zip(first, first[1:]))
+        stored = store_rows(run, "SELECT slot FROM groups WHERE lease_id = ?", (lease["lease_id"],))
+        assert sorted(stored) == sorted((g["slot"],) for g in groups)
+        assert not list((run / "uploads").iterdir()) and not path.exists()
+    finally:
+        orch.stop()
+
+
+def test_unfinished_uploads_are_bounded_per_address_checked_and_dropped_with_their_lease(tmp_path):
+    """Pieces only for the key's own open slots; a wrong digest refused and nothing stored; one
+    address's unfinished uploads stop at max_upload_bytes_per_source (429), on disk, whichever
+    keys send them; an ended lease's upload is deleted at the next piece anyone sends."""
+    import hashlib
+
+    orch, run = limited_orchestrator(tmp_path, max_upload_bytes_per_source=2000, lease_timeout_s=4.0)
+    try:
+        publish(orch, 0)
+        a, b = new_worker(orch, "a"), new_worker(orch, "b")
+        lease_a, lease_b = a.lease(0)["lease"], b.lease(0)["lease"]
+        text = json.dumps(group(lease_a["prompts"][0], 0, 1)).encode()
+        assert 1000 < len(text) <= 2000, len(text)
+        digest = hashlib.sha256(text).hexdigest()
+
+        def piece(lease: dict, i: int, offset: int, n: int, sha: str = digest) -> dict:
+            body = {"lease_id": lease["lease_id"], "slot": lease["prompts"][i]["slot"], "offset": offset}
+            return body | {"total": len(text), "sha256": sha, "data": text[offset : offset + n].decode()}
+
+        with pytest.raises(Refused) as foreign:
+            b.upload(piece(lease_a, 0, 0, 100))
+        assert foreign.value.code == "unknown_lease"
+        with pytest.raises(Refused) as bad:
+            a.upload(piece(lease_a, 1, 0, len(text), sha="0" * 64))
+        assert bad.value.code == "upload_digest"
+        assert store_rows(run, "SELECT COUNT(*) FROM groups") == [(0,)]
+        assert a.upload(piece(lease_a, 0, 0, 600))["received"] == 600
+        assert a.upload(piece(lease_a, 0, 0, 600))["received"] == 600  # a retry: not written again
+        assert b.upload(piece(lease_b, 0, 0, 600))["received"] == 600
+        with pytest.raises(Unavailable) as full:  # another key, the same address: 1200 held, 2000 allowed
+            b.upload(piece(lease_b, 1, 0, 900))
+        assert full.value.status == 429 and "uploads_full" in str(full.value)
+        assert sum(f.stat().st_size for f in (run / "uploads").glob("*.part")) == 1200
+        # The leases end: the next piece anyone sends finds their uploads deleted.
+        time.sleep(4.5)
+        c = new_worker(orch, "c")
+        lease_c = c.lease(0)["lease"]
+        assert c.upload(piece(lease_c, 0, 0, 100))["received"] == 100
+        kept = [f.name for f in (run / "uploads").glob("*.part")]
+        assert kept == [f"{lease_c['lease_id']}-{lease_c['prompts'][0]['slot']}.part"]
     finally:
         orch.stop()
 
