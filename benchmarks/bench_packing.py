@@ -71,7 +71,10 @@ def run_lengths(run_dir: Path, n: int) -> list[tuple[int, int]]:
     for gid in json.loads(ids):
         (payload,) = db.execute("SELECT payload FROM groups WHERE id = ?", (gid,)).fetchone()
         g = json.loads(payload)
-        out += [(len(g["prompt_ids"]), len(s["token_ids"])) for s in g["samples"]]
+        if g.get("pruned"):  # trained on and pruned (orchestrator.keep_payload_steps): its summary keeps the lengths
+            out += [(g["prompt_tokens"], n) for n in g["lengths"]]
+        else:
+            out += [(len(g["prompt_ids"]), len(s["token_ids"])) for s in g["samples"]]
     return out[:n]
 
 
