@@ -445,7 +445,7 @@ def test_a_lease_over_the_request_limit_goes_in_parts_and_a_dropped_upload_resum
     which is delivered after the restart. Each group is stored exactly once."""
     from swarmrl.inference.worker import Worker
 
-    publish_dir = hand_run_dir(tmp_path / "run")
+    publish_dir = hand_run_dir(tmp_path / "run", "--orchestrator.lease_timeout_s", "600")  # three starts
     orch = OrchestratorProcess(publish_dir).start()
     try:
         worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
@@ -514,7 +514,8 @@ def test_a_group_over_the_request_limit_goes_in_pieces_and_resumes_after_a_resta
     accepted and stored once; nothing is left in the uploads folder."""
     from swarmrl.inference.worker import Worker
 
-    orch, run = limited_orchestrator(tmp_path)
+    # Three starts of the orchestrator under CI's load took 52 s: a lease of the harness's 30 s ran out.
+    orch, run = limited_orchestrator(tmp_path, lease_timeout_s=600.0)
     try:  # the version is published and the lease taken under the default limit (a manifest is > 1 KB)
         worker = Worker(orch.url, key_file=tmp_path / "w" / "key.pem", cache_dir=tmp_path / "w", name="w")
         worker.client.register("w")
