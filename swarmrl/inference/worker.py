@@ -425,7 +425,16 @@ class Worker:
         offset = 0
         while True:
             chunk = data[offset : offset + piece_bytes].decode()
-            reply = self._retrying(partial(self.client.upload, {**piece, "offset": offset, "data": chunk}), expires)
+            try:
+                reply = self._retrying(partial(self.client.upload, {**piece, "offset": offset, "data": chunk}), expires)
+            except Refused as e:
+                if e.code != "upload_offset":
+                    raise
+                # The orchestrator no longer holds what it had (its files went, or the group was
+                # completed but its grading refused as busy): send the group again from the start.
+                self.log(f"lease {lease_id[:8]}: {e.detail}; sending slot {piece['slot']} again from its start")
+                offset = 0
+                continue
             if reply is None:
                 return None
             if reply.get("result") is not None:
@@ -453,7 +462,7 @@ class Worker:
                     time.sleep(min(5.0, delay))
                     delay = min(5.0, delay * 2)
                     continue
-                if e.code == "too_large":
+                if e.code in ("too_large", "upload_offset"):
                     raise
                 self.log(f"submission refused: {e}")
                 return None

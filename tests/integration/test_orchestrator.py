@@ -535,7 +535,7 @@ def test_a_group_over_the_request_limit_goes_in_pieces_and_resumes_after_a_resta
                 {"expires_at": time.time() + 600, "submission": {"lease_id": lease["lease_id"], "groups": groups}}
             )
         )
-        real, pieces = worker.client.upload, []
+        real, pieces, lost = worker.client.upload, [], []
 
         def upload(piece: dict) -> dict:
             reply = real(piece)
@@ -543,6 +543,12 @@ def test_a_group_over_the_request_limit_goes_in_pieces_and_resumes_after_a_resta
             if len(pieces) == 1:  # the connection drops after the first piece is answered
                 orch.kill9()
                 threading.Timer(1.5, orch.start).start()
+            if piece["slot"] == groups[1]["slot"] and piece["offset"] == 0 and not lost:
+                # The orchestrator loses the second group's first piece: the next piece is refused
+                # (409 upload_offset) and the worker sends that group again from its start.
+                lost.append(piece["slot"])
+                for f in (run / "uploads").iterdir():
+                    f.unlink()
             return reply
 
         worker.client.upload = upload
@@ -552,6 +558,8 @@ def test_a_group_over_the_request_limit_goes_in_pieces_and_resumes_after_a_resta
         # After the restart the second piece started where the first ended: nothing sent twice.
         assert first[0][1] == 0 and first[1][1] == first[0][2] and len(first) >= 2
         assert all(b[1] == a[2] for a, b in zip(first, first[1:]))
+        second = [offset for slot, offset, _ in pieces if slot == groups[1]["slot"]]
+        assert lost and second.count(0) == 2  # started again after the orchestrator lost it
         stored = store_rows(run, "SELECT slot FROM groups WHERE lease_id = ?", (lease["lease_id"],))
         assert sorted(stored) == sorted((g["slot"],) for g in groups)
         assert not list((run / "uploads").iterdir()) and not path.exists()
